@@ -1,0 +1,112 @@
+"""Codecs for the plain KV caches: KVCache, ConcatenateKVCache, ChunkedKVCache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models import cache as C
+
+from ..format import CacheEntry
+from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, new_instance, step_capacity, view
+
+
+def _check_rows(entry: CacheEntry, n: int) -> None:
+    for s in entry.tensors:
+        if len(s.shape) != 4 or s.shape[2] != n:
+            from .. import errors
+
+            raise errors.HeaderMalformed(f"{entry.kind} tensor shape {s.shape} does not hold {n} rows")
+
+
+class KVCacheCodec(Codec):
+    """``KVCache``: keys/values sliced to ``offset`` (never the step padding).
+
+    Loads with step capacity so the next decode step appends in place.
+    """
+
+    kind = "kv"
+    grow = True
+
+    def cache_type(self) -> type:
+        return C.KVCache
+
+    def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
+        if cache.keys is None:
+            return self.entry(offset=0, trimmable=True, arrays=[])
+        n = cache.offset
+        return self.entry(offset=n, trimmable=True, arrays=[view(cache.keys, n), view(cache.values, n)])
+
+    def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
+        cache = self.cache_type()()
+        expect_tensors(entry, 0, 2)
+        if entry.tensors:
+            n = entry.offset or 0
+            _check_rows(entry, n)
+            cap = step_capacity(n, C.KVCache.step) if self.grow else None
+            cache.keys = ctx.read(entry.tensors[0], cap)
+            cache.values = ctx.read(entry.tensors[1], cap)
+            cache.offset = n
+        return cache
+
+    def clone(self, cache: Any, ctx: EncodeContext) -> Any:
+        out = self.cache_type()()
+        if cache.keys is not None:
+            out.keys, out.values = view(cache.keys, cache.offset), view(cache.values, cache.offset)
+            out.offset = cache.offset
+        return out
+
+
+class ConcatenateKVCodec(KVCacheCodec):
+    """``ConcatenateKVCache``: sliced to ``offset``, so a trimmed cache stays trimmed."""
+
+    kind = "concat"
+    grow = False
+
+    def cache_type(self) -> type:
+        return C.ConcatenateKVCache
+
+
+class ChunkedKVCodec(Codec):
+    """``ChunkedKVCache``: the buffer holds tokens ``[start_position, offset)``.
+
+    Those before ``start_position`` are gone, so the entry cannot be cut below it
+    (its minimum reusable offset).
+    """
+
+    kind = "chunked"
+
+    def cache_type(self) -> type:
+        return C.ChunkedKVCache
+
+    def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
+        fields = {"chunk_size": cache.chunk_size, "start_position": cache.start_position}
+        arrays = []
+        if cache.keys is not None:
+            n = cache.offset - cache.start_position
+            arrays = [view(cache.keys, n), view(cache.values, n)]
+        return self.entry(
+            offset=cache.offset, trimmable=True, arrays=arrays, fields=fields, min_reusable=cache.start_position
+        )
+
+    def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
+        expect_tensors(entry, 0, 2)
+        cache = C.ChunkedKVCache(field(entry, "chunk_size"))
+        cache.start_position = field(entry, "start_position")
+        cache.offset = entry.offset or 0
+        if entry.tensors:
+            n = cache.offset - cache.start_position
+            _check_rows(entry, n)
+            cap = step_capacity(n, C.ChunkedKVCache.step)
+            cache.keys = ctx.read(entry.tensors[0], cap)
+            cache.values = ctx.read(entry.tensors[1], cap)
+        return cache
+
+    def clone(self, cache: Any, ctx: EncodeContext) -> Any:
+        def init(out: Any) -> None:
+            out.chunk_size, out.start_position, out.offset = cache.chunk_size, cache.start_position, cache.offset
+            out.keys = out.values = None
+            if cache.keys is not None:
+                n = cache.offset - cache.start_position
+                out.keys, out.values = view(cache.keys, n), view(cache.values, n)
+
+        return new_instance(C.ChunkedKVCache, init)

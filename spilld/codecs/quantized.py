@@ -1,0 +1,46 @@
+"""Codec for ``QuantizedKVCache``: packed weights, scales and biases for K and V."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models import cache as C
+
+from ..format import CacheEntry
+from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, step_capacity, view
+
+
+def _views(parts: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    # Groups run along head_dim, so cutting the token axis keeps every group whole.
+    return tuple(view(p, n) for p in parts)
+
+
+class QuantizedKVCodec(Codec):
+    kind = "quantized"
+
+    def cache_type(self) -> type:
+        return C.QuantizedKVCache
+
+    def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
+        fields = {"group_size": cache.group_size, "bits": cache.bits}
+        arrays: list[Any] = []
+        if cache.keys is not None:
+            arrays = [*_views(cache.keys, cache.offset), *_views(cache.values, cache.offset)]
+        return self.entry(offset=cache.offset, trimmable=True, arrays=arrays, fields=fields)
+
+    def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
+        expect_tensors(entry, 0, 6)
+        cache = C.QuantizedKVCache(group_size=field(entry, "group_size"), bits=field(entry, "bits"))
+        if entry.tensors:
+            cache.offset = entry.offset or 0
+            cap = step_capacity(cache.offset, C.QuantizedKVCache.step)
+            parts = [ctx.read(s, cap) for s in entry.tensors]
+            cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
+        return cache
+
+    def clone(self, cache: Any, ctx: EncodeContext) -> Any:
+        out = C.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+        if cache.keys is not None:
+            out.keys, out.values = _views(cache.keys, cache.offset), _views(cache.values, cache.offset)
+            out.offset = cache.offset
+        return out

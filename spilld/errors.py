@@ -1,0 +1,175 @@
+"""Typed errors. Each class has a stable ``code`` string that can cross a socket.
+
+Codes never change once released; ``error_from_code`` rebuilds the typed error on
+the other side of a connection.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class SpillError(Exception):
+    """Base of every error spilld raises on purpose."""
+
+    code = "error"
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.reason = message
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+# --- file format: the bytes on disk are not a valid spilld file ---------------
+
+
+class FileFormatError(SpillError):
+    """The file is not a valid spilld file (corrupt, truncated or foreign)."""
+
+    code = "bad_file"
+
+
+class BadMagic(FileFormatError):
+    code = "bad_magic"
+
+
+class UnsupportedVersion(FileFormatError):
+    code = "unsupported_version"
+
+
+class TruncatedFile(FileFormatError):
+    code = "truncated"
+
+
+class HeaderTooLarge(FileFormatError):
+    code = "header_too_large"
+
+
+class HeaderHashMismatch(FileFormatError):
+    code = "header_hash_mismatch"
+
+
+class HeaderMalformed(FileFormatError):
+    code = "header_malformed"
+
+
+class PaddingNotZero(FileFormatError):
+    code = "padding_not_zero"
+
+
+class TooManyTensors(FileFormatError):
+    code = "too_many_tensors"
+
+
+class RankTooLarge(FileFormatError):
+    code = "rank_too_large"
+
+
+class DimensionTooLarge(FileFormatError):
+    code = "dimension_too_large"
+
+
+class TotalSizeTooLarge(FileFormatError):
+    code = "total_size_too_large"
+
+
+class TooManyTokens(FileFormatError):
+    code = "too_many_tokens"
+
+
+class NestingTooDeep(FileFormatError):
+    code = "nesting_too_deep"
+
+
+class LayoutError(FileFormatError):
+    """Tensor slots are misaligned, overlap, leave holes or disagree with the file length."""
+
+    code = "bad_layout"
+
+
+class TensorHashMismatch(FileFormatError):
+    code = "tensor_hash_mismatch"
+
+
+class CheckpointInconsistent(FileFormatError):
+    code = "checkpoint_inconsistent"
+
+
+# --- compatibility: a valid file that this reader must not use -----------------
+
+
+class IdentityMismatch(SpillError):
+    """The file was written for another model, tokenizer or namespace."""
+
+    code = "identity_mismatch"
+
+
+class CodecProviderMismatch(SpillError):
+    code = "codec_provider_mismatch"
+
+
+class UnknownCacheKind(SpillError):
+    code = "unknown_cache_kind"
+
+
+class CodecVersionUnsupported(SpillError):
+    code = "codec_version_unsupported"
+
+
+class UnsupportedCache(SpillError):
+    """No registered codec can save this cache object."""
+
+    code = "unsupported_cache"
+
+
+class NotReusable(SpillError):
+    """The entry cannot be cut back to the requested prefix length."""
+
+    code = "not_reusable"
+
+
+# --- saving -----------------------------------------------------------------
+
+
+class SaveAborted(SpillError):
+    """The save was closed, cancelled or its lease failed; nothing was published."""
+
+    code = "save_aborted"
+
+
+class PlanDrift(SpillError):
+    """A tensor or the header changed size between the plan and the write."""
+
+    code = "plan_drift"
+
+
+class StorageError(SpillError):
+    """An I/O error while writing or reading (errno kept in ``errno``)."""
+
+    code = "io_error"
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, errno: int | None = None) -> None:
+        self.errno = errno
+        super().__init__(message, path=path)
+
+
+class DiskFull(StorageError):
+    code = "disk_full"
+
+
+def _all_subclasses(cls: type[SpillError]) -> list[type[SpillError]]:
+    out: list[type[SpillError]] = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERRORS_BY_CODE: dict[str, type[SpillError]] = {c.code: c for c in _all_subclasses(SpillError)}
+
+
+def error_from_code(code: str, message: str) -> SpillError:
+    """Rebuild a typed error from its stable code (unknown codes give ``SpillError``)."""
+    cls = ERRORS_BY_CODE.get(code, SpillError)
+    err = cls.__new__(cls)
+    SpillError.__init__(err, message)
+    return err

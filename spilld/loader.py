@@ -1,0 +1,170 @@
+"""The verified loader: every length bounded by the file before allocating,
+identity and codecs checked before any tensor is read, every tensor hash checked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import xxhash
+
+from . import dtypes, errors, format as fmt
+from .codecs import CodecProvider, default_provider
+from .fileio import DEFAULT_OPS, FileOps
+from .saver import Attachment
+
+
+def _read_exact(fd: int, n: int, off: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), off + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _read_header_fd(fd: int, path: str) -> fmt.Header:
+    size = os.fstat(fd).st_size
+    prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), size, path)
+    region = _read_exact(fd, prefix.data_start - fmt.PREFIX_LEN, fmt.PREFIX_LEN)
+    if len(region) != prefix.data_start - fmt.PREFIX_LEN:
+        raise errors.TruncatedFile("file ended inside the header", path=path)
+    header_bytes, pad = region[: prefix.header_len], region[prefix.header_len :]
+    header = fmt.decode_header(header_bytes, prefix, size, path)
+    fmt.check_padding(pad, path)
+    return header
+
+
+def read_header(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt.Header:
+    """Read and check a file's prefix and header: magic, version, lengths, hash, layout."""
+    p = os.fspath(path)
+    fd = ops.open_read(p)
+    try:
+        return _read_header_fd(fd, p)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Loaded:
+    """What ``load`` returns: the caches ready for the engine and everything saved beside them."""
+
+    tokens: list[int]
+    caches: list[Any]
+    header: fmt.Header
+    attachments: list[Attachment] = field(default_factory=list)
+    checkpoint: fmt.GenerationCheckpoint | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+def check_identity(header: fmt.Header, expect: fmt.Identity | Mapping[str, str] | None, path: str) -> None:
+    """Every field ``expect`` sets must equal the file's."""
+    if expect is None:
+        return
+    want = expect.to_wire() if isinstance(expect, fmt.Identity) else dict(expect)
+    have = header.identity.to_wire()
+    for key, value in want.items():
+        if key not in have:
+            raise ValueError(f"unknown identity field {key!r}")
+        if value and have[key] != value:
+            raise errors.IdentityMismatch(f"{key} mismatch (file {have[key]!r}, expected {value!r})", path=path)
+
+
+class _Reader:
+    """Reads tensors straight into freshly allocated mlx buffers, verifying hashes."""
+
+    def __init__(self, fd: int, header: fmt.Header, provider: CodecProvider, verify: bool, ops: FileOps, path: str):
+        self.fd, self.header, self.provider = fd, header, provider
+        self.verify, self.ops, self.path = verify, ops, path
+
+    def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        shape = list(slot.shape)
+        grow = capacity is not None and len(shape) >= 2 and capacity > shape[-2]
+        alloc = [*shape[:-2], capacity, shape[-1]] if grow else shape
+        arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
+        mx.eval(arr)
+        mv = memoryview(arr).cast("B")
+        try:
+            if grow:
+                row = shape[-1] * fmt.DTYPE_SIZES[slot.dtype]
+                stride, n = capacity * row, shape[-2] * row  # type: ignore[operator]
+                runs = [mv[i * stride : i * stride + n] for i in range(math.prod(shape[:-2]))]
+            else:
+                runs = [mv]
+            self.ops.read_all(self.fd, runs, self.header.data_start + slot.off, self.path)
+            if self.verify:
+                h = xxhash.xxh3_64()
+                for r in runs:
+                    h.update(r)
+                if h.digest() != slot.hash:
+                    raise errors.TensorHashMismatch(f"tensor at offset {slot.off} does not match its hash", path=self.path)
+            for r in runs:
+                r.release()
+        finally:
+            mv.release()
+        return arr
+
+    def decode(self, entry: fmt.CacheEntry) -> Any:
+        cache = self.provider.for_entry(entry, self.path).decode(entry, self)
+        return cache
+
+
+def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
+    """Trim loaded caches back to ``upto`` tokens, where the header says that is valid."""
+    if upto > len(header.tokens) or upto < 0:
+        raise errors.NotReusable(f"cannot cut {len(header.tokens)} tokens to {upto}", path=path)
+    if upto == len(header.tokens):
+        return
+    if not header.trimmable:
+        raise errors.NotReusable("entry is not trimmable (rotated ring, recurrent state or attachments)", path=path)
+    if upto < header.min_reusable_offset:
+        raise errors.NotReusable(f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path)
+    for c, e in zip(caches, header.caches, strict=True):
+        if e.offset is not None and e.offset > upto:
+            c.trim(e.offset - upto)
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    expect: fmt.Identity | Mapping[str, str] | None = None,
+    verify: bool = True,
+    upto: int | None = None,
+    provider: CodecProvider | None = None,
+    ops: FileOps = DEFAULT_OPS,
+) -> Loaded:
+    """Load a file into cache objects of the right classes.
+
+    Checks the codec provider, every entry's codec and ``expect`` before
+    allocating. With ``upto`` the caches are cut back to that many tokens
+    (refused with ``NotReusable`` when the header says it is not valid).
+    """
+    p = os.fspath(path)
+    prov = provider or default_provider()
+    fd = ops.open_read(p)
+    try:
+        header = _read_header_fd(fd, p)
+        if header.codec_provider != prov.id:
+            raise errors.CodecProviderMismatch(
+                f"written by codec provider {header.codec_provider!r}, reader has {prov.id!r}", path=p
+            )
+        prov.check_entries(header.caches, p)
+        check_identity(header, expect, p)
+        reader = _Reader(fd, header, prov, verify, ops, p)
+        caches = [reader.decode(e) for e in header.caches]
+        attachments = [
+            Attachment(a.schema, dict(a.metadata), [reader.read(s) for s in a.tensors]) for a in header.attachments
+        ]
+    finally:
+        os.close(fd)
+    tokens = header.tokens
+    if upto is not None:
+        _cut(caches, header, upto, p)
+        tokens = tokens[:upto]
+    return Loaded(tokens, caches, header, attachments, header.checkpoint, header.meta)

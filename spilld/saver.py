@@ -1,0 +1,369 @@
+"""The saver: a generator of steps, so a driver decides when each write happens.
+
+``save_steps`` plans the file first (no bytes materialized; hashes are
+placeholders of fixed width), then yields one ``TensorStep`` per tensor and a
+last ``PublishStep``. Each tensor step has two parts the driver can place
+apart: ``materialize`` touches the engine's arrays (run it inside the engine's
+execution lease) and ``write`` touches only bytes (hash and positional write,
+fine on a worker thread). Closing the generator at any point removes the temp
+file, closes the fd and drops every array reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from . import errors, format as fmt
+from .codecs import CodecProvider, default_provider, view
+from .codecs.base import slot_for
+from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
+
+T = TypeVar("T")
+RunStep = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+@dataclass
+class Attachment:
+    """Companion state saved beside the caches (e.g. a draft model's KV); never trimmed."""
+
+    schema: str
+    metadata: dict[str, str | int | float | bool] = field(default_factory=dict)
+    tensors: list[mx.array] = field(default_factory=list)
+
+
+@dataclass
+class SaveResult:
+    path: str
+    header: fmt.Header
+    file_bytes: int
+
+
+def token_list(tokens: Iterable[int] | np.ndarray | mx.array | None) -> list[int]:
+    if tokens is None:
+        return []
+    if isinstance(tokens, mx.array):
+        tokens = tokens.tolist()
+    out = [int(t) for t in tokens]  # type: ignore[union-attr]
+    if any(t < 0 or t >= 2**32 for t in out):
+        raise ValueError("token ids must fit in an unsigned 32-bit integer")
+    if len(out) > fmt.MAX_TOKENS:
+        raise errors.TooManyTokens(f"{len(out)} tokens (limit {fmt.MAX_TOKENS})")
+    return out
+
+
+def clone_caches(caches: Sequence[Any], provider: CodecProvider | None = None) -> list[Any]:
+    """Zero-copy clones (views) of live caches, for handing off in microseconds.
+
+    Free for a cache the engine drops. For a cache it keeps extending, the held
+    views make its next in-place update copy the buffer once.
+    """
+    p = provider or default_provider()
+    return [p.clone(c) for c in caches]
+
+
+class _File:
+    """The temp file being written: opened on the first write, removed unless published."""
+
+    def __init__(self, path: str, size: int, durability: Durability, ops: FileOps) -> None:
+        self.path = path
+        self.temp = temp_path_for(path)
+        self.size = size
+        self.durability = durability
+        self.ops = ops
+        self.fd: int | None = None
+        self.published = False
+
+    def ensure_open(self) -> int:
+        if self.fd is None:
+            self.fd = self.ops.open_new(self.temp)
+            self.ops.preallocate(self.fd, self.size, self.temp)
+        return self.fd
+
+    def publish(self, head: bytes) -> None:
+        fd = self.ensure_open()
+        self.ops.write_all(fd, [memoryview(head)], 0, self.temp)
+        self.ops.sync(fd, self.durability, self.temp)
+        self.fd = None
+        self.ops.close(fd)
+        self.ops.rename(self.temp, self.path)
+        self.published = True
+        self.ops.sync_dir(os.path.dirname(self.path), self.durability)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                self.ops.close(fd)
+            except OSError:
+                pass
+        if not self.published:
+            self.ops.unlink(self.temp)
+
+
+def _byte_runs(a: mx.array) -> tuple[list[memoryview], list[mx.array]]:
+    """Zero-copy byte runs of an evaluated array, in C order, plus the arrays they borrow."""
+    mv = memoryview(a)
+    if mv.c_contiguous:
+        return [mv.cast("B")], [a]
+    # A view cut along axis -2: each leading index is one contiguous run.
+    mv.release()
+    parts = [a[idx] for idx in itertools.product(*(range(d) for d in a.shape[:-2]))]
+    mx.eval(parts)
+    views = [memoryview(p) for p in parts]
+    if not all(v.c_contiguous for v in views):
+        for v in views:
+            v.release()
+        c = mx.contiguous(a)
+        mx.eval(c)
+        return [memoryview(c).cast("B")], [c]
+    return [v.cast("B") for v in views], parts
+
+
+class TensorStep:
+    """Write one tensor. ``materialize`` inside the lease, then ``write`` anywhere."""
+
+    def __init__(self, index: int, slot: fmt.Slot, source: mx.array, file: _File, data_start: int) -> None:
+        self.index = index
+        self.slot = slot
+        self.nbytes = slot.nbytes
+        self._source: mx.array | None = source
+        self._file = file
+        self._data_start = data_start
+        self._runs: list[memoryview] = []
+        self._held: list[mx.array] = []
+        self.done = False
+
+    def materialize(self) -> None:
+        """Evaluate the source (the only part that touches the engine's arrays)."""
+        src = self._source
+        if src is None:
+            raise errors.SaveAborted("step already materialized")
+        mx.eval(src)
+        self._runs, self._held = _byte_runs(src)
+        got = sum(r.nbytes for r in self._runs)
+        if got != self.slot.nbytes:
+            self.release()
+            raise errors.PlanDrift(f"tensor {self.index}: planned {self.slot.nbytes} bytes, got {got}")
+
+    def write(self) -> None:
+        """Hash and write the bytes at their planned offset; touches no mlx state."""
+        if self._source is None or (self.slot.nbytes and not self._runs):
+            raise errors.SaveAborted(f"tensor {self.index} written before it was materialized")
+        try:
+            h = xxhash.xxh3_64()
+            for r in self._runs:
+                h.update(r)
+            self.slot.hash = h.digest()
+            fd = self._file.ensure_open()
+            self._file.ops.write_all(fd, self._runs, self._data_start + self.slot.off, self._file.temp)
+        finally:
+            self.release()
+        self.done = True
+
+    def release(self) -> None:
+        for r in self._runs:
+            r.release()
+        self._runs, self._held, self._source = [], [], None
+
+
+class PublishStep:
+    """Write the header with the real hashes, fsync, rename, fsync the folder."""
+
+    nbytes = 0
+
+    def __init__(self, header: fmt.Header, planned_len: int, file: _File) -> None:
+        self.index = -1
+        self._header = header
+        self._planned_len = planned_len
+        self._file = file
+        self.done = False
+
+    def materialize(self) -> None:
+        """Nothing of the engine's is touched here."""
+
+    def write(self) -> None:
+        hb = fmt.pack_header(self._header)
+        if len(hb) != self._planned_len:
+            raise errors.PlanDrift(f"header length drift: planned {self._planned_len}, got {len(hb)}")
+        head, _ = fmt.encode_prefix(hb)
+        self._file.publish(head)
+        self.done = True
+
+
+SaveStep = TensorStep | PublishStep
+
+
+def plan(
+    tokens: Any,
+    caches: Sequence[Any],
+    *,
+    meta: dict[str, str] | None = None,
+    identity: fmt.Identity | None = None,
+    attachments: Sequence[Attachment] = (),
+    checkpoint: fmt.GenerationCheckpoint | None = None,
+    provider: CodecProvider | None = None,
+) -> tuple[fmt.Header, list[mx.array]]:
+    """Build the header (placeholder hashes, final offsets) and the list of lazy sources."""
+    p = provider or default_provider()
+    encoded = [p.encode(c) for c in caches]
+    sources = [a for e in encoded for a in e.sources]
+    att_entries = []
+    for a in attachments:
+        views = [view(t) for t in a.tensors]
+        att_entries.append(fmt.AttachmentEntry(a.schema, dict(a.metadata), [slot_for(v) for v in views]))
+        sources.extend(views)
+    header = fmt.Header(
+        version=fmt.FORMAT_VERSION,
+        created_at_ms=time.time_ns() // 1_000_000,
+        codec_provider=p.id,
+        identity=identity or fmt.Identity(),
+        tokens=token_list(tokens),
+        caches=[e.entry for e in encoded],
+        attachments=att_entries,
+        checkpoint=checkpoint,
+        meta={str(k): str(v) for k, v in (meta or {}).items()},
+    )
+    if checkpoint is not None and checkpoint.original_prompt_tokens + checkpoint.generated_tokens != len(header.tokens):
+        raise errors.CheckpointInconsistent("checkpoint prompt + generated tokens must equal the saved tokens")
+    slots = header.slots()
+    if len(slots) > fmt.MAX_TENSORS:
+        raise errors.TooManyTensors(f"{len(slots)} tensors (limit {fmt.MAX_TENSORS})")
+    fmt.plan_offsets(slots)
+    return header, sources
+
+
+def save_steps(
+    path: str | os.PathLike[str],
+    tokens: Any,
+    caches: Sequence[Any],
+    meta: dict[str, str] | None = None,
+    *,
+    identity: fmt.Identity | None = None,
+    attachments: Sequence[Attachment] = (),
+    checkpoint: fmt.GenerationCheckpoint | None = None,
+    durability: Durability | str = Durability.FSYNC,
+    provider: CodecProvider | None = None,
+    ops: FileOps = DEFAULT_OPS,
+) -> Generator[SaveStep, None, SaveResult]:
+    """Yield N tensor steps and one publish step; return the ``SaveResult``.
+
+    The driver must run ``materialize()`` then ``write()`` on each step before
+    asking for the next one.
+    """
+    dest = os.fspath(path)
+    header, sources = plan(
+        tokens, caches, meta=meta, identity=identity, attachments=attachments, checkpoint=checkpoint, provider=provider
+    )
+    planned = fmt.pack_header(header)
+    header_len = len(planned)
+    _, data_start = fmt.encode_prefix(planned)
+    slots = header.slots()
+    data_end = max((s.off + s.nbytes for s in slots), default=0)
+    file = _File(dest, data_start + data_end, Durability(durability), ops)
+    step: SaveStep | None = None
+    try:
+        for i, slot in enumerate(slots):
+            step = TensorStep(i, slot, sources[i], file, data_start)
+            sources[i] = None  # type: ignore[call-overload]  # the step owns it now
+            yield step
+            if not step.done:
+                raise errors.SaveAborted(f"tensor step {i} was not run to completion", path=dest)
+        step = PublishStep(header, header_len, file)
+        yield step
+        if not step.done:
+            raise errors.SaveAborted("publish step was not run", path=dest)
+        header.data_start, header.file_size = data_start, data_start + data_end
+        return SaveResult(dest, header, data_start + data_end)
+    finally:
+        if isinstance(step, TensorStep):
+            step.release()
+        sources.clear()
+        file.abort()
+
+
+def run_step_sync(step: SaveStep) -> None:
+    step.materialize()
+    step.write()
+
+
+def drive(gen: Generator[SaveStep, None, SaveResult], each: Callable[[SaveStep], None] = run_step_sync) -> SaveResult:
+    """Run a step generator to the end on this thread."""
+    try:
+        while True:
+            each(next(gen))
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    finally:
+        gen.close()
+
+
+def save(
+    path: str | os.PathLike[str],
+    tokens: Any,
+    caches: Sequence[Any],
+    meta: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> SaveResult:
+    """Save caches to ``path`` now, atomically and (by default) durably."""
+    return drive(save_steps(path, tokens, caches, meta, **kwargs))
+
+
+async def _off_loop(fn: Callable[[], T]) -> T:
+    """Run blocking work on a worker thread; if cancelled, let it finish before unwinding."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
+async def _no_lease(fn: Callable[[], T]) -> T:
+    return await _off_loop(fn)
+
+
+async def save_async(
+    path: str | os.PathLike[str],
+    tokens: Any,
+    caches: Sequence[Any],
+    meta: dict[str, str] | None = None,
+    *,
+    run_step: RunStep[Any] | None = None,
+    write_in_lease: bool = False,
+    **kwargs: Any,
+) -> SaveResult:
+    """Save one step per event-loop turn without blocking the loop.
+
+    ``run_step(fn)`` is the caller's execution lease: it runs ``fn`` while the
+    engine is between steps and returns its result. Each tensor's
+    ``materialize`` runs through it; its hash and write run on a worker thread,
+    inside the lease too when ``write_in_lease`` is set. A lease that raises
+    aborts the save and leaves nothing behind.
+    """
+    lease: RunStep[Any] = run_step or _no_lease
+    gen = save_steps(path, tokens, caches, meta, **kwargs)
+    try:
+        while True:
+            try:
+                step = next(gen)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            if isinstance(step, TensorStep):
+                await lease(step.materialize)
+            if write_in_lease:
+                await lease(lambda s=step: s.write())  # type: ignore[misc]
+            else:
+                await _off_loop(step.write)
+            await asyncio.sleep(0)  # one step per loop turn
+    finally:
+        gen.close()
