@@ -1,0 +1,35 @@
+"""Shared fixtures: async tests run under both the asyncio and the uvloop loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+
+def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+LONG = os.environ.get("SPILLD_LONG") == "1"
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    if LONG:
+        return
+    skip = pytest.mark.skip(reason="long run: set SPILLD_LONG=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def leftover_files(folder: str) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else len(os.listdir("/dev/fd"))

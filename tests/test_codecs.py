@@ -1,0 +1,232 @@
+"""Round trips of every mlx-lm 0.32 cache class through the file format."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors
+from spilld.codecs import Codec, CodecProvider, default_provider
+from tests.caches import fill, kv, live, same
+
+
+def roundtrip(tmp_path: Any, caches: list[Any], tokens: list[int] | None = None) -> spilld.Loaded:
+    path = os.path.join(tmp_path, "c.spilld")
+    spilld.save(path, tokens or [], caches)
+    return spilld.load(path)
+
+
+def _quantized(n: int, bits: int) -> Any:
+    c = C.QuantizedKVCache(group_size=32, bits=bits)
+    return fill(c, n, chunk=3, dim=64)
+
+
+def _batch_kv() -> Any:
+    a, b = fill(C.KVCache(), 7), fill(C.KVCache(), 12, seed=3)
+    c = C.BatchKVCache.merge([a, b])
+    c.update_and_fetch(*kv(1, batch=2, seed=9))
+    return c
+
+
+def _batch_rot(steps: int) -> Any:
+    c = C.BatchRotatingKVCache(max_size=8, left_padding=[2, 0])
+    c.update_and_fetch(*kv(6, batch=2))
+    for i in range(steps):
+        c.update_and_fetch(*kv(1, batch=2, seed=10 + i))
+    return c
+
+
+def _chunked(n: int) -> Any:
+    c = C.ChunkedKVCache(chunk_size=8)
+    fill(c, n - 4)
+    for i in range(4):
+        c.maybe_trim_front()
+        c.update_and_fetch(*kv(1, seed=20 + i))
+    return c
+
+
+def _arrays(with_none: bool) -> Any:
+    c = C.ArraysCache(3)
+    c[0] = mx.random.normal((1, 3, 16))
+    if not with_none:
+        c[1] = mx.random.normal((1, 4, 8, 8)).astype(mx.bfloat16)
+    c[2] = mx.arange(5, dtype=mx.int32)[None]
+    return c
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "kv": lambda: fill(C.KVCache(), 300, chunk=3),
+    "kv_bf16": lambda: fill(C.KVCache(), 20, dtype=mx.bfloat16),
+    "kv_f16_heads8": lambda: fill(C.KVCache(), 33, heads=8, dtype=mx.float16),
+    "kv_exact_step": lambda: fill(C.KVCache(), 256),
+    "concat": lambda: fill(C.ConcatenateKVCache(), 10, chunk=2),
+    "rotating_prewrap": lambda: fill(C.RotatingKVCache(max_size=32, keep=4), 20, chunk=5),
+    "rotating_wrapped": lambda: fill(C.RotatingKVCache(max_size=16, keep=4), 40, chunk=9),
+    "rotating_concat_wrapped": lambda: fill(C.RotatingKVCache(max_size=16, keep=2), 40),
+    "quantized4": lambda: _quantized(21, 4),
+    "quantized8": lambda: _quantized(21, 8),
+    "chunked": lambda: _chunked(14),
+    "arrays": lambda: _arrays(False),
+    "arrays_none": lambda: _arrays(True),
+    "cachelist": lambda: C.CacheList(_arrays(True), fill(C.KVCache(), 9)),
+    "cachelist_nested": lambda: C.CacheList(C.CacheList(fill(C.KVCache(), 5)), fill(C.RotatingKVCache(8), 5)),
+    "batch_kv": _batch_kv,
+    "batch_rotating": lambda: _batch_rot(1),
+    "batch_rotating_rotated": lambda: _batch_rot(6),
+    "empty_kv": C.KVCache,
+    "empty_rotating": lambda: C.RotatingKVCache(max_size=16, keep=4),
+    "empty_quantized": lambda: C.QuantizedKVCache(bits=4),
+    "empty_chunked": lambda: C.ChunkedKVCache(8),
+    "empty_concat": C.ConcatenateKVCache,
+    "empty_arrays": lambda: C.ArraysCache(2),
+    "empty_batch_kv": lambda: C.BatchKVCache([1, 0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_roundtrip_exact(tmp_path: Any, name: str) -> None:
+    cache = CASES[name]()
+    mx.eval(live(cache))
+    got = roundtrip(tmp_path, [cache]).caches[0]
+    assert type(got) is type(cache)
+    assert same(live(got), live(cache))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_resave_gives_identical_hashes(tmp_path: Any, name: str) -> None:
+    cache = CASES[name]()
+    a = spilld.save(tmp_path / "a", [], [cache]).header
+    again = spilld.load(tmp_path / "a").caches
+    b = spilld.save(tmp_path / "b", [], again).header
+    assert [s.hash for s in a.slots()] == [s.hash for s in b.slots()]
+    assert [s.shape for s in a.slots()] == [s.shape for s in b.slots()]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_clone_matches_and_is_detached(tmp_path: Any, name: str) -> None:
+    cache = CASES[name]()
+    clone = spilld.clone_caches([cache])[0]
+    assert type(clone) is type(cache)
+    before = live(cache)
+    mx.eval(before)
+    assert same(live(clone), before)
+    # Mutate the original the way an engine does; the clone must keep the old data.
+    if hasattr(cache, "update_and_fetch") and not isinstance(cache, (C.BatchKVCache, C.BatchRotatingKVCache, C.QuantizedKVCache)):
+        cache.update_and_fetch(*kv(1, seed=99, **like(cache)))
+        assert same(live(clone), before)
+
+
+def like(cache: Any) -> dict[str, Any]:
+    k = getattr(cache, "keys", None)
+    if k is None:
+        return {}
+    return {"heads": k.shape[1], "dim": k.shape[-1], "dtype": k.dtype}
+
+
+def test_empty_clone_is_empty() -> None:
+    for make in (C.KVCache, C.ConcatenateKVCache, lambda: C.RotatingKVCache(8)):
+        c = spilld.clone_caches([make()])[0]
+        assert c.empty()
+
+
+def test_kv_saves_live_rows_only_and_loads_with_step_capacity(tmp_path: Any) -> None:
+    cache = fill(C.KVCache(), 10)
+    assert cache.keys.shape[2] == 256  # mlx-lm's step padding
+    h = spilld.save(tmp_path / "f", [], [cache]).header
+    assert h.caches[0].tensors[0].shape == (1, 2, 10, 8)
+    got = spilld.load(tmp_path / "f").caches[0]
+    assert got.keys.shape[2] == 256 and got.offset == 10
+    # the next decode step appends in place: no reallocation
+    got.update_and_fetch(*kv(1, seed=5))
+    assert got.keys.shape[2] == 256 and got.offset == 11
+
+
+def test_trimmed_concatenate_stays_trimmed(tmp_path: Any) -> None:
+    cache = fill(C.ConcatenateKVCache(), 12)
+    cache.trim(5)
+    got = roundtrip(tmp_path, [cache]).caches[0]
+    assert got.offset == 7 and got.keys.shape[2] == 7
+    # mlx-lm's own format brings it back untrimmed (the bug we must not inherit)
+    C.save_prompt_cache(str(tmp_path / "m.safetensors"), [cache])
+    assert C.load_prompt_cache(str(tmp_path / "m.safetensors"))[0].offset == 12
+
+
+def test_batch_rotating_false_stays_false(tmp_path: Any) -> None:
+    cache = _batch_rot(1)
+    assert cache.rotated is False
+    assert roundtrip(tmp_path, [cache]).caches[0].rotated is False
+
+
+@pytest.mark.parametrize(
+    ("name", "trimmable"),
+    [("kv", True), ("rotating_prewrap", True), ("rotating_wrapped", False), ("arrays", False), ("cachelist", False), ("chunked", True), ("batch_rotating_rotated", False)],
+)
+def test_trimmability_from_header_alone(tmp_path: Any, name: str, trimmable: bool) -> None:
+    spilld.save(tmp_path / "f", [], [CASES[name]()])
+    assert spilld.read_header(tmp_path / "f").trimmable is trimmable
+
+
+def test_chunked_min_reusable_is_start_position(tmp_path: Any) -> None:
+    cache = _chunked(14)
+    assert cache.start_position > 0
+    h = spilld.save(tmp_path / "f", list(range(14)), [cache]).header
+    assert h.min_reusable_offset == cache.start_position
+    with pytest.raises(errors.NotReusable):
+        spilld.load(tmp_path / "f", upto=cache.start_position - 1)
+    got = spilld.load(tmp_path / "f", upto=cache.start_position + 1)
+    assert got.caches[0].offset == cache.start_position + 1
+
+
+def test_unknown_class_is_refused(tmp_path: Any) -> None:
+    class Mine(C.KVCache):
+        pass
+
+    with pytest.raises(errors.UnsupportedCache):
+        spilld.save(tmp_path / "f", [], [Mine()])
+    assert os.listdir(tmp_path) == []
+
+
+class _DoublingCache:
+    """An engine's own cache class, to show the registry is open."""
+
+    def __init__(self, data: mx.array | None = None) -> None:
+        self.data = data
+
+
+class _DoublingCodec(Codec):
+    kind = "doubling"
+
+    def cache_type(self) -> type:
+        return _DoublingCache
+
+    def encode(self, cache: Any, ctx: Any) -> Any:
+        return self.entry(offset=None, trimmable=False, arrays=[cache.data])
+
+    def decode(self, entry: Any, ctx: Any) -> Any:
+        return _DoublingCache(ctx.read(entry.tensors[0]))
+
+    def clone(self, cache: Any, ctx: Any) -> Any:
+        return _DoublingCache(cache.data)
+
+
+def test_engine_registers_its_own_codec(tmp_path: Any) -> None:
+    mine = default_provider().extended("engine-x/1", [_DoublingCodec()])
+    data = mx.arange(10, dtype=mx.float32)
+    spilld.save(tmp_path / "f", [], [_DoublingCache(data), fill(C.KVCache(), 3)], provider=mine)
+    got = spilld.load(tmp_path / "f", provider=mine)
+    assert same(got.caches[0].data, data)
+    with pytest.raises(errors.CodecProviderMismatch):
+        spilld.load(tmp_path / "f")
+
+
+def test_provider_rejects_duplicate_kinds() -> None:
+    with pytest.raises(ValueError):
+        CodecProvider("x", [_DoublingCodec(), _DoublingCodec()])
+    with pytest.raises(ValueError):
+        CodecProvider("", [])
