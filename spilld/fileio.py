@@ -10,7 +10,8 @@ import errno
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from enum import Enum
 
 from . import errors
@@ -37,109 +38,119 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
-def _wrap(exc: OSError, what: str, path: str) -> errors.StorageError:
-    cls = errors.DiskFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errors.StorageError
-    return cls(f"{what} failed: {exc.strerror or exc}", path=path, errno=exc.errno)
+@contextmanager
+def io_errors(what: str, path: str) -> Iterator[None]:
+    """Turn an OSError into a typed StorageError (DiskFull for ENOSPC/EDQUOT) naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        cls = errors.DiskFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errors.StorageError
+        raise cls(f"{what} failed: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
 
 
 class FileOps:
-    """The syscalls of the save and load paths. Every OSError becomes a typed StorageError."""
+    """The raw syscalls of the save and load paths, one method each.
+
+    Methods raise plain OSError; callers wrap them with ``io_errors``. Tests
+    override single methods to inject short writes, ENOSPC, EIO or crashes.
+    """
 
     def open_new(self, path: str) -> int:
-        try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as exc:
-            raise _wrap(exc, "open", path) from exc
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
-    def preallocate(self, fd: int, size: int, path: str) -> None:
-        # Allocating blocks up front lets writes run at the device speed (feasibility §5).
-        if size <= 0 or not hasattr(os, "posix_fallocate"):
-            return
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                return  # the filesystem cannot; plain writes still work
-            raise _wrap(exc, "preallocate", path) from exc
+    def open_read(self, path: str) -> int:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def open_dir(self, path: str) -> int:
+        return os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+    def fallocate(self, fd: int, size: int) -> None:
+        os.posix_fallocate(fd, 0, size)
 
     def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
         return os.pwritev(fd, bufs, offset)
 
-    def write_all(self, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
-        """Write every buffer at ``offset`` onward, resuming after short writes."""
-        pending = [b for b in bufs if b.nbytes]
-        try:
-            while pending:
-                batch = pending[:IOV_MAX]
-                n = self.pwritev(fd, batch, offset)
-                if n <= 0:
-                    raise OSError(errno.EIO, "write returned no progress")
-                offset += n
-                pending = _advance(pending, n)
-        except OSError as exc:
-            raise _wrap(exc, "write", path) from exc
+    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
 
-    def sync(self, fd: int, durability: Durability, path: str) -> None:
-        if durability is Durability.NONE:
-            return
-        try:
-            if durability is Durability.FULL and sys.platform == "darwin":
-                import fcntl
+    def fsync(self, fd: int, durability: Durability) -> None:
+        if durability is Durability.FULL and sys.platform == "darwin":
+            import fcntl
 
-                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)  # type: ignore[attr-defined]
-            else:
-                os.fsync(fd)
-        except OSError as exc:
-            raise _wrap(exc, "fsync", path) from exc
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)  # type: ignore[attr-defined]
+        else:
+            os.fsync(fd)
 
     def close(self, fd: int) -> None:
         os.close(fd)
 
     def rename(self, src: str, dst: str) -> None:
-        try:
-            os.rename(src, dst)
-        except OSError as exc:
-            raise _wrap(exc, "rename", dst) from exc
-
-    def sync_dir(self, folder: str, durability: Durability) -> None:
-        """Make a rename durable: fsync the folder that holds the new name."""
-        if durability is Durability.NONE:
-            return
-        try:
-            fd = os.open(folder or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        except OSError as exc:
-            raise _wrap(exc, "open folder", folder) from exc
-        try:
-            self.sync(fd, durability, folder)
-        finally:
-            os.close(fd)
+        os.rename(src, dst)
 
     def unlink(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        os.unlink(path)
 
-    def open_read(self, path: str) -> int:
-        try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise _wrap(exc, "open", path) from exc
 
-    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-        return os.preadv(fd, bufs, offset)
+def preallocate(ops: FileOps, fd: int, size: int, path: str) -> None:
+    """Allocate blocks up front: writes then run at device speed (feasibility §5)."""
+    if size <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        ops.fallocate(fd, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # the filesystem cannot; plain writes still work
+        with io_errors("preallocate", path):
+            raise
 
-    def read_all(self, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
-        pending = [b for b in bufs if b.nbytes]
-        try:
-            while pending:
-                n = self.preadv(fd, pending[:IOV_MAX], offset)
-                if n <= 0:
-                    raise errors.TruncatedFile(f"file ended at {offset} during a tensor read", path=path)
-                offset += n
-                pending = _advance(pending, n)
-        except OSError as exc:
-            raise _wrap(exc, "read", path) from exc
+
+def write_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
+    """Write every buffer at ``offset`` onward, resuming after short writes."""
+    pending = [b for b in bufs if b.nbytes]
+    with io_errors("write", path):
+        while pending:
+            n = ops.pwritev(fd, pending[:IOV_MAX], offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            offset += n
+            pending = _advance(pending, n)
+
+
+def read_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
+    """Fill every buffer from ``offset`` onward; a file that ends early is truncated."""
+    pending = [b for b in bufs if b.nbytes]
+    with io_errors("read", path):
+        while pending:
+            n = ops.preadv(fd, pending[:IOV_MAX], offset)
+            if n <= 0:
+                raise errors.TruncatedFile(f"file ended at {offset} during a tensor read", path=path)
+            offset += n
+            pending = _advance(pending, n)
+
+
+def sync(ops: FileOps, fd: int, durability: Durability, path: str) -> None:
+    if durability is not Durability.NONE:
+        with io_errors("fsync", path):
+            ops.fsync(fd, durability)
+
+
+def sync_dir(ops: FileOps, folder: str, durability: Durability) -> None:
+    """Make a rename durable: fsync the folder that holds the new name."""
+    if durability is Durability.NONE:
+        return
+    with io_errors("open folder", folder):
+        fd = ops.open_dir(folder)
+    try:
+        sync(ops, fd, durability, folder)
+    finally:
+        ops.close(fd)
+
+
+def remove_quietly(ops: FileOps, path: str) -> None:
+    try:
+        ops.unlink(path)
+    except OSError:
+        pass
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

@@ -6,6 +6,7 @@ bytes and plain values so it can be tested without files or mlx.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ MAX_TENSORS = 65_536
 MAX_RANK = 8
 MAX_DIM = 2**31 - 1
 MAX_TOTAL_BYTES = 2**40  # 1 TiB of tensor data in one file
-MAX_TOKENS = 16 * 1024 * 1024
+MAX_TOKENS = 8 * 1024 * 1024  # 32 MiB of u32 ids, well inside the header limit
 MAX_NESTING = 8  # CacheList inside CacheList ...
 
 # Stable dtype names -> item size. Names, not mlx enum values, go into files.
@@ -230,40 +231,72 @@ def decode_tokens(raw: bytes) -> list[int]:
 
 
 def plan_offsets(slots: list[Slot]) -> int:
-    """Assign aligned offsets in order; return the data length (end of the last byte)."""
+    """Assign aligned offsets in order; return the data length (end of the last byte).
+
+    A zero-byte tensor sits at the next aligned offset and does not extend the file.
+    """
     cursor = 0
     end = 0
     for s in slots:
         s.off = align_up(cursor)
         cursor = s.off + s.nbytes
-        end = max(end, cursor)
+        if s.nbytes:
+            end = cursor
     return end
+
+
+def row_spans(shape: tuple[int, ...] | list[int], itemsize: int, rows: int | None) -> list[tuple[int, int]]:
+    """Byte spans (start, length) of the first ``rows`` rows (axis -2) of a C-ordered buffer.
+
+    With ``rows`` None, or equal to the buffer's rows, the whole buffer is one span.
+    """
+    total = itemsize * math.prod(shape)
+    if rows is None or len(shape) < 2 or rows == shape[-2]:
+        return [(0, total)] if total else []
+    row = shape[-1] * itemsize
+    block = shape[-2] * row
+    n = rows * row
+    return [(i * block, n) for i in range(math.prod(shape[:-2]))] if n else []
+
+
+def check_limits(slots: list[Slot], path: str | None = None) -> None:
+    """Tensor count, rank, dimensions and total size: checked on write and on read."""
+    if len(slots) > MAX_TENSORS:
+        raise errors.TooManyTensors(f"{len(slots)} tensors (limit {MAX_TENSORS})", path=path)
+    total = 0
+    for i, s in enumerate(slots):
+        if len(s.shape) > MAX_RANK:
+            raise errors.RankTooLarge(f"tensor {i} has rank {len(s.shape)} (limit {MAX_RANK})", path=path)
+        for d in s.shape:
+            if d < 0 or d > MAX_DIM:
+                raise errors.DimensionTooLarge(f"tensor {i} dimension {d} (limit {MAX_DIM})", path=path)
+        total += DTYPE_SIZES[s.dtype] * math.prod(s.shape)
+        if total > MAX_TOTAL_BYTES:
+            raise errors.TotalSizeTooLarge(f"tensors exceed {MAX_TOTAL_BYTES} bytes", path=path)
+
+
+def check_nesting(entries: list[CacheEntry], path: str | None = None, depth: int = 0) -> None:
+    """Top-level entries are depth 0; a reader refuses anything deeper than MAX_NESTING."""
+    for e in entries:
+        if depth > MAX_NESTING:
+            raise errors.NestingTooDeep(f"cache nesting deeper than {MAX_NESTING}", path=path)
+        check_nesting(e.children, path, depth + 1)
 
 
 def check_layout(slots: list[Slot], data_start: int, file_size: int, path: str | None = None) -> None:
     """Slots must sit exactly where ``plan_offsets`` puts them; the file ends at the last byte."""
-    if len(slots) > MAX_TENSORS:
-        raise errors.TooManyTensors(f"{len(slots)} tensors (limit {MAX_TENSORS})", path=path)
-    total = 0
+    check_limits(slots, path)
     cursor = 0
     end = 0
     for i, s in enumerate(slots):
-        if len(s.shape) > MAX_RANK:
-            raise errors.RankTooLarge(f"tensor {i} has rank {len(s.shape)} (limit {MAX_RANK})", path=path)
-        n = DTYPE_SIZES[s.dtype]
-        for d in s.shape:
-            if d < 0 or d > MAX_DIM:
-                raise errors.DimensionTooLarge(f"tensor {i} dimension {d} (limit {MAX_DIM})", path=path)
-            n *= d
-        total += n
-        if total > MAX_TOTAL_BYTES:
-            raise errors.TotalSizeTooLarge(f"tensors exceed {MAX_TOTAL_BYTES} bytes", path=path)
+        n = DTYPE_SIZES[s.dtype] * math.prod(s.shape)
         if s.nbytes != n:
             raise errors.LayoutError(f"tensor {i}: {s.nbytes} bytes for shape {s.shape} {s.dtype}", path=path)
         if s.off != align_up(cursor):
             raise errors.LayoutError(f"tensor {i} at offset {s.off}, expected {align_up(cursor)}", path=path)
         cursor = s.off + s.nbytes
-        end = max(end, cursor)
+        if s.nbytes:
+            end = cursor
     if file_size != data_start + end:
         kind = errors.TruncatedFile if file_size < data_start + end else errors.LayoutError
         raise kind(f"file is {file_size} bytes, layout needs {data_start + end}", path=path)
@@ -336,6 +369,10 @@ def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str
         header = _header_from_wire(raw, path)
     except (KeyError, TypeError, ValueError) as exc:
         raise errors.HeaderMalformed(f"header field invalid: {exc!r}", path=path) from exc
+    except errors.FileFormatError as exc:
+        if exc.path is None and path is not None:
+            raise type(exc)(exc.reason, path=path) from exc
+        raise
     if header.version != prefix.version:
         raise errors.HeaderMalformed(f"header version {header.version} != prefix version {prefix.version}", path=path)
     header.data_start = prefix.data_start
@@ -428,6 +465,14 @@ def _checkpoint_from_wire(d: Any) -> GenerationCheckpoint | None:
     )
 
 
+def _metadata(d: Any) -> dict[str, str | int | float | bool]:
+    _want(d, dict, "attachment.metadata")
+    for k, v in d.items():
+        _want(k, str, "attachment.metadata key")
+        _want(v, (str, int, float, bool), f"attachment.metadata[{k!r}]")
+    return d
+
+
 def _header_from_wire(raw: Any, path: str | None) -> Header:
     _want(raw, dict, "header")
     ident = _want(raw["identity"], dict, "identity")
@@ -440,12 +485,13 @@ def _header_from_wire(raw: Any, path: str | None) -> Header:
         attachments.append(
             AttachmentEntry(
                 schema=_want(a["schema"], str, "attachment.schema"),
-                metadata=_want(a["metadata"], dict, "attachment.metadata"),
+                metadata=_metadata(a["metadata"]),
                 tensors=_slots_from_wire(a["tensors"]),
             )
         )
     meta = _want(raw["meta"], dict, "meta")
     for k, v in meta.items():
+        _want(k, str, "meta key")
         _want(v, str, f"meta[{k!r}]")
     tokens = decode_tokens(token_bytes)
     checkpoint = _checkpoint_from_wire(raw["checkpoint"])

@@ -4,7 +4,6 @@ identity and codecs checked before any tensor is read, every tensor hash checked
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import xxhash
 
-from . import dtypes, errors, format as fmt
+from . import dtypes, errors, fileio, format as fmt
 from .codecs import CodecProvider, default_provider
 from .fileio import DEFAULT_OPS, FileOps
 from .saver import Attachment
@@ -41,14 +40,19 @@ def _read_header_fd(fd: int, path: str) -> fmt.Header:
     return header
 
 
+def _open(ops: FileOps, path: str) -> int:
+    with fileio.io_errors("open", path):
+        return ops.open_read(path)
+
+
 def read_header(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt.Header:
     """Read and check a file's prefix and header: magic, version, lengths, hash, layout."""
     p = os.fspath(path)
-    fd = ops.open_read(p)
+    fd = _open(ops, p)
     try:
         return _read_header_fd(fd, p)
     finally:
-        os.close(fd)
+        ops.close(fd)
 
 
 @dataclass
@@ -89,15 +93,13 @@ class _Reader:
         alloc = [*shape[:-2], capacity, shape[-1]] if grow else shape
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
         mx.eval(arr)
+        if arr.nbytes == 0:
+            return arr
         mv = memoryview(arr).cast("B")
         try:
-            if grow:
-                row = shape[-1] * fmt.DTYPE_SIZES[slot.dtype]
-                stride, n = capacity * row, shape[-2] * row  # type: ignore[operator]
-                runs = [mv[i * stride : i * stride + n] for i in range(math.prod(shape[:-2]))]
-            else:
-                runs = [mv]
-            self.ops.read_all(self.fd, runs, self.header.data_start + slot.off, self.path)
+            spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], shape[-2] if grow else None)
+            runs = [mv[o : o + n] for o, n in spans]
+            fileio.read_all(self.ops, self.fd, runs, self.header.data_start + slot.off, self.path)
             if self.verify:
                 h = xxhash.xxh3_64()
                 for r in runs:
@@ -147,7 +149,7 @@ def load(
     """
     p = os.fspath(path)
     prov = provider or default_provider()
-    fd = ops.open_read(p)
+    fd = _open(ops, p)
     try:
         header = _read_header_fd(fd, p)
         if header.codec_provider != prov.id:
@@ -162,7 +164,7 @@ def load(
             Attachment(a.schema, dict(a.metadata), [reader.read(s) for s in a.tensors]) for a in header.attachments
         ]
     finally:
-        os.close(fd)
+        ops.close(fd)
     tokens = header.tokens
     if upto is not None:
         _cut(caches, header, upto, p)

@@ -12,7 +12,6 @@ file, closes the fd and drops every array reference.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
@@ -23,9 +22,9 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import errors, format as fmt
-from .codecs import CodecProvider, default_provider, view
-from .codecs.base import slot_for
+from . import errors, fileio, format as fmt
+from .codecs import CodecProvider, default_provider
+from .codecs.base import Source, rows, slot_for
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 
 T = TypeVar("T")
@@ -64,11 +63,15 @@ def token_list(tokens: Iterable[int] | np.ndarray | mx.array | None) -> list[int
 def clone_caches(caches: Sequence[Any], provider: CodecProvider | None = None) -> list[Any]:
     """Zero-copy clones (views) of live caches, for handing off in microseconds.
 
-    Free for a cache the engine drops. For a cache it keeps extending, the held
-    views make its next in-place update copy the buffer once.
+    Call it on the engine's thread: the views are evaluated there (no copy), so
+    any thread can write them later. Free for a cache the engine drops; for a
+    cache it keeps extending, the held views make its next in-place update copy
+    the buffer once.
     """
     p = provider or default_provider()
-    return [p.clone(c) for c in caches]
+    clones = [p.clone(c) for c in caches]
+    mx.eval([s.array for c in clones for s in p.encode(c).sources])
+    return clones
 
 
 class _File:
@@ -85,19 +88,25 @@ class _File:
 
     def ensure_open(self) -> int:
         if self.fd is None:
-            self.fd = self.ops.open_new(self.temp)
-            self.ops.preallocate(self.fd, self.size, self.temp)
+            with fileio.io_errors("create", self.temp):
+                self.fd = self.ops.open_new(self.temp)
+            fileio.preallocate(self.ops, self.fd, self.size, self.temp)
         return self.fd
+
+    def write(self, bufs: Sequence[memoryview], offset: int) -> None:
+        fileio.write_all(self.ops, self.ensure_open(), bufs, offset, self.temp)
 
     def publish(self, head: bytes) -> None:
         fd = self.ensure_open()
-        self.ops.write_all(fd, [memoryview(head)], 0, self.temp)
-        self.ops.sync(fd, self.durability, self.temp)
+        fileio.write_all(self.ops, fd, [memoryview(head)], 0, self.temp)
+        fileio.sync(self.ops, fd, self.durability, self.temp)
         self.fd = None
-        self.ops.close(fd)
-        self.ops.rename(self.temp, self.path)
+        with fileio.io_errors("close", self.temp):
+            self.ops.close(fd)
+        with fileio.io_errors("rename", self.path):
+            self.ops.rename(self.temp, self.path)
         self.published = True
-        self.ops.sync_dir(os.path.dirname(self.path), self.durability)
+        fileio.sync_dir(self.ops, os.path.dirname(self.path), self.durability)
 
     def abort(self) -> None:
         if self.fd is not None:
@@ -105,51 +114,55 @@ class _File:
             try:
                 self.ops.close(fd)
             except OSError:
-                pass
+                pass  # a failed fd is never fsynced or reused
         if not self.published:
-            self.ops.unlink(self.temp)
+            fileio.remove_quietly(self.ops, self.temp)
 
 
-def _byte_runs(a: mx.array) -> tuple[list[memoryview], list[mx.array]]:
-    """Zero-copy byte runs of an evaluated array, in C order, plus the arrays they borrow."""
+def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
+    """Zero-copy byte runs of the rows to store, in C order, plus the array they borrow."""
+    a = src.array
+    if a.nbytes == 0:
+        return [], a
     mv = memoryview(a)
-    if mv.c_contiguous:
-        return [mv.cast("B")], [a]
-    # A view cut along axis -2: each leading index is one contiguous run.
+    if not mv.c_contiguous:
+        # Rare (a strided view); a contiguous copy, built and evaluated on this thread.
+        mv.release()
+        a = mx.contiguous(a)
+        mx.eval(a)
+        mv = memoryview(a)
+    flat = mv.cast("B")
     mv.release()
-    parts = [a[idx] for idx in itertools.product(*(range(d) for d in a.shape[:-2]))]
-    mx.eval(parts)
-    views = [memoryview(p) for p in parts]
-    if not all(v.c_contiguous for v in views):
-        for v in views:
-            v.release()
-        c = mx.contiguous(a)
-        mx.eval(c)
-        return [memoryview(c).cast("B")], [c]
-    return [v.cast("B") for v in views], parts
+    runs = [flat[o : o + n] for o, n in fmt.row_spans(a.shape, a.itemsize, src.rows)]
+    flat.release()
+    return runs, a
 
 
 class TensorStep:
     """Write one tensor. ``materialize`` inside the lease, then ``write`` anywhere."""
 
-    def __init__(self, index: int, slot: fmt.Slot, source: mx.array, file: _File, data_start: int) -> None:
+    def __init__(self, index: int, slot: fmt.Slot, source: Source, file: _File, data_start: int) -> None:
         self.index = index
         self.slot = slot
         self.nbytes = slot.nbytes
-        self._source: mx.array | None = source
+        self._source: Source | None = source
         self._file = file
         self._data_start = data_start
         self._runs: list[memoryview] = []
-        self._held: list[mx.array] = []
+        self._held: mx.array | None = None
+        self.materialized = False
         self.done = False
 
     def materialize(self) -> None:
         """Evaluate the source (the only part that touches the engine's arrays)."""
         src = self._source
-        if src is None:
+        if src is None or self.materialized:
             raise errors.SaveAborted("step already materialized")
-        mx.eval(src)
+        if src.shape != self.slot.shape:
+            self.release()
+            raise errors.PlanDrift(f"tensor {self.index}: planned shape {self.slot.shape}, got {src.shape}")
         self._runs, self._held = _byte_runs(src)
+        self.materialized = True
         got = sum(r.nbytes for r in self._runs)
         if got != self.slot.nbytes:
             self.release()
@@ -157,15 +170,14 @@ class TensorStep:
 
     def write(self) -> None:
         """Hash and write the bytes at their planned offset; touches no mlx state."""
-        if self._source is None or (self.slot.nbytes and not self._runs):
+        if not self.materialized or self._source is None:
             raise errors.SaveAborted(f"tensor {self.index} written before it was materialized")
         try:
             h = xxhash.xxh3_64()
             for r in self._runs:
                 h.update(r)
             self.slot.hash = h.digest()
-            fd = self._file.ensure_open()
-            self._file.ops.write_all(fd, self._runs, self._data_start + self.slot.off, self._file.temp)
+            self._file.write(self._runs, self._data_start + self.slot.off)
         finally:
             self.release()
         self.done = True
@@ -173,7 +185,7 @@ class TensorStep:
     def release(self) -> None:
         for r in self._runs:
             r.release()
-        self._runs, self._held, self._source = [], [], None
+        self._runs, self._held, self._source = [], None, None
 
 
 class PublishStep:
@@ -219,9 +231,12 @@ def plan(
     sources = [a for e in encoded for a in e.sources]
     att_entries = []
     for a in attachments:
-        views = [view(t) for t in a.tensors]
-        att_entries.append(fmt.AttachmentEntry(a.schema, dict(a.metadata), [slot_for(v) for v in views]))
-        sources.extend(views)
+        srcs = [rows(t) for t in a.tensors]
+        att_entries.append(fmt.AttachmentEntry(a.schema, dict(a.metadata), [slot_for(s) for s in srcs]))
+        sources.extend(srcs)
+    # The engine's pending work, if any, runs here on the caller's thread (a no-op for
+    # evaluated caches and clones); the steps then only read finished buffers.
+    mx.eval([s.array for s in sources])
     header = fmt.Header(
         version=fmt.FORMAT_VERSION,
         created_at_ms=time.time_ns() // 1_000_000,
@@ -235,9 +250,10 @@ def plan(
     )
     if checkpoint is not None and checkpoint.original_prompt_tokens + checkpoint.generated_tokens != len(header.tokens):
         raise errors.CheckpointInconsistent("checkpoint prompt + generated tokens must equal the saved tokens")
+    # Never publish a file our own reader would refuse.
     slots = header.slots()
-    if len(slots) > fmt.MAX_TENSORS:
-        raise errors.TooManyTensors(f"{len(slots)} tensors (limit {fmt.MAX_TENSORS})")
+    fmt.check_limits(slots)
+    fmt.check_nesting(header.caches)
     fmt.plan_offsets(slots)
     return header, sources
 

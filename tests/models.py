@@ -149,6 +149,12 @@ def tiny_falcon_h1(seed: int = 0) -> nn.Module:
         max_position_embeddings=4096,
         rope_theta=10000.0,
         tie_word_embeddings=True,
+        # The tied head scales logits by lm_head_multiplier / embedding_multiplier
+        # (defaults: ~0.0069), which squashes random-weight logits to near-uniform.
+        # All other mu-P multipliers are only folded in by sanitize(), so with
+        # both at 1.0 the forward pass is unscaled.
+        lm_head_multiplier=1.0,
+        embedding_multiplier=1.0,
     )
     return _finish(falcon_h1.Model(args))
 
@@ -255,6 +261,8 @@ if __name__ == "__main__":
         t_step = time.perf_counter() - t0
         finite = bool(mx.all(mx.isfinite(nxt)).item())
         print(f"   next_logits: shape {nxt.shape}, finite={finite}, {t_step*1e3:.1f} ms")
+        after = [(tuple(a.shape)) for a in cache_arrays(cache[0])]
+        print(f"   cache[0] arrays after 1 decode step: {after}")
         ok &= finite and nxt.shape == (VOCAB,) and logits.dtype == mx.float32
 
         # determinism: same seed + same prompt -> identical logits

@@ -230,3 +230,34 @@ def test_provider_rejects_duplicate_kinds() -> None:
         CodecProvider("x", [_DoublingCodec(), _DoublingCodec()])
     with pytest.raises(ValueError):
         CodecProvider("", [])
+
+
+def test_zero_row_caches_roundtrip(tmp_path: Any) -> None:
+    kvc = fill(C.KVCache(), 5)
+    kvc.trim(5)
+    cat = fill(C.ConcatenateKVCache(), 4)
+    cat.trim(4)
+    att = spilld.Attachment("empty/1", {}, [mx.zeros((0, 3)), mx.arange(3)])
+    spilld.save(tmp_path / "f", [], [kvc, cat], attachments=[att])
+    got = spilld.load(tmp_path / "f")
+    assert got.caches[0].offset == 0 and got.caches[1].offset == 0
+    assert got.attachments[0].tensors[0].shape == (0, 3)
+    assert same(got.attachments[0].tensors[1], mx.arange(3))
+
+
+def test_writer_refuses_what_the_reader_would(tmp_path: Any) -> None:
+    from spilld import format as fmt
+
+    deep: Any = fill(C.KVCache(), 2)
+    for _ in range(fmt.MAX_NESTING + 1):
+        deep = C.CacheList(deep)
+    with pytest.raises(errors.NestingTooDeep):
+        spilld.save(tmp_path / "f", [], [deep])
+    ok: Any = fill(C.KVCache(), 2)
+    for _ in range(fmt.MAX_NESTING):
+        ok = C.CacheList(ok)
+    spilld.save(tmp_path / "g", [], [ok])
+    assert same(live(spilld.load(tmp_path / "g").caches[0]), live(ok))
+    with pytest.raises(errors.RankTooLarge):
+        spilld.save(tmp_path / "f", [], [], attachments=[spilld.Attachment("r", {}, [mx.zeros((1,) * (fmt.MAX_RANK + 1))])])
+    assert sorted(os.listdir(tmp_path)) == ["g"]

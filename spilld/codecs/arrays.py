@@ -8,7 +8,7 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, field, new_instance, view
+from .base import Codec, DecodeContext, Encoded, EncodeContext, field, new_instance, rows, view
 
 
 def _opt(a: Any) -> Any:
@@ -25,9 +25,9 @@ class ArraysCodec(Codec):
 
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         present = [c is not None for c in cache.cache]
-        arrays = [view(c) for c in cache.cache if c is not None]
+        arrays = [rows(c) for c in cache.cache if c is not None]
         extras = {"left_padding": cache.left_padding, "lengths": cache.lengths}
-        arrays += [view(a) for a in extras.values() if a is not None]
+        arrays += [rows(a) for a in extras.values() if a is not None]
         fields = {"slots": present, **{k: v is not None for k, v in extras.items()}}
         return self.entry(offset=None, trimmable=False, arrays=arrays, fields=fields)
 

@@ -8,6 +8,7 @@ change our files.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,11 +20,29 @@ from ..format import DTYPE_SIZES, CacheEntry, Slot
 
 
 @dataclass
+class Source:
+    """A tensor to write: ``array`` whole, or only its first ``rows`` along axis -2.
+
+    Rows are cut by byte arithmetic on the evaluated buffer, never by an mlx
+    op: mlx 0.32 cannot evaluate a graph built on another thread, and the
+    write may run on a worker thread.
+    """
+
+    array: mx.array
+    rows: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = tuple(self.array.shape)
+        return s if self.rows is None else (*s[:-2], self.rows, s[-1])
+
+
+@dataclass
 class Encoded:
     """An entry to write and its tensor sources, in ``entry.walk_slots()`` order."""
 
     entry: CacheEntry
-    sources: list[mx.array]
+    sources: list[Source]
 
 
 class DecodeContext(Protocol):
@@ -42,23 +61,26 @@ class EncodeContext(Protocol):
     def clone(self, cache: Any) -> Any: ...
 
 
-def slot_for(a: mx.array) -> Slot:
-    name = dtypes.name_of(a.dtype)
-    n = DTYPE_SIZES[name]
-    for d in a.shape:
-        n *= d
-    return Slot(off=0, nbytes=n, shape=tuple(a.shape), dtype=name)
+def slot_for(src: Source) -> Slot:
+    name = dtypes.name_of(src.array.dtype)
+    shape = src.shape
+    return Slot(off=0, nbytes=DTYPE_SIZES[name] * math.prod(shape), shape=shape, dtype=name)
 
 
-def view(a: mx.array, n: int | None = None) -> mx.array:
-    """A new lazy, zero-copy array node over ``a`` (its first ``n`` rows along axis -2).
+def rows(a: mx.array, n: int | None = None) -> Source:
+    """Store the first ``n`` rows (axis -2) of ``a``; all of it when ``n`` is None."""
+    if n is not None and (a.ndim < 2 or n > a.shape[-2] or n < 0):
+        raise ValueError(f"cannot take {n} rows of shape {a.shape}")
+    return Source(a, None if n is None or n == a.shape[-2] else n)
+
+
+def view(a: mx.array) -> mx.array:
+    """A new, zero-copy array node over ``a``'s whole buffer (lazy until evaluated).
 
     Always a new node: mlx updates such as ``a[i] = x`` or ``a += 1`` rebind the
-    Python object in place, and a view must keep the data it was taken from.
+    Python object in place, and a clone must keep the data it was taken from.
     """
-    if n is not None:
-        return a[..., :n, :]
-    return a[:] if a.ndim else a + 0
+    return a[:] if a.ndim else a.reshape(())
 
 
 def step_capacity(n: int, step: int) -> int:
@@ -93,7 +115,7 @@ class Codec:
         *,
         offset: int | None,
         trimmable: bool,
-        arrays: list[mx.array],
+        arrays: list[Source | mx.array],
         fields: dict[str, Any] | None = None,
         min_reusable: int = 0,
     ) -> Encoded:
@@ -104,9 +126,11 @@ class Codec:
             min_reusable=min_reusable,
             trimmable=trimmable,
             fields=fields or {},
-            tensors=[slot_for(a) for a in arrays],
+            tensors=[],
         )
-        return Encoded(e, list(arrays))
+        sources = [a if isinstance(a, Source) else Source(a) for a in arrays]
+        e.tensors = [slot_for(s) for s in sources]
+        return Encoded(e, sources)
 
 
 def expect_tensors(entry: CacheEntry, *counts: int) -> None:

@@ -13,7 +13,7 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, field, new_instance, step_capacity, view
+from .base import Codec, DecodeContext, Encoded, EncodeContext, field, new_instance, rows, step_capacity, view
 
 
 def _optional(entry: CacheEntry, it: Any, name: str, ctx: DecodeContext) -> Any:
@@ -34,11 +34,11 @@ class BatchKVCodec(Codec):
 
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         n = cache._idx
-        arrays = [view(cache.offset), view(cache.left_padding)]
+        arrays = [rows(cache.offset), rows(cache.left_padding)]
         if cache.keys is not None:
-            arrays += [view(cache.keys, n), view(cache.values, n)]
+            arrays += [rows(cache.keys, n), rows(cache.values, n)]
         if cache._right_padding is not None:
-            arrays.append(view(cache._right_padding))
+            arrays.append(rows(cache._right_padding))
         fields = {"idx": n, "has_kv": cache.keys is not None, "right_padding": cache._right_padding is not None}
         return self.entry(offset=n, trimmable=True, arrays=arrays, fields=fields)
 
@@ -63,8 +63,8 @@ class BatchKVCodec(Codec):
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         def init(c: Any) -> None:
             has = cache.keys is not None
-            c.keys = view(cache.keys, cache._idx) if has else None
-            c.values = view(cache.values, cache._idx) if has else None
+            c.keys = view(cache.keys) if has else None
+            c.values = view(cache.values) if has else None
             c.offset, c.left_padding, c._idx = view(cache.offset), view(cache.left_padding), cache._idx
             c._right_padding = None if cache._right_padding is None else view(cache._right_padding)
 
@@ -82,12 +82,12 @@ class BatchRotatingKVCodec(Codec):
         return C.BatchRotatingKVCache
 
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
-        arrays = [view(cache.offset), view(cache.left_padding)]
+        arrays = [rows(cache.offset), rows(cache.left_padding)]
         if cache.keys is not None:
             n = _rot_rows(cache)
-            arrays += [view(cache.keys, n), view(cache.values, n)]
+            arrays += [rows(cache.keys, n), rows(cache.values, n)]
         if cache._lengths is not None:
-            arrays.append(view(cache._lengths))
+            arrays.append(rows(cache._lengths))
         fields = {
             "max_size": cache.max_size,
             "pos": cache._offset,
@@ -117,8 +117,8 @@ class BatchRotatingKVCodec(Codec):
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         def init(c: Any) -> None:
             has = cache.keys is not None
-            c.keys = view(cache.keys, _rot_rows(cache)) if has else None
-            c.values = view(cache.values, _rot_rows(cache)) if has else None
+            c.keys = view(cache.keys) if has else None
+            c.values = view(cache.values) if has else None
             c.offset, c.left_padding = view(cache.offset), view(cache.left_padding)
             c._lengths = None if cache._lengths is None else view(cache._lengths)
             c.max_size, c._offset, c._idx, c.rotated = cache.max_size, cache._offset, cache._idx, cache.rotated

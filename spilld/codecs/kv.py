@@ -7,7 +7,7 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, new_instance, step_capacity, view
+from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, new_instance, rows, step_capacity, view
 
 
 def _check_rows(entry: CacheEntry, n: int) -> None:
@@ -34,7 +34,7 @@ class KVCacheCodec(Codec):
         if cache.keys is None:
             return self.entry(offset=0, trimmable=True, arrays=[])
         n = cache.offset
-        return self.entry(offset=n, trimmable=True, arrays=[view(cache.keys, n), view(cache.values, n)])
+        return self.entry(offset=n, trimmable=True, arrays=[rows(cache.keys, n), rows(cache.values, n)])
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
         cache = self.cache_type()()
@@ -51,7 +51,7 @@ class KVCacheCodec(Codec):
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         out = self.cache_type()()
         if cache.keys is not None:
-            out.keys, out.values = view(cache.keys, cache.offset), view(cache.values, cache.offset)
+            out.keys, out.values = view(cache.keys), view(cache.values)
             out.offset = cache.offset
         return out
 
@@ -83,7 +83,7 @@ class ChunkedKVCodec(Codec):
         arrays = []
         if cache.keys is not None:
             n = cache.offset - cache.start_position
-            arrays = [view(cache.keys, n), view(cache.values, n)]
+            arrays = [rows(cache.keys, n), rows(cache.values, n)]
         return self.entry(
             offset=cache.offset, trimmable=True, arrays=arrays, fields=fields, min_reusable=cache.start_position
         )
@@ -106,7 +106,6 @@ class ChunkedKVCodec(Codec):
             out.chunk_size, out.start_position, out.offset = cache.chunk_size, cache.start_position, cache.offset
             out.keys = out.values = None
             if cache.keys is not None:
-                n = cache.offset - cache.start_position
-                out.keys, out.values = view(cache.keys, n), view(cache.values, n)
+                out.keys, out.values = view(cache.keys), view(cache.values)
 
         return new_instance(C.ChunkedKVCache, init)

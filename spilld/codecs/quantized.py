@@ -7,12 +7,12 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, step_capacity, view
+from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, rows, step_capacity, view
 
 
-def _views(parts: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+def _rows(parts: tuple[Any, ...], n: int) -> list[Any]:
     # Groups run along head_dim, so cutting the token axis keeps every group whole.
-    return tuple(view(p, n) for p in parts)
+    return [rows(p, n) for p in parts]
 
 
 class QuantizedKVCodec(Codec):
@@ -25,7 +25,7 @@ class QuantizedKVCodec(Codec):
         fields = {"group_size": cache.group_size, "bits": cache.bits}
         arrays: list[Any] = []
         if cache.keys is not None:
-            arrays = [*_views(cache.keys, cache.offset), *_views(cache.values, cache.offset)]
+            arrays = [*_rows(cache.keys, cache.offset), *_rows(cache.values, cache.offset)]
         return self.entry(offset=cache.offset, trimmable=True, arrays=arrays, fields=fields)
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
@@ -41,6 +41,6 @@ class QuantizedKVCodec(Codec):
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         out = C.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
         if cache.keys is not None:
-            out.keys, out.values = _views(cache.keys, cache.offset), _views(cache.values, cache.offset)
+            out.keys, out.values = tuple(map(view, cache.keys)), tuple(map(view, cache.values))
             out.offset = cache.offset
         return out

@@ -7,7 +7,7 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, new_instance, view
+from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, new_instance, rows, view
 
 
 def _stored_rows(cache: Any) -> int:
@@ -28,7 +28,7 @@ class RotatingKVCodec(Codec):
         arrays = []
         if cache.keys is not None:
             n = _stored_rows(cache)
-            arrays = [view(cache.keys, n), view(cache.values, n)]
+            arrays = [rows(cache.keys, n), rows(cache.values, n)]
         return self.entry(offset=cache.offset, trimmable=cache.offset < cache.max_size, arrays=arrays, fields=fields)
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
@@ -46,7 +46,6 @@ class RotatingKVCodec(Codec):
             out.keep, out.max_size, out.offset, out._idx = cache.keep, cache.max_size, cache.offset, cache._idx
             out.keys = out.values = None
             if cache.keys is not None:
-                n = _stored_rows(cache)
-                out.keys, out.values = view(cache.keys, n), view(cache.values, n)
+                out.keys, out.values = view(cache.keys), view(cache.values)
 
         return new_instance(C.RotatingKVCache, init)

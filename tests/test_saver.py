@@ -1,0 +1,267 @@
+"""The generator saver: steps, cleanup on every exit path, durability, async driving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors, fileio
+from spilld.saver import PublishStep, TensorStep
+from tests.caches import fill, live, same
+from tests.conftest import open_fds
+
+
+def caches(n_layers: int = 3) -> list[Any]:
+    return [fill(C.KVCache(), 17, seed=i) for i in range(n_layers)]
+
+
+def test_n_tensors_give_n_plus_one_steps(tmp_path: Any) -> None:
+    gen = spilld.save_steps(tmp_path / "f", list(range(17)), caches(3))
+    steps = []
+    for step in gen:
+        steps.append(step)
+        step.materialize()
+        step.write()
+    assert len(steps) == 7
+    assert all(isinstance(s, TensorStep) for s in steps[:-1]) and isinstance(steps[-1], PublishStep)
+    assert os.listdir(tmp_path) == ["f"]
+
+
+@pytest.mark.parametrize("stop_after", range(0, 7))
+@pytest.mark.parametrize("how", ["close", "throw", "skip"])
+def test_leaving_at_any_step_leaves_nothing(tmp_path: Any, stop_after: int, how: str) -> None:
+    before = open_fds()
+    gen = spilld.save_steps(tmp_path / "f", [], caches(3))
+    steps = []
+    for i, step in enumerate(gen):
+        steps.append(step)
+        if i == stop_after:
+            if how == "close":
+                gen.close()
+            elif how == "throw":
+                with pytest.raises(KeyboardInterrupt):
+                    gen.throw(KeyboardInterrupt())
+            else:  # a driver that forgets to run the step
+                with pytest.raises(errors.SaveAborted):
+                    next(gen)
+            break
+        step.materialize()
+        step.write()
+    assert os.listdir(tmp_path) == []
+    assert open_fds() == before
+    # no array is pinned by a finished step
+    assert all(getattr(s, "_source", None) is None for s in steps)
+
+
+def test_steps_must_run_in_order(tmp_path: Any) -> None:
+    gen = spilld.save_steps(tmp_path / "f", [], caches(1))
+    step = next(gen)
+    with pytest.raises(errors.SaveAborted):
+        step.write()  # not materialized yet
+    gen.close()
+    assert os.listdir(tmp_path) == []
+
+
+class RecordingOps(fileio.FileOps):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def fsync(self, fd: int, durability: fileio.Durability) -> None:
+        self.calls.append(f"fsync:{durability.value}")
+        super().fsync(fd, durability)
+
+    def open_dir(self, path: str) -> int:
+        self.calls.append("open_dir")
+        return super().open_dir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.calls.append("rename")
+        super().rename(src, dst)
+
+
+@pytest.mark.parametrize("durability", ["full", "fsync", "none"])
+def test_durability_orders_syncs_around_rename(tmp_path: Any, durability: str) -> None:
+    ops = RecordingOps()
+    spilld.save(tmp_path / "f", [], caches(1), durability=durability, ops=ops)
+    if durability == "none":
+        assert ops.calls == ["rename"]
+    else:
+        assert ops.calls == [f"fsync:{durability}", "rename", "open_dir", f"fsync:{durability}"]
+    assert spilld.load(tmp_path / "f").caches
+
+
+class FailingOps(fileio.FileOps):
+    def __init__(self, fail_on: str) -> None:
+        self.fail_on = fail_on
+
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        if self.fail_on == "write" and offset > 0:
+            raise OSError(28, "No space left on device")
+        return super().pwritev(fd, bufs, offset)
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.fail_on == "rename":
+            raise OSError(5, "Input/output error")
+        super().rename(src, dst)
+
+
+@pytest.mark.parametrize(("fail_on", "err"), [("write", errors.DiskFull), ("rename", errors.StorageError)])
+def test_io_errors_are_typed_and_leave_nothing(tmp_path: Any, fail_on: str, err: type[Exception]) -> None:
+    with pytest.raises(err) as info:
+        spilld.save(tmp_path / "f", [], caches(2), ops=FailingOps(fail_on))
+    assert os.listdir(tmp_path) == []
+    assert info.value.errno in (28, 5)  # type: ignore[attr-defined]
+
+
+class ShortWriteOps(fileio.FileOps):
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        return os.pwrite(fd, bufs[0][:7], offset)  # at most 7 bytes a call
+
+
+def test_short_writes_are_resumed(tmp_path: Any) -> None:
+    small = [fill(C.KVCache(), 3, heads=1, dim=4)]
+    spilld.save(tmp_path / "f", [1, 2, 3], small, ops=ShortWriteOps())
+    assert same(live(spilld.load(tmp_path / "f").caches[0]), live(small[0]))
+
+
+def test_plan_drift_is_caught(tmp_path: Any) -> None:
+    # A codec whose source changes size between plan and write.
+    cache = fill(C.KVCache(), 9)
+    gen = spilld.save_steps(tmp_path / "f", [], [cache])
+    step = next(gen)
+    assert isinstance(step, TensorStep)
+    step._source = mx.zeros((1, 2, 10, 8))
+    with pytest.raises(errors.PlanDrift):
+        step.materialize()
+    gen.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_attachments_and_checkpoint_roundtrip(tmp_path: Any) -> None:
+    tokens = list(range(20))
+    ck = spilld.GenerationCheckpoint("req-1", "ns", 15, 5, 77, 1234, True)
+    att = spilld.Attachment("draft-kv/1", {"layers": 2, "ok": True, "name": "d"}, [mx.arange(6, dtype=mx.int32)])
+    spilld.save(tmp_path / "f", tokens, [fill(C.KVCache(), 20)], attachments=[att], checkpoint=ck)
+    got = spilld.load(tmp_path / "f")
+    assert got.checkpoint == ck
+    assert got.attachments[0].schema == "draft-kv/1" and got.attachments[0].metadata == att.metadata
+    assert same(got.attachments[0].tensors[0], att.tensors[0])
+    assert got.header.trimmable is False  # attachments are never trimmed
+    with pytest.raises(errors.CheckpointInconsistent):
+        spilld.save(tmp_path / "g", tokens[:3], [fill(C.KVCache(), 3)], checkpoint=ck)
+
+
+def test_bad_tokens_are_refused(tmp_path: Any) -> None:
+    with pytest.raises(ValueError):
+        spilld.save(tmp_path / "f", [-1], caches(1))
+    with pytest.raises(ValueError):
+        spilld.save(tmp_path / "f", [2**32], caches(1))
+    assert os.listdir(tmp_path) == []
+
+
+def test_tokens_accept_arrays(tmp_path: Any) -> None:
+    spilld.save(tmp_path / "f", mx.array([5, 6, 7]), caches(1))
+    assert spilld.read_header(tmp_path / "f").tokens == [5, 6, 7]
+
+
+# --- save_async ----------------------------------------------------------------
+
+
+class AsyncLockLease:
+    """The engine decodes on the loop under an asyncio.Lock; a step runs while it is held."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.calls = 0
+
+    async def __call__(self, fn: Callable[[], Any]) -> Any:
+        async with self.lock:
+            self.calls += 1
+            return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+@pytest.mark.asyncio
+async def test_save_async_runs_one_step_per_loop_turn(tmp_path: Any) -> None:
+    lease = AsyncLockLease()
+    ticks = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.create_task(ticker())
+    res = await spilld.save_async(tmp_path / "f", list(range(17)), caches(3), run_step=lease)
+    stop = True
+    await t
+    assert lease.calls == 6  # every tensor's materialize went through the lease
+    assert ticks >= 7  # the loop kept turning between steps
+    assert res.header.data_bytes == sum(s.nbytes for s in spilld.read_header(tmp_path / "f").slots())
+
+
+@pytest.mark.asyncio
+async def test_save_async_write_in_lease(tmp_path: Any) -> None:
+    lease = AsyncLockLease()
+    await spilld.save_async(tmp_path / "f", [], caches(2), run_step=lease, write_in_lease=True)
+    assert lease.calls == 4 + 5  # 4 materialize + 4 writes + publish
+    assert spilld.load(tmp_path / "f").caches
+
+
+@pytest.mark.asyncio
+async def test_failing_lease_aborts_cleanly(tmp_path: Any) -> None:
+    n = 0
+
+    async def lease(fn: Callable[[], Any]) -> Any:
+        nonlocal n
+        n += 1
+        if n == 3:
+            raise RuntimeError("engine is gone")
+        return fn()
+
+    before = open_fds()
+    with pytest.raises(RuntimeError, match="engine is gone"):
+        await spilld.save_async(tmp_path / "f", [], caches(3), run_step=lease)
+    assert os.listdir(tmp_path) == []
+    assert open_fds() == before
+
+
+@pytest.mark.asyncio
+async def test_cancelled_save_leaves_nothing(tmp_path: Any) -> None:
+    started = asyncio.Event()
+
+    async def lease(fn: Callable[[], Any]) -> Any:
+        started.set()
+        await asyncio.sleep(0.01)
+        return fn()
+
+    task = asyncio.create_task(spilld.save_async(tmp_path / "f", [], caches(4), run_step=lease))
+    await started.wait()
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert os.listdir(tmp_path) == []
+
+
+# --- drop-ins --------------------------------------------------------------------
+
+
+def test_prompt_cache_dropins(tmp_path: Any) -> None:
+    cs = [fill(C.KVCache(), 11), fill(C.RotatingKVCache(8, keep=2), 11)]
+    name = str(tmp_path / "prompt.safetensors")
+    spilld.save_prompt_cache(name, cs, {"model": "tiny", "note": "héllo"})
+    assert os.listdir(tmp_path) == ["prompt.safetensors"]  # exactly the name given
+    got = spilld.load_prompt_cache(name)
+    assert all(same(live(a), live(b)) for a, b in zip(got, cs, strict=True))
+    got2, meta = spilld.load_prompt_cache(name, return_metadata=True)
+    assert meta == {"model": "tiny", "note": "héllo"}
+    assert spilld.read_header(name).tokens == []
