@@ -13,7 +13,9 @@ from .loader import load
 from .saver import save
 
 
-def save_prompt_cache(file_name: str | os.PathLike[str], cache: list[Any], metadata: dict[str, str] | None = None) -> None:
+def save_prompt_cache(
+    file_name: str | os.PathLike[str], cache: list[Any], metadata: dict[str, str] | None = None
+) -> None:
     """Save a prompt cache to exactly ``file_name`` (no extension is added)."""
     save(file_name, [], cache, metadata)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import mlx.core as mx
 
 from . import errors
@@ -23,6 +25,11 @@ _BY_NAME: dict[str, mx.Dtype] = {
     "complex64": mx.complex64,
 }
 _BY_DTYPE: dict[mx.Dtype, str] = {v: k for k, v in _BY_NAME.items()}
+
+
+def buffer(a: mx.array) -> memoryview:
+    """The zero-copy buffer of an evaluated array (works for every dtype, bfloat16 included)."""
+    return memoryview(cast(Any, a))
 
 
 def name_of(dtype: mx.Dtype) -> str:

@@ -11,8 +11,8 @@ import os
 import secrets
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from enum import Enum
+from contextlib import contextmanager, suppress
+from enum import StrEnum
 
 from . import errors
 
@@ -20,7 +20,7 @@ TEMP_SUFFIX = ".spilld-tmp"
 IOV_MAX = 1024  # Linux and macOS both accept at least this many buffers per call
 
 
-class Durability(str, Enum):
+class Durability(StrEnum):
     """How hard a publish pushes bytes to stable storage."""
 
     FULL = "full"  # F_FULLFSYNC on macOS (drive cache flushed); fsync elsewhere
@@ -147,10 +147,8 @@ def sync_dir(ops: FileOps, folder: str, durability: Durability) -> None:
 
 
 def remove_quietly(ops: FileOps, path: str) -> None:
-    try:
+    with suppress(OSError):
         ops.unlink(path)
-    except OSError:
-        pass
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

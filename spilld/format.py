@@ -77,7 +77,13 @@ class Slot:
     hash: bytes = PLACEHOLDER_HASH
 
     def to_wire(self) -> dict[str, Any]:
-        return {"off": self.off, "bytes": self.nbytes, "shape": list(self.shape), "dtype": self.dtype, "hash": self.hash}
+        return {
+            "off": self.off,
+            "bytes": self.nbytes,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "hash": self.hash,
+        }
 
 
 @dataclass
@@ -314,7 +320,9 @@ def encode_prefix(header_bytes: bytes) -> tuple[bytes, int]:
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise errors.HeaderTooLarge(f"header is {len(header_bytes)} bytes (limit {MAX_HEADER_BYTES})")
     data_start = align_up(PREFIX_LEN + len(header_bytes))
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes), data_start, int.from_bytes(xxh3(header_bytes), "big"))
+    prefix = PREFIX.pack(
+        MAGIC, FORMAT_VERSION, len(header_bytes), data_start, int.from_bytes(xxh3(header_bytes), "big")
+    )
     head = prefix + header_bytes
     return head + b"\x00" * (data_start - len(head)), data_start
 
@@ -337,7 +345,9 @@ def decode_prefix(raw: bytes, file_size: int, path: str | None = None) -> Prefix
     if magic != MAGIC:
         raise errors.BadMagic("not a spilld file", path=path)
     if version not in SUPPORTED_VERSIONS:
-        raise errors.UnsupportedVersion(f"format version {version} (this reader knows {sorted(SUPPORTED_VERSIONS)})", path=path)
+        raise errors.UnsupportedVersion(
+            f"format version {version} (this reader knows {sorted(SUPPORTED_VERSIONS)})", path=path
+        )
     if header_len > MAX_HEADER_BYTES:
         raise errors.HeaderTooLarge(f"header length {header_len} (limit {MAX_HEADER_BYTES})", path=path)
     if data_start != align_up(PREFIX_LEN + header_len):

@@ -33,7 +33,8 @@ def _model_dtype(model: Any) -> str:
     try:
         from mlx.utils import tree_flatten
 
-        for _, p in tree_flatten(model.parameters()):
+        leaves: Any = tree_flatten(model.parameters())
+        for _, p in leaves:
             return str(p.dtype).removeprefix("mlx.core.")
     except Exception:  # a model without parameters() still gets a fingerprint
         pass

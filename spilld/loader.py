@@ -12,7 +12,8 @@ from typing import Any
 import mlx.core as mx
 import xxhash
 
-from . import dtypes, errors, fileio, format as fmt
+from . import dtypes, errors, fileio
+from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .fileio import DEFAULT_OPS, FileOps
 from .saver import Attachment
@@ -89,15 +90,16 @@ class _Reader:
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         shape = list(slot.shape)
-        grow = capacity is not None and len(shape) >= 2 and capacity > shape[-2]
-        alloc = [*shape[:-2], capacity, shape[-1]] if grow else shape
+        alloc = list(shape)
+        if capacity is not None and len(shape) >= 2 and capacity > shape[-2]:
+            alloc[-2] = capacity
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
         mx.eval(arr)
         if arr.nbytes == 0:
             return arr
-        mv = memoryview(arr).cast("B")
+        mv = dtypes.buffer(arr).cast("B")
         try:
-            spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], shape[-2] if grow else None)
+            spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], shape[-2] if alloc != shape else None)
             runs = [mv[o : o + n] for o, n in spans]
             fileio.read_all(self.ops, self.fd, runs, self.header.data_start + slot.off, self.path)
             if self.verify:
@@ -105,7 +107,9 @@ class _Reader:
                 for r in runs:
                     h.update(r)
                 if h.digest() != slot.hash:
-                    raise errors.TensorHashMismatch(f"tensor at offset {slot.off} does not match its hash", path=self.path)
+                    raise errors.TensorHashMismatch(
+                        f"tensor at offset {slot.off} does not match its hash", path=self.path
+                    )
             for r in runs:
                 r.release()
         finally:
@@ -126,7 +130,9 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
     if not header.trimmable:
         raise errors.NotReusable("entry is not trimmable (rotated ring, recurrent state or attachments)", path=path)
     if upto < header.min_reusable_offset:
-        raise errors.NotReusable(f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path)
+        raise errors.NotReusable(
+            f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path
+        )
     for c, e in zip(caches, header.caches, strict=True):
         if e.offset is not None and e.offset > upto:
             c.trim(e.offset - upto)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import errors, fileio, format as fmt
+from . import dtypes, errors, fileio
+from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.base import Source, rows, slot_for
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
@@ -47,12 +48,13 @@ class SaveResult:
     file_bytes: int
 
 
-def token_list(tokens: Iterable[int] | np.ndarray | mx.array | None) -> list[int]:
+def token_list(tokens: Any) -> list[int]:
+    """Token ids from a list, numpy array or mlx array, checked to fit in u32."""
     if tokens is None:
         return []
-    if isinstance(tokens, mx.array):
+    if isinstance(tokens, (mx.array, np.ndarray)):
         tokens = tokens.tolist()
-    out = [int(t) for t in tokens]  # type: ignore[union-attr]
+    out = [int(t) for t in tokens]
     if any(t < 0 or t >= 2**32 for t in out):
         raise ValueError("token ids must fit in an unsigned 32-bit integer")
     if len(out) > fmt.MAX_TOKENS:
@@ -124,13 +126,13 @@ def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
     a = src.array
     if a.nbytes == 0:
         return [], a
-    mv = memoryview(a)
+    mv = dtypes.buffer(a)
     if not mv.c_contiguous:
         # Rare (a strided view); a contiguous copy, built and evaluated on this thread.
         mv.release()
         a = mx.contiguous(a)
         mx.eval(a)
-        mv = memoryview(a)
+        mv = dtypes.buffer(a)
     flat = mv.cast("B")
     mv.release()
     runs = [flat[o : o + n] for o, n in fmt.row_spans(a.shape, a.itemsize, src.rows)]
@@ -215,6 +217,9 @@ class PublishStep:
 SaveStep = TensorStep | PublishStep
 
 
+_RELEASED = Source(mx.array(0))
+
+
 def plan(
     tokens: Any,
     caches: Sequence[Any],
@@ -224,7 +229,7 @@ def plan(
     attachments: Sequence[Attachment] = (),
     checkpoint: fmt.GenerationCheckpoint | None = None,
     provider: CodecProvider | None = None,
-) -> tuple[fmt.Header, list[mx.array]]:
+) -> tuple[fmt.Header, list[Source]]:
     """Build the header (placeholder hashes, final offsets) and the list of lazy sources."""
     p = provider or default_provider()
     encoded = [p.encode(c) for c in caches]
@@ -290,7 +295,7 @@ def save_steps(
     try:
         for i, slot in enumerate(slots):
             step = TensorStep(i, slot, sources[i], file, data_start)
-            sources[i] = None  # type: ignore[call-overload]  # the step owns it now
+            sources[i] = _RELEASED  # the step owns it now
             yield step
             if not step.done:
                 raise errors.SaveAborted(f"tensor step {i} was not run to completion", path=dest)
@@ -318,7 +323,7 @@ def drive(gen: Generator[SaveStep, None, SaveResult], each: Callable[[SaveStep],
         while True:
             each(next(gen))
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        return cast(SaveResult, stop.value)
     finally:
         gen.close()
 
@@ -373,11 +378,11 @@ async def save_async(
             try:
                 step = next(gen)
             except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+                return cast(SaveResult, stop.value)
             if isinstance(step, TensorStep):
                 await lease(step.materialize)
             if write_in_lease:
-                await lease(lambda s=step: s.write())  # type: ignore[misc]
+                await lease(step.write)
             else:
                 await _off_loop(step.write)
             await asyncio.sleep(0)  # one step per loop turn

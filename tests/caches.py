@@ -8,7 +8,9 @@ import mlx.core as mx
 from mlx_lm.models import cache as C
 
 
-def kv(n: int, *, heads: int = 2, dim: int = 8, batch: int = 1, seed: int = 0, dtype: Any = mx.float32) -> tuple[mx.array, mx.array]:
+def kv(
+    n: int, *, heads: int = 2, dim: int = 8, batch: int = 1, seed: int = 0, dtype: Any = mx.float32
+) -> tuple[mx.array, mx.array]:
     mx.random.seed(seed)
     k = mx.random.normal((batch, heads, n, dim)).astype(dtype)
     v = mx.random.normal((batch, heads, n, dim)).astype(dtype)
@@ -54,7 +56,11 @@ def live(cache: Any) -> Any:
     if isinstance(cache, C.BatchRotatingKVCache):
         k = None if cache.keys is None else cache.keys_and_values()
         return [k, cache.offset, cache.left_padding, cache._offset, cache._idx, bool(cache.rotated), cache.max_size]
-    scalars = {n: getattr(cache, n) for n in ("offset", "keep", "max_size", "_idx", "chunk_size", "start_position", "group_size", "bits") if hasattr(cache, n)}
+    scalars = {
+        n: getattr(cache, n)
+        for n in ("offset", "keep", "max_size", "_idx", "chunk_size", "start_position", "group_size", "bits")
+        if hasattr(cache, n)
+    }
     if cache.keys is None:
         return [None, scalars]
     if isinstance(cache, C.ChunkedKVCache):

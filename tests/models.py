@@ -18,7 +18,8 @@ Run ``python tests/models.py`` for a self-check.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -198,9 +199,7 @@ def _last_logits(out: mx.array) -> mx.array:
     return out[0, -1].astype(mx.float32)
 
 
-def prefill(
-    model: nn.Module, tokens: list[int], cache: Optional[list] = None
-) -> tuple[list, mx.array]:
+def prefill(model: nn.Module, tokens: list[int], cache: list | None = None) -> tuple[list, mx.array]:
     """Run ``tokens`` through ``model`` (making a prompt cache if needed); return (cache, last logits)."""
     if cache is None:
         cache = make_prompt_cache(model)
@@ -242,14 +241,14 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         model = build(seed=0)
         t_build = time.perf_counter() - t0
-        print(f"== {name}: {num_params(model):,} params (built in {t_build*1e3:.0f} ms)")
+        print(f"== {name}: {num_params(model):,} params (built in {t_build * 1e3:.0f} ms)")
 
         # warm-up (first call compiles / allocates), then time a fresh 40-token prefill
         prefill(model, prompt)
         t0 = time.perf_counter()
         cache, logits = prefill(model, prompt)
         t_prefill = time.perf_counter() - t0
-        print(f"   prefill 40 tok: {t_prefill*1e3:.1f} ms, logits {logits.shape} {logits.dtype}")
+        print(f"   prefill 40 tok: {t_prefill * 1e3:.1f} ms, logits {logits.shape} {logits.dtype}")
         print(f"   caches: [{', '.join(_describe(c) for c in cache)}]")
         shapes = [(tuple(a.shape), str(a.dtype)) for a in cache_arrays(cache[0])]
         print(f"   cache[0] arrays: {shapes}")
@@ -260,7 +259,7 @@ if __name__ == "__main__":
         nxt = next_logits(model, cache, 7)
         t_step = time.perf_counter() - t0
         finite = bool(mx.all(mx.isfinite(nxt)).item())
-        print(f"   next_logits: shape {nxt.shape}, finite={finite}, {t_step*1e3:.1f} ms")
+        print(f"   next_logits: shape {nxt.shape}, finite={finite}, {t_step * 1e3:.1f} ms")
         after = [(tuple(a.shape)) for a in cache_arrays(cache[0])]
         print(f"   cache[0] arrays after 1 decode step: {after}")
         ok &= finite and nxt.shape == (VOCAB,) and logits.dtype == mx.float32

@@ -117,7 +117,9 @@ def test_clone_matches_and_is_detached(tmp_path: Any, name: str) -> None:
     mx.eval(before)
     assert same(live(clone), before)
     # Mutate the original the way an engine does; the clone must keep the old data.
-    if hasattr(cache, "update_and_fetch") and not isinstance(cache, (C.BatchKVCache, C.BatchRotatingKVCache, C.QuantizedKVCache)):
+    if hasattr(cache, "update_and_fetch") and not isinstance(
+        cache, (C.BatchKVCache, C.BatchRotatingKVCache, C.QuantizedKVCache)
+    ):
         cache.update_and_fetch(*kv(1, seed=99, **like(cache)))
         assert same(live(clone), before)
 
@@ -165,7 +167,15 @@ def test_batch_rotating_false_stays_false(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize(
     ("name", "trimmable"),
-    [("kv", True), ("rotating_prewrap", True), ("rotating_wrapped", False), ("arrays", False), ("cachelist", False), ("chunked", True), ("batch_rotating_rotated", False)],
+    [
+        ("kv", True),
+        ("rotating_prewrap", True),
+        ("rotating_wrapped", False),
+        ("arrays", False),
+        ("cachelist", False),
+        ("chunked", True),
+        ("batch_rotating_rotated", False),
+    ],
 )
 def test_trimmability_from_header_alone(tmp_path: Any, name: str, trimmable: bool) -> None:
     spilld.save(tmp_path / "f", [], [CASES[name]()])
@@ -259,5 +269,7 @@ def test_writer_refuses_what_the_reader_would(tmp_path: Any) -> None:
     spilld.save(tmp_path / "g", [], [ok])
     assert same(live(spilld.load(tmp_path / "g").caches[0]), live(ok))
     with pytest.raises(errors.RankTooLarge):
-        spilld.save(tmp_path / "f", [], [], attachments=[spilld.Attachment("r", {}, [mx.zeros((1,) * (fmt.MAX_RANK + 1))])])
+        spilld.save(
+            tmp_path / "f", [], [], attachments=[spilld.Attachment("r", {}, [mx.zeros((1,) * (fmt.MAX_RANK + 1))])]
+        )
     assert sorted(os.listdir(tmp_path)) == ["g"]

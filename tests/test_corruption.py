@@ -13,7 +13,8 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
-from spilld import errors, format as fmt
+from spilld import errors
+from spilld import format as fmt
 from tests.caches import fill
 
 
@@ -92,7 +93,7 @@ def test_bad_magic_and_version(tmp_path: Any, sample: tuple[str, bytes]) -> None
     with pytest.raises(errors.TruncatedFile):
         spilld.load(write(str(tmp_path / "b"), b""))
     with pytest.raises(errors.BadMagic):
-        spilld.load(write(str(tmp_path / "c"), b"{\"not\": 1}"))
+        spilld.load(write(str(tmp_path / "c"), b'{"not": 1}'))
     b = bytearray(data)
     struct.pack_into("<I", b, 8, 99)
     with pytest.raises(errors.UnsupportedVersion):
@@ -105,9 +106,8 @@ def _with_header(data: bytes, mutate: Any) -> bytes:
     raw = msgpack.unpackb(data[fmt.PREFIX_LEN : fmt.PREFIX_LEN + prefix.header_len], raw=False)
     mutate(raw)
     hb = msgpack.packb(raw, use_bin_type=True)
-    head, ds = fmt.encode_prefix(hb)
-    body = data[prefix.data_start :]
-    return head + body if ds == prefix.data_start else head + body
+    head, _ = fmt.encode_prefix(hb)
+    return head + data[prefix.data_start :]
 
 
 def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tuple[str, bytes]) -> None:
@@ -132,19 +132,44 @@ def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tup
     [
         (lambda h: h["caches"][0]["tensors"][0].update(shape=[1] * (fmt.MAX_RANK + 1)), errors.RankTooLarge),
         (lambda h: h["caches"][0]["tensors"][0].update(shape=[fmt.MAX_DIM + 1, 1, 1, 1]), errors.DimensionTooLarge),
-        (lambda h: h["caches"][0]["tensors"][0].update(shape=[2**20, 2**20, 2, 1], bytes=2**41), errors.TotalSizeTooLarge),
-        (lambda h: h["caches"][0]["tensors"].extend([h["caches"][0]["tensors"][0]] * fmt.MAX_TENSORS), errors.TooManyTensors),
+        (
+            lambda h: h["caches"][0]["tensors"][0].update(shape=[2**20, 2**20, 2, 1], bytes=2**41),
+            errors.TotalSizeTooLarge,
+        ),
+        (
+            lambda h: h["caches"][0]["tensors"].extend([h["caches"][0]["tensors"][0]] * fmt.MAX_TENSORS),
+            errors.TooManyTensors,
+        ),
         (lambda h: h.update(tokens=b"\0" * 4 * (fmt.MAX_TOKENS + 1)), errors.TooManyTokens),
-        (lambda h: h["caches"][0]["tensors"][1].update(off=h["caches"][0]["tensors"][1]["off"] + fmt.ALIGN), errors.LayoutError),
+        (
+            lambda h: h["caches"][0]["tensors"][1].update(off=h["caches"][0]["tensors"][1]["off"] + fmt.ALIGN),
+            errors.LayoutError,
+        ),
         (lambda h: h["caches"][0]["tensors"][1].update(off=0), errors.LayoutError),
-        (lambda h: h["caches"][0]["tensors"][0].update(bytes=h["caches"][0]["tensors"][0]["bytes"] - 4), errors.LayoutError),
+        (
+            lambda h: h["caches"][0]["tensors"][0].update(bytes=h["caches"][0]["tensors"][0]["bytes"] - 4),
+            errors.LayoutError,
+        ),
         (lambda h: h["caches"][0]["tensors"][0].update(dtype="float128"), errors.HeaderMalformed),
         (lambda h: h["caches"][0].update(offset="ten"), errors.HeaderMalformed),
         (lambda h: h["caches"][0].update(min_reusable=10**6), errors.HeaderMalformed),
         (lambda h: h["caches"][0]["tensors"][0].update(hash=b"short"), errors.HeaderMalformed),
         (lambda h: h.pop("identity"), errors.HeaderMalformed),
         (lambda h: h.update(format=2), errors.HeaderMalformed),
-        (lambda h: h.update(checkpoint={"key": "k", "cache_ns": "", "original_prompt_tokens": 3, "generated_tokens": 1, "pending_token": 5, "seed": 1, "seed_was_explicit": False}), errors.CheckpointInconsistent),
+        (
+            lambda h: h.update(
+                checkpoint={
+                    "key": "k",
+                    "cache_ns": "",
+                    "original_prompt_tokens": 3,
+                    "generated_tokens": 1,
+                    "pending_token": 5,
+                    "seed": 1,
+                    "seed_was_explicit": False,
+                }
+            ),
+            errors.CheckpointInconsistent,
+        ),
         (lambda h: h["caches"][0].update(children=[_nest(fmt.MAX_NESTING + 1)]), errors.NestingTooDeep),
         (lambda h: h["caches"][0].update(kind="mystery"), errors.UnknownCacheKind),
         (lambda h: h["caches"][0].update(v=9), errors.CodecVersionUnsupported),
@@ -158,7 +183,16 @@ def test_hostile_headers(tmp_path: Any, sample: tuple[str, bytes], mutate: Any, 
 
 
 def _nest(depth: int) -> dict[str, Any]:
-    e: dict[str, Any] = {"kind": "list", "v": 1, "offset": None, "min_reusable": 0, "trimmable": True, "fields": {}, "tensors": [], "children": []}
+    e: dict[str, Any] = {
+        "kind": "list",
+        "v": 1,
+        "offset": None,
+        "min_reusable": 0,
+        "trimmable": True,
+        "fields": {},
+        "tensors": [],
+        "children": [],
+    }
     if depth:
         e["children"] = [_nest(depth - 1)]
     return e

@@ -262,6 +262,6 @@ def test_prompt_cache_dropins(tmp_path: Any) -> None:
     assert os.listdir(tmp_path) == ["prompt.safetensors"]  # exactly the name given
     got = spilld.load_prompt_cache(name)
     assert all(same(live(a), live(b)) for a, b in zip(got, cs, strict=True))
-    got2, meta = spilld.load_prompt_cache(name, return_metadata=True)
+    _, meta = spilld.load_prompt_cache(name, return_metadata=True)
     assert meta == {"model": "tiny", "note": "héllo"}
     assert spilld.read_header(name).tokens == []

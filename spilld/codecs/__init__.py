@@ -1,6 +1,6 @@
 """Cache codecs: one per cache class, chosen through an explicit registry."""
 
-from .base import Codec, DecodeContext, Encoded, EncodeContext, view
+from .base import Codec, DecodeContext, EncodeContext, Encoded, view
 from .registry import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 
 __all__ = [

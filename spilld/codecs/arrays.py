@@ -8,7 +8,7 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, field, new_instance, rows, view
+from .base import Codec, DecodeContext, EncodeContext, Encoded, field, new_instance, rows, view
 
 
 def _opt(a: Any) -> Any:
@@ -37,8 +37,9 @@ class ArraysCodec(Codec):
         if not all(isinstance(p, bool) for p in present) or len(entry.tensors) != sum(present) + has_lp + has_len:
             raise errors.HeaderMalformed("arrays entry: slot map does not match its tensors")
         it = iter(entry.tensors)
-        cache = C.ArraysCache(len(present))
-        cache.cache = [ctx.read(next(it)) if p else None for p in present]
+        cache: Any = C.ArraysCache(len(present))
+        slots: list[Any] = [ctx.read(next(it)) if p else None for p in present]
+        cache.cache = slots
         cache.left_padding = ctx.read(next(it)) if has_lp else None
         cache.lengths = ctx.read(next(it)) if has_len else None
         return cache

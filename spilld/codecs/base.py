@@ -9,7 +9,7 @@ change our files.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -115,7 +115,7 @@ class Codec:
         *,
         offset: int | None,
         trimmable: bool,
-        arrays: list[Source | mx.array],
+        arrays: Sequence[Source | mx.array],
         fields: dict[str, Any] | None = None,
         min_reusable: int = 0,
     ) -> Encoded:
@@ -148,7 +148,7 @@ def field(entry: CacheEntry, name: str, kind: type | tuple[type, ...] = int) -> 
     return v
 
 
-def new_instance(cls: type, init: Callable[[Any], None]) -> Any:
+def new_instance(cls: Any, init: Callable[[Any], None]) -> Any:
     """Build a cache object without its ``__init__`` (its arguments are in our fields)."""
     obj = cls.__new__(cls)
     init(obj)

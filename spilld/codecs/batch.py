@@ -13,7 +13,7 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, field, new_instance, rows, step_capacity, view
+from .base import Codec, DecodeContext, EncodeContext, Encoded, field, new_instance, rows, step_capacity, view
 
 
 def _optional(entry: CacheEntry, it: Any, name: str, ctx: DecodeContext) -> Any:
@@ -55,7 +55,12 @@ class BatchKVCodec(Codec):
 
         def init(c: Any) -> None:
             c.keys, c.values, c.offset, c.left_padding, c._idx, c._right_padding = (
-                keys, values, offset, left_padding, idx, right,
+                keys,
+                values,
+                offset,
+                left_padding,
+                idx,
+                right,
             )
 
         return new_instance(C.BatchKVCache, init)
@@ -124,6 +129,3 @@ class BatchRotatingKVCodec(Codec):
             c.max_size, c._offset, c._idx, c.rotated = cache.max_size, cache._offset, cache._idx, cache.rotated
 
         return new_instance(C.BatchRotatingKVCache, init)
-
-
-

@@ -7,7 +7,18 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, new_instance, rows, step_capacity, view
+from .base import (
+    Codec,
+    DecodeContext,
+    EncodeContext,
+    Encoded,
+    expect_tensors,
+    field,
+    new_instance,
+    rows,
+    step_capacity,
+    view,
+)
 
 
 def _check_rows(entry: CacheEntry, n: int) -> None:

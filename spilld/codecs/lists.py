@@ -8,7 +8,7 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext
+from .base import Codec, DecodeContext, EncodeContext, Encoded
 
 
 class CacheListCodec(Codec):

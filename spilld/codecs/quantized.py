@@ -7,7 +7,7 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, Encoded, EncodeContext, expect_tensors, field, rows, step_capacity, view
+from .base import Codec, DecodeContext, EncodeContext, Encoded, expect_tensors, field, rows, step_capacity, view
 
 
 def _rows(parts: tuple[Any, ...], n: int) -> list[Any]:
@@ -30,7 +30,7 @@ class QuantizedKVCodec(Codec):
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
         expect_tensors(entry, 0, 6)
-        cache = C.QuantizedKVCache(group_size=field(entry, "group_size"), bits=field(entry, "bits"))
+        cache: Any = C.QuantizedKVCache(group_size=field(entry, "group_size"), bits=field(entry, "bits"))
         if entry.tensors:
             cache.offset = entry.offset or 0
             cap = step_capacity(cache.offset, C.QuantizedKVCache.step)
@@ -39,7 +39,7 @@ class QuantizedKVCodec(Codec):
         return cache
 
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
-        out = C.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+        out: Any = C.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
         if cache.keys is not None:
             out.keys, out.values = tuple(map(view, cache.keys)), tuple(map(view, cache.values))
             out.offset = cache.offset
