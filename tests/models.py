@@ -38,12 +38,12 @@ def _finish(model: nn.Module) -> nn.Module:
     return model
 
 
-def tiny_llama(seed: int = 0) -> nn.Module:
+def tiny_llama(seed: int = 0, hidden: int = 64) -> nn.Module:
     """Build a 2-layer Llama (GQA 4q/2kv heads) whose cache is [KVCache] * 2."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=2,
         intermediate_size=128,
         num_attention_heads=4,

@@ -1,0 +1,121 @@
+"""Real tiny models: the reloaded cache gives exactly the live cache's next-step logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors
+from tests.models import MODELS, next_logits, prefill, random_tokens, tiny_llama
+
+
+def _run(name: str, n_prompt: int = 40, n_decode: int = 12) -> tuple[Any, list[int], list[Any]]:
+    model = MODELS[name]()
+    tokens = random_tokens(n_prompt, seed=1)
+    cache, logits = prefill(model, tokens)
+    for _ in range(n_decode):  # decode past the rotating window and the chunk size
+        tok = int(mx.argmax(logits).item())
+        tokens.append(tok)
+        logits = next_logits(model, cache, tok)
+    return model, tokens, cache
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_reloaded_cache_gives_identical_next_logits(tmp_path: Any, name: str) -> None:
+    model, tokens, cache = _run(name)
+    kinds = {type(c).__name__ for c in cache}
+    spilld.save(tmp_path / "f", tokens, cache)
+    live = next_logits(model, cache, 7)
+    got = spilld.load(tmp_path / "f")
+    assert got.tokens == tokens and {type(c).__name__ for c in got.caches} == kinds
+    assert mx.array_equal(next_logits(model, got.caches, 7), live).item()
+
+    # negative controls: another prompt's cache, and one flipped value, change the logits
+    other, _ = prefill(model, random_tokens(len(tokens), seed=2))
+    assert mx.abs(next_logits(model, other, 7) - live).max().item() > 1e-3
+    bad = spilld.load(tmp_path / "f").caches
+    _perturb(bad[-1])
+    assert not mx.array_equal(next_logits(model, bad, 7), live).item()
+
+
+def _perturb(cache: Any) -> None:
+    if isinstance(cache, C.CacheList):
+        return _perturb(cache.caches[-1])
+    if isinstance(cache, C.ArraysCache):
+        cache.cache[-1] = cache.cache[-1] + 1.0
+        return None
+    n = min(cache.offset, cache.keys.shape[2])
+    cache.values[..., n - 1, :] = cache.values[..., n - 1, :] + 1.0
+    return None
+
+
+def test_clone_then_save_async_matches_live(tmp_path: Any) -> None:
+    import asyncio
+
+    model, tokens, cache = _run("llama")
+    clones = spilld.clone_caches(cache)
+    # the engine keeps decoding after handing off its clones
+    live_next = next_logits(model, cache, 3)
+    asyncio.run(spilld.save_async(tmp_path / "f", tokens, clones))
+    got = spilld.load(tmp_path / "f").caches
+    assert mx.array_equal(next_logits(model, got, 3), live_next).item()
+
+
+def test_trimmed_load_matches_a_trimmed_live_cache(tmp_path: Any) -> None:
+    model, tokens, cache = _run("llama")
+    spilld.save(tmp_path / "f", tokens, cache)
+    got = spilld.load(tmp_path / "f", upto=len(tokens) - 5)
+    assert got.tokens == tokens[:-5]
+    C.trim_prompt_cache(cache, 5)
+    assert mx.array_equal(next_logits(model, got.caches, 9), next_logits(model, cache, 9)).item()
+
+
+def test_rotated_ring_cannot_be_cut(tmp_path: Any) -> None:
+    _, tokens, cache = _run("gemma3")
+    spilld.save(tmp_path / "f", tokens, cache)
+    assert spilld.read_header(tmp_path / "f").trimmable is False
+    with pytest.raises(errors.NotReusable):
+        spilld.load(tmp_path / "f", upto=len(tokens) - 1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_cache_from_a_real_model(tmp_path: Any, bits: int) -> None:
+    model = tiny_llama(hidden=128)  # head_dim 32: the smallest quantization group
+    tokens = random_tokens(40)
+    cache, _ = prefill(model, tokens)
+    qcache = [c.to_quantized(group_size=32, bits=bits) for c in cache]
+    spilld.save(tmp_path / "f", tokens, qcache)
+    live = next_logits(model, qcache, 5)
+    got = spilld.load(tmp_path / "f").caches
+    assert isinstance(got[0], C.QuantizedKVCache) and got[0].bits == bits
+    assert mx.array_equal(next_logits(model, got, 5), live).item()
+
+
+def test_identity_fields_follow_the_model() -> None:
+    a, b = tiny_llama(seed=0), tiny_llama(seed=1)
+    ia, ib = spilld.identity(a), spilld.identity(b)
+    assert ia.config_fingerprint == ib.config_fingerprint  # same shape of KV, other weights
+    assert spilld.identity(a, kv_bits=4, kv_group_size=64).config_fingerprint != ia.config_fingerprint
+    other = MODELS["gemma3"]()
+    assert spilld.identity(other).config_fingerprint != ia.config_fingerprint
+    a.set_dtype(mx.float16)
+    assert spilld.identity(a).config_fingerprint != ia.config_fingerprint
+    assert spilld.identity(b, model_id="m", namespace="ns").model_id == "m"
+
+
+def test_tokenizer_hash_follows_the_vocabulary() -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    def tok(vocab: dict[str, int]) -> Any:
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+
+    v = {"<unk>": 0, "hello": 1, "world": 2}
+    h1 = spilld.identity(tiny_llama(), tok(v)).tokenizer_hash
+    assert h1 == spilld.identity(tiny_llama(), tok(dict(v))).tokenizer_hash
+    assert h1 != spilld.identity(tiny_llama(), tok({**v, "world": 3, "x": 2})).tokenizer_hash
+    assert len(h1) == 32
