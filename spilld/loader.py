@@ -56,6 +56,32 @@ def read_header(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt
         ops.close(fd)
 
 
+VERIFY_CHUNK = 8 * 1024 * 1024
+
+
+def verify_file(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt.Header:
+    """Check a whole file without building caches: header, layout and every tensor hash."""
+    p = os.fspath(path)
+    fd = _open(ops, p)
+    try:
+        header = _read_header_fd(fd, p)
+        buf = bytearray(VERIFY_CHUNK)
+        for i, slot in enumerate(header.slots()):
+            h = xxhash.xxh3_64()
+            done = 0
+            while done < slot.nbytes:
+                n = min(VERIFY_CHUNK, slot.nbytes - done)
+                view = memoryview(buf)[:n]
+                fileio.read_all(ops, fd, [view], header.data_start + slot.off + done, p)
+                h.update(view)
+                done += n
+            if h.digest() != slot.hash:
+                raise errors.TensorHashMismatch(f"tensor {i} at offset {slot.off} does not match its hash", path=p)
+        return header
+    finally:
+        ops.close(fd)
+
+
 @dataclass
 class Loaded:
     """What ``load`` returns: the caches ready for the engine and everything saved beside them."""

@@ -14,7 +14,9 @@ import mlx.core as mx
 from mlx_lm.models import cache as C
 
 
-def _kv(n: int, *, start: int = 0, heads: int = 2, dim: int = 4, batch: int = 1, dtype: Any = mx.float32) -> tuple[mx.array, mx.array]:
+def _kv(
+    n: int, *, start: int = 0, heads: int = 2, dim: int = 4, batch: int = 1, dtype: Any = mx.float32
+) -> tuple[mx.array, mx.array]:
     size = batch * heads * n * dim
     k = ((mx.arange(size) + start) % 251).reshape(batch, heads, n, dim).astype(dtype) / 8
     v = ((mx.arange(size) * 3 + start) % 241).reshape(batch, heads, n, dim).astype(dtype) / 16
