@@ -1,6 +1,6 @@
 """Write the golden sample files for the current format version (run once per new version).
 
-    python scripts/make_golden.py            # writes tests/data/v<format>/<kind>.spilld, never overwrites
+python scripts/make_golden.py            # writes tests/data/v<format>/<kind>.spilld, never overwrites
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import spilld  # noqa: E402
-from spilld import format as fmt  # noqa: E402
-from tests.golden_cases import GOLDEN, GOLDEN_TOKENS  # noqa: E402
+import spilld
+from spilld import format as fmt
+from tests.golden_cases import GOLDEN, GOLDEN_TOKENS
 
 
 def main() -> None:
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", f"v{fmt.FORMAT_VERSION}")
+    root = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", f"v{fmt.FORMAT_VERSION}"
+    )
     os.makedirs(root, exist_ok=True)
     for kind, build in GOLDEN.items():
         path = os.path.join(root, f"{kind}.spilld")
