@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -27,9 +27,7 @@ from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.base import Source, rows, slot_for
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
-
-T = TypeVar("T")
-RunStep = Callable[[Callable[[], T]], Awaitable[T]]
+from .lease import NoLease, RunStep, off_loop
 
 
 @dataclass
@@ -339,27 +337,13 @@ def save(
     return drive(save_steps(path, tokens, caches, meta, **kwargs))
 
 
-async def _off_loop(fn: Callable[[], T]) -> T:
-    """Run blocking work on a worker thread; if cancelled, let it finish before unwinding."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait([fut])
-        raise
-
-
-async def _no_lease(fn: Callable[[], T]) -> T:
-    return await _off_loop(fn)
-
-
 async def save_async(
     path: str | os.PathLike[str],
     tokens: Any,
     caches: Sequence[Any],
     meta: dict[str, str] | None = None,
     *,
-    run_step: RunStep[Any] | None = None,
+    run_step: RunStep | None = None,
     write_in_lease: bool = False,
     **kwargs: Any,
 ) -> SaveResult:
@@ -371,7 +355,7 @@ async def save_async(
     inside the lease too when ``write_in_lease`` is set. A lease that raises
     aborts the save and leaves nothing behind.
     """
-    lease: RunStep[Any] = run_step or _no_lease
+    lease: RunStep = run_step or NoLease()
     gen = save_steps(path, tokens, caches, meta, **kwargs)
     try:
         while True:
@@ -384,7 +368,7 @@ async def save_async(
             if write_in_lease:
                 await lease(step.write)
             else:
-                await _off_loop(step.write)
+                await off_loop(step.write)
             await asyncio.sleep(0)  # one step per loop turn
     finally:
         gen.close()

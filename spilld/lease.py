@@ -1,0 +1,124 @@
+"""Execution leases: run a step while the engine is between its own steps.
+
+A lease is any ``run_step(fn) -> awaitable`` callable. It runs ``fn`` (a short,
+blocking piece of work) at a moment the engine is not running a step, and
+returns its result. The adapters below never run ``fn`` on the event loop
+thread, so a step never stalls the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class RunStep(Protocol):
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """Run blocking work on a worker thread; if cancelled, let it finish before unwinding."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
+class NoLease:
+    """No engine to respect (a standalone tool, the daemon with no grantor): run on a worker thread."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]:
+        return off_loop(fn)
+
+
+class AsyncLockLease:
+    """The engine runs on this event loop and holds ``lock`` (an asyncio.Lock) for each of its steps."""
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self.lock = lock
+        self.longest_hold_s = 0.0
+
+    async def __call__(self, fn: Callable[[], T], /) -> T:
+        async with self.lock:
+            t0 = time.perf_counter()
+            try:
+                return await off_loop(fn)
+            finally:
+                self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - t0)
+
+
+class ThreadLockLease:
+    """The engine decodes in its own thread (as mlx-lm's server does) under ``lock``, a threading.Lock."""
+
+    def __init__(self, lock: threading.Lock | threading.RLock) -> None:
+        self.lock = lock
+        self.longest_hold_s = 0.0
+
+    def _locked(self, fn: Callable[[], T]) -> T:
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - t0)
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]:
+        return off_loop(lambda: self._locked(fn))
+
+
+class IdleGate:
+    """A lease for engines that mark their busy periods; background work runs only when idle.
+
+    The engine wraps each step in ``with gate.busy():``. A background step waits
+    until the engine is neither running nor waiting, and takes ownership in the
+    same critical section as that check, so no engine step can start between
+    the idle check and the background step (the race an idle poll has). An
+    engine that arrives during a background step waits for that one step only.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._engine_active = 0
+        self._engine_waiting = 0
+        self._background = False
+        self.longest_hold_s = 0.0
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        with self._cond:
+            self._engine_waiting += 1
+            while self._background:
+                self._cond.wait()
+            self._engine_waiting -= 1
+            self._engine_active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._engine_active -= 1
+                self._cond.notify_all()
+
+    def _run_when_idle(self, fn: Callable[[], T]) -> T:
+        with self._cond:
+            while self._engine_active or self._engine_waiting or self._background:
+                self._cond.wait()
+            self._background = True  # ownership taken with no gap after the check
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - t0)
+            with self._cond:
+                self._background = False
+                self._cond.notify_all()
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]:
+        return off_loop(lambda: self._run_when_idle(fn))

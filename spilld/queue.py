@@ -1,0 +1,286 @@
+"""SpillQueue: a bounded, ordered write-behind queue of cache clones.
+
+One store runs at a time, in enqueue order, so a barrier runs after everything
+queued before it. A soft byte cap sheds the oldest droppable items that are not
+in flight. Every enqueue returns a future that never raises: it settles with an
+``Outcome`` once the item is stored, dropped, cancelled or failed. Clones are
+released exactly once on every path, and a release that raises is isolated to
+its item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from .codecs import CodecProvider, default_provider
+
+log = logging.getLogger("spilld.queue")
+
+
+class Outcome(enum.Enum):
+    STORED = "stored"
+    DROPPED = "dropped"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass
+class Settled:
+    """How an item ended. ``value`` is what the store returned; ``error`` why it failed."""
+
+    outcome: Outcome
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def stored(self) -> bool:
+        return self.outcome is Outcome.STORED
+
+
+@dataclass(eq=False)
+class SpillItem:
+    """What the queue holds: tokens plus owned cache clones (or a barrier action)."""
+
+    tokens: Sequence[int] = ()
+    caches: list[Any] = field(default_factory=list)
+    attachments: list[Any] = field(default_factory=list)
+    namespace: str = ""
+    key: str = ""
+    droppable: bool = True
+    barrier: Callable[[], Awaitable[Any]] | None = None  # runs instead of a store
+    meta: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+    seq: int = 0
+
+    @property
+    def is_barrier(self) -> bool:
+        return self.barrier is not None
+
+
+def held_bytes(caches: Sequence[Any], attachments: Sequence[Any] = (), provider: CodecProvider | None = None) -> int:
+    """Memory an item pins: every distinct buffer its clones and attachments hold."""
+    p = provider or default_provider()
+    seen: dict[int, int] = {}
+    for c in caches:
+        for s in p.encode(c).sources:
+            seen[id(s.array)] = s.array.nbytes
+    for a in attachments:
+        for t in getattr(a, "tensors", ()):
+            if isinstance(t, mx.array):
+                seen[id(t)] = t.nbytes
+    return sum(seen.values())
+
+
+@dataclass
+class DrainReport:
+    done: bool
+    pending_items: int
+    pending_bytes: int
+
+
+@dataclass
+class _Rec:
+    item: SpillItem
+    future: asyncio.Future[Settled]
+    released: bool = False
+
+
+StoreFn = Callable[[SpillItem], Awaitable[Any]]
+
+
+class SpillQueue:
+    """A soft-capped FIFO of spill items with a single writer task."""
+
+    def __init__(
+        self,
+        cap_bytes: int,
+        store: StoreFn,
+        *,
+        release: Callable[[SpillItem], None] | None = None,
+        bytes_of: Callable[[SpillItem], int] | None = None,
+    ) -> None:
+        if cap_bytes < 0:
+            raise ValueError("cap_bytes must be >= 0")
+        self.cap_bytes = cap_bytes
+        self._store = store
+        self._release_hook = release
+        self._bytes_of = bytes_of or (lambda it: held_bytes(it.caches, it.attachments))
+        self._queue: deque[_Rec] = deque()
+        self._in_flight: _Rec | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._seq = itertools.count(1)
+        self._closed = False
+        self.pending_bytes = 0
+        self.stored = 0
+        self.dropped = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.release_errors = 0
+        self.bytes_written = 0
+        self.peak_bytes = 0
+
+    # --- counters -----------------------------------------------------------
+
+    @property
+    def pending_items(self) -> int:
+        return len(self._queue) + (self._in_flight is not None)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "pending_items": self.pending_items,
+            "pending_bytes": self.pending_bytes,
+            "peak_bytes": self.peak_bytes,
+            "stored": self.stored,
+            "dropped": self.dropped,
+            "cancelled": self.cancelled,
+            "failed": self.failed,
+            "release_errors": self.release_errors,
+            "bytes_written": self.bytes_written,
+        }
+
+    # --- enqueue and shedding -------------------------------------------------
+
+    def enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
+        """Queue an item (ownership of its clones passes to the queue). Never raises for the item's sake."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Settled] = loop.create_future()
+        rec = _Rec(item, fut)
+        if self._closed:
+            self._finish(rec, Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
+            return fut
+        item.seq = next(self._seq)
+        if item.is_barrier:
+            item.droppable = False
+        try:
+            item.nbytes = self._bytes_of(item)
+        except Exception as exc:  # an item we cannot even size fails alone
+            self._finish(rec, Settled(Outcome.FAILED, error=exc))
+            return fut
+        self._queue.append(rec)
+        self.pending_bytes += item.nbytes
+        self._shed(keep=rec)
+        self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
+        self._kick(loop)
+        return fut
+
+    def _shed(self, keep: _Rec) -> None:
+        while self.pending_bytes > self.cap_bytes:
+            victim = next((r for r in self._queue if r is not keep and r.item.droppable), None)
+            if victim is None:
+                return  # nothing may go: the cap is soft
+            self._queue.remove(victim)
+            self.dropped += 1
+            self._finish(victim, Settled(Outcome.DROPPED))
+
+    def would_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under the cap once every droppable queued item is shed."""
+        sheddable = sum(r.item.nbytes for r in self._queue if r.item.droppable)
+        return self.pending_bytes - sheddable + nbytes <= self.cap_bytes
+
+    def cancel_where(self, pred: Callable[[SpillItem], bool], *, barriers: bool = False) -> int:
+        """Drop queued (never in-flight) items matching ``pred``; barriers only when asked."""
+        n = 0
+        for rec in list(self._queue):
+            if (barriers or not rec.item.is_barrier) and pred(rec.item):
+                self._queue.remove(rec)
+                self.cancelled += 1
+                self._finish(rec, Settled(Outcome.CANCELLED))
+                n += 1
+        return n
+
+    # --- the writer -------------------------------------------------------------
+
+    def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        self._wakeup.set()
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._run(), name="spilld-queue-writer")
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                if self._closed:
+                    return
+                await self._wakeup.wait()
+                continue
+            rec = self._queue.popleft()
+            self._in_flight = rec
+            try:
+                item = rec.item
+                value = await (item.barrier() if item.barrier is not None else self._store(item))
+            except asyncio.CancelledError:
+                self._finish(rec, Settled(Outcome.CANCELLED))
+                raise
+            except Exception as exc:
+                self.failed += 1
+                log.warning(
+                    "spill of %d bytes (ns=%r key=%r) failed: %s",
+                    rec.item.nbytes,
+                    rec.item.namespace,
+                    rec.item.key,
+                    exc,
+                )
+                self._finish(rec, Settled(Outcome.FAILED, error=exc))
+            else:
+                self.stored += 1
+                self.bytes_written += int(getattr(value, "file_bytes", 0) or 0)
+                self._finish(rec, Settled(Outcome.STORED, value=value))
+            finally:
+                self._in_flight = None
+
+    def _finish(self, rec: _Rec, result: Settled) -> None:
+        """Settle and release an item: exactly once, whatever the path."""
+        if rec.released:
+            return
+        rec.released = True
+        if rec.item.seq:
+            self.pending_bytes -= rec.item.nbytes
+        try:
+            if self._release_hook is not None:
+                self._release_hook(rec.item)
+        except Exception as exc:  # one bad release never stalls the queue
+            self.release_errors += 1
+            log.warning("releasing spill item %d failed: %s", rec.item.seq, exc)
+        finally:
+            rec.item.caches = []
+            rec.item.attachments = []
+        if not rec.future.done():
+            rec.future.set_result(result)
+
+    # --- drain and close --------------------------------------------------------
+
+    async def drain(self, timeout: float | None = None) -> DrainReport:
+        """Wait until everything enqueued before this call has settled (or ``timeout`` passes)."""
+        futs = [r.future for r in self._queue]
+        if self._in_flight is not None:
+            futs.append(self._in_flight.future)
+        if futs:
+            await asyncio.wait(futs, timeout=timeout)
+        left = [f for f in futs if not f.done()]
+        return DrainReport(done=not left, pending_items=self.pending_items, pending_bytes=self.pending_bytes)
+
+    async def close(self, timeout: float | None = None) -> DrainReport:
+        """Refuse new items, drain, then stop the writer; what is left at the timeout is cancelled."""
+        self._closed = True
+        report = await self.drain(timeout)
+        self.cancel_where(lambda _: True, barriers=True)
+        if self._worker is not None:
+            if self._wakeup is not None:
+                self._wakeup.set()
+            if not report.done:
+                self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        return report

@@ -1,0 +1,410 @@
+"""The cold tier on disk. Files are the database.
+
+Layout: ``<root>/<identity fingerprint>/<namespace hash>/<id>.spilld``, temp
+files beside them. Folder names are hex digests we compute, never caller
+strings, so no namespace or key can name a path outside the root. A scan at
+start-up rebuilds the index from the headers of every fingerprint under the
+root and reaps temp orphans. Lookups match the caller's fingerprint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from . import errors, fileio
+from . import format as fmt
+from .codecs import CodecProvider, default_provider
+from .lease import RunStep
+from .loader import Loaded, load, read_header
+from .saver import Attachment, SaveResult, save_async
+
+log = logging.getLogger("spilld.store")
+
+EXT = ".spilld"
+QUARANTINE = ".quarantine"
+QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
+EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
+DEFAULT_DISK_CAP = 64 * 1024**3
+CHECKPOINT_NS_PREFIX = "\0checkpoint:"
+
+
+def identity_fingerprint(ident: fmt.Identity) -> str:
+    """The folder of one model: its config fingerprint, tokenizer and model id, hashed."""
+    blob = "\0".join([ident.model_id, ident.config_fingerprint, ident.tokenizer_hash]).encode()
+    return xxhash.xxh3_64_hexdigest(blob)
+
+
+def namespace_hash(namespace: str) -> str:
+    return xxhash.xxh3_64_hexdigest(namespace.encode()) if namespace else "base"
+
+
+def checkpoint_namespace(key: str) -> str:
+    return CHECKPOINT_NS_PREFIX + key
+
+
+def default_disk_cap(root: str) -> int:
+    """The smaller of 64 GiB and a quarter of the free space at start."""
+    os.makedirs(root, exist_ok=True)
+    return min(DEFAULT_DISK_CAP, shutil.disk_usage(root).free // 4)
+
+
+class MissReason(StrEnum):
+    NO_ENTRY = "no_entry"
+    IDENTITY_MISMATCH = "identity_mismatch"
+    UNTRIMMABLE = "untrimmable"
+    EVICTED = "evicted"
+    CORRUPT = "corrupt"
+
+
+@dataclass(eq=False)
+class Entry:
+    path: str
+    fingerprint: str
+    namespace: str
+    tokens: np.ndarray
+    nbytes: int
+    trimmable: bool
+    min_reusable: int
+    last_used: float
+    checkpoint: fmt.GenerationCheckpoint | None = None
+
+    @property
+    def ntokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Hit:
+    entry: Entry
+    matched: int  # tokens usable from this entry (the entry is cut back to this on load)
+
+    @property
+    def trimmed(self) -> bool:
+        return self.matched < self.entry.ntokens
+
+
+@dataclass
+class Miss:
+    reason: MissReason
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class StoreCounters:
+    hits: int = 0
+    misses: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in MissReason})
+    stored: int = 0
+    superseded: int = 0
+    evicted: int = 0
+    quarantined: int = 0
+    reaped_temp: int = 0
+    store_errors: int = 0
+
+
+class Store:
+    """Index, lookup, supersede, LRU eviction and quarantine over one root folder."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        disk_cap: int | None = None,
+        durability: fileio.Durability | str = fileio.Durability.FSYNC,
+        provider: CodecProvider | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        os.makedirs(self.root, exist_ok=True)
+        self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
+        self.durability = fileio.Durability(durability)
+        self.provider = provider or default_provider()
+        self.verify = verify
+        self.entries: list[Entry] = []
+        self.counters = StoreCounters()
+        self._evicted: dict[tuple[str, str], deque[np.ndarray]] = {}
+
+    # --- paths ---------------------------------------------------------------------
+
+    def folder(self, ident: fmt.Identity, namespace: str) -> str:
+        return os.path.join(self.root, identity_fingerprint(ident), namespace_hash(namespace))
+
+    def new_path(self, ident: fmt.Identity, namespace: str) -> str:
+        folder = self.folder(ident, namespace)
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, secrets.token_hex(12) + EXT)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    # --- scan ----------------------------------------------------------------------
+
+    def scan(self) -> int:
+        """Rebuild the index from the files under the root; reap temp orphans; quarantine bad files."""
+        self.entries = []
+        for fp in sorted(os.listdir(self.root)):
+            fp_dir = os.path.join(self.root, fp)
+            if fp.startswith(".") or not os.path.isdir(fp_dir):
+                continue
+            for ns in sorted(os.listdir(fp_dir)):
+                ns_dir = os.path.join(fp_dir, ns)
+                if not os.path.isdir(ns_dir):
+                    continue
+                for name in os.listdir(ns_dir):
+                    self._scan_file(os.path.join(ns_dir, name), fp, ns)
+        log.info(
+            "%s: %d entries, %d bytes, cap %d bytes", self.root, len(self.entries), self.total_bytes, self.disk_cap
+        )
+        self.evict_to_cap()
+        return len(self.entries)
+
+    def _scan_file(self, path: str, fp: str, ns_dir: str) -> None:
+        name = os.path.basename(path)
+        if fileio.is_temp_name(name):
+            fileio.remove_quietly(fileio.DEFAULT_OPS, path)
+            self.counters.reaped_temp += 1
+            return
+        if not name.endswith(EXT):
+            return
+        try:
+            header = read_header(path)
+            if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns_dir:
+                raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
+        except errors.SpillError as exc:
+            self.quarantine(path, exc)
+            return
+        self._index(path, header, os.stat(path).st_mtime)
+
+    def _index(self, path: str, header: fmt.Header, last_used: float) -> Entry:
+        e = Entry(
+            path=path,
+            fingerprint=identity_fingerprint(header.identity),
+            namespace=header.identity.namespace,
+            tokens=np.asarray(header.tokens, dtype=np.uint32),
+            nbytes=header.file_size,
+            trimmable=header.trimmable,
+            min_reusable=header.min_reusable_offset,
+            last_used=last_used,
+            checkpoint=header.checkpoint,
+        )
+        self.entries.append(e)
+        return e
+
+    # --- lookup ------------------------------------------------------------------------
+
+    def lookup(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int]) -> Hit | Miss:
+        """The longest usable prefix of ``tokens`` (at most len - 1: one token must be computed)."""
+        want = np.asarray(tokens, dtype=np.uint32)
+        limit = len(want) - 1
+        fp = identity_fingerprint(ident)
+        best: Hit | None = None
+        saw_untrimmable = saw_foreign = False
+        for e in self.entries:
+            if e.namespace != namespace:
+                continue
+            usable = min(_common_prefix(e.tokens, want), limit)
+            if usable <= 0:
+                continue
+            if e.fingerprint != fp:
+                saw_foreign = True
+                continue
+            if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
+                saw_untrimmable = True
+                continue
+            if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
+                best = Hit(e, usable)
+        if best is not None:
+            return best
+        if saw_untrimmable:
+            return self._miss(MissReason.UNTRIMMABLE)
+        if saw_foreign:
+            return self._miss(MissReason.IDENTITY_MISMATCH)
+        if self._was_evicted(fp, namespace, want):
+            return self._miss(MissReason.EVICTED)
+        return self._miss(MissReason.NO_ENTRY)
+
+    def _miss(self, reason: MissReason) -> Miss:
+        self.counters.misses[reason.value] += 1
+        return Miss(reason)
+
+    def _was_evicted(self, fp: str, namespace: str, want: np.ndarray) -> bool:
+        """Would an entry we evicted have served this prompt? (explains the miss)"""
+        return any(_common_prefix(t, want) > 0 for t in self._evicted.get((fp, namespace), ()))
+
+    def restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
+        """Load a hit, cut back to its matched length; a file that fails is quarantined (a miss)."""
+        e = hit.entry
+        try:
+            loaded = load(e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider)
+        except errors.SpillError as exc:
+            if isinstance(exc, errors.StorageError) and not os.path.exists(e.path):
+                self._forget(e)  # evicted between lookup and open
+                return self._miss(MissReason.EVICTED)
+            self.quarantine(e.path, exc)
+            return self._miss(MissReason.CORRUPT)
+        self.touch(e)
+        self.counters.hits += 1
+        return loaded
+
+    def touch(self, e: Entry) -> None:
+        """A restore counts as use (kept across restarts through the file's mtime)."""
+        e.last_used = time.time()
+        try:
+            os.utime(e.path, (e.last_used, e.last_used))
+        except OSError:
+            pass
+
+    # --- store --------------------------------------------------------------------------
+
+    async def put(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        ident: fmt.Identity,
+        *,
+        meta: dict[str, str] | None = None,
+        attachments: Sequence[Attachment] = (),
+        checkpoint: fmt.GenerationCheckpoint | None = None,
+        run_step: RunStep | None = None,
+        write_in_lease: bool = False,
+        ops: fileio.FileOps = fileio.DEFAULT_OPS,
+    ) -> SaveResult:
+        """Write an entry durably, then index it, supersede what it replaces and evict to the cap."""
+        path = self.new_path(ident, ident.namespace)
+        try:
+            result = await save_async(
+                path,
+                tokens,
+                caches,
+                meta,
+                identity=ident,
+                attachments=attachments,
+                checkpoint=checkpoint,
+                durability=self.durability,
+                provider=self.provider,
+                run_step=run_step,
+                write_in_lease=write_in_lease,
+                ops=ops,
+            )
+        except Exception:
+            self.counters.store_errors += 1
+            raise
+        entry = self._index(path, result.header, time.time())
+        self.counters.stored += 1
+        self._supersede(entry, has_attachments=bool(attachments))
+        self.evict_to_cap(keep=entry)
+        return result
+
+    def _supersede(self, new: Entry, *, has_attachments: bool) -> None:
+        for e in list(self.entries):
+            if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace:
+                continue
+            exact = e.ntokens == new.ntokens and _common_prefix(e.tokens, new.tokens) == new.ntokens
+            ancestor = (
+                e.ntokens < new.ntokens
+                and new.trimmable
+                and not has_attachments
+                and e.checkpoint is None
+                and new.min_reusable <= e.ntokens
+                and _common_prefix(e.tokens, new.tokens) == e.ntokens
+            )
+            if exact or ancestor:
+                self.counters.superseded += 1
+                self._remove(e)
+
+    def evict_to_cap(self, keep: Entry | None = None) -> int:
+        """Remove least recently used entries until the whole root fits the disk cap."""
+        n = 0
+        for e in sorted(self.entries, key=lambda x: x.last_used):
+            if self.total_bytes <= self.disk_cap:
+                break
+            if e is keep:
+                continue
+            self._remember_evicted(e)
+            self._remove(e)
+            self.counters.evicted += 1
+            n += 1
+        return n
+
+    def _remember_evicted(self, e: Entry) -> None:
+        self._evicted.setdefault((e.fingerprint, e.namespace), deque(maxlen=EVICTED_MEMORY)).append(e.tokens)
+
+    def _forget(self, e: Entry) -> None:
+        if e in self.entries:
+            self.entries.remove(e)
+
+    def _remove(self, e: Entry) -> None:
+        self._forget(e)
+        fileio.remove_quietly(fileio.DEFAULT_OPS, e.path)
+
+    def remove_where(self, pred: Callable[[Entry], bool]) -> int:
+        gone = [e for e in self.entries if pred(e)]
+        for e in gone:
+            self._remove(e)
+        return len(gone)
+
+    # --- generation checkpoints -------------------------------------------------------
+
+    def find_checkpoint(self, ident: fmt.Identity, key: str) -> Entry | None:
+        ns = checkpoint_namespace(key)
+        fp = identity_fingerprint(ident)
+        found = [e for e in self.entries if e.namespace == ns and e.fingerprint == fp and e.checkpoint]
+        return max(found, key=lambda e: (e.ntokens, e.last_used), default=None)
+
+    def remove_checkpoints(self, key: str) -> int:
+        ns = checkpoint_namespace(key)
+        return self.remove_where(lambda e: e.namespace == ns)
+
+    # --- quarantine ---------------------------------------------------------------------
+
+    def quarantine(self, path: str, why: BaseException) -> None:
+        """Move a bad file aside (never served again) and count it."""
+        qdir = os.path.join(self.root, QUARANTINE)
+        os.makedirs(qdir, exist_ok=True)
+        dest = os.path.join(qdir, f"{int(time.time() * 1000)}-{os.path.basename(path)}")
+        try:
+            os.rename(path, dest)
+        except OSError:
+            fileio.remove_quietly(fileio.DEFAULT_OPS, path)
+        for e in [e for e in self.entries if e.path == path]:
+            self._forget(e)
+        self.counters.quarantined += 1
+        log.warning("quarantined %s: %s", path, why)
+        kept = sorted(os.listdir(qdir))
+        for old in kept[:-QUARANTINE_KEEP]:
+            fileio.remove_quietly(fileio.DEFAULT_OPS, os.path.join(qdir, old))
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "entries": len(self.entries),
+            "bytes": self.total_bytes,
+            "disk_cap": self.disk_cap,
+            "hits": c.hits,
+            "misses": dict(c.misses),
+            "stored": c.stored,
+            "superseded": c.superseded,
+            "evicted": c.evicted,
+            "quarantined": c.quarantined,
+            "reaped_temp": c.reaped_temp,
+            "store_errors": c.store_errors,
+        }
