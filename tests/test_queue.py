@@ -1,0 +1,243 @@
+"""SpillQueue rules, including the seed's cases and failure isolation (asyncio and uvloop)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from spilld import Outcome, SpillItem, SpillQueue
+
+pytestmark = pytest.mark.asyncio
+
+
+class Recorder:
+    """A store that records the order of writes, can be held open, and can fail on demand."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.started = asyncio.Event()
+        self.gate: asyncio.Event | None = None
+        self.fail: set[str] = set()
+        self.released: list[str] = []
+
+    async def store(self, item: SpillItem) -> str:
+        self.started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if item.key in self.fail:
+            raise OSError(28, "No space left on device")
+        self.order.append(item.key)
+        return item.key
+
+    def release(self, item: SpillItem) -> None:
+        self.released.append(item.key)
+
+
+def item(key: str, nbytes: int = 10, droppable: bool = True, **kw: Any) -> SpillItem:
+    return SpillItem(key=key, droppable=droppable, meta={"n": nbytes}, **kw)
+
+
+def queue(rec: Recorder, cap: int = 1000, **kw: Any) -> SpillQueue:
+    return SpillQueue(cap, rec.store, release=rec.release, bytes_of=lambda it: it.meta.get("n", 0), **kw)
+
+
+async def test_stores_serially_in_enqueue_order_and_releases_once() -> None:
+    rec = Recorder()
+    q = queue(rec)
+    futs = [q.enqueue(item(str(i))) for i in range(5)]
+    results = await asyncio.gather(*futs)
+    assert [r.outcome for r in results] == [Outcome.STORED] * 5
+    assert rec.order == ["0", "1", "2", "3", "4"] and sorted(rec.released) == sorted(rec.order)
+    assert (q.stored, q.pending_items, q.pending_bytes) == (5, 0, 0)
+
+
+async def test_over_cap_drops_the_oldest_queued_not_in_flight_not_newest() -> None:
+    # the seed's case: cap 100, items of 60 each -> [stored, dropped, stored]
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=100)
+    a = q.enqueue(item("a", 60))
+    await rec.started.wait()  # a is in flight now: not droppable
+    b = q.enqueue(item("b", 60))
+    c = q.enqueue(item("c", 60))  # over the cap: b (oldest queued) goes, at once
+    assert b.done() and b.result().outcome is Outcome.DROPPED
+    assert rec.released == ["b"]  # released at drop time, exactly once
+    rec.gate.set()
+    assert [(await f).outcome for f in (a, b, c)] == [Outcome.STORED, Outcome.DROPPED, Outcome.STORED]
+    assert rec.released.count("b") == 1 and q.dropped == 1
+
+
+async def test_queued_head_is_droppable_before_its_turn_starts() -> None:
+    rec = Recorder()
+    q = queue(rec, cap=100)
+    a = q.enqueue(item("a", 60))  # queued, writer not started yet
+    q.enqueue(item("b", 60))
+    assert (await a).outcome is Outcome.DROPPED
+
+
+async def test_single_oversized_item_exceeds_the_soft_cap() -> None:
+    rec = Recorder()
+    q = queue(rec, cap=10)
+    f = q.enqueue(item("big", 500))
+    assert q.pending_bytes == 500
+    assert (await f).stored
+
+
+async def test_barriers_are_never_shed_and_run_after_earlier_items() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=50)
+    ran: list[str] = []
+
+    async def action() -> str:
+        ran.append(f"barrier after {list(rec.order)}")
+        return "done"
+
+    a = q.enqueue(item("a", 40))
+    await rec.started.wait()
+    bar = q.enqueue(SpillItem(key="bar", barrier=action))
+    c = q.enqueue(item("c", 40))
+    d = q.enqueue(item("d", 40))  # over cap: c goes (the barrier is skipped over)
+    assert c.result().outcome is Outcome.DROPPED
+    rec.gate.set()
+    assert (await bar).value == "done" and (await d).stored and (await a).stored
+    assert ran == ["barrier after ['a']"] and rec.order == ["a", "d"]
+
+
+async def test_non_droppable_data_items_are_kept_over_cap() -> None:
+    rec = Recorder()
+    q = queue(rec, cap=10)
+    futs = [q.enqueue(item(str(i), 20, droppable=False)) for i in range(3)]
+    assert q.pending_bytes == 60 and q.dropped == 0
+    assert all(r.stored for r in await asyncio.gather(*futs))
+
+
+async def test_cancel_where_drops_matching_queued_items_only() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    a = q.enqueue(item("k1"))
+    await rec.started.wait()
+    b = q.enqueue(item("k1"))
+    bar = q.enqueue(SpillItem(key="k1", barrier=lambda: asyncio.sleep(0)))
+    c = q.enqueue(item("k2"))
+    assert q.cancel_where(lambda it: it.key == "k1") == 1  # not the in-flight one, not the barrier
+    assert b.result().outcome is Outcome.CANCELLED and not bar.done()
+    assert q.cancel_where(lambda it: it.key == "k1", barriers=True) == 1
+    assert bar.result().outcome is Outcome.CANCELLED
+    rec.gate.set()
+    assert (await a).stored and (await c).stored and q.cancelled == 2
+
+
+async def test_a_failed_store_settles_failed_and_the_queue_keeps_going() -> None:
+    rec = Recorder()
+    rec.fail = {"bad"}
+    q = queue(rec)
+    futs = [q.enqueue(item(k)) for k in ("a", "bad", "c")]
+    res = await asyncio.gather(*futs)
+    assert [r.outcome for r in res] == [Outcome.STORED, Outcome.FAILED, Outcome.STORED]
+    assert isinstance(res[1].error, OSError) and q.failed == 1
+    assert sorted(rec.released) == ["a", "bad", "c"]
+
+
+async def test_a_release_that_raises_is_isolated_to_its_item() -> None:
+    rec = Recorder()
+
+    def release(it: SpillItem) -> None:
+        if it.key == "boom":
+            raise RuntimeError("dispose failed")
+        rec.released.append(it.key)
+
+    q = SpillQueue(1000, rec.store, release=release, bytes_of=lambda it: 1)
+    res = await asyncio.gather(*(q.enqueue(item(k)) for k in ("a", "boom", "c")))
+    assert all(r.stored for r in res) and rec.order == ["a", "boom", "c"]
+    assert q.release_errors == 1 and rec.released == ["a", "c"]
+
+
+async def test_a_barrier_that_raises_fails_alone() -> None:
+    rec = Recorder()
+    q = queue(rec)
+
+    async def bad() -> None:
+        raise RuntimeError("cleanup failed")
+
+    res = await asyncio.gather(q.enqueue(SpillItem(key="b", barrier=bad)), q.enqueue(item("x")))
+    assert res[0].outcome is Outcome.FAILED and res[1].stored
+
+
+async def test_drain_waits_for_items_before_it_and_reports_timeouts() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    q.enqueue(item("a", 5))
+    q.enqueue(item("b", 7))
+    rep = await q.drain(timeout=0.05)
+    assert not rep.done and rep.pending_items == 2 and rep.pending_bytes == 12
+    rec.gate.set()
+    rep = await q.drain()
+    assert rep.done and rep.pending_items == 0 and rec.order == ["a", "b"]
+    assert (await q.drain()).done  # empty queue drains at once
+
+
+async def test_close_refuses_new_items_and_settles_everything() -> None:
+    rec = Recorder()
+    q = queue(rec)
+    f = q.enqueue(item("a"))
+    rep = await q.close()
+    assert rep.done and (await f).stored
+    late = q.enqueue(item("late"))
+    assert late.result().outcome is Outcome.CANCELLED and rec.released.count("late") == 1
+
+
+async def test_close_with_timeout_cancels_the_rest() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    a, b = q.enqueue(item("a")), q.enqueue(item("b"))
+    rep = await q.close(timeout=0.05)
+    assert not rep.done
+    assert {a.result().outcome, b.result().outcome} == {Outcome.CANCELLED}
+    assert sorted(rec.released) == ["a", "b"]
+
+
+async def test_an_item_that_cannot_be_sized_fails_alone() -> None:
+    rec = Recorder()
+
+    def size(it: SpillItem) -> int:
+        if it.key == "odd":
+            raise TypeError("no size")
+        return 1
+
+    q = SpillQueue(10, rec.store, bytes_of=size)
+    bad, good = q.enqueue(item("odd")), q.enqueue(item("ok"))
+    assert bad.result().outcome is Outcome.FAILED and (await good).stored
+
+
+async def test_would_fit_counts_what_could_be_shed() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=100)
+    q.enqueue(item("a", 50, droppable=False))
+    q.enqueue(item("b", 40))
+    assert q.would_fit(50) and not q.would_fit(51)
+    rec.gate.set()
+    await q.drain()
+
+
+async def test_counters_track_everything() -> None:
+    rec = Recorder()
+    rec.fail = {"f"}
+    q = queue(rec, cap=25)
+    rec.gate = asyncio.Event()
+    futs: list[asyncio.Future[Any]] = [q.enqueue(item("a", 10))]
+    await rec.started.wait()
+    futs += [q.enqueue(item(k, 10)) for k in ("b", "f")]  # b dropped by the cap
+    futs.append(q.enqueue(item("c", 1)))
+    q.cancel_where(lambda it: it.key == "c")
+    rec.gate.set()
+    await asyncio.gather(*futs)
+    c = q.counters()
+    assert (c["stored"], c["dropped"], c["cancelled"], c["failed"], c["pending_items"]) == (1, 1, 1, 1, 0)
+    assert c["peak_bytes"] >= 20
