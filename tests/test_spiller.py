@@ -1,0 +1,139 @@
+"""Embedded mode end to end with a real tiny model: spill, restart, restore; checkpoints; barriers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+import spilld
+from spilld import Outcome
+from tests.models import next_logits, prefill, random_tokens, tiny_llama
+
+pytestmark = pytest.mark.asyncio
+
+
+def ident(model: Any) -> spilld.Identity:
+    return spilld.identity(model, model_id="tiny-llama")
+
+
+async def test_spill_restart_restore_gives_identical_logits(tmp_path: Any) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(48, seed=3)
+    cache, _ = prefill(model, prompt)
+    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    fut = sp.spill(prompt, cache)
+    assert isinstance(fut, asyncio.Future)
+    live = next_logits(model, cache, 11)  # the engine goes on with its cache
+    assert (await fut).outcome is Outcome.STORED
+    await sp.close()
+
+    again = await spilld.Spiller(tmp_path, identity=ident(model)).start()  # a restart
+    follow_up = [*prompt, 11, 12, 13]
+    got = await again.restore(follow_up)
+    assert got is not None and got.tokens == prompt
+    assert mx.array_equal(next_logits(model, got.caches, 11), live).item()
+    assert again.stats()["store"]["hits"] == 1
+    # a different model's spiller on the same folder never sees it
+    other = await spilld.Spiller(tmp_path, identity=spilld.Identity("other", "fp", "", "")).start()
+    assert await other.restore(follow_up) is None
+
+
+async def test_spill_from_the_engine_thread(tmp_path: Any) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(20)
+    lock = threading.Lock()
+    sp = await spilld.Spiller(tmp_path, identity=ident(model), lease=spilld.ThreadLockLease(lock)).start()
+    out: list[Any] = []
+
+    def engine() -> None:  # mlx-lm's server decodes in its own thread, under its generation lock
+        with lock:
+            cache, _ = prefill(model, prompt)
+            out.append(sp.spill(prompt, cache))
+
+    th = threading.Thread(target=engine)
+    th.start()
+    await asyncio.get_running_loop().run_in_executor(None, th.join)
+    settled = await asyncio.wrap_future(out[0])
+    assert settled.stored and (await sp.drain()).done
+    assert isinstance(sp.lookup([*prompt, 1]), spilld.Hit)
+
+
+async def test_barrier_runs_after_earlier_writes(tmp_path: Any) -> None:
+    model = tiny_llama()
+    cache, _ = prefill(model, random_tokens(16))
+    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    seen: list[int] = []
+    w = sp.spill(random_tokens(16), cache, key="g1")
+    b = sp.barrier("g1", lambda: seen.append(sp.store.counters.stored))
+    assert (await w).stored and (await b).stored and seen == [1]
+
+
+def sample(logits: mx.array, seed: int, step: int, temp: float = 1.0) -> int:
+    """A temperature sampler whose randomness depends only on (seed, step)."""
+    return int(mx.random.categorical(logits / temp, key=mx.random.key(seed * 100_003 + step)).item())
+
+
+def generate(
+    model: Any, prompt: list[int], n: int, seed: int, *, resume: Any = None, stop_at: int | None = None
+) -> tuple[list[int], Any]:
+    """Emit n tokens; with ``stop_at`` return early with the state a checkpoint needs."""
+    if resume is None:
+        cache, logits = prefill(model, prompt)
+        out: list[int] = []
+        tok = sample(logits, seed, 0)
+    else:
+        cache, out, tok = resume.caches, list(resume.tokens[len(prompt) :]), resume.checkpoint.pending_token
+    while len(out) < n:
+        if stop_at is not None and len(out) == stop_at:
+            return out, (cache, tok)
+        out.append(tok)
+        logits = next_logits(model, cache, tok)
+        tok = sample(logits, seed, len(out))
+    return out, None
+
+
+async def test_generation_checkpoint_resumes_identically(tmp_path: Any) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(24, seed=9)
+    seed = 4242
+    full, _ = generate(model, prompt, 16, seed)
+    assert len(set(full)) > 3  # a temperature sampler, not one repeated token
+
+    emitted, (cache, pending) = generate(model, prompt, 16, seed, stop_at=7)  # type: ignore[misc]
+    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    ck = spilld.GenerationCheckpoint("req-7", "", len(prompt), len(emitted), pending, seed, True)
+    assert (await sp.checkpoint([*prompt, *emitted], cache, ck)).stored
+    live_next = next_logits(model, cache, pending)
+    await sp.close()
+
+    restarted = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    assert restarted.lookup([*prompt, *emitted, 1]).__class__ is spilld.Miss  # checkpoints stay apart
+    got = await restarted.resume("req-7")
+    assert got is not None and got.checkpoint == ck
+    assert mx.array_equal(
+        next_logits(model, [c for c in (await restarted.resume("req-7")).caches], pending), live_next
+    ).item()  # type: ignore[union-attr]
+    resumed, _ = generate(model, prompt, 16, seed, resume=got)
+    assert resumed == full
+    # a wrong seed or a lost pending token would show
+    assert generate(model, prompt, 16, seed + 1, resume=await restarted.resume("req-7"))[0] != full
+
+    assert (await restarted.finish("req-7")).stored
+    assert await restarted.resume("req-7") is None
+
+
+async def test_newer_checkpoint_cancels_queued_older_ones(tmp_path: Any) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(10)
+    cache, _ = prefill(model, prompt)
+    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    ck = spilld.GenerationCheckpoint("k", "", 10, 0, 1, 1, False)
+    first = sp.checkpoint(prompt, cache, ck)
+    second = sp.checkpoint(prompt, cache, ck)
+    third = sp.checkpoint(prompt, cache, ck)
+    outcomes = [(await f).outcome for f in (first, second, third)]
+    assert outcomes[-1] is Outcome.STORED and Outcome.CANCELLED in outcomes
