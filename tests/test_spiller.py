@@ -111,12 +111,11 @@ async def test_generation_checkpoint_resumes_identically(tmp_path: Any) -> None:
     await sp.close()
 
     restarted = await spilld.Spiller(tmp_path, identity=ident(model)).start()
-    assert restarted.lookup([*prompt, *emitted, 1]).__class__ is spilld.Miss  # checkpoints stay apart
+    assert isinstance(restarted.lookup([*prompt, *emitted, 1]), spilld.Miss)  # checkpoints stay apart
     got = await restarted.resume("req-7")
     assert got is not None and got.checkpoint == ck
-    assert mx.array_equal(
-        next_logits(model, [c for c in (await restarted.resume("req-7")).caches], pending), live_next
-    ).item()  # type: ignore[union-attr]
+    fresh = await restarted.resume("req-7")
+    assert fresh is not None and mx.array_equal(next_logits(model, fresh.caches, pending), live_next).item()
     resumed, _ = generate(model, prompt, 16, seed, resume=got)
     assert resumed == full
     # a wrong seed or a lost pending token would show
