@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from .codecs import CodecProvider, default_provider
+from .codecs.base import Source
 
 log = logging.getLogger("spilld.queue")
 
@@ -72,7 +73,8 @@ def held_bytes(caches: Sequence[Any], attachments: Sequence[Any] = (), provider:
     seen: dict[int, int] = {}
     for c in caches:
         for s in p.encode(c).sources:
-            seen[id(s.array)] = s.array.nbytes
+            if isinstance(s, Source):
+                seen[id(s.array)] = s.array.nbytes
     for a in attachments:
         for t in getattr(a, "tensors", ()):
             if isinstance(t, mx.array):

@@ -25,9 +25,11 @@ import xxhash
 from . import dtypes, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
-from .codecs.base import Source, rows, slot_for
+from .codecs.base import LiveSource, Source, rows, slot_for
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 from .lease import NoLease, RunStep, off_loop
+
+AnySource = Source | LiveSource
 
 
 @dataclass
@@ -70,8 +72,24 @@ def clone_caches(caches: Sequence[Any], provider: CodecProvider | None = None) -
     """
     p = provider or default_provider()
     clones = [p.clone(c) for c in caches]
-    mx.eval([s.array for c in clones for s in p.encode(c).sources])
+    mx.eval(_arrays([s for c in clones for s in p.encode(c).sources]))
     return clones
+
+
+def _arrays(sources: Sequence[AnySource]) -> list[mx.array]:
+    return [s.array for s in sources if isinstance(s, Source)]
+
+
+class Staging:
+    """A reused host buffer for rows copied out of a live cache (fresh pages are slow to fault in)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def take(self, n: int) -> memoryview:
+        if self._buf.nbytes < n:
+            self._buf = np.empty(max(n, 2 * self._buf.nbytes), dtype=np.uint8)
+        return memoryview(self._buf.data)[:n]
 
 
 class _File:
@@ -138,14 +156,34 @@ def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
     return runs, a
 
 
+def _copy_live_rows(src: LiveSource, staging: Staging) -> list[memoryview]:
+    """Copy a live buffer's first rows into staging, so no reference to it outlives the lease."""
+    a = src.fetch()
+    if tuple(a.shape[:-2]) != src.full_shape[:-2] or a.shape[-1] != src.full_shape[-1] or a.dtype != src.dtype:
+        raise errors.PlanDrift(f"live buffer changed shape: planned {src.full_shape}, now {tuple(a.shape)}")
+    runs, held = _byte_runs(Source(a, src.rows))
+    total = sum(r.nbytes for r in runs)
+    out = staging.take(total)
+    pos = 0
+    for r in runs:
+        out[pos : pos + r.nbytes] = r
+        pos += r.nbytes
+        r.release()
+    del held, a
+    return [out] if total else []
+
+
 class TensorStep:
     """Write one tensor. ``materialize`` inside the lease, then ``write`` anywhere."""
 
-    def __init__(self, index: int, slot: fmt.Slot, source: Source, file: _File, data_start: int) -> None:
+    def __init__(
+        self, index: int, slot: fmt.Slot, source: AnySource, file: _File, data_start: int, staging: Staging | None
+    ) -> None:
         self.index = index
         self.slot = slot
         self.nbytes = slot.nbytes
-        self._source: Source | None = source
+        self._source: AnySource | None = source
+        self._staging = staging
         self._file = file
         self._data_start = data_start
         self._runs: list[memoryview] = []
@@ -161,7 +199,10 @@ class TensorStep:
         if src.shape != self.slot.shape:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned shape {self.slot.shape}, got {src.shape}")
-        self._runs, self._held = _byte_runs(src)
+        if isinstance(src, LiveSource):
+            self._runs = _copy_live_rows(src, self._staging or Staging())
+        else:
+            self._runs, self._held = _byte_runs(src)
         self.materialized = True
         got = sum(r.nbytes for r in self._runs)
         if got != self.slot.nbytes:
@@ -227,11 +268,17 @@ def plan(
     attachments: Sequence[Attachment] = (),
     checkpoint: fmt.GenerationCheckpoint | None = None,
     provider: CodecProvider | None = None,
-) -> tuple[fmt.Header, list[Source]]:
-    """Build the header (placeholder hashes, final offsets) and the list of lazy sources."""
+    live: bool = False,
+) -> tuple[fmt.Header, list[AnySource]]:
+    """Build the header (placeholder hashes, final offsets) and the list of sources.
+
+    With ``live`` the caches are ones the engine keeps extending: call this on
+    the engine's thread at the snapshot point; append-only buffers are then
+    read inside the lease at write time (see ``LiveSource``).
+    """
     p = provider or default_provider()
-    encoded = [p.encode(c) for c in caches]
-    sources = [a for e in encoded for a in e.sources]
+    encoded = [p.encode_live(c) if live else p.encode(c) for c in caches]
+    sources: list[AnySource] = [a for e in encoded for a in e.sources]
     att_entries = []
     for a in attachments:
         srcs = [rows(t) for t in a.tensors]
@@ -239,7 +286,7 @@ def plan(
         sources.extend(srcs)
     # The engine's pending work, if any, runs here on the caller's thread (a no-op for
     # evaluated caches and clones); the steps then only read finished buffers.
-    mx.eval([s.array for s in sources])
+    mx.eval(_arrays(sources))
     header = fmt.Header(
         version=fmt.FORMAT_VERSION,
         created_at_ms=time.time_ns() // 1_000_000,
@@ -273,26 +320,30 @@ def save_steps(
     durability: Durability | str = Durability.FSYNC,
     provider: CodecProvider | None = None,
     ops: FileOps = DEFAULT_OPS,
+    planned: tuple[fmt.Header, list[AnySource]] | None = None,
+    staging: Staging | None = None,
 ) -> Generator[SaveStep, None, SaveResult]:
     """Yield N tensor steps and one publish step; return the ``SaveResult``.
 
     The driver must run ``materialize()`` then ``write()`` on each step before
-    asking for the next one.
+    asking for the next one. ``planned`` is a ``plan(...)`` made earlier (then
+    ``tokens``, ``caches`` and the header arguments are ignored).
     """
     dest = os.fspath(path)
-    header, sources = plan(
+    header, sources = planned or plan(
         tokens, caches, meta=meta, identity=identity, attachments=attachments, checkpoint=checkpoint, provider=provider
     )
-    planned = fmt.pack_header(header)
-    header_len = len(planned)
-    _, data_start = fmt.encode_prefix(planned)
+    sources = list(sources)
+    head_bytes = fmt.pack_header(header)
+    header_len = len(head_bytes)
+    _, data_start = fmt.encode_prefix(head_bytes)
     slots = header.slots()
     data_end = max((s.off + s.nbytes for s in slots), default=0)
     file = _File(dest, data_start + data_end, Durability(durability), ops)
     step: SaveStep | None = None
     try:
         for i, slot in enumerate(slots):
-            step = TensorStep(i, slot, sources[i], file, data_start)
+            step = TensorStep(i, slot, sources[i], file, data_start, staging)
             sources[i] = _RELEASED  # the step owns it now
             yield step
             if not step.done:

@@ -20,8 +20,8 @@ from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
-from .queue import DrainReport, Settled, SpillItem, SpillQueue
-from .saver import Attachment, clone_caches
+from .queue import DrainReport, Settled, SpillItem, SpillQueue, held_bytes
+from .saver import Attachment, Staging, clone_caches, plan
 from .store import Hit, Miss, Store, checkpoint_namespace
 
 log = logging.getLogger("spilld.spiller")
@@ -50,7 +50,8 @@ class Spiller:
         self.store = Store(folder, disk_cap=disk_cap, durability=durability, provider=self.provider, verify=verify)
         self.lease: RunStep = lease or NoLease()
         self.write_in_lease = write_in_lease
-        self.queue = SpillQueue(queue_cap, self._write)
+        self.queue = SpillQueue(queue_cap, self._write, bytes_of=self._bytes_of)
+        self._staging = Staging()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> Spiller:
@@ -60,6 +61,12 @@ class Spiller:
         return self
 
     # --- writing --------------------------------------------------------------------
+
+    def _bytes_of(self, item: SpillItem) -> int:
+        planned = item.meta.get("planned")
+        if planned is not None:
+            return int(planned[0].data_bytes)  # a live snapshot pins no memory; count its pending write
+        return held_bytes(item.caches, item.attachments, self.provider)
 
     async def _write(self, item: SpillItem) -> Any:
         ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": item.namespace})
@@ -72,6 +79,8 @@ class Spiller:
             checkpoint=item.meta.get("checkpoint"),
             run_step=self.lease,
             write_in_lease=self.write_in_lease,
+            planned=item.meta.get("planned"),
+            staging=self._staging,
         )
 
     def _item(
@@ -85,18 +94,34 @@ class Spiller:
         attachments: Sequence[Attachment],
         checkpoint: fmt.GenerationCheckpoint | None,
         clone: bool,
+        live: bool = False,
     ) -> SpillItem:
-        # Clone on the caller's (engine's) thread: views are evaluated there, cheaply.
-        owned = clone_caches(caches, self.provider) if clone else list(caches)
-        return SpillItem(
+        ns = checkpoint_namespace(checkpoint.key) if checkpoint else namespace
+        item = SpillItem(
             tokens=list(tokens),
-            caches=owned,
             attachments=list(attachments),
-            namespace=checkpoint_namespace(checkpoint.key) if checkpoint else namespace,
+            namespace=ns,
             key=key or (checkpoint.key if checkpoint else ""),
             droppable=droppable,
             meta={"meta": meta, "checkpoint": checkpoint},
         )
+        if live:
+            # Planned now, on the engine's thread, at the snapshot point; rows are read under the lease later.
+            ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": ns})
+            item.meta["planned"] = plan(
+                tokens,
+                caches,
+                meta=meta,
+                identity=ident,
+                attachments=attachments,
+                checkpoint=checkpoint,
+                provider=self.provider,
+                live=True,
+            )
+        else:
+            # Clone on the caller's (engine's) thread: views are evaluated there, cheaply.
+            item.caches = clone_caches(caches, self.provider) if clone else list(caches)
+        return item
 
     def spill(
         self,
@@ -110,13 +135,21 @@ class Spiller:
         attachments: Sequence[Attachment] = (),
         checkpoint: fmt.GenerationCheckpoint | None = None,
         clone: bool = True,
+        live: bool = False,
     ) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
         """Clone the caches, queue them and return at once with a future of the outcome.
 
         Call from the event loop thread (an ``asyncio.Future``) or from the
         engine's own thread (a ``concurrent.futures.Future``).
+
+        ``live=True`` is for caches the engine keeps extending (a write-behind
+        snapshot): instead of views (which make the engine's next in-place
+        update copy the whole buffer), append-only buffers are read at write
+        time, one tensor per lease step, and copied out inside the lease. The
+        engine must not cut such a cache below its current length until the
+        future settles (a cut is detected and fails the write).
         """
-        item = self._item(tokens, caches, meta, namespace, key, droppable, attachments, checkpoint, clone)
+        item = self._item(tokens, caches, meta, namespace, key, droppable, attachments, checkpoint, clone, live)
         return self._submit(lambda: self.queue.enqueue(item))
 
     def barrier(

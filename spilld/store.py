@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import msgpack
 import numpy as np
 import xxhash
 
@@ -28,7 +29,7 @@ from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .lease import RunStep
 from .loader import Loaded, load, read_header
-from .saver import Attachment, SaveResult, save_async
+from .saver import AnySource, Attachment, SaveResult, Staging, save_async
 
 log = logging.getLogger("spilld.store")
 
@@ -42,7 +43,7 @@ CHECKPOINT_NS_PREFIX = "\0checkpoint:"
 
 def identity_fingerprint(ident: fmt.Identity) -> str:
     """The folder of one model: its config fingerprint, tokenizer and model id, hashed."""
-    blob = "\0".join([ident.model_id, ident.config_fingerprint, ident.tokenizer_hash]).encode()
+    blob = msgpack.packb([ident.model_id, ident.config_fingerprint, ident.tokenizer_hash])
     return xxhash.xxh3_64_hexdigest(blob)
 
 
@@ -287,8 +288,15 @@ class Store:
         run_step: RunStep | None = None,
         write_in_lease: bool = False,
         ops: fileio.FileOps = fileio.DEFAULT_OPS,
+        planned: tuple[fmt.Header, list[AnySource]] | None = None,
+        staging: Staging | None = None,
     ) -> SaveResult:
-        """Write an entry durably, then index it, supersede what it replaces and evict to the cap."""
+        """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
+
+        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``.
+        """
+        if planned is not None:
+            ident = planned[0].identity
         path = self.new_path(ident, ident.namespace)
         try:
             result = await save_async(
@@ -304,13 +312,15 @@ class Store:
                 run_step=run_step,
                 write_in_lease=write_in_lease,
                 ops=ops,
+                planned=planned,
+                staging=staging,
             )
         except Exception:
             self.counters.store_errors += 1
             raise
         entry = self._index(path, result.header, time.time())
         self.counters.stored += 1
-        self._supersede(entry, has_attachments=bool(attachments))
+        self._supersede(entry, has_attachments=bool(result.header.attachments))
         self.evict_to_cap(keep=entry)
         return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
@@ -136,3 +137,63 @@ async def test_newer_checkpoint_cancels_queued_older_ones(tmp_path: Any) -> None
     third = sp.checkpoint(prompt, cache, ck)
     outcomes = [(await f).outcome for f in (first, second, third)]
     assert outcomes[-1] is Outcome.STORED and Outcome.CANCELLED in outcomes
+
+
+def _address(a: mx.array) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).ctypes.data)  # type: ignore[arg-type]
+
+
+async def test_live_snapshot_does_not_make_the_engine_copy(tmp_path: Any) -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill, kv, live
+
+    cache = fill(C.KVCache(), 40)
+    before = live(fill(C.KVCache(), 40))  # the same data, from a twin (a view of ours would pin the buffer)
+    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m")).start()
+    fut = sp.spill(list(range(40)), [cache], live=True)
+    addr = _address(cache.keys)
+    for i in range(5):  # the engine keeps extending its cache in place
+        cache.update_and_fetch(*kv(1, seed=50 + i))
+        mx.eval(cache.keys, cache.values)
+    assert _address(cache.keys) == addr  # no copy: nothing of ours pinned the buffer
+    assert (await fut).stored
+    got = await sp.restore([*range(40), 7])
+    assert got is not None and got.tokens == list(range(40))
+    from tests.caches import same
+
+    assert same(live(got.caches[0]), before)
+
+
+async def test_live_snapshot_detects_a_cut_below_its_length(tmp_path: Any) -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    cache = fill(C.KVCache(), 30)
+    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m")).start()
+    fut = sp.spill(list(range(30)), [cache], live=True)
+    cache.trim(10)
+    res = await fut
+    assert res.outcome is Outcome.FAILED and isinstance(res.error, spilld.errors.PlanDrift)
+    assert sp.store.entries == [] and not any(f.endswith(".spilld") for _, _, fs in os.walk(tmp_path) for f in fs)
+
+
+async def test_live_snapshot_of_a_decoding_model(tmp_path: Any) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(30, seed=5)
+    cache, _ = prefill(model, prompt)
+    sp = await spilld.Spiller(tmp_path, identity=ident(model), lease=spilld.ThreadLockLease(threading.Lock())).start()
+    fut = sp.spill(prompt, cache, live=True)
+    tokens = list(prompt)
+    for t in (3, 4, 5):  # decoding goes on while the snapshot is written
+        next_logits(model, cache, t)
+        tokens.append(t)
+    assert (await fut).stored
+    got = await sp.restore([*prompt, 3])
+    assert got is not None and got.tokens == prompt
+    want = next_logits(model, got.caches, 3)
+    fresh, _ = prefill(model, prompt)
+    assert mx.array_equal(next_logits(model, fresh, 3), want).item()

@@ -41,14 +41,18 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import xxhash
 from mlx_lm.models import cache as mlc
 
 import spilld
+import spilld.loader as spilld_loader
+import spilld.saver as spilld_saver
 from spilld.fileio import Durability, FileOps
 
 GB = 1e9
@@ -240,6 +244,42 @@ class TimedOps(FileOps):
             super().unlink(path)
 
 
+class _TimedHash:
+    def __init__(self, owner: HashTimer) -> None:
+        self._h = xxhash.xxh3_64()
+        self._owner = owner
+
+    def update(self, data: Any) -> None:
+        t0 = time.perf_counter()
+        self._h.update(data)
+        self._owner.s += time.perf_counter() - t0
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
+class HashTimer:
+    """Stands in for the ``xxhash`` module inside a spilld module, adding up the seconds spent hashing."""
+
+    def __init__(self) -> None:
+        self.s = 0.0
+
+    def xxh3_64(self) -> _TimedHash:
+        return _TimedHash(self)
+
+
+@contextlib.contextmanager
+def timed_hash(module: Any) -> Iterator[HashTimer]:
+    """Swap ``module.xxhash`` for a ``HashTimer`` for the duration (diagnostics only)."""
+    timer = HashTimer()
+    original = module.xxhash
+    module.xxhash = timer
+    try:
+        yield timer
+    finally:
+        module.xxhash = original
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
@@ -253,6 +293,7 @@ class Bench:
     cold_ok: bool = True
     results: dict[str, Any] = field(default_factory=dict)
     _buf: mmap.mmap | None = None
+    _bounce: list[mmap.mmap] = field(default_factory=list)
 
     @property
     def live(self) -> int:
@@ -461,10 +502,115 @@ class Bench:
                 clear()
         return out
 
+    def _bounce_buffers(self, k: int) -> list[mmap.mmap]:
+        """``k`` page-aligned, pre-touched buffers of one tensor (rounded up to a page), made once."""
+        size = -(-self.shape.tensor_bytes // PAGE) * PAGE
+        while len(self._bounce) < k:
+            buf = mmap.mmap(-1, size)
+            buf[:] = b"\1" * size
+            self._bounce.append(buf)
+        return self._bounce[:k]
+
+    def odirect_bounce_save(self, path: str, arrays: Sequence[mx.array], writers: int) -> dict[str, float]:
+        """What an O_DIRECT spilld could do: xxh3 + copy each tensor into an aligned buffer, write, fsync.
+
+        ``writers`` 0: all serial on this thread. ``writers`` >= 1: 4 buffers, the writes on that
+        many worker threads, so hash and copy of tensor i overlap the write of tensor i-1.
+        """
+        bufs = self._bounce_buffers(4)
+        size = len(bufs[0])
+        t: dict[str, float] = defaultdict(float)
+        t_start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+        pool = ThreadPoolExecutor(writers) if writers else None
+        pending: list[Future[int] | None] = [None] * len(bufs)
+        try:
+            os.posix_fallocate(fd, 0, size * len(arrays))
+            for i, a in enumerate(arrays):
+                mv = memoryview(a).cast("B")
+                t0 = time.perf_counter()
+                h = xxhash.xxh3_64()
+                h.update(mv)
+                h.digest()
+                t1 = time.perf_counter()
+                slot = i % len(bufs)
+                prev = pending[slot]
+                if prev is not None:
+                    prev.result()
+                buf = bufs[slot]
+                t2 = time.perf_counter()
+                buf[: mv.nbytes] = mv
+                t3 = time.perf_counter()
+                mv.release()
+                t["hash"] += t1 - t0
+                t["copy"] += t3 - t2
+                if pool is None:
+                    if os.pwrite(fd, buf, i * size) != size:
+                        raise OSError("short O_DIRECT write")
+                    t["write"] += time.perf_counter() - t3
+                else:
+                    pending[slot] = pool.submit(os.pwrite, fd, buf, i * size)
+            for f in pending:
+                if f is not None and f.result() != size:
+                    raise OSError("short O_DIRECT write")
+            t0 = time.perf_counter()
+            os.fsync(fd)
+            t["fsync"] = time.perf_counter() - t0
+        finally:
+            if pool is not None:
+                pool.shutdown()
+            os.close(fd)
+        t["total"] = time.perf_counter() - t_start
+        return dict(t)
+
+    def raw_split(self, path: str) -> dict[str, float]:
+        """The raw load arm with its two parts timed apart: mx.zeros + eval, and preadv."""
+        t: dict[str, float] = defaultdict(float)
+        out = []
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            off = 0
+            for _ in range(self.shape.n_tensors):
+                t0 = time.perf_counter()
+                arr = mx.zeros(self.shape.kv_shape, mx.float16)
+                mx.eval(arr)
+                t1 = time.perf_counter()
+                mv = memoryview(arr).cast("B")
+                done = 0
+                while done < mv.nbytes:
+                    done += os.preadv(fd, [mv[done:]], off + done)
+                mv.release()
+                off += done
+                out.append(arr)
+                t["alloc"] += t1 - t0
+                t["read"] += time.perf_counter() - t1
+        finally:
+            os.close(fd)
+        del out
+        return dict(t)
+
+    def raw_np_empty(self, path: str) -> None:
+        """preadv into ``np.empty`` buffers: no zero fill, the pages fault in during the copy."""
+        out = []
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            off = 0
+            for _ in range(self.shape.n_tensors):
+                a = np.empty(self.shape.tensor_bytes, np.uint8)
+                done = 0
+                while done < a.nbytes:
+                    done += os.preadv(fd, [memoryview(a)[done:]], off + done)
+                off += done
+                out.append(a)
+        finally:
+            os.close(fd)
+        del out
+
     def diag_phase(self, files: dict[str, str], runs: int) -> dict[str, Any]:
-        """Where spilld's time goes: syscalls, hashing, allocation, durability none vs fsync."""
+        """Where spilld's time goes: syscalls, hashing, allocation, durability, an O_DIRECT alternative."""
         d: dict[str, list[Any]] = defaultdict(list)
         arrays = live_arrays(self.caches)
+        self._bounce_buffers(4)  # pre-touched outside the timing
         for run in range(runs):
             print(f"diagnostics run {run + 1}/{runs}", flush=True)
             # in-memory xxh3 of every live tensor (what save and verified load both pay)
@@ -477,17 +623,18 @@ class Bench:
                 h.digest()
                 mv.release()
             d["hash_s"].append(time.perf_counter() - t0)
-            # spilld save, fsync, syscall split
+            # spilld save, fsync: syscalls and hashing timed apart
             ops = TimedOps()
             path = self.path(f"diag-{run}.spilld")
             clear()
             os.sync()
-            t0 = time.perf_counter()
-            spilld.save(path, self.tokens, self.caches, durability="fsync", ops=ops)
-            total = time.perf_counter() - t0
+            with timed_hash(spilld_saver) as ht:
+                t0 = time.perf_counter()
+                spilld.save(path, self.tokens, self.caches, durability="fsync", ops=ops)
+                total = time.perf_counter() - t0
             unlink_and_settle(path)
             d["save_fsync_total_s"].append(total)
-            d["save_fsync_ops_s"].append(dict(ops.t))
+            d["save_fsync_ops_s"].append({**ops.t, "xxh3": ht.s})
             # spilld save, durability none (no fsync at all), then how long the flush takes
             path = self.path(f"diag-none-{run}.spilld")
             clear()
@@ -499,6 +646,42 @@ class Bench:
             fsync_path(path)
             d["save_none_then_fsync_s"].append(time.perf_counter() - t0)
             unlink_and_settle(path)
+            # an O_DIRECT path for spilld's bytes: bounce copy + xxh3, serial, then pipelined
+            for label, writers in (("odirect_serial", 0), ("odirect_pipelined", 1)):
+                path = self.path(f"diag-{label}-{run}.bin")
+                clear()
+                os.sync()
+                d[f"save_{label}_s"].append(self.odirect_bounce_save(path, arrays, writers))
+                unlink_and_settle(path)
+            # loads, each cold (after drop_caches) then warm, as in the load phase
+            loads: list[tuple[str, Callable[[], Any]]] = [
+                ("spilld", lambda: None),
+                ("raw_split", lambda: self.raw_split(files["raw"])),
+                ("raw_np_empty", lambda: self.raw_np_empty(files["raw"])),
+                ("mx_load", lambda: self.load_safetensors(files["safetensors"])),
+            ]
+            for name, fn in loads:
+                for mode in ("cold", "warm"):
+                    if mode == "cold" and not self.cold_ok:
+                        continue
+                    clear()
+                    if mode == "cold" and not drop_page_cache():
+                        self.cold_ok = False
+                        continue
+                    ops = TimedOps()
+                    c0 = time.process_time()
+                    t0 = time.perf_counter()
+                    if name == "spilld":
+                        with timed_hash(spilld_loader) as ht:
+                            got = spilld.load(files["spilld"], ops=ops)
+                            parts: Any = {**ops.t, "xxh3": ht.s}
+                    else:
+                        got = fn()
+                        parts = got if name == "raw_split" else {}
+                    total = time.perf_counter() - t0
+                    cpu = time.process_time() - c0
+                    del got
+                    d[f"load_{name}_{mode}_s"].append({"total": total, "cpu": cpu, **parts})
             # allocation alone: mx.zeros + eval of every tensor, at step capacity and exact
             allocs = [("alloc_capacity_s", (self.shape.tokens // 256 + 1) * 256), ("alloc_exact_s", None)]
             for label, rows in allocs if run % 2 == 0 else allocs[::-1]:  # alternate: first touch is order-dependent
@@ -528,20 +711,6 @@ class Bench:
                 held.append(z)
             d["alloc_exact_reused_s"].append(time.perf_counter() - t0)
             del held
-            # spilld load, cold and warm, syscall split
-            for mode in ("cold", "warm"):
-                if mode == "cold" and not self.cold_ok:
-                    continue
-                clear()
-                if mode == "cold":
-                    drop_page_cache()
-                ops = TimedOps()
-                t0 = time.perf_counter()
-                got = spilld.load(files["spilld"], ops=ops)
-                total = time.perf_counter() - t0
-                del got
-                d[f"load_{mode}_total_s"].append(total)
-                d[f"load_{mode}_ops_s"].append(dict(ops.t))
             clear()
         del arrays
         clear()
@@ -592,38 +761,64 @@ def report(b: Bench, save: dict[str, list[float]], load: dict[str, dict[str, lis
 
 
 def report_diag(b: Bench, d: dict[str, Any]) -> dict[str, Any]:
+    live = b.live
+
     def ms(xs: Sequence[float]) -> str:
         return " / ".join(f"{x * 1e3:.0f}" for x in xs)
 
-    def op_ms(key: str, op: str) -> str:
-        return ms([x.get(op, 0.0) for x in d.get(key, [])])
+    def part(key: str, name: str) -> str:
+        return ms([x.get(name, 0.0) for x in d.get(key, [])])
 
-    live = b.live
+    def gbps(xs: Sequence[float]) -> str:
+        return f"(median {live / median(xs) / GB:.2f} GB/s)"
+
+    def line(label: str, key: str, name: str = "total") -> None:
+        if key in d:
+            xs = [x.get(name, 0.0) for x in d[key]]
+            print(f"  {label:<46} {ms(xs):<20} {gbps(xs) if name == 'total' else ''}")
+
     print()
-    print("DIAGNOSTICS (ms per run)")
-    print(
-        f"  xxh3_64 over all live tensors in memory   {ms(d['hash_s'])}  ({live / median(d['hash_s']) / GB:.1f} GB/s)"
-    )
-    print(f"  spilld save fsync, total                  {ms(d['save_fsync_total_s'])}")
-    for op in ("open", "fallocate", "pwritev", "fsync_file", "rename", "open_dir", "fsync_dir", "close"):
-        print(f"    {op:<39} {op_ms('save_fsync_ops_s', op)}")
-    rest = [
-        t - sum(o.values()) for t, o in zip(d["save_fsync_total_s"], d["save_fsync_ops_s"], strict=True)
-    ]  # plan + hash + python
-    print(f"    rest (plan, header, xxh3, python)       {ms(rest)}")
-    print(f"  spilld save durability=none, total        {ms(d['save_none_s'])}")
-    print(f"    then fsync of that file                 {ms(d['save_none_then_fsync_s'])}")
-    print(f"  mx.zeros+eval x{b.shape.n_tensors}, step capacity rows       {ms(d['alloc_capacity_s'])}")
-    print(f"  mx.zeros+eval x{b.shape.n_tensors}, exact rows               {ms(d['alloc_exact_s'])}")
-    print(f"  mx.zeros+eval x{b.shape.n_tensors}, exact, mlx cache reused   {ms(d['alloc_exact_reused_s'])}")
-    for mode in ("cold", "warm"):
-        key = f"load_{mode}_total_s"
-        if key not in d:
-            continue
-        print(f"  spilld load {mode}, total                   {ms(d[key])}")
-        print(f"    preadv                                  {op_ms(f'load_{mode}_ops_s', 'preadv')}")
-        rest = [t - sum(o.values()) for t, o in zip(d[key], d[f"load_{mode}_ops_s"], strict=True)]
-        print(f"    rest (header, alloc, xxh3, python)      {ms(rest)}")
+    print("DIAGNOSTICS, ms per run")
+    print(f"  {'xxh3_64 of all live tensors, in memory':<46} {ms(d['hash_s']):<20} {gbps(d['hash_s'])}")
+    print(f"  {'spilld.save fsync, total':<46} {ms(d['save_fsync_total_s']):<20} {gbps(d['save_fsync_total_s'])}")
+    ops = ("open", "fallocate", "xxh3", "pwritev", "fsync_file", "rename", "open_dir", "fsync_dir", "close")
+    for op in ops:
+        print(f"    {op:<44} {part('save_fsync_ops_s', op)}")
+    rest = [t - sum(o.values()) for t, o in zip(d["save_fsync_total_s"], d["save_fsync_ops_s"], strict=True)]
+    print(f"    {'rest (plan, header, python)':<44} {ms(rest)}")
+    print(f"  {'spilld.save durability=none, total':<46} {ms(d['save_none_s']):<20} {gbps(d['save_none_s'])}")
+    print(f"    {'then fsync of that file':<44} {ms(d['save_none_then_fsync_s'])}")
+    for label, key in (
+        ("O_DIRECT + bounce copy + xxh3, serial", "save_odirect_serial_s"),
+        ("same, pipelined (4 buffers, 1 writer thread)", "save_odirect_pipelined_s"),
+    ):
+        line(label, key)
+        for p in ("xxh3", "copy", "write", "fsync") if "serial" in key else ("fsync",):
+            line(f"  {p}", key, "hash" if p == "xxh3" else p)
+    for name, label in (
+        ("spilld", "spilld.load (verify)"),
+        ("raw_split", "raw: mx.zeros + preadv"),
+        ("raw_np_empty", "raw: np.empty + preadv (no zero fill)"),
+        ("mx_load", "mx.load + eval (safetensors)"),
+    ):
+        for mode in ("cold", "warm"):
+            key = f"load_{name}_{mode}_s"
+            if key not in d:
+                continue
+            line(f"{label}, {mode}", key)
+            line("  process CPU time", key, "cpu")
+            if name == "spilld":
+                line("  preadv", key, "preadv")
+                line("  xxh3", key, "xxh3")
+                rest = [x["total"] - sum(v for k, v in x.items() if k not in ("total", "cpu")) for x in d[key]]
+                print(f"    {'rest (header, mx.zeros + eval, python)':<44} {ms(rest)}")
+            if name == "raw_split":
+                line("  mx.zeros + eval", key, "alloc")
+                line("  preadv", key, "read")
+    n = b.shape.n_tensors
+    print(f"  {f'mx.zeros+eval x{n}, step capacity rows':<46} {ms(d['alloc_capacity_s'])}")
+    print(f"  {f'mx.zeros+eval x{n}, exact rows':<46} {ms(d['alloc_exact_s'])}")
+    print(f"  {f'mx.zeros+eval x{n}, exact, mlx cache reused':<46} {ms(d['alloc_exact_reused_s'])}")
     return d
 
 
@@ -647,6 +842,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--small", action="store_true", help="quick smoke test: 4 layers x 1024 tokens, 1 run")
     p.add_argument("--no-diag", action="store_true", help="skip the diagnostics phase")
+    p.add_argument("--diag-only", action="store_true", help="run only the diagnostics phase (and the files it reads)")
     p.add_argument("--json", metavar="OUT", default=None, help="write every number to this JSON file")
     a = p.parse_args(argv)
     if a.small:
@@ -675,15 +871,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = Bench(shape, folder, a.runs, caches, list(range(shape.tokens)))
     files: dict[str, str] = {}
     try:
-        save = b.save_phase()
+        save: dict[str, list[float]] = {}
+        load: dict[str, dict[str, list[float]]] = {}
+        summary: dict[str, Any] = {}
+        if not a.diag_only:
+            save = b.save_phase()
         print("writing the load files", flush=True)
         files = b.write_load_files()
-        load = b.load_phase(files)
-        if not b.cold_ok:
-            print("NOTE: cold loads were skipped (drop_caches not permitted); cold ratios are NaN")
-        summary = report(b, save, load)
+        if not a.diag_only:
+            load = b.load_phase(files)
+            if not b.cold_ok:
+                print("NOTE: cold loads were skipped (drop_caches not permitted); cold ratios are NaN")
+            summary = report(b, save, load)
         diag: dict[str, Any] = {}
-        if not a.no_diag:
+        if a.diag_only or not a.no_diag:
             diag = report_diag(b, b.diag_phase(files, a.runs))
     finally:
         for p in files.values():

@@ -36,13 +36,53 @@ class Source:
         s = tuple(self.array.shape)
         return s if self.rows is None else (*s[:-2], self.rows, s[-1])
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.array.dtype
+
+
+@dataclass
+class LiveSource:
+    """The first ``rows`` rows of a buffer the engine keeps extending in place.
+
+    It holds no reference to the buffer between steps (a held reference makes
+    the engine's next in-place update copy the whole buffer); ``fetch`` reads
+    the engine's current buffer inside the lease and the rows are copied out
+    there. Valid only while the engine appends and never rewrites rows below
+    ``rows`` (a trim below it is detected and fails the save).
+    """
+
+    fetch: Callable[[], mx.array]
+    rows: int
+    full_shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.full_shape[:-2], self.rows, self.full_shape[-1])
+
+
+def live_rows(cache: Any, attr: str, n: int, part: int | None = None) -> LiveSource:
+    """A LiveSource over ``cache.<attr>`` (or its ``part``-th array), first ``n`` rows."""
+
+    def fetch() -> mx.array:
+        arr = getattr(cache, attr)
+        arr = arr if part is None else arr[part]
+        if cache.offset < n or arr.shape[-2] < n:
+            raise errors.PlanDrift(f"the engine cut its cache below {n} tokens before the snapshot was written")
+        return arr
+
+    arr = getattr(cache, attr)
+    arr = arr if part is None else arr[part]
+    return LiveSource(fetch, n, tuple(arr.shape), arr.dtype)
+
 
 @dataclass
 class Encoded:
     """An entry to write and its tensor sources, in ``entry.walk_slots()`` order."""
 
     entry: CacheEntry
-    sources: list[Source]
+    sources: list[Source | LiveSource]
 
 
 class DecodeContext(Protocol):
@@ -56,13 +96,15 @@ class DecodeContext(Protocol):
 
 
 class EncodeContext(Protocol):
+    live: bool  # plan a snapshot of caches the engine keeps extending (see LiveSource)
+
     def encode(self, cache: Any) -> Encoded: ...
 
     def clone(self, cache: Any) -> Any: ...
 
 
-def slot_for(src: Source) -> Slot:
-    name = dtypes.name_of(src.array.dtype)
+def slot_for(src: Source | LiveSource) -> Slot:
+    name = dtypes.name_of(src.dtype)
     shape = src.shape
     return Slot(off=0, nbytes=DTYPE_SIZES[name] * math.prod(shape), shape=shape, dtype=name)
 
@@ -115,7 +157,7 @@ class Codec:
         *,
         offset: int | None,
         trimmable: bool,
-        arrays: Sequence[Source | mx.array],
+        arrays: Sequence[Source | LiveSource | mx.array],
         fields: dict[str, Any] | None = None,
         min_reusable: int = 0,
     ) -> Encoded:
@@ -128,7 +170,7 @@ class Codec:
             fields=fields or {},
             tensors=[],
         )
-        sources = [a if isinstance(a, Source) else Source(a) for a in arrays]
+        sources = [a if isinstance(a, (Source, LiveSource)) else Source(a) for a in arrays]
         e.tensors = [slot_for(s) for s in sources]
         return Encoded(e, sources)
 

@@ -12,8 +12,11 @@ from .base import (
     DecodeContext,
     EncodeContext,
     Encoded,
+    LiveSource,
+    Source,
     expect_tensors,
     field,
+    live_rows,
     new_instance,
     rows,
     step_capacity,
@@ -45,7 +48,12 @@ class KVCacheCodec(Codec):
         if cache.keys is None:
             return self.entry(offset=0, trimmable=True, arrays=[])
         n = cache.offset
-        return self.entry(offset=n, trimmable=True, arrays=[rows(cache.keys, n), rows(cache.values, n)])
+        arrays: list[Source | LiveSource]
+        if ctx.live:
+            arrays = [live_rows(cache, "keys", n), live_rows(cache, "values", n)]
+        else:
+            arrays = [rows(cache.keys, n), rows(cache.values, n)]
+        return self.entry(offset=n, trimmable=True, arrays=arrays)
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
         cache = self.cache_type()()

@@ -7,7 +7,18 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, EncodeContext, Encoded, expect_tensors, field, rows, step_capacity, view
+from .base import (
+    Codec,
+    DecodeContext,
+    EncodeContext,
+    Encoded,
+    expect_tensors,
+    field,
+    live_rows,
+    rows,
+    step_capacity,
+    view,
+)
 
 
 def _rows(parts: tuple[Any, ...], n: int) -> list[Any]:
@@ -24,7 +35,9 @@ class QuantizedKVCodec(Codec):
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         fields = {"group_size": cache.group_size, "bits": cache.bits}
         arrays: list[Any] = []
-        if cache.keys is not None:
+        if cache.keys is not None and ctx.live:
+            arrays = [live_rows(cache, side, cache.offset, i) for side in ("keys", "values") for i in range(3)]
+        elif cache.keys is not None:
             arrays = [*_rows(cache.keys, cache.offset), *_rows(cache.values, cache.offset)]
         return self.entry(offset=cache.offset, trimmable=True, arrays=arrays, fields=fields)
 

@@ -20,6 +20,8 @@ MLX_LM_PROVIDER_ID = "spilld/mlx-lm/1"
 class CodecProvider:
     """A named, immutable table of codecs. Extend it to add an engine's own cache classes."""
 
+    live = False
+
     def __init__(self, provider_id: str, codecs: Iterable[Codec]) -> None:
         if not provider_id:
             raise ValueError("a codec provider needs a non-empty id")
@@ -52,6 +54,10 @@ class CodecProvider:
         """A zero-copy clone: a new object of the same class holding views of the same buffers."""
         return self.for_cache(cache).clone(cache, self)
 
+    def encode_live(self, cache: Any) -> Encoded:
+        """Plan a snapshot of a cache the engine keeps extending (codecs that support it give LiveSources)."""
+        return _LiveContext(self).encode(cache)
+
     def for_entry(self, entry: CacheEntry, path: str | None = None) -> Codec:
         codec = self._by_kind.get(entry.kind)
         if codec is None:
@@ -71,6 +77,19 @@ class CodecProvider:
     @property
     def kinds(self) -> list[str]:
         return sorted(self._by_kind)
+
+
+class _LiveContext:
+    live = True
+
+    def __init__(self, provider: CodecProvider) -> None:
+        self.provider = provider
+
+    def encode(self, cache: Any) -> Encoded:
+        return self.provider.for_cache(cache).encode(cache, self)
+
+    def clone(self, cache: Any) -> Any:
+        return self.provider.clone(cache)
 
 
 _default: CodecProvider | None = None

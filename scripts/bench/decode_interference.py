@@ -1,0 +1,323 @@
+"""Decode latency while caches spill: idle vs mlx-lm's save on the engine thread vs spilld embedded.
+
+An engine thread decodes a tiny random-weight llama continuously under its generation lock. Besides the model's
+own cache it carries a large synthetic KV cache (like a big model's) that each decode step extends in place by one
+row. At fixed tokens the engine hands caches to the spill arm:
+
+  eviction  caches the engine then drops (views are free)
+  snapshot  the engine's own large cache, which it keeps extending (a held view makes its next update copy)
+
+Arms: idle (no spill), mlxlm (mlx_lm save_prompt_cache + fsync, called on the engine thread), spilld (Spiller.spill
+with a ThreadLockLease on the generation lock; durability fsync). Every arm runs in every round, interleaved.
+
+    python scripts/bench/decode_interference.py --rounds 3 --json bench-out/interference.json --plot docs/decode_interference.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+from mlx_lm.models import llama
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import spilld
+
+MiB = 1024 * 1024
+
+
+def build_model(hidden: int, layers: int) -> Any:
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=hidden * 11 // 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=8192,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def big_cache(layers: int, tokens: int, heads: int, dim: int, seed: int) -> list[Any]:
+    """A large f16 KVCache list filled in one prefill (buffer has room for the decode rows)."""
+    mx.random.seed(seed)
+    out = []
+    for _ in range(layers):
+        c = C.KVCache()
+        k = mx.random.normal((1, heads, tokens, dim)).astype(mx.float16)
+        c.update_and_fetch(k, k + 1)
+        out.append(c)
+    mx.eval([c.keys for c in out] + [c.values for c in out])
+    return out
+
+
+def nbytes(caches: list[Any]) -> int:
+    return sum(c.keys[..., : c.offset, :].nbytes * 2 for c in caches)
+
+
+@dataclass
+class Result:
+    arm: str
+    case: str
+    lat_ms: list[float] = field(default_factory=list)
+    spill_call_ms: list[float] = field(default_factory=list)
+    after_spill_ms: list[float] = field(default_factory=list)
+    spilled_bytes: int = 0
+    spill_wall_s: float = 0.0
+    longest_lease_ms: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.lat_ms)
+        normal = [v for i, v in enumerate(self.lat_ms) if i not in set(self._after_idx)]
+        return {
+            "arm": self.arm,
+            "case": self.case,
+            "p50_ms": statistics.median(lat),
+            "p99_ms": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+            "max_ms": lat[-1],
+            "normal_median_ms": statistics.median(normal) if normal else None,
+            "after_spill_ms": self.after_spill_ms,
+            "spill_call_ms": self.spill_call_ms,
+            "spilled_MiB": self.spilled_bytes / MiB,
+            "spill_GBps": self.spilled_bytes / self.spill_wall_s / 1e9 if self.spill_wall_s else None,
+            "longest_lease_ms": self.longest_lease_ms,
+        }
+
+    _after_idx: list[int] = field(default_factory=list)
+
+
+def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: str) -> Result:
+    res = Result(arm, case)
+    lock = threading.Lock()
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    lease = spilld.ThreadLockLease(lock)
+    spiller: spilld.Spiller | None = None
+    if arm == "spilld":
+        spiller = asyncio.run_coroutine_threadsafe(
+            spilld.Spiller(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30).start(), loop
+        ).result()
+
+    own = C.make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=own))
+    live_big = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=1)
+    spill_at = set(range(args.warmup, args.tokens, max(1, (args.tokens - args.warmup) // args.spills)))
+    futures: list[Any] = []
+    tok = mx.array([[5]])
+    row = mx.zeros((1, args.heads, 1, args.dim), dtype=mx.float16)
+    t_first_spill = None
+    for i in range(args.tokens + args.warmup):
+        t0 = time.perf_counter()
+        with lock:  # one decode step under the generation lock
+            logits = model(tok, cache=own)
+            for c in live_big:
+                c.update_and_fetch(row, row)
+            mx.eval(logits, [c.keys for c in live_big], [c.values for c in live_big])
+        dt = (time.perf_counter() - t0) * 1e3
+        if i >= args.warmup:
+            res.lat_ms.append(dt)
+        if i - args.warmup in {s + 1 for s in spill_at if s >= 0}:
+            res.after_spill_ms.append(dt)
+            res._after_idx.append(len(res.lat_ms) - 1)
+        if i >= args.warmup and i - args.warmup in spill_at and arm != "idle":
+            caches = (
+                live_big
+                if case == "snapshot"
+                else big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=i)
+            )
+            res.spilled_bytes += nbytes(caches)
+            t_first_spill = t_first_spill or time.perf_counter()
+            t1 = time.perf_counter()
+            if arm == "mlxlm":
+                path = os.path.join(folder, f"mlxlm-{i}.safetensors")
+                with lock:
+                    C.save_prompt_cache(path, caches)
+                    fd = os.open(path, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+            else:
+                assert spiller is not None
+                futures.append(spiller.spill(list(range(caches[0].offset)), caches))
+            res.spill_call_ms.append((time.perf_counter() - t1) * 1e3)
+            del caches  # the eviction case: the engine drops them
+    for f in futures:
+        outcome = f.result(timeout=600)
+        assert outcome.stored, outcome
+    if t_first_spill:
+        res.spill_wall_s = time.perf_counter() - t_first_spill
+    res.longest_lease_ms = lease.longest_hold_s * 1e3
+    if spiller is not None:
+        asyncio.run_coroutine_threadsafe(spiller.close(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    loop_thread.join()
+    loop.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder, exist_ok=True)
+    return res
+
+
+def spill_call_cost_1gib(args: argparse.Namespace, folder: str) -> dict[str, float]:
+    """Engine-thread cost of Spiller.spill() for a 1 GiB cache (32 layers of (1, 8, 8192, 128) f16)."""
+    caches = big_cache(32, 8192 - 1, 8, 128, seed=7)
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    sp = asyncio.run_coroutine_threadsafe(
+        spilld.Spiller(folder, identity=spilld.Identity("bench")).start(), loop
+    ).result()
+    costs = []
+    futs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        futs.append(sp.spill(list(range(caches[0].offset)), caches))
+        costs.append((time.perf_counter() - t0) * 1e3)
+    cancelled = sum(1 for f in futs if not f.result(timeout=600).stored)
+    asyncio.run_coroutine_threadsafe(sp.close(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    th.join()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "median_ms": statistics.median(costs),
+        "max_ms": max(costs),
+        "bytes": nbytes(caches),
+        "not_stored": cancelled,
+    }
+
+
+def plot(rows: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, case in zip(axes, ("eviction", "snapshot"), strict=True):
+        for r in rows:
+            if r.case == case:
+                ax.plot(r.lat_ms, label=r.arm, linewidth=0.8)
+        ax.set_title(f"{case}: per-token decode latency")
+        ax.set_xlabel("token")
+        ax.set_yscale("log")
+        ax.legend()
+    axes[0].set_ylabel("ms (log)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=240, help="timed decode tokens per arm (default 240)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--spills", type=int, default=4, help="spills per arm (default 4)")
+    p.add_argument("--big-layers", type=int, default=16)
+    p.add_argument("--big-tokens", type=int, default=4000, help="rows of the large cache (default 4000: 4 x 250 MiB)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cases", default="eviction,snapshot")
+    p.add_argument("--arms", default="idle,mlxlm,spilld")
+    p.add_argument(
+        "--dir", default=None, help="scratch folder on the disk under test (default: a temp folder in /var/tmp)"
+    )
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="write a PNG of per-token latency (last round)")
+    p.add_argument("--small", action="store_true", help="a quick smoke run")
+    p.add_argument("--skip-1gib", action="store_true")
+    args = p.parse_args()
+    if args.small:
+        args.tokens, args.spills, args.big_layers, args.big_tokens, args.rounds = 40, 2, 4, 512, 1
+    folder = args.dir or tempfile.mkdtemp(prefix="spilld-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    model = build_model(args.hidden, args.layers)
+    print(
+        f"device {mx.default_device()}, big cache {args.big_layers} layers x {args.big_tokens} tokens "
+        f"= {args.big_layers * args.big_tokens * args.heads * args.dim * 2 * 2 / MiB:.0f} MiB per spill, "
+        f"{args.spills} spills per arm",
+        flush=True,
+    )
+    rows: list[Result] = []
+    summaries: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        arms = args.arms.split(",")
+        arms = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
+        for case in args.cases.split(","):
+            for arm in arms:
+                gc.collect()
+                r = run_arm(arm, case, args, model, folder)
+                s = r.summary() | {"round": rnd}
+                summaries.append(s)
+                if rnd == args.rounds - 1:
+                    rows.append(r)
+                print(
+                    f"round {rnd} {case:9s} {arm:7s} p50 {s['p50_ms']:7.2f}  p99 {s['p99_ms']:8.2f}  max {s['max_ms']:8.2f} ms"
+                    f"  after-spill {[round(x, 1) for x in r.after_spill_ms]}  spill() {[round(x, 2) for x in r.spill_call_ms]} ms"
+                    f"  lease max {s['longest_lease_ms']:.2f} ms"
+                    + (f"  {s['spill_GBps']:.2f} GB/s" if s["spill_GBps"] else ""),
+                    flush=True,
+                )
+    print("\nmedians over rounds:")
+    table = []
+    for case in args.cases.split(","):
+        idle = [s for s in summaries if s["case"] == case and s["arm"] == "idle"]
+        idle_p99 = statistics.median(s["p99_ms"] for s in idle) if idle else None
+        for arm in args.arms.split(","):
+            ss = [s for s in summaries if s["case"] == case and s["arm"] == arm]
+            p50 = statistics.median(s["p50_ms"] for s in ss)
+            p99 = statistics.median(s["p99_ms"] for s in ss)
+            mx_ = statistics.median(s["max_ms"] for s in ss)
+            after = statistics.median(x for s in ss for x in s["after_spill_ms"]) if ss[0]["after_spill_ms"] else None
+            normal = statistics.median(s["normal_median_ms"] for s in ss)
+            row = {
+                "case": case,
+                "arm": arm,
+                "p50_ms": p50,
+                "p99_ms": p99,
+                "max_ms": mx_,
+                "p99_vs_idle": p99 / idle_p99 if idle_p99 else None,
+                "after_spill_vs_normal": after / normal if after else None,
+            }
+            table.append(row)
+            print(
+                f"  {case:9s} {arm:7s} p50 {p50:7.2f}  p99 {p99:8.2f} ({row['p99_vs_idle'] or 0:.2f}x idle)  max {mx_:8.2f} ms"
+                + (f"  step after spill {after:.2f} ms = {row['after_spill_vs_normal']:.2f}x normal" if after else "")
+            )
+    one_gib = None if args.skip_1gib or args.small else spill_call_cost_1gib(args, folder)
+    if one_gib:
+        print(
+            f"\nspill() on the engine thread, 1 GiB cache: median {one_gib['median_ms']:.3f} ms, max {one_gib['max_ms']:.3f} ms"
+        )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": summaries, "table": table, "spill_call_1gib": one_gib}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,663 @@
+"""The cold-tier store: layout, scan, lookup rules, supersede, LRU eviction, quarantine, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import fileio
+from spilld import format as fmt
+from spilld.store import (
+    DEFAULT_DISK_CAP,
+    EXT,
+    QUARANTINE,
+    Hit,
+    Miss,
+    MissReason,
+    Store,
+    checkpoint_namespace,
+    default_disk_cap,
+    identity_fingerprint,
+    namespace_hash,
+)
+from tests.caches import fill, kv, live, same
+
+IDENT = spilld.Identity("model-a", "cfg-a", "tok-a", "")
+OTHER = spilld.Identity("model-a", "cfg-b", "tok-a", "")  # same model id, other config: another fingerprint
+
+
+def ident(namespace: str = "", base: spilld.Identity = IDENT) -> spilld.Identity:
+    return spilld.Identity(base.model_id, base.config_fingerprint, base.tokenizer_hash, namespace)
+
+
+def toks(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def kv_layers(n: int, layers: int = 2, seed: int = 0) -> list[Any]:
+    return [fill(C.KVCache(), n, seed=seed + i) for i in range(layers)]
+
+
+def chunked(n: int) -> Any:
+    """As tests/test_codecs.py ``_chunked``: the front is trimmed away, so start_position > 0."""
+    c = C.ChunkedKVCache(chunk_size=8)
+    fill(c, n - 4)
+    for i in range(4):
+        c.maybe_trim_front()
+        c.update_and_fetch(*kv(1, seed=20 + i))
+    return c
+
+
+def hybrid(n: int, seed: int = 0) -> list[Any]:
+    """A recurrent layer (ArraysCache: no position, never trimmable) beside an attention layer."""
+    mx.random.seed(seed)
+    state = C.ArraysCache(2)
+    state[0] = mx.random.normal((1, 3, 16))
+    state[1] = mx.random.normal((1, 2, 8, 8))
+    mx.eval(state[0], state[1])
+    return [state, fill(C.KVCache(), n, seed=seed + 1)]
+
+
+def wrapped_rotating(n: int, seed: int = 0) -> list[Any]:
+    c = fill(C.RotatingKVCache(max_size=16, keep=4), n, chunk=3, seed=seed)
+    assert c.offset > 16  # the ring has wrapped: the front is gone
+    return [c]
+
+
+def spilld_files(root: Path) -> list[str]:
+    """Every published entry under the root (quarantine excluded), sorted."""
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != QUARANTINE]
+        out += [os.path.join(folder, n) for n in names if n.endswith(EXT)]
+    return sorted(out)
+
+
+def quarantined(root: Path) -> list[str]:
+    q = root / QUARANTINE
+    return sorted(os.listdir(q)) if q.is_dir() else []
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def lives(caches: list[Any]) -> list[Any]:
+    out = [live(c) for c in caches]
+    mx.eval(out)
+    return out
+
+
+def trimmed_copy(caches: list[Any], n: int) -> list[Any]:
+    """What ``caches`` look like cut back by ``n`` tokens, through the classes' own ``trim``."""
+    out = spilld.clone_caches(caches)
+    for c in out:
+        c.trim(n)
+    return out
+
+
+def restored(store: Store, ident_: spilld.Identity, namespace: str, prompt: list[int]) -> spilld.Loaded:
+    hit = store.lookup(ident_, namespace, prompt)
+    assert isinstance(hit, Hit), hit
+    got = store.restore(hit, ident_)
+    assert isinstance(got, spilld.Loaded), got
+    return got
+
+
+# --- 1. round trip through a restart ------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_put_restart_scan_lookup_restore_is_exact(tmp_path: Path) -> None:
+    tokens = toks(24)
+    caches = [fill(C.KVCache(), 24, seed=1), fill(C.RotatingKVCache(max_size=32, keep=4), 24, chunk=3, seed=2)]
+    want = lives(caches)
+    r = await Store(tmp_path).put(tokens, caches, IDENT)
+    assert r.header.trimmable
+
+    s = Store(tmp_path)
+    assert s.scan() == 1
+    hit = s.lookup(IDENT, "", [*tokens, 7, 8])
+    assert isinstance(hit, Hit)
+    assert hit.entry.path == r.path and hit.matched == 24 and not hit.trimmed
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == tokens
+    assert [type(c) for c in got.caches] == [C.KVCache, C.RotatingKVCache]
+    assert same(lives(got.caches), want)
+    assert s.counters.hits == 1
+
+
+@pytest.mark.asyncio
+async def test_restore_cuts_caches_and_tokens_to_the_match(tmp_path: Path) -> None:
+    tokens = toks(24)
+    caches = [fill(C.KVCache(), 24, seed=1), fill(C.RotatingKVCache(max_size=32, keep=4), 24, chunk=3, seed=2)]
+    want = lives(trimmed_copy(caches, 24 - 17))
+    await Store(tmp_path).put(tokens, caches, IDENT)
+
+    s = Store(tmp_path)
+    s.scan()
+    hit = s.lookup(IDENT, "", [*tokens[:17], 5, 5, 5])
+    assert isinstance(hit, Hit) and hit.matched == 17 and hit.trimmed
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == tokens[:17]
+    assert [c.offset for c in got.caches] == [17, 17]
+    assert same(lives(got.caches), want)
+
+
+# --- 2. layout --------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_layout_fingerprint_namespace_hex_name(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    base = await s.put(toks(8), kv_layers(8), IDENT)
+    named = await s.put(toks(8), kv_layers(8), ident("tenant-1"))
+    fp = identity_fingerprint(IDENT)
+    assert re.fullmatch(r"[0-9a-f]{16}", fp)
+    assert namespace_hash("") == "base"
+    assert re.fullmatch(r"[0-9a-f]{16}", namespace_hash("tenant-1"))
+    for r, ns_dir in ((base, "base"), (named, namespace_hash("tenant-1"))):
+        folder, name = os.path.split(r.path)
+        assert folder == os.path.join(str(tmp_path), fp, ns_dir)
+        assert re.fullmatch(r"[0-9a-f]{24}\.spilld", name)
+    assert spilld_files(tmp_path) == sorted([base.path, named.path])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("namespace", ["../../etc", "/abs", "a/../../b", "\0x", "..", ".", "a/b", "\\..\\x"])
+async def test_hostile_namespace_stays_inside_the_root(tmp_path: Path, namespace: str) -> None:
+    root = tmp_path / "root"
+    s = Store(root)
+    r = await s.put(toks(8), kv_layers(8), ident(namespace))
+    real = os.path.realpath(r.path)
+    assert os.path.commonpath([str(root), real]) == str(root)
+    assert os.path.dirname(real) == os.path.join(str(root), identity_fingerprint(IDENT), namespace_hash(namespace))
+    assert os.listdir(tmp_path) == ["root"]  # nothing was created beside the root
+    assert spilld_files(root) == [r.path]
+    # and the entry is found again in that namespace only
+    s2 = Store(root)
+    assert s2.scan() == 1
+    assert restored(s2, ident(namespace), namespace, toks(9)).tokens == toks(8)
+    miss = s2.lookup(IDENT, "", toks(9))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+
+# --- 3. lookup rules ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_lookup_picks_the_longest_usable_prefix(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    short = await s.put([*toks(12), 1, 1, 1, 1], kv_layers(16), IDENT)
+    long = await s.put([*toks(20), 2, 2, 2, 2], kv_layers(24, seed=5), IDENT)
+    assert len(s.entries) == 2  # neither is a prefix of the other
+
+    hit = s.lookup(IDENT, "", toks(40))
+    assert isinstance(hit, Hit) and hit.entry.path == long.path and hit.matched == 20 and hit.trimmed
+    hit = s.lookup(IDENT, "", [*toks(12), 1, 1, 1, 1, 9])
+    assert isinstance(hit, Hit) and hit.entry.path == short.path and hit.matched == 16 and not hit.trimmed
+    hit = s.lookup(IDENT, "", [*toks(14), 3])
+    assert isinstance(hit, Hit) and hit.entry.path == long.path and hit.matched == 14
+    assert s.counters.misses == {r.value: 0 for r in MissReason}
+
+
+@pytest.mark.asyncio
+async def test_lookup_is_capped_at_len_minus_one(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    caches = kv_layers(16)
+    want = lives(trimmed_copy(caches, 1))
+    await s.put(toks(16), caches, IDENT)
+    hit = s.lookup(IDENT, "", toks(16))
+    assert isinstance(hit, Hit) and hit.matched == 15 and hit.trimmed
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == toks(15)
+    assert [c.offset for c in got.caches] == [15, 15]
+    assert same(lives(got.caches), want)
+    # a one-token prompt can use nothing: that token must be computed
+    miss = s.lookup(IDENT, "", toks(1))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("make", [wrapped_rotating, hybrid], ids=["rotating_wrapped", "arrays_hybrid"])
+async def test_untrimmable_entry_needing_a_cut_is_skipped(tmp_path: Path, make: Any) -> None:
+    s = Store(tmp_path)
+    caches = make(40)
+    want = lives(caches)
+    r = await s.put(toks(40), caches, IDENT)
+    assert r.header.trimmable is False
+
+    for prompt in (toks(40), [*toks(30), 9]):  # equal prompt: matches 39; diverging: matches 30
+        miss = s.lookup(IDENT, "", prompt)
+        assert isinstance(miss, Miss) and miss.reason is MissReason.UNTRIMMABLE
+    assert s.counters.misses[MissReason.UNTRIMMABLE.value] == 2
+
+    # an exact prefix of a longer prompt needs no cut: a hit
+    hit = s.lookup(IDENT, "", [*toks(40), 9])
+    assert isinstance(hit, Hit) and hit.entry.path == r.path and hit.matched == 40 and not hit.trimmed
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == toks(40)
+    assert same(lives(got.caches), want)
+    assert s.counters.hits == 1
+
+
+@pytest.mark.asyncio
+async def test_untrimmable_longer_match_falls_back_to_a_shorter_usable_entry(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    short = await s.put([*toks(8), 5], kv_layers(9), IDENT)  # trimmable, shares 8
+    await s.put(toks(40), wrapped_rotating(40), IDENT)  # shares 30, but needs a cut
+    hit = s.lookup(IDENT, "", [*toks(30), 9])
+    assert isinstance(hit, Hit) and hit.entry.path == short.path and hit.matched == 8
+
+
+@pytest.mark.asyncio
+async def test_min_reusable_is_honoured(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    c = chunked(24)
+    assert c.start_position == 15
+    want = lives(trimmed_copy([c], 4))
+    r = await s.put(toks(24), [c], IDENT)
+    assert r.header.trimmable and r.header.min_reusable_offset == 15
+
+    for n in (10, 14):  # below the start position: the front is gone
+        miss = s.lookup(IDENT, "", [*toks(n), 9])
+        assert isinstance(miss, Miss) and miss.reason is MissReason.UNTRIMMABLE
+    hit = s.lookup(IDENT, "", [*toks(15), 9])
+    assert isinstance(hit, Hit) and hit.matched == 15
+    hit = s.lookup(IDENT, "", [*toks(20), 9])
+    assert isinstance(hit, Hit) and hit.matched == 20
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == toks(20)
+    assert got.caches[0].offset == 20 and got.caches[0].start_position == 15
+    assert same(lives(got.caches), want)
+    assert s.counters.misses[MissReason.UNTRIMMABLE.value] == 2 and s.counters.hits == 1
+
+
+@pytest.mark.asyncio
+async def test_namespaces_are_isolated(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    await s.put(toks(16), kv_layers(16), ident("a"))
+    for ns in ("", "b", "A", "a "):
+        miss = s.lookup(ident(ns), ns, toks(20))
+        assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+    hit = s.lookup(ident("a"), "a", toks(20))
+    assert isinstance(hit, Hit) and hit.matched == 16
+    assert s.counters.misses[MissReason.NO_ENTRY.value] == 4
+
+
+@pytest.mark.asyncio
+async def test_other_identity_misses_with_identity_mismatch(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    await s.put(toks(16), kv_layers(16), IDENT)
+    others = [
+        OTHER,
+        spilld.Identity("model-b", "cfg-a", "tok-a", ""),
+        spilld.Identity("model-a", "cfg-a", "tok-b", ""),
+    ]
+    for other in others:
+        assert identity_fingerprint(other) != identity_fingerprint(IDENT)
+        miss = s.lookup(other, "", toks(20))
+        assert isinstance(miss, Miss) and miss.reason is MissReason.IDENTITY_MISMATCH
+    # a prompt sharing nothing is no entry at all, whatever the identity
+    miss = s.lookup(OTHER, "", toks(20, start=5))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+    assert s.counters.misses[MissReason.IDENTITY_MISMATCH.value] == 3
+    assert s.counters.misses[MissReason.NO_ENTRY.value] == 1
+    assert s.counters.hits == 0
+
+
+def test_empty_store_misses_with_no_entry(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    assert s.scan() == 0
+    miss = s.lookup(IDENT, "", toks(20))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+    assert s.counters.misses == {**{r.value: 0 for r in MissReason}, "no_entry": 1}
+    assert s.counters.hits == 0
+
+
+# --- 4. supersede ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_same_tokens_again_replace_the_first_file(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    first = await s.put(toks(16), kv_layers(16), IDENT)
+    second = await s.put(toks(16), kv_layers(16, seed=9), IDENT)
+    assert first.path != second.path
+    assert spilld_files(tmp_path) == [second.path]
+    assert [e.path for e in s.entries] == [second.path]
+    assert s.counters.superseded == 1 and s.counters.stored == 2
+
+
+@pytest.mark.asyncio
+async def test_longer_trimmable_continuation_removes_its_ancestor(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    ancestor = await s.put(toks(16), kv_layers(16), IDENT)
+    other_ns = await s.put(toks(16), kv_layers(16), ident("x"))
+    other_fp = await s.put(toks(16), kv_layers(16), OTHER)
+    longer = await s.put(toks(24), kv_layers(24), IDENT)
+    assert not os.path.exists(ancestor.path)
+    assert spilld_files(tmp_path) == sorted([other_ns.path, other_fp.path, longer.path])
+    assert s.counters.superseded == 1
+    hit = s.lookup(IDENT, "", [*toks(16), 9])
+    assert isinstance(hit, Hit) and hit.entry.path == longer.path and hit.matched == 16
+
+
+@pytest.mark.asyncio
+async def test_longer_untrimmable_entry_keeps_its_ancestor(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    ancestor = await s.put(toks(16), hybrid(16), IDENT)
+    longer = await s.put(toks(24), hybrid(24, seed=3), IDENT)
+    assert spilld_files(tmp_path) == sorted([ancestor.path, longer.path])
+    assert s.counters.superseded == 0
+    # which is right: only the ancestor can serve a prompt that leaves the longer entry at 20
+    hit = s.lookup(IDENT, "", [*toks(20), 9])
+    assert isinstance(hit, Hit) and hit.entry.path == ancestor.path and hit.matched == 16
+
+
+# --- 5. disk cap and LRU ----------------------------------------------------------------------
+
+A, B, Cc = toks(16, start=100), toks(16, start=200), toks(16, start=300)
+
+
+def entry_size(tmp_path: Path) -> int:
+    """The size of one entry of A, B or Cc (same shapes, same token count: same size)."""
+    r = spilld.save(str(tmp_path / "probe.spilld"), A, kv_layers(16), identity=IDENT)
+    os.unlink(r.path)
+    return r.file_bytes
+
+
+@pytest.mark.asyncio
+async def test_disk_cap_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    size = entry_size(tmp_path)
+    root = tmp_path / "root"
+    s = Store(root, disk_cap=2 * size + size // 2)
+    ra = await s.put(A, kv_layers(16), IDENT)
+    rb = await s.put(B, kv_layers(16), IDENT)
+    assert ra.file_bytes == rb.file_bytes == size and s.total_bytes == 2 * size
+    rc = await s.put(Cc, kv_layers(16), IDENT)
+    assert spilld_files(root) == sorted([rb.path, rc.path])
+    assert s.counters.evicted == 1 and s.total_bytes == 2 * size
+    miss = s.lookup(IDENT, "", [*A, 1])
+    assert isinstance(miss, Miss) and miss.reason is MissReason.EVICTED
+    assert s.counters.misses[MissReason.EVICTED.value] == 1
+
+
+@pytest.mark.asyncio
+async def test_restore_counts_as_use(tmp_path: Path) -> None:
+    size = entry_size(tmp_path)
+    root = tmp_path / "root"
+    s = Store(root, disk_cap=2 * size + size // 2)
+    ra = await s.put(A, kv_layers(16), IDENT)
+    rb = await s.put(B, kv_layers(16), IDENT)
+    assert restored(s, IDENT, "", [*A, 1]).tokens == A
+    rc = await s.put(Cc, kv_layers(16), IDENT)
+    assert not os.path.exists(rb.path)
+    assert spilld_files(root) == sorted([ra.path, rc.path])
+    miss = s.lookup(IDENT, "", [*B, 1])
+    assert isinstance(miss, Miss) and miss.reason is MissReason.EVICTED
+
+
+@pytest.mark.asyncio
+async def test_lru_order_survives_a_restart_through_mtimes(tmp_path: Path) -> None:
+    size = entry_size(tmp_path)
+    root = tmp_path / "root"
+    cap = 2 * size + size // 2
+    s = Store(root, disk_cap=cap)
+    ra = await s.put(A, kv_layers(16), IDENT)
+    rb = await s.put(B, kv_layers(16), IDENT)
+    before = os.stat(ra.path).st_mtime_ns
+    assert restored(s, IDENT, "", [*A, 1]).tokens == A
+    assert os.stat(ra.path).st_mtime_ns > before
+    assert os.stat(ra.path).st_mtime_ns > os.stat(rb.path).st_mtime_ns
+
+    s2 = Store(root, disk_cap=cap)
+    assert s2.scan() == 2
+    rc = await s2.put(Cc, kv_layers(16), IDENT)
+    assert spilld_files(root) == sorted([ra.path, rc.path])
+    assert s2.counters.evicted == 1
+
+
+@pytest.mark.asyncio
+async def test_an_entry_larger_than_the_cap_is_kept_and_evicts_the_rest(tmp_path: Path) -> None:
+    size = entry_size(tmp_path)
+    root = tmp_path / "root"
+    s = Store(root, disk_cap=size // 2)
+    ra = await s.put(A, kv_layers(16), IDENT)
+    assert spilld_files(root) == [ra.path] and s.counters.evicted == 0
+    rb = await s.put(B, kv_layers(16), IDENT)
+    assert spilld_files(root) == [rb.path] and s.counters.evicted == 1
+
+
+@pytest.mark.asyncio
+async def test_scan_evicts_down_to_a_smaller_cap(tmp_path: Path) -> None:
+    size = entry_size(tmp_path)
+    root = tmp_path / "root"
+    s = Store(root, disk_cap=10 * size)
+    for t in (A, B, Cc):
+        await s.put(t, kv_layers(16), IDENT)
+    s2 = Store(root, disk_cap=size + size // 2)
+    assert s2.scan() == 1
+    assert [e.tokens.tolist() for e in s2.entries] == [Cc]
+    assert s2.counters.evicted == 2
+
+
+# --- 6. scan ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_scan_reaps_temp_orphans(tmp_path: Path) -> None:
+    r = await Store(tmp_path).put(toks(16), kv_layers(16), IDENT)
+    orphans = [fileio.temp_path_for(r.path), fileio.temp_path_for(r.path + ".x")]
+    for o in orphans:
+        assert fileio.is_temp_name(os.path.basename(o))
+        with open(o, "wb") as f:
+            f.write(b"half a file")
+    s = Store(tmp_path)
+    assert s.scan() == 1
+    assert s.counters.reaped_temp == 2
+    assert sorted(os.listdir(os.path.dirname(r.path))) == [os.path.basename(r.path)]
+    assert quarantined(tmp_path) == []
+
+
+@pytest.mark.asyncio
+async def test_scan_quarantines_a_corrupt_header(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    bad = await s.put(toks(16), kv_layers(16), IDENT)
+    good = await s.put(toks(16, start=5), kv_layers(16), IDENT)
+    flip(bad.path, fmt.PREFIX_LEN + 5)
+    s2 = Store(tmp_path)
+    assert s2.scan() == 1
+    assert [e.path for e in s2.entries] == [good.path]
+    assert s2.counters.quarantined == 1
+    assert not os.path.exists(bad.path)
+    q = quarantined(tmp_path)
+    assert len(q) == 1 and q[0].endswith("-" + os.path.basename(bad.path))
+    assert spilld_files(tmp_path) == [good.path]
+    miss = s2.lookup(IDENT, "", [*toks(16), 1])
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+
+@pytest.mark.asyncio
+async def test_scan_indexes_every_fingerprint_lookup_matches_the_callers(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    ra = await s.put(toks(16), kv_layers(16), IDENT)
+    rb = await s.put(toks(24), kv_layers(24), OTHER)
+    s2 = Store(tmp_path)
+    assert s2.scan() == 2
+    assert sorted(e.fingerprint for e in s2.entries) == sorted(
+        [identity_fingerprint(IDENT), identity_fingerprint(OTHER)]
+    )
+    hit = s2.lookup(IDENT, "", toks(30))
+    assert isinstance(hit, Hit) and hit.entry.path == ra.path and hit.matched == 16
+    hit = s2.lookup(OTHER, "", toks(30))
+    assert isinstance(hit, Hit) and hit.entry.path == rb.path and hit.matched == 24
+    third = spilld.Identity("model-c", "cfg-c", "tok-c", "")
+    miss = s2.lookup(third, "", toks(30))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.IDENTITY_MISMATCH
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where", ["other_identity", "other_namespace"])
+async def test_scan_quarantines_a_file_in_the_wrong_folder(tmp_path: Path, where: str) -> None:
+    s = Store(tmp_path)
+    moved = await s.put(toks(16), kv_layers(16), IDENT)
+    stays = await s.put(toks(16), kv_layers(16), OTHER if where == "other_identity" else ident("ns"))
+    dest = os.path.join(os.path.dirname(stays.path), os.path.basename(moved.path))
+    os.rename(moved.path, dest)
+    s2 = Store(tmp_path)
+    assert s2.scan() == 1
+    assert [e.path for e in s2.entries] == [stays.path]
+    assert s2.counters.quarantined == 1
+    assert not os.path.exists(dest)
+    assert len(quarantined(tmp_path)) == 1
+    miss = s2.lookup(IDENT, "", [*toks(16), 1])
+    assert isinstance(miss, Miss)
+
+
+# --- 7. restore failures ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_restore_of_a_file_corrupted_after_indexing_is_a_corrupt_miss(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    r = await s.put(toks(16), kv_layers(16), IDENT)
+    hit = s.lookup(IDENT, "", [*toks(16), 1])
+    assert isinstance(hit, Hit)
+    slot = next(sl for sl in r.header.slots() if sl.nbytes)
+    flip(r.path, r.header.data_start + slot.off + 3)
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, Miss) and got.reason is MissReason.CORRUPT
+    assert s.counters.misses[MissReason.CORRUPT.value] == 1
+    assert s.counters.quarantined == 1 and s.counters.hits == 0
+    assert not os.path.exists(r.path)
+    q = quarantined(tmp_path)
+    assert len(q) == 1 and q[0].endswith("-" + os.path.basename(r.path))
+    assert s.entries == []
+    miss = s.lookup(IDENT, "", [*toks(16), 1])
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+
+@pytest.mark.asyncio
+async def test_restore_of_a_file_deleted_after_lookup_is_an_evicted_miss(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    r = await s.put(toks(16), kv_layers(16), IDENT)
+    hit = s.lookup(IDENT, "", [*toks(16), 1])
+    assert isinstance(hit, Hit)
+    os.unlink(r.path)
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, Miss) and got.reason is MissReason.EVICTED
+    assert s.counters.misses[MissReason.EVICTED.value] == 1
+    assert s.counters.quarantined == 0 and s.counters.hits == 0
+    assert s.entries == [] and quarantined(tmp_path) == []
+
+
+# --- 8. generation checkpoints ---------------------------------------------------------------
+
+
+def checkpoint(key: str, prompt: int, generated: int) -> spilld.GenerationCheckpoint:
+    return spilld.GenerationCheckpoint(key, "", prompt, generated, 4242, 7, True)
+
+
+@pytest.mark.asyncio
+async def test_checkpoints_find_longest_hidden_from_lookup_removed_by_key(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    key = "req-1"
+    ns = checkpoint_namespace(key)
+    cp_ident = ident(ns)
+    r1 = await s.put(toks(20), kv_layers(20), cp_ident, checkpoint=checkpoint(key, 16, 4))
+    r2 = await s.put(toks(24), kv_layers(24), cp_ident, checkpoint=checkpoint(key, 16, 8))
+    other = await s.put(
+        toks(18), kv_layers(18), ident(checkpoint_namespace("req-2")), checkpoint=checkpoint("req-2", 16, 2)
+    )
+    assert os.path.dirname(r1.path) == os.path.join(str(tmp_path), identity_fingerprint(IDENT), namespace_hash(ns))
+    assert os.path.exists(r1.path)  # a checkpoint is never superseded by a longer one
+
+    s2 = Store(tmp_path)
+    assert s2.scan() == 3
+    e = s2.find_checkpoint(IDENT, key)
+    assert e is not None and e.path == r2.path and e.ntokens == 24
+    assert e.checkpoint == checkpoint(key, 16, 8)
+    assert s2.find_checkpoint(OTHER, key) is None
+    assert s2.find_checkpoint(IDENT, "req-3") is None
+
+    got = s2.restore(Hit(e, e.ntokens), cp_ident)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == toks(24) and got.checkpoint == checkpoint(key, 16, 8)
+
+    miss = s2.lookup(IDENT, "", toks(30))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+    assert s2.remove_checkpoints(key) == 2
+    assert not os.path.exists(r1.path) and not os.path.exists(r2.path)
+    assert s2.find_checkpoint(IDENT, key) is None
+    assert spilld_files(tmp_path) == [other.path]
+    assert [e.path for e in s2.entries] == [other.path]
+
+
+# --- 9. default disk cap ------------------------------------------------------------------------
+
+
+def test_default_disk_cap_is_min_of_64_gib_and_a_quarter_of_free(tmp_path: Path) -> None:
+    assert DEFAULT_DISK_CAP == 64 * 1024**3
+    root = tmp_path / "root"
+    before = shutil.disk_usage(tmp_path).free
+    cap = default_disk_cap(str(root))
+    after = shutil.disk_usage(tmp_path).free
+    assert root.is_dir()
+    expect = {min(64 * 1024**3, before // 4), min(64 * 1024**3, after // 4)}
+    # free space may move between the calls; both ends bracket the answer
+    assert min(expect) <= cap <= max(expect)
+    s = Store(root)
+    assert min(expect) - 2**20 <= s.disk_cap <= max(expect) + 2**20
+    assert Store(root, disk_cap=123).disk_cap == 123
+
+
+# --- 10. durability -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_durability_none_still_writes_loadable_files(tmp_path: Path) -> None:
+    s = Store(tmp_path, durability="none")
+    assert s.durability is fileio.Durability.NONE
+    caches = kv_layers(16)
+    want = lives(caches)
+    r = await s.put(toks(16), caches, IDENT)
+    assert spilld.verify_file(r.path).tokens == toks(16)
+    s2 = Store(tmp_path)
+    assert s2.scan() == 1
+    got = restored(s2, IDENT, "", [*toks(16), 1])
+    assert got.tokens == toks(16) and same(lives(got.caches), want)
+
+
+# --- bugs -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_fingerprint_separates_identities_whose_fields_contain_nul(tmp_path: Path) -> None:
+    a = spilld.Identity("m\0x", "cfg", "tok", "")
+    b = spilld.Identity("m", "x\0cfg", "tok", "")
+    s = Store(tmp_path)
+    r = await s.put(toks(16), kv_layers(16), a)
+    got = s.lookup(b, "", [*toks(16), 1])
+    if isinstance(got, Hit):
+        s.restore(got, b)  # IdentityMismatch inside: a's valid file is quarantined as "corrupt"
+    assert os.path.exists(r.path), "a valid entry of model a was quarantined by a lookup of model b"
+    assert isinstance(got, Miss) and got.reason is MissReason.IDENTITY_MISMATCH
