@@ -22,7 +22,7 @@ from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .queue import DrainReport, Settled, SpillItem, SpillQueue, held_bytes
 from .saver import Attachment, Staging, clone_caches, plan
-from .store import Hit, Miss, Store, checkpoint_namespace
+from .store import Hit, Miss, Store, check_namespace, checkpoint_namespace
 
 log = logging.getLogger("spilld.spiller")
 
@@ -96,7 +96,7 @@ class Spiller:
         clone: bool,
         live: bool = False,
     ) -> SpillItem:
-        ns = checkpoint_namespace(checkpoint.key) if checkpoint else namespace
+        ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
         item = SpillItem(
             tokens=list(tokens),
             attachments=list(attachments),
@@ -185,7 +185,7 @@ class Spiller:
     # --- reading ----------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
-        return self.store.lookup(self.identity, namespace, tokens)
+        return self.store.lookup(self.identity, check_namespace(namespace), tokens)
 
     async def restore(self, tokens: Sequence[int], namespace: str = "") -> Loaded | None:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss."""

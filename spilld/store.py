@@ -55,6 +55,13 @@ def checkpoint_namespace(key: str) -> str:
     return CHECKPOINT_NS_PREFIX + key
 
 
+def check_namespace(namespace: str) -> str:
+    """Caller namespaces may not pose as checkpoint namespaces."""
+    if namespace.startswith(CHECKPOINT_NS_PREFIX):
+        raise ValueError("namespaces starting with the checkpoint prefix are reserved")
+    return namespace
+
+
 def default_disk_cap(root: str) -> int:
     """The smaller of 64 GiB and a quarter of the free space at start."""
     os.makedirs(root, exist_ok=True)
@@ -80,6 +87,7 @@ class Entry:
     min_reusable: int
     last_used: float
     checkpoint: fmt.GenerationCheckpoint | None = None
+    codec_provider: str = ""
 
     @property
     def ntokens(self) -> int:
@@ -206,6 +214,7 @@ class Store:
             min_reusable=header.min_reusable_offset,
             last_used=last_used,
             checkpoint=header.checkpoint,
+            codec_provider=header.codec_provider,
         )
         self.entries.append(e)
         return e
@@ -225,7 +234,7 @@ class Store:
             usable = min(_common_prefix(e.tokens, want), limit)
             if usable <= 0:
                 continue
-            if e.fingerprint != fp:
+            if e.fingerprint != fp or e.codec_provider != self.provider.id:
                 saw_foreign = True
                 continue
             if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
@@ -256,12 +265,16 @@ class Store:
         e = hit.entry
         try:
             loaded = load(e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider)
-        except errors.SpillError as exc:
+        except (errors.FileFormatError, errors.StorageError) as exc:
             if isinstance(exc, errors.StorageError) and not os.path.exists(e.path):
-                self._forget(e)  # evicted between lookup and open
+                self._remember_evicted(e)  # evicted between lookup and open
+                self._forget(e)
                 return self._miss(MissReason.EVICTED)
             self.quarantine(e.path, exc)
             return self._miss(MissReason.CORRUPT)
+        except errors.SpillError:
+            # A valid file this reader must not use (codecs, identity): a miss, never quarantined.
+            return self._miss(MissReason.IDENTITY_MISMATCH)
         self.touch(e)
         self.counters.hits += 1
         return loaded

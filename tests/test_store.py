@@ -661,3 +661,24 @@ async def test_fingerprint_separates_identities_whose_fields_contain_nul(tmp_pat
         s.restore(got, b)  # IdentityMismatch inside: a's valid file is quarantined as "corrupt"
     assert os.path.exists(r.path), "a valid entry of model a was quarantined by a lookup of model b"
     assert isinstance(got, Miss) and got.reason is MissReason.IDENTITY_MISMATCH
+
+
+@pytest.mark.asyncio
+async def test_a_foreign_codec_provider_is_a_miss_and_never_quarantined(tmp_path: Path) -> None:
+    from spilld.codecs import default_provider
+
+    ident = spilld.Identity("m", "cfg", "tok", "")
+    await Store(tmp_path).put(list(range(8)), [fill(C.KVCache(), 8)], ident)
+    other = Store(tmp_path, provider=default_provider().extended("engine-x/1", []))
+    other.scan()
+    miss = other.lookup(ident, "", list(range(9)))
+    assert isinstance(miss, Miss) and miss.reason is MissReason.IDENTITY_MISMATCH
+    assert other.counters.quarantined == 0 and len(other.entries) == 1
+
+
+def test_reserved_checkpoint_namespaces_are_refused(tmp_path: Path) -> None:
+    from spilld.store import check_namespace, checkpoint_namespace
+
+    with pytest.raises(ValueError):
+        check_namespace(checkpoint_namespace("k"))
+    assert check_namespace("ok") == "ok"
