@@ -8,7 +8,9 @@ row. At fixed tokens the engine hands caches to the spill arm:
   snapshot  the engine's own large cache, which it keeps extending (a held view makes its next update copy)
 
 Arms: idle (no spill), mlxlm (mlx_lm save_prompt_cache + fsync, called on the engine thread), spilld (Spiller.spill
-with a ThreadLockLease on the generation lock; durability fsync). Every arm runs in every round, interleaved.
+with a ThreadLockLease on the generation lock; durability fsync; in the snapshot case with live=True), spilld_views
+(snapshot case only: plain zero-copy views, to show the copy they force on the engine). Every arm runs in every
+round, interleaved.
 
     python scripts/bench/decode_interference.py --rounds 3 --json bench-out/interference.json --plot docs/decode_interference.png
 """
@@ -115,7 +117,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     loop_thread.start()
     lease = spilld.ThreadLockLease(lock)
     spiller: spilld.Spiller | None = None
-    if arm == "spilld":
+    if arm.startswith("spilld"):
         spiller = asyncio.run_coroutine_threadsafe(
             spilld.Spiller(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30).start(), loop
         ).result()
@@ -159,7 +161,8 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
                     os.close(fd)
             else:
                 assert spiller is not None
-                futures.append(spiller.spill(list(range(caches[0].offset)), caches))
+                live = case == "snapshot" and arm == "spilld"  # the engine keeps extending these caches
+                futures.append(spiller.spill(list(range(caches[0].offset)), caches, live=live))
             res.spill_call_ms.append((time.perf_counter() - t1) * 1e3)
             del caches  # the eviction case: the engine drops them
     for f in futures:
@@ -239,7 +242,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="eviction,snapshot")
-    p.add_argument("--arms", default="idle,mlxlm,spilld")
+    p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views")
     p.add_argument(
         "--dir", default=None, help="scratch folder on the disk under test (default: a temp folder in /var/tmp)"
     )
@@ -265,6 +268,8 @@ def main() -> None:
         arms = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
         for case in args.cases.split(","):
             for arm in arms:
+                if arm == "spilld_views" and case != "snapshot":
+                    continue
                 gc.collect()
                 r = run_arm(arm, case, args, model, folder)
                 s = r.summary() | {"round": rnd}
@@ -285,6 +290,8 @@ def main() -> None:
         idle_p99 = statistics.median(s["p99_ms"] for s in idle) if idle else None
         for arm in args.arms.split(","):
             ss = [s for s in summaries if s["case"] == case and s["arm"] == arm]
+            if not ss:
+                continue
             p50 = statistics.median(s["p50_ms"] for s in ss)
             p99 = statistics.median(s["p99_ms"] for s in ss)
             mx_ = statistics.median(s["max_ms"] for s in ss)
