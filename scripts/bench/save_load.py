@@ -43,7 +43,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +60,11 @@ PAGE = 4096
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def byte_view(a: Any) -> memoryview:
+    """The zero-copy bytes of an evaluated mx array or a numpy array."""
+    return memoryview(a).cast("B")
 
 
 def clear() -> None:
@@ -118,7 +123,7 @@ def machine_info(folder: str) -> dict[str, Any]:
         "mem_total": sh("grep MemTotal /proc/meminfo"),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "mlx": mx.__version__,
+        "mlx": getattr(mx, "__version__", "?"),
         "mlx_lm": sh(f"{sys.executable} -c 'import mlx_lm; print(mlx_lm.__version__)'"),
         "spilld_commit": sh("git -C " + os.path.dirname(os.path.abspath(__file__)) + " rev-parse --short HEAD"),
         "dir": folder,
@@ -312,7 +317,7 @@ class Bench:
         size = -(-self.shape.tensor_bytes // PAGE) * PAGE
         if self._buf is None:
             buf = mmap.mmap(-1, size)
-            src = memoryview(live_arrays(self.caches[:1])[0]).cast("B")  # filled once, so pre-touched
+            src = byte_view(live_arrays(self.caches[:1])[0])  # filled once, so pre-touched
             buf[: src.nbytes] = src
             src.release()
             self._buf = buf
@@ -360,7 +365,7 @@ class Bench:
         return caches
 
     def load_safetensors(self, path: str) -> Any:
-        arrays = mx.load(path)
+        arrays = cast(dict[str, mx.array], mx.load(path))
         mx.eval(list(arrays.values()))
         return arrays
 
@@ -372,7 +377,7 @@ class Bench:
             for _ in range(self.shape.n_tensors):
                 arr = mx.zeros(self.shape.kv_shape, mx.float16)
                 mx.eval(arr)
-                mv = memoryview(arr).cast("B")
+                mv = byte_view(arr)
                 done = 0
                 while done < mv.nbytes:
                     n = os.preadv(fd, [mv[done:]], off + done)
@@ -430,7 +435,7 @@ class Bench:
         try:
             off = 0
             for a in arrays:
-                mv = memoryview(a).cast("B")
+                mv = byte_view(a)
                 done = 0
                 while done < mv.nbytes:
                     done += os.pwrite(fd, mv[done:], off + done)
@@ -527,7 +532,7 @@ class Bench:
         try:
             os.posix_fallocate(fd, 0, size * len(arrays))
             for i, a in enumerate(arrays):
-                mv = memoryview(a).cast("B")
+                mv = byte_view(a)
                 t0 = time.perf_counter()
                 h = xxhash.xxh3_64()
                 h.update(mv)
@@ -575,7 +580,7 @@ class Bench:
                 arr = mx.zeros(self.shape.kv_shape, mx.float16)
                 mx.eval(arr)
                 t1 = time.perf_counter()
-                mv = memoryview(arr).cast("B")
+                mv = byte_view(arr)
                 done = 0
                 while done < mv.nbytes:
                     done += os.preadv(fd, [mv[done:]], off + done)
@@ -599,7 +604,7 @@ class Bench:
                 a = np.empty(self.shape.tensor_bytes, np.uint8)
                 done = 0
                 while done < a.nbytes:
-                    done += os.preadv(fd, [memoryview(a)[done:]], off + done)
+                    done += os.preadv(fd, [byte_view(a)[done:]], off + done)
                 off += done
                 out.append(a)
         finally:
@@ -617,7 +622,7 @@ class Bench:
             clear()
             t0 = time.perf_counter()
             for a in arrays:
-                mv = memoryview(a).cast("B")
+                mv = byte_view(a)
                 h = xxhash.xxh3_64()
                 h.update(mv)
                 h.digest()
@@ -735,9 +740,9 @@ def report(b: Bench, save: dict[str, list[float]], load: dict[str, dict[str, lis
         print(f"  {k:<14} {fmt_runs(v):<34} {med_save[k]:6.2f}")
     print()
     print("LOAD to evaluated arrays, GB/s  cold runs (median)            warm runs (median)")
-    for k, v in load.items():
+    for k, lv in load.items():
         c, w = med_load[k]["cold"], med_load[k]["warm"]
-        print(f"  {k:<16} {fmt_runs(v['cold']):<20} ({c:5.2f})    {fmt_runs(v['warm']):<20} ({w:5.2f})")
+        print(f"  {k:<16} {fmt_runs(lv['cold']):<20} ({c:5.2f})    {fmt_runs(lv['warm']):<20} ({w:5.2f})")
     ratios = [
         ("save spilld / ceiling", med_save["spilld"] / med_save["ceiling"], 0.9),
         ("save spilld / mlx_lm", med_save["spilld"] / med_save["mlx_lm"], 1.5),
