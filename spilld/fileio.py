@@ -55,8 +55,11 @@ class FileOps:
     override single methods to inject short writes, ENOSPC, EIO or crashes.
     """
 
-    def open_new(self, path: str) -> int:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    def open_new(self, path: str, flags: int = 0) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | flags, 0o644)
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
 
     def open_read(self, path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)

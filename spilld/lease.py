@@ -9,6 +9,8 @@ thread, so a step never stalls the loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,9 +24,38 @@ class RunStep(Protocol):
     def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
-async def off_loop(fn: Callable[[], T]) -> T:
-    """Run blocking work on a worker thread; if cancelled, let it finish before unwinding."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn)
+BACKGROUND_NICE = 10  # how much lower than the engine spilld's hashing and writing threads run
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Make the calling thread yield the CPU to the engine (Linux: per-thread nice; elsewhere a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
+_background: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _background
+    if _background is None:
+        _background = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="spilld-io", initializer=lower_thread_priority
+        )
+    return _background
+
+
+async def off_loop(fn: Callable[[], T], *, background: bool = False) -> T:
+    """Run blocking work on a worker thread; if cancelled, let it finish before unwinding.
+
+    ``background`` work (hashing, writing: nothing that holds the engine's lock)
+    runs on low-priority threads, so on a machine whose cores the engine keeps
+    busy it takes only what the engine leaves.
+    """
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(_background_pool() if background else None, fn)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import dtypes, errors, fileio
+from . import directio, dtypes, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.base import LiveSource, Source, rows, slot_for
@@ -95,7 +95,7 @@ class Staging:
 class _File:
     """The temp file being written: opened on the first write, removed unless published."""
 
-    def __init__(self, path: str, size: int, durability: Durability, ops: FileOps) -> None:
+    def __init__(self, path: str, size: int, durability: Durability, ops: FileOps, direct: bool) -> None:
         self.path = path
         self.temp = temp_path_for(path)
         self.size = size
@@ -103,20 +103,40 @@ class _File:
         self.ops = ops
         self.fd: int | None = None
         self.published = False
+        self.want_direct = direct and bool(directio.O_DIRECT)
+        self.direct: directio.DirectWriter | None = None
 
     def ensure_open(self) -> int:
         if self.fd is None:
-            with fileio.io_errors("create", self.temp):
-                self.fd = self.ops.open_new(self.temp)
+            if self.want_direct:
+                try:
+                    self.fd = self.ops.open_new(self.temp, directio.O_DIRECT)
+                    self.direct = directio.DirectWriter(self.fd, self.temp, self.ops)
+                except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered writes
+                    self.want_direct = False
+            if self.fd is None:
+                with fileio.io_errors("create", self.temp):
+                    self.fd = self.ops.open_new(self.temp)
             fileio.preallocate(self.ops, self.fd, self.size, self.temp)
         return self.fd
 
     def write(self, bufs: Sequence[memoryview], offset: int) -> None:
-        fileio.write_all(self.ops, self.ensure_open(), bufs, offset, self.temp)
+        fd = self.ensure_open()
+        if self.direct is not None:
+            self.direct.write(bufs, offset)
+        else:
+            fileio.write_all(self.ops, fd, bufs, offset, self.temp)
 
     def publish(self, head: bytes) -> None:
         fd = self.ensure_open()
-        fileio.write_all(self.ops, fd, [memoryview(head)], 0, self.temp)
+        if self.direct is not None:
+            self.direct.write([memoryview(head)], 0)
+            self.direct.flush()
+            self.direct.close()
+            with fileio.io_errors("truncate", self.temp):
+                self.ops.ftruncate(fd, self.size)  # the last block's padding may run past the end
+        else:
+            fileio.write_all(self.ops, fd, [memoryview(head)], 0, self.temp)
         fileio.sync(self.ops, fd, self.durability, self.temp)
         self.fd = None
         with fileio.io_errors("close", self.temp):
@@ -127,6 +147,8 @@ class _File:
         fileio.sync_dir(self.ops, os.path.dirname(self.path), self.durability)
 
     def abort(self) -> None:
+        if self.direct is not None:
+            self.direct.close()  # no write may land on a closed (or reused) fd
         if self.fd is not None:
             fd, self.fd = self.fd, None
             try:
@@ -322,12 +344,15 @@ def save_steps(
     ops: FileOps = DEFAULT_OPS,
     planned: tuple[fmt.Header, list[AnySource]] | None = None,
     staging: Staging | None = None,
+    direct: bool | None = None,
 ) -> Generator[SaveStep, None, SaveResult]:
     """Yield N tensor steps and one publish step; return the ``SaveResult``.
 
     The driver must run ``materialize()`` then ``write()`` on each step before
     asking for the next one. ``planned`` is a ``plan(...)`` made earlier (then
-    ``tokens``, ``caches`` and the header arguments are ignored).
+    ``tokens``, ``caches`` and the header arguments are ignored). ``direct``
+    writes with O_DIRECT through aligned buffers (default: for files of 8 MiB
+    or more, where the filesystem supports it).
     """
     dest = os.fspath(path)
     header, sources = planned or plan(
@@ -339,7 +364,9 @@ def save_steps(
     _, data_start = fmt.encode_prefix(head_bytes)
     slots = header.slots()
     data_end = max((s.off + s.nbytes for s in slots), default=0)
-    file = _File(dest, data_start + data_end, Durability(durability), ops)
+    if direct is None:
+        direct = data_end >= directio.DIRECT_MIN_BYTES
+    file = _File(dest, data_start + data_end, Durability(durability), ops, direct)
     step: SaveStep | None = None
     try:
         for i, slot in enumerate(slots):
@@ -419,7 +446,7 @@ async def save_async(
             if write_in_lease:
                 await lease(step.write)
             else:
-                await off_loop(step.write)
+                await off_loop(step.write, background=True)
             await asyncio.sleep(0)  # one step per loop turn
     finally:
         gen.close()

@@ -1,0 +1,87 @@
+"""The O_DIRECT path: same bytes as the buffered path, errors surface, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import directio, errors
+from tests.caches import fill, live, same
+from tests.conftest import open_fds
+from tests.test_saver import FailingOps
+
+pytestmark = pytest.mark.skipif(not directio.O_DIRECT, reason="no O_DIRECT on this platform")
+
+
+def caches() -> list[Any]:
+    # odd sizes: tensors end off block boundaries, and one spans several chunks
+    return [fill(C.KVCache(), 37, heads=3, dim=24, seed=1), fill(C.KVCache(), 3000, heads=8, dim=128, seed=2)]
+
+
+def test_direct_and_buffered_write_the_same_file(tmp_path: Any) -> None:
+    cs = caches()
+    a = spilld.save(tmp_path / "direct", [1, 2], cs, direct=True)
+    b = spilld.save(tmp_path / "buffered", [1, 2], cs, direct=False)
+    assert [s.hash for s in a.header.slots()] == [s.hash for s in b.header.slots()]
+    da, db = (tmp_path / "direct").read_bytes(), (tmp_path / "buffered").read_bytes()
+    assert len(da) == len(db) == a.file_bytes
+    assert da[64:] == db[64:]  # all but the prefix's creation-time-dependent header bytes
+    got = spilld.load(tmp_path / "direct").caches
+    assert all(same(live(x), live(y)) for x, y in zip(got, cs, strict=True))
+
+
+def test_large_saves_use_direct_io_by_default(tmp_path: Any, monkeypatch: Any) -> None:
+    made: list[int] = []
+    real = directio.DirectWriter.__init__
+
+    def spy(self: Any, *a: Any) -> None:
+        made.append(1)
+        real(self, *a)
+
+    monkeypatch.setattr(directio.DirectWriter, "__init__", spy)
+    spilld.save(tmp_path / "small", [], [fill(C.KVCache(), 5)])
+    assert made == []
+    spilld.save(tmp_path / "big", [], [fill(C.KVCache(), 4096, heads=8, dim=128)])
+    assert made == [1]
+
+
+def test_writer_thread_errors_surface_and_leave_nothing(tmp_path: Any) -> None:
+    threads, fds = threading.active_count(), open_fds()
+    with pytest.raises(errors.DiskFull):
+        spilld.save(tmp_path / "f", [], caches(), direct=True, ops=FailingOps("write"))
+    assert os.listdir(tmp_path) == []
+    assert threading.active_count() == threads and open_fds() == fds
+
+
+def test_closing_mid_save_stops_the_writer(tmp_path: Any) -> None:
+    threads, fds = threading.active_count(), open_fds()
+    gen = spilld.save_steps(tmp_path / "f", [], caches(), direct=True)
+    step = next(gen)
+    step.materialize()
+    step.write()
+    next(gen)
+    gen.close()
+    assert os.listdir(tmp_path) == []
+    assert threading.active_count() == threads and open_fds() == fds
+
+
+def test_falls_back_to_buffered_where_o_direct_is_refused(tmp_path: Any) -> None:
+    shm = "/dev/shm"
+    if not os.path.isdir(shm):
+        pytest.skip("no tmpfs at /dev/shm")
+    folder = os.path.join(shm, f"spilld-test-{os.getpid()}")
+    os.makedirs(folder, exist_ok=True)
+    try:
+        cs = caches()
+        spilld.save(os.path.join(folder, "f"), [], cs, direct=True)
+        got = spilld.load(os.path.join(folder, "f")).caches
+        assert all(same(live(x), live(y)) for x, y in zip(got, cs, strict=True))
+    finally:
+        for n in os.listdir(folder):
+            os.unlink(os.path.join(folder, n))
+        os.rmdir(folder)
