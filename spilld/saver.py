@@ -70,10 +70,29 @@ def clone_caches(caches: Sequence[Any], provider: CodecProvider | None = None) -
     cache it keeps extending, the held views make its next in-place update copy
     the buffer once.
     """
+    return clone_and_size(caches, provider)[0]
+
+
+def clone_and_size(caches: Sequence[Any], provider: CodecProvider | None = None) -> tuple[list[Any], int]:
+    """``clone_caches`` plus the bytes the clones pin (each distinct buffer once)."""
     p = provider or default_provider()
     clones = [p.clone(c) for c in caches]
-    mx.eval(_arrays([s for c in clones for s in p.encode(c).sources]))
-    return clones
+    arrays = {id(a): a for a in _held_arrays(clones)}
+    mx.eval(list(arrays.values()))
+    return clones, sum(a.nbytes for a in arrays.values())
+
+
+def _held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
+    """Every mlx array a cache object holds (attributes, lists, tuples, nested caches)."""
+    if isinstance(obj, mx.array):
+        return [obj]
+    if depth > fmt.MAX_NESTING + 2:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [a for x in obj for a in _held_arrays(x, depth + 1)]
+    if hasattr(obj, "__dict__"):
+        return [a for x in vars(obj).values() for a in _held_arrays(x, depth + 1)]
+    return []
 
 
 def _arrays(sources: Sequence[AnySource]) -> list[mx.array]:

@@ -21,7 +21,7 @@ from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .queue import DrainReport, Settled, SpillItem, SpillQueue, held_bytes
-from .saver import Attachment, Staging, clone_caches, plan
+from .saver import Attachment, Staging, clone_and_size, plan
 from .store import Hit, Miss, Store, check_namespace, checkpoint_namespace
 
 log = logging.getLogger("spilld.spiller")
@@ -66,6 +66,8 @@ class Spiller:
         planned = item.meta.get("planned")
         if planned is not None:
             return int(planned[0].data_bytes)  # a live snapshot pins no memory; count its pending write
+        if "held" in item.meta:
+            return int(item.meta["held"]) + held_bytes([], item.attachments, self.provider)
         return held_bytes(item.caches, item.attachments, self.provider)
 
     async def _write(self, item: SpillItem) -> Any:
@@ -120,7 +122,10 @@ class Spiller:
             )
         else:
             # Clone on the caller's (engine's) thread: views are evaluated there, cheaply.
-            item.caches = clone_caches(caches, self.provider) if clone else list(caches)
+            if clone:
+                item.caches, item.meta["held"] = clone_and_size(caches, self.provider)
+            else:
+                item.caches = list(caches)
         return item
 
     def spill(

@@ -42,21 +42,24 @@ import spilld
 MiB = 1024 * 1024
 
 
-def build_model(hidden: int, layers: int) -> Any:
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def build_model(a: argparse.Namespace) -> Any:
     mx.random.seed(0)
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=hidden * 11 // 4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        intermediate_size=a.hidden * 11 // 4,
+        num_attention_heads=a.attn_heads,
+        num_key_value_heads=a.kv_heads,
         rms_norm_eps=1e-5,
-        vocab_size=8192,
+        vocab_size=a.vocab,
         tie_word_embeddings=True,
     )
     model = llama.Model(args)
-    model.set_dtype(mx.float32)
+    model.set_dtype(DTYPES[a.model_dtype])
     mx.eval(model.parameters())
     return model
 
@@ -123,7 +126,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
         ).result()
 
     own = C.make_prompt_cache(model)
-    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=own))
+    mx.eval(model(mx.array([list(range(1, args.context + 1))]), cache=own))
     live_big = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=1)
     step = max(1, (args.tokens - args.warmup) // args.spills)
     spill_at = list(range(args.warmup, args.tokens, step))[: args.spills]
@@ -249,6 +252,11 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--attn-heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES), help="float32 on CPU; bfloat16 on a GPU")
+    p.add_argument("--context", type=int, default=4, help="prompt tokens prefilled before decoding (default 4)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="eviction,snapshot")
     p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views")
@@ -263,7 +271,7 @@ def main() -> None:
     if args.small:
         args.tokens, args.spills, args.big_layers, args.big_tokens, args.rounds = 40, 2, 4, 512, 1
     folder = args.dir or tempfile.mkdtemp(prefix="spilld-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
-    model = build_model(args.hidden, args.layers)
+    model = build_model(args)
     print(
         f"device {mx.default_device()}, big cache {args.big_layers} layers x {args.big_tokens} tokens "
         f"= {args.big_layers * args.big_tokens * args.heads * args.dim * 2 * 2 / MiB:.0f} MiB per spill, "
