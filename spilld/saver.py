@@ -12,6 +12,7 @@ file, closes the fd and drops every array reference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -197,21 +198,30 @@ def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
     return runs, a
 
 
-def _copy_live_rows(src: LiveSource, staging: Staging) -> list[memoryview]:
-    """Copy a live buffer's first rows into staging, so no reference to it outlives the lease."""
+LIVE_CHUNK_BYTES = 2 * 1024 * 1024  # rows copied out of a live cache per lease hold (save_async)
+
+
+def _copy_live_rows(src: LiveSource, out: memoryview, start: int, limit: int | None) -> int:
+    """Copy the live rows' bytes ``[start, start + limit)`` into ``out``; return the new position.
+
+    The engine's current buffer is fetched each time (it may have grown into a
+    new one between two calls; the first ``rows`` rows are the same in both),
+    and no reference to it survives the call.
+    """
     a = src.fetch()
     if tuple(a.shape[:-2]) != src.full_shape[:-2] or a.shape[-1] != src.full_shape[-1] or a.dtype != src.dtype:
         raise errors.PlanDrift(f"live buffer changed shape: planned {src.full_shape}, now {tuple(a.shape)}")
     runs, held = _byte_runs(Source(a, src.rows))
-    total = sum(r.nbytes for r in runs)
-    out = staging.take(total)
+    end = out.nbytes if limit is None else min(out.nbytes, start + limit)
     pos = 0
     for r in runs:
-        out[pos : pos + r.nbytes] = r
+        lo, hi = max(start, pos), min(end, pos + r.nbytes)
+        if lo < hi:
+            out[lo:hi] = r[lo - pos : hi - pos]
         pos += r.nbytes
         r.release()
     del held, a
-    return [out] if total else []
+    return end
 
 
 class TensorStep:
@@ -231,9 +241,19 @@ class TensorStep:
         self._held: mx.array | None = None
         self.materialized = False
         self.done = False
+        self._live_out: memoryview | None = None
+        self._live_pos = 0
 
     def materialize(self) -> None:
-        """Evaluate the source (the only part that touches the engine's arrays)."""
+        """Take the source's bytes (the only part that touches the engine's arrays)."""
+        while not self.materialize_part(None):
+            pass
+
+    def materialize_part(self, limit: int | None) -> bool:
+        """Do at most ``limit`` bytes of the engine-touching work; True once the tensor can be written.
+
+        Only a live source is split (its rows are copied out); any other source is done in one call.
+        """
         src = self._source
         if src is None or self.materialized:
             raise errors.SaveAborted("step already materialized")
@@ -241,7 +261,16 @@ class TensorStep:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned shape {self.slot.shape}, got {src.shape}")
         if isinstance(src, LiveSource):
-            self._runs = _copy_live_rows(src, self._staging or Staging())
+            if self._live_out is None:
+                self._live_out = (self._staging or Staging()).take(self.slot.nbytes)
+            try:
+                self._live_pos = _copy_live_rows(src, self._live_out, self._live_pos, limit)
+            except BaseException:
+                self.release()
+                raise
+            if self._live_pos < self._live_out.nbytes:
+                return False
+            self._runs = [self._live_out] if self._live_out.nbytes else []
         else:
             self._runs, self._held = _byte_runs(src)
         self.materialized = True
@@ -249,6 +278,7 @@ class TensorStep:
         if got != self.slot.nbytes:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned {self.slot.nbytes} bytes, got {got}")
+        return True
 
     def write(self) -> None:
         """Hash and write the bytes at their planned offset; touches no mlx state."""
@@ -267,7 +297,7 @@ class TensorStep:
     def release(self) -> None:
         for r in self._runs:
             r.release()
-        self._runs, self._held, self._source = [], None, None
+        self._runs, self._held, self._source, self._live_out = [], None, None, None
 
 
 class PublishStep:
@@ -442,6 +472,7 @@ async def save_async(
     *,
     run_step: RunStep | None = None,
     write_in_lease: bool = False,
+    live_chunk: int = LIVE_CHUNK_BYTES,
     **kwargs: Any,
 ) -> SaveResult:
     """Save one step per event-loop turn without blocking the loop.
@@ -461,7 +492,8 @@ async def save_async(
             except StopIteration as stop:
                 return cast(SaveResult, stop.value)
             if isinstance(step, TensorStep):
-                await lease(step.materialize)
+                while not await lease(functools.partial(step.materialize_part, live_chunk)):
+                    await asyncio.sleep(0)  # the engine gets its turn between two copies
             if write_in_lease:
                 await lease(step.write)
             else:

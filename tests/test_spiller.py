@@ -197,3 +197,29 @@ async def test_live_snapshot_of_a_decoding_model(tmp_path: Any) -> None:
     want = next_logits(model, got.caches, 3)
     fresh, _ = prefill(model, prompt)
     assert mx.array_equal(next_logits(model, fresh, 3), want).item()
+
+
+async def test_live_rows_are_copied_in_chunks_across_engine_steps(tmp_path: Any) -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill, kv, live, same
+
+    cache = fill(C.KVCache(), 300, heads=4, dim=64)  # 2 x 300 KiB tensors
+    want = live(fill(C.KVCache(), 300, heads=4, dim=64))
+    calls = 0
+
+    async def lease(fn: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        out = fn()
+        # the engine runs a step between two lease holds, and at 400 tokens grows into a new buffer
+        for i in range(40):
+            cache.update_and_fetch(*kv(1, heads=4, dim=64, seed=1000 + calls * 50 + i))
+        mx.eval(cache.keys, cache.values)
+        return out
+
+    plan = spilld.saver.plan(list(range(300)), [cache], live=True)
+    res = await spilld.save_async(tmp_path / "f", [], [], run_step=lease, planned=plan, live_chunk=64 * 1024)
+    assert calls >= 2 * 5 and cache.keys.shape[2] > 512  # several holds per tensor; the buffer was regrown
+    got = spilld.load(res.path).caches[0]
+    assert same(live(got), want)
