@@ -1,28 +1,34 @@
-"""The ``spilld`` command line.
-
-Exit codes: 0 success; 1 a file failed a check; 2 usage error.
-"""
+"""The ``spilld`` command line: the daemon (``spilld`` = ``spilld serve``) and its tools."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from . import __version__, errors
 from . import format as fmt
+from .config import format_size
+from .fileio import Durability
 
 EXIT_OK = 0
 EXIT_BAD_FILE = 1
 EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_UNREACHABLE = 4
+EXIT_ALREADY_RUNNING = 5
 
 EPILOG = """exit codes:
-  0  success
+  0  success (drain: everything acknowledged is durable)
   1  a file failed a check (corrupt, truncated, foreign)
   2  usage error
+  3  timeout: drain (or a stop) left work unfinished
+  4  the daemon cannot be reached
+  5  another daemon already serves this socket
 """
 
 
@@ -118,22 +124,231 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_BAD_FILE if bad else EXIT_OK
 
 
+def _client(args: argparse.Namespace) -> Any:
+    from .client import AsyncClient
+
+    return AsyncClient.connect(args.socket, identity=fmt.Identity(), name=f"spilld {args.command}", timeout=10.0)
+
+
+def _async(fn: Any) -> int:
+    import asyncio
+
+    from .protocol import ConnectionLost
+
+    try:
+        return int(asyncio.run(fn()))
+    except ConnectionLost as exc:
+        print(f"spilld: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .config import Config, parse_size
+    from .daemon import AlreadyRunning, run, setup_logging
+
+    try:
+        cfg = Config(
+            cap=parse_size(args.cap),
+            disk_cap=parse_size(args.disk_cap) if args.disk_cap else None,
+            dir=os.path.expanduser(args.dir or ""),
+            socket=args.socket or "",
+            durability=Durability(args.durability),
+            drain_deadline=args.drain_deadline,
+            idle_timeout=args.idle_timeout,
+        )
+    except ValueError as exc:
+        print(f"spilld: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging(args.log_level, {"json": True, "text": False, "auto": None}[args.log_format])
+    try:
+        return run(cfg)
+    except AlreadyRunning as exc:
+        print(f"spilld: {exc}", file=sys.stderr)
+        return EXIT_ALREADY_RUNNING
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    tty = sys.stderr.isatty()
+
+    def show(p: dict[str, Any]) -> None:
+        if tty:
+            print(
+                f"\rdraining: {p['pending_items']} items, {format_size(p['pending_bytes'])} left   ",
+                end="",
+                file=sys.stderr,
+            )
+
+    async def go() -> int:
+        client = await _client(args)
+        try:
+            r = await client.drain(args.timeout, progress=show)
+        finally:
+            await client.close()
+        if tty:
+            print(file=sys.stderr)
+        if r["done"]:
+            print("drained: everything acknowledged is durable")
+            return EXIT_OK
+        print(f"timeout: {r['pending_items']} items ({format_size(r['pending_bytes'])}) still queued")
+        return EXIT_TIMEOUT
+
+    return _async(go)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        client = await _client(args)
+        try:
+            st = await client.status()
+        finally:
+            await client.close()
+        if args.json:
+            print(json.dumps(st, indent=2))
+            return EXIT_OK
+        q, d = st["queue"], st["store"]
+        misses = ", ".join(f"{k} {v}" for k, v in d["misses"].items() if v) or "none"
+        print(
+            f"spilld {st['version']} pid {st['pid']}, up {st['uptime_s']:.0f} s, {st['clients']} clients, socket {st['socket']}"
+        )
+        print(f"queue   {q['pending_items']} items, {format_size(q['pending_bytes'])} of {format_size(st['cap'])} cap")
+        print(
+            f"        stored {q['stored']}, dropped {q['dropped']}, cancelled {q['cancelled']}, failed {q['failed']}, written {format_size(q['bytes_written'])}"
+        )
+        print(
+            f"disk    {d['entries']} entries, {format_size(d['bytes'])} of {format_size(d['disk_cap'])} cap in {st['dir']}"
+        )
+        print(f"lookups hits {d['hits']}; misses: {misses}")
+        print(f"errors  store {d['store_errors']}, quarantined {d['quarantined']}, evicted {d['evicted']}")
+        return EXIT_OK
+
+    return _async(go)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .config import default_dir
+    from .store import list_entries
+
+    root = os.path.expanduser(args.dir or default_dir())
+    rows = list_entries(root)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for r in rows:
+        when = datetime.datetime.fromtimestamp(r["last_used"]).strftime("%Y-%m-%d %H:%M")
+        print(
+            f"{when}  {r['tokens']:>7} tok  {format_size(r['bytes']):>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  {r['path']}"
+        )
+    print(f"{len(rows)} entries, {format_size(sum(r['bytes'] for r in rows))}")
+    return EXIT_OK
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    from .config import default_dir, parse_duration
+
+    try:
+        older = parse_duration(args.older_than) if args.older_than else None
+    except ValueError as exc:
+        print(f"spilld: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    params: dict[str, Any] = {"fingerprint": args.fingerprint, "older_than_s": older}
+
+    async def via_daemon() -> int:
+        client = await _client(args)
+        try:
+            r = await client.call("evict", params)
+        finally:
+            await client.close()
+        print(f"evicted {r['evicted']} entries ({format_size(r['bytes'])})")
+        return EXIT_OK
+
+    code = _async(via_daemon)
+    if code != EXIT_UNREACHABLE:
+        return code
+    from .store import Store
+
+    store = Store(os.path.expanduser(args.dir or default_dir()), disk_cap=2**62)
+    store.scan()
+    n, nbytes = store.evict_matching(args.fingerprint, older)
+    print(f"evicted {n} entries ({format_size(nbytes)}) (no daemon running: evicted from the folder directly)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .config import default_dir, default_socket
+
     p = argparse.ArgumentParser(
         prog="spilld",
-        description="A write-behind cold tier for the KV caches of local mlx LLM engines.",
+        description="A write-behind cold tier for the KV caches of local mlx LLM engines. "
+        "Without a command, runs the daemon (same as `spilld serve`).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"spilld {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    ins = sub.add_parser(
-        "inspect",
-        help="show a cache file's header and tensors, and check its hashes",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help, description=help, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+
+    def with_socket(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--socket", default=None, help=f"the daemon's socket (default {default_socket()})")
+
+    srv = add("serve", "run the daemon")
+    srv.add_argument(
+        "--cap", default="4GiB", help="soft cap on queued bytes in memory (default 4GiB; e.g. 512MiB, 2G, 10GB)"
     )
+    srv.add_argument(
+        "--disk-cap",
+        default=None,
+        help="cap on the folder's size (default: the smaller of 64 GiB and a quarter of the free space)",
+    )
+    srv.add_argument("--dir", default=None, help=f"where cache files live (default {default_dir()})")
+    with_socket(srv)
+    srv.add_argument(
+        "--durability",
+        default="fsync",
+        choices=[d.value for d in Durability],
+        help="full (F_FULLFSYNC on macOS), fsync (default) or none",
+    )
+    srv.add_argument(
+        "--drain-deadline", type=float, default=60.0, help="seconds to finish queued work on SIGTERM (default 60)"
+    )
+    srv.add_argument(
+        "--idle-timeout", type=float, default=300.0, help="disconnect clients silent this long (default 300 s)"
+    )
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "text"],
+        help="auto: JSON lines unless stderr is a terminal",
+    )
+    srv.set_defaults(func=cmd_serve)
+
+    dr = add("drain", "wait until everything queued in the daemon is durable")
+    with_socket(dr)
+    dr.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit code 3)")
+    dr.set_defaults(func=cmd_drain)
+
+    st = add("status", "queue, disk, hits and misses, errors")
+    with_socket(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    ls = add("ls", "list the stored entries (reads the folder; needs no daemon)")
+    ls.add_argument("--dir", default=None)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    ev = add("evict", "remove entries (all, or of one model, or unused for a while) and empty model folders")
+    with_socket(ev)
+    ev.add_argument("--dir", default=None)
+    ev.add_argument("--fingerprint", default=None, help="only entries in this identity folder")
+    ev.add_argument("--older-than", default=None, help="only entries unused for this long (e.g. 7d, 12h, 30m)")
+    ev.set_defaults(func=cmd_evict)
+
+    ins = add("inspect", "show a cache file's header and tensors, and check its hashes")
     ins.add_argument("file")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument(
@@ -141,18 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.set_defaults(func=cmd_inspect)
 
-    ver = sub.add_parser(
-        "verify",
-        help="check files end to end (header, layout, every tensor hash)",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ver = add("verify", "check files end to end (header, layout, every tensor hash)")
     ver.add_argument("files", nargs="+")
     ver.set_defaults(func=cmd_verify)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["serve", *argv]
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -483,6 +483,14 @@ def _metadata(d: Any) -> dict[str, str | int | float | bool]:
     return d
 
 
+def header_from_wire(raw: Any, path: str | None = None) -> Header:
+    """Type-check a header map (as msgpack decodes it) into a Header; HeaderMalformed on anything off."""
+    try:
+        return _header_from_wire(raw, path)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise errors.HeaderMalformed(f"header field invalid: {exc!r}", path=path) from exc
+
+
 def _header_from_wire(raw: Any, path: str | None) -> Header:
     _want(raw, dict, "header")
     ident = _want(raw["identity"], dict, "identity")

@@ -30,7 +30,16 @@ from .codecs.base import LiveSource, Source, rows, slot_for
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 from .lease import NoLease, RunStep, off_loop
 
-AnySource = Source | LiveSource
+
+@dataclass
+class BytesSource:
+    """Tensor bytes that are already plain bytes (the daemon writes what a client sent)."""
+
+    data: memoryview
+    shape: tuple[int, ...]
+
+
+AnySource = Source | LiveSource | BytesSource
 
 
 @dataclass
@@ -224,43 +233,38 @@ def _copy_live_rows(src: LiveSource, out: memoryview, start: int, limit: int | N
     return end
 
 
-class TensorStep:
-    """Write one tensor. ``materialize`` inside the lease, then ``write`` anywhere."""
+class TensorBytes:
+    """One tensor's bytes, taken from its source: zero-copy runs, or rows copied out of a live cache."""
 
-    def __init__(
-        self, index: int, slot: fmt.Slot, source: AnySource, file: _File, data_start: int, staging: Staging | None
-    ) -> None:
+    def __init__(self, index: int, slot: fmt.Slot, source: AnySource, staging: Staging | None) -> None:
         self.index = index
         self.slot = slot
-        self.nbytes = slot.nbytes
         self._source: AnySource | None = source
         self._staging = staging
-        self._file = file
-        self._data_start = data_start
-        self._runs: list[memoryview] = []
+        self.runs: list[memoryview] = []
         self._held: mx.array | None = None
-        self.materialized = False
-        self.done = False
+        self.ready = False
         self._live_out: memoryview | None = None
         self._live_pos = 0
 
-    def materialize(self) -> None:
-        """Take the source's bytes (the only part that touches the engine's arrays)."""
-        while not self.materialize_part(None):
-            pass
+    @property
+    def released(self) -> bool:
+        return self._source is None
 
-    def materialize_part(self, limit: int | None) -> bool:
-        """Do at most ``limit`` bytes of the engine-touching work; True once the tensor can be written.
+    def take(self, limit: int | None = None) -> bool:
+        """Do at most ``limit`` bytes of the engine-touching work; True once ``runs`` holds every byte.
 
         Only a live source is split (its rows are copied out); any other source is done in one call.
         """
         src = self._source
-        if src is None or self.materialized:
-            raise errors.SaveAborted("step already materialized")
+        if src is None or self.ready:
+            raise errors.SaveAborted("tensor bytes already taken")
         if src.shape != self.slot.shape:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned shape {self.slot.shape}, got {src.shape}")
-        if isinstance(src, LiveSource):
+        if isinstance(src, BytesSource):
+            self.runs = [src.data.cast("B")] if src.data.nbytes else []
+        elif isinstance(src, LiveSource):
             if self._live_out is None:
                 self._live_out = (self._staging or Staging()).take(self.slot.nbytes)
             try:
@@ -270,34 +274,69 @@ class TensorStep:
                 raise
             if self._live_pos < self._live_out.nbytes:
                 return False
-            self._runs = [self._live_out] if self._live_out.nbytes else []
+            self.runs = [self._live_out] if self._live_out.nbytes else []
         else:
-            self._runs, self._held = _byte_runs(src)
-        self.materialized = True
-        got = sum(r.nbytes for r in self._runs)
+            self.runs, self._held = _byte_runs(src)
+        self.ready = True
+        got = sum(r.nbytes for r in self.runs)
         if got != self.slot.nbytes:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned {self.slot.nbytes} bytes, got {got}")
         return True
 
+    def digest(self) -> bytes:
+        h = xxhash.xxh3_64()
+        for r in self.runs:
+            h.update(r)
+        return h.digest()
+
+    def release(self) -> None:
+        """Drop every view and reference (idempotent)."""
+        for r in self.runs:
+            r.release()
+        self.runs, self._held, self._source, self._live_out = [], None, None, None
+
+
+class TensorStep:
+    """Write one tensor. ``materialize`` inside the lease, then ``write`` anywhere."""
+
+    def __init__(
+        self, index: int, slot: fmt.Slot, source: AnySource, file: _File, data_start: int, staging: Staging | None
+    ) -> None:
+        self.index = index
+        self.slot = slot
+        self.nbytes = slot.nbytes
+        self.bytes = TensorBytes(index, slot, source, staging)
+        self._file = file
+        self._data_start = data_start
+        self.done = False
+
+    @property
+    def materialized(self) -> bool:
+        return self.bytes.ready
+
+    def materialize(self) -> None:
+        """Take the source's bytes (the only part that touches the engine's arrays)."""
+        while not self.materialize_part(None):
+            pass
+
+    def materialize_part(self, limit: int | None) -> bool:
+        """At most ``limit`` bytes of engine-touching work; True once the tensor can be written."""
+        return self.bytes.take(limit)
+
     def write(self) -> None:
         """Hash and write the bytes at their planned offset; touches no mlx state."""
-        if not self.materialized or self._source is None:
+        if not self.bytes.ready or self.bytes.released:
             raise errors.SaveAborted(f"tensor {self.index} written before it was materialized")
         try:
-            h = xxhash.xxh3_64()
-            for r in self._runs:
-                h.update(r)
-            self.slot.hash = h.digest()
-            self._file.write(self._runs, self._data_start + self.slot.off)
+            self.slot.hash = self.bytes.digest()
+            self._file.write(self.bytes.runs, self._data_start + self.slot.off)
         finally:
-            self.release()
+            self.bytes.release()
         self.done = True
 
     def release(self) -> None:
-        for r in self._runs:
-            r.release()
-        self._runs, self._held, self._source, self._live_out = [], None, None, None
+        self.bytes.release()
 
 
 class PublishStep:

@@ -9,6 +9,7 @@ root and reaps temp orphans. Lookups match the caller's fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -221,8 +222,14 @@ class Store:
 
     # --- lookup ------------------------------------------------------------------------
 
-    def lookup(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int]) -> Hit | Miss:
-        """The longest usable prefix of ``tokens`` (at most len - 1: one token must be computed)."""
+    def lookup(
+        self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], *, codec_provider: str | None = None
+    ) -> Hit | Miss:
+        """The longest usable prefix of ``tokens`` (at most len - 1: one token must be computed).
+
+        Only entries written by ``codec_provider`` (default: this store's) can be used.
+        """
+        provider_id = codec_provider or self.provider.id
         want = np.asarray(tokens, dtype=np.uint32)
         limit = len(want) - 1
         fp = identity_fingerprint(ident)
@@ -234,7 +241,7 @@ class Store:
             usable = min(_common_prefix(e.tokens, want), limit)
             if usable <= 0:
                 continue
-            if e.fingerprint != fp or e.codec_provider != self.provider.id:
+            if e.fingerprint != fp or e.codec_provider != provider_id:
                 saw_foreign = True
                 continue
             if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
@@ -278,6 +285,9 @@ class Store:
         self.touch(e)
         self.counters.hits += 1
         return loaded
+
+    def entry_at(self, path: str) -> Entry | None:
+        return next((e for e in self.entries if e.path == path), None)
 
     def touch(self, e: Entry) -> None:
         """A restore counts as use (kept across restarts through the file's mtime)."""
@@ -385,6 +395,32 @@ class Store:
             self._remove(e)
         return len(gone)
 
+    def evict_matching(self, fingerprint: str | None = None, older_than_s: float | None = None) -> tuple[int, int]:
+        """Remove entries of one identity folder and/or unused for a while; clear emptied folders."""
+        cutoff = time.time() - older_than_s if older_than_s is not None else None
+        gone = [
+            e for e in self.entries
+            if (fingerprint is None or e.fingerprint == fingerprint) and (cutoff is None or e.last_used < cutoff)
+        ]  # fmt: skip
+        for e in gone:
+            self._remember_evicted(e)
+            self._remove(e)
+        self.counters.evicted += len(gone)
+        self.remove_empty_folders()
+        return len(gone), sum(e.nbytes for e in gone)
+
+    def remove_empty_folders(self) -> None:
+        """Folders of models no longer in use go when their last entry does."""
+        for fp in os.listdir(self.root):
+            fp_dir = os.path.join(self.root, fp)
+            if fp.startswith(".") or not os.path.isdir(fp_dir):
+                continue
+            for ns in os.listdir(fp_dir):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(fp_dir, ns))  # only succeeds when empty
+            with contextlib.suppress(OSError):
+                os.rmdir(fp_dir)
+
     # --- generation checkpoints -------------------------------------------------------
 
     def find_checkpoint(self, ident: fmt.Identity, key: str) -> Entry | None:
@@ -431,3 +467,30 @@ class Store:
             "reaped_temp": c.reaped_temp,
             "store_errors": c.store_errors,
         }
+
+
+def list_entries(root: str) -> list[dict[str, Any]]:
+    """Every readable entry under ``root``, read-only (safe beside a running daemon)."""
+    rows: list[dict[str, Any]] = []
+    if not os.path.isdir(root):
+        return rows
+    for fp in sorted(os.listdir(root)):
+        fp_dir = os.path.join(root, fp)
+        if fp.startswith(".") or not os.path.isdir(fp_dir):
+            continue
+        for dirpath, _, names in os.walk(fp_dir):
+            for name in names:
+                if not name.endswith(EXT) or fileio.is_temp_name(name):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    h = read_header(path)
+                    st = os.stat(path)
+                except (errors.SpillError, OSError):
+                    continue
+                rows.append({
+                    "path": path, "fingerprint": fp, "model_id": h.identity.model_id, "namespace": h.identity.namespace,
+                    "tokens": len(h.tokens), "bytes": st.st_size, "last_used": st.st_mtime, "trimmable": h.trimmable,
+                    "checkpoint": h.checkpoint.key if h.checkpoint else None,
+                })  # fmt: skip
+    return sorted(rows, key=lambda r: r["last_used"], reverse=True)

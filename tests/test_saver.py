@@ -13,6 +13,7 @@ from mlx_lm.models import cache as C
 
 import spilld
 from spilld import errors, fileio
+from spilld.codecs.base import Source
 from spilld.saver import PublishStep, TensorStep
 from tests.caches import fill, live, same
 from tests.conftest import open_fds
@@ -57,7 +58,7 @@ def test_leaving_at_any_step_leaves_nothing(tmp_path: Any, stop_after: int, how:
     assert os.listdir(tmp_path) == []
     assert open_fds() == before
     # no array is pinned by a finished step
-    assert all(getattr(s, "_source", None) is None for s in steps)
+    assert all(s.bytes.released for s in steps if isinstance(s, TensorStep))
 
 
 def test_steps_must_run_in_order(tmp_path: Any) -> None:
@@ -137,7 +138,7 @@ def test_plan_drift_is_caught(tmp_path: Any) -> None:
     gen = spilld.save_steps(tmp_path / "f", [], [cache])
     step = next(gen)
     assert isinstance(step, TensorStep)
-    step._source = mx.zeros((1, 2, 10, 8))
+    step.bytes._source = Source(mx.zeros((1, 2, 10, 8)))
     with pytest.raises(errors.PlanDrift):
         step.materialize()
     gen.close()

@@ -1,0 +1,398 @@
+"""What an engine imports to talk to the daemon.
+
+    client = await AsyncClient.connect(identity=spilld.identity(model, tokenizer), lease=ThreadLockLease(lock))
+    client.spill(tokens, cache)                     # clones now; ships one tensor per loop turn, in the lease
+    loaded = await client.load(new_tokens)          # the engine reads the file itself; None on a miss
+
+``Client`` is the same API for engines that decode in a thread of their own.
+A lost connection fails every waiting call with ``ConnectionLost``; the next
+call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import errors
+from . import format as fmt
+from . import protocol as P
+from .codecs import CodecProvider, default_provider
+from .config import default_socket
+from .lease import NoLease, RunStep, off_loop
+from .loader import Loaded, load
+from .queue import DrainReport, Dropped, Settled, SpillItem, SpillQueue
+from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes, clone_and_size, plan
+from .store import check_namespace
+
+log = logging.getLogger("spilld.client")
+
+DEFAULT_CLIENT_CAP = 1024**3
+BUSY_RETRIES = 50
+BUSY_BACKOFF_S = 0.05
+
+
+class AsyncClient:
+    """An asyncio connection to the daemon plus a bounded local queue of clones to ship."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        identity: fmt.Identity,
+        name: str = "",
+        lease: RunStep | None = None,
+        queue_cap: int = DEFAULT_CLIENT_CAP,
+        provider: CodecProvider | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.socket_path = socket_path
+        self.identity = identity
+        self.name = name or f"pid {os.getpid()}"
+        self.lease: RunStep = lease or NoLease()
+        self.provider = provider or default_provider()
+        self.timeout = timeout
+        self.queue = SpillQueue(queue_cap, self._ship, bytes_of=lambda it: int(it.meta.get("held", 0)))
+        self._staging = Staging()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._progress: dict[int, Callable[[dict[str, Any]], None]] = {}
+        self._ids = itertools.count(1)
+        self._read_task: asyncio.Task[None] | None = None
+        self._connect_lock = asyncio.Lock()
+        self._send_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.server: dict[str, Any] = {}
+
+    @classmethod
+    async def connect(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
+        client = cls(socket_path or default_socket(), **kwargs)
+        await client._ensure()
+        return client
+
+    # --- connection ----------------------------------------------------------------------
+
+    async def _ensure(self) -> None:
+        async with self._connect_lock:
+            if self._writer is not None and not self._writer.is_closing():
+                return
+            self._loop = asyncio.get_running_loop()
+            try:
+                self._reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(self.socket_path, limit=4 * 1024 * 1024), self.timeout
+                )
+            except (OSError, TimeoutError) as exc:
+                raise P.ConnectionLost(f"cannot reach spilld at {self.socket_path}: {exc}") from exc
+            self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
+            self.server = await self._call(
+                "hello", {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
+            )
+
+    async def _read_loop(self) -> None:
+        decoder = P.FrameDecoder()
+        assert self._reader is not None
+        err: errors.SpillError = P.ConnectionLost("the daemon closed the connection")
+        try:
+            while data := await self._reader.read(1 << 20):
+                for msg in decoder.feed(data):
+                    self._on_message(msg)
+        except (OSError, errors.SpillError) as exc:
+            err = exc if isinstance(exc, errors.SpillError) else P.ConnectionLost(str(exc))
+        finally:
+            self._fail_all(err)
+
+    def _on_message(self, msg: P.Message) -> None:
+        if msg.kind == P.RESPONSE:
+            fut = self._pending.pop(msg.msgid, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    try:
+                        P.raise_for(msg.error)
+                    except errors.SpillError as exc:
+                        fut.set_exception(exc)
+                else:
+                    fut.set_result(msg.result)
+        elif msg.kind == P.NOTIFICATION:
+            if msg.method == "drain_progress" and (cb := self._progress.get(int(msg.params.get("msgid", 0)))):
+                cb(msg.params)
+            elif msg.method == "error":
+                log.warning("daemon: %s", msg.params.get("message"))
+
+    def _fail_all(self, err: errors.SpillError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if self._writer is not None:
+            self._writer.close()
+
+    async def _send(self, bufs: list[bytes | memoryview]) -> None:
+        if self._writer is None or self._writer.is_closing():
+            raise P.ConnectionLost("not connected")
+        async with self._send_lock:
+            self._writer.writelines(bufs)
+            try:
+                await self._writer.drain()
+            except (OSError, RuntimeError) as exc:
+                raise P.ConnectionLost(str(exc)) from exc
+
+    async def _call(self, method: str, params: dict[str, Any], *, timeout: float | None = -1.0, **kw: Any) -> Any:
+        msgid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[msgid] = fut
+        if "progress" in kw:
+            self._progress[msgid] = kw["progress"]
+        try:
+            await self._send(P.request(msgid, method, params))
+            return await asyncio.wait_for(fut, self.timeout if timeout == -1.0 else timeout)
+        except TimeoutError:
+            raise P.Timeout(f"{method}: no answer from the daemon") from None
+        finally:
+            self._pending.pop(msgid, None)
+            self._progress.pop(msgid, None)
+
+    async def call(self, method: str, params: dict[str, Any] | None = None, **kw: Any) -> Any:
+        """One request; reconnects first if the connection was lost."""
+        await self._ensure()
+        return await self._call(method, params or {}, **kw)
+
+    async def close(self, timeout: float | None = None) -> DrainReport:
+        """Ship what is queued (up to ``timeout``), then close the connection."""
+        report = await self.queue.close(timeout)
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+        if self._read_task is not None:
+            await asyncio.gather(self._read_task, return_exceptions=True)
+        return report
+
+    # --- spilling -----------------------------------------------------------------------
+
+    def spill(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        meta: dict[str, str] | None = None,
+        *,
+        namespace: str = "",
+        key: str = "",
+        droppable: bool = True,
+        attachments: Sequence[Attachment] = (),
+        checkpoint: fmt.GenerationCheckpoint | None = None,
+        live: bool = False,
+    ) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
+        """Clone now (on the caller's thread), ship behind; a future of the daemon's outcome.
+
+        From the loop's thread an ``asyncio.Future``; from another thread (an
+        engine decoding in its own thread) a ``concurrent.futures.Future``.
+        """
+        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": check_namespace(namespace)})
+        item = SpillItem(
+            tokens=list(tokens),
+            namespace=namespace,
+            key=key or (checkpoint.key if checkpoint else ""),
+            droppable=droppable,
+        )
+        if live:
+            item.meta["planned"] = plan(
+                tokens,
+                caches,
+                meta=meta,
+                identity=ident,
+                attachments=attachments,
+                checkpoint=checkpoint,
+                provider=self.provider,
+                live=True,
+            )
+        else:
+            clones, held = clone_and_size(caches, self.provider)
+            item.meta["planned"] = plan(
+                tokens,
+                clones,
+                meta=meta,
+                identity=ident,
+                attachments=attachments,
+                checkpoint=checkpoint,
+                provider=self.provider,
+            )
+            item.meta["held"] = held
+        return self._submit(lambda: self.queue.enqueue(item))
+
+    def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
+        loop = self._loop
+        if loop is None:
+            raise P.ConnectionLost("connect() has not run")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return enqueue()
+        out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(lambda: enqueue().add_done_callback(lambda f: out.set_result(f.result())))
+        return out
+
+    async def _ship(self, item: SpillItem) -> Any:
+        """Send one planned item: header, then each tensor's bytes (taken inside the lease), then commit."""
+        header, sources = item.meta["planned"]
+        await self._ensure()
+        for attempt in range(BUSY_RETRIES):
+            try:
+                started = await self._call(
+                    "spill", {"header": header.to_wire(), "droppable": item.droppable, "key": item.key}
+                )
+                break
+            except P.Busy:
+                if attempt == BUSY_RETRIES - 1:
+                    raise
+                await asyncio.sleep(BUSY_BACKOFF_S * (attempt + 1))
+        sid = started["spill"]
+        try:
+            for i, (slot, src) in enumerate(zip(header.slots(), sources, strict=True)):
+                tb = TensorBytes(i, slot, src, self._staging)
+                try:
+                    while not await self.lease(functools.partial(tb.take, LIVE_CHUNK_BYTES)):
+                        await asyncio.sleep(0)
+                    await self._send_tensor(sid, i, tb.runs)
+                finally:
+                    tb.release()
+                await asyncio.sleep(0)  # one tensor per loop turn
+            result = await self._call("commit", {"spill": sid}, timeout=None)
+        except BaseException:
+            if self._writer is not None and not self._writer.is_closing():
+                with contextlib.suppress(Exception):
+                    await self._send(P.request(next(self._ids), "abort", {"spill": sid}))
+            raise
+        finally:
+            item.meta.pop("planned", None)
+        if result["outcome"] == "dropped":
+            raise Dropped()
+        if result["outcome"] != "stored":
+            raise errors.error_from_code(
+                str(result.get("code", "error")), str(result.get("message", result["outcome"]))
+            )
+        return result
+
+    async def _send_tensor(self, sid: int, index: int, runs: list[memoryview]) -> None:
+        offset = 0
+        for run in runs:
+            pos = 0
+            while pos < run.nbytes:
+                chunk = run[pos : pos + P.MAX_PAYLOAD_BYTES]
+                await self._send(P.notification("put", {"spill": sid, "index": index, "offset": offset}, chunk))
+                pos += chunk.nbytes
+                offset += chunk.nbytes
+
+    # --- other requests --------------------------------------------------------------------
+
+    async def lookup(self, tokens: Sequence[int], namespace: str = "") -> dict[str, Any]:
+        """The daemon's longest usable prefix for ``tokens``: {hit, path, matched, ...} or {hit: False, reason}."""
+        return dict(
+            await self.call(
+                "lookup",
+                {
+                    "identity": self.identity.to_wire() | {"namespace": check_namespace(namespace)},
+                    "namespace": namespace,
+                    "tokens": fmt.encode_tokens(list(tokens)),
+                    "codec_provider": self.provider.id,
+                },
+            )
+        )
+
+    async def load(self, tokens: Sequence[int], namespace: str = "") -> Loaded | None:
+        """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss."""
+        found = await self.lookup(tokens, namespace)
+        if not found["hit"]:
+            return None
+        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": namespace})
+        path, matched = found["path"], int(found["matched"])
+        try:
+            loaded = await off_loop(lambda: load(path, expect=ident, upto=matched, provider=self.provider))
+        except errors.FileFormatError as exc:
+            await self.call("report_bad", {"path": path, "code": exc.code})
+            return None
+        except errors.StorageError:
+            return None  # evicted between lookup and open
+        await self.call("touch", {"path": path})
+        return loaded
+
+    async def barrier(self, key: str, *, delete_checkpoints: bool = False) -> dict[str, Any]:
+        """Wait until every spill queued before this is settled (ours locally, then the daemon's)."""
+        await self.queue.drain()
+        return dict(await self.call("barrier", {"key": key, "delete_checkpoints": delete_checkpoints}, timeout=None))
+
+    async def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int:
+        local = self.queue.cancel_where(
+            lambda it: (namespace is None or it.namespace == namespace) and (key is None or it.key == key)
+        )
+        params = {k: v for k, v in (("namespace", namespace), ("key", key)) if v is not None}
+        remote = await self.call("cancel", params)
+        return local + int(remote["cancelled"])
+
+    async def drain(
+        self, timeout: float | None = None, progress: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        """Ship everything queued here, then wait for the daemon's queue to be durable."""
+        rep = await self.queue.drain(timeout)
+        params = {"timeout": 3600.0 if timeout is None else float(timeout)}
+        result = dict(await self.call("drain", params, timeout=None, progress=progress or (lambda _: None)))
+        result["client_done"] = rep.done
+        return result
+
+    async def status(self) -> dict[str, Any]:
+        return dict(await self.call("status"))
+
+
+class Client:
+    """The same API, synchronous, for engines that decode in a thread of their own."""
+
+    def __init__(self, socket_path: str | None = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="spilld-client", daemon=True)
+        self._thread.start()
+        self._async: AsyncClient = self._run(AsyncClient.connect(socket_path, **kwargs))
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def spill(
+        self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
+    ) -> concurrent.futures.Future[Settled]:
+        return self._async.spill(tokens, caches, meta, **kw)  # type: ignore[return-value]
+
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> dict[str, Any]:
+        return dict(self._run(self._async.lookup(tokens, namespace)))
+
+    def load(self, tokens: Sequence[int], namespace: str = "") -> Loaded | None:
+        result: Loaded | None = self._run(self._async.load(tokens, namespace))
+        return result
+
+    def barrier(self, key: str, **kw: Any) -> dict[str, Any]:
+        return dict(self._run(self._async.barrier(key, **kw)))
+
+    def cancel(self, **kw: Any) -> int:
+        return int(self._run(self._async.cancel(**kw)))
+
+    def drain(self, timeout: float | None = None) -> dict[str, Any]:
+        return dict(self._run(self._async.drain(timeout)))
+
+    def status(self) -> dict[str, Any]:
+        return dict(self._run(self._async.status()))
+
+    def close(self, timeout: float | None = None) -> None:
+        try:
+            self._run(self._async.close(timeout))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()

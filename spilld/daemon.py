@@ -1,0 +1,507 @@
+"""The spilld service: one process, one Unix socket, one queue and one store for every engine.
+
+Clients hand over file-ready spills: a planned header, then the tensors' bytes
+(``put`` frames), then ``commit``. The daemon queues the complete item against
+``--cap``, writes it with the generator saver (hashes computed here, never
+trusted from the client) and answers the commit once the file is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+from . import __version__, errors
+from . import format as fmt
+from . import protocol as P
+from .config import Config, format_size
+from .lease import NoLease, off_loop
+from .queue import Outcome, SpillItem, SpillQueue
+from .saver import BytesSource
+from .store import Hit, MissReason, Store, checkpoint_namespace
+
+log = logging.getLogger("spilld.daemon")
+
+READ_CHUNK = 4 * 1024 * 1024
+DRAIN_PROGRESS_S = 0.5
+
+
+class AlreadyRunning(errors.SpillError):
+    code = "already_running"
+
+
+class PeerRefused(errors.SpillError):
+    code = "peer_refused"
+
+
+errors.ERRORS_BY_CODE.update({AlreadyRunning.code: AlreadyRunning, PeerRefused.code: PeerRefused})
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (None where the OS cannot tell)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", raw)[1])
+    if sys.platform == "darwin":  # LOCAL_PEERCRED: struct xucred {u_int version; uid_t uid; ...}
+        raw = sock.getsockopt(0, 0x001, 76)
+        return int(struct.unpack_from("Ii", raw)[1])
+    return None
+
+
+class _Incoming:
+    """A spill being received: its header, one buffer per tensor, and how much of each arrived."""
+
+    def __init__(self, header: fmt.Header, droppable: bool, key: str) -> None:
+        self.header, self.droppable, self.key = header, droppable, key
+        self.slots = header.slots()
+        self.bufs = [bytearray(s.nbytes) for s in self.slots]
+        self.got = [0] * len(self.slots)
+        self.error: errors.SpillError | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def put(self, index: int, offset: int, payload: memoryview | bytes) -> None:
+        n = memoryview(payload).nbytes
+        if not 0 <= index < len(self.slots) or offset != self.got[index] or offset + n > self.slots[index].nbytes:
+            raise P.BadParams(f"put out of order or out of range (tensor {index}, offset {offset}, {n} bytes)")
+        self.bufs[index][offset : offset + n] = payload
+        self.got[index] += n
+
+    def complete(self) -> bool:
+        return all(g == s.nbytes for g, s in zip(self.got, self.slots, strict=True))
+
+
+class Connection:
+    """One client: reads frames, runs requests as tasks, writes responses in order of completion."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.daemon, self.reader, self.writer = daemon, reader, writer
+        self.id = next(self._ids)
+        self.decoder = P.FrameDecoder()
+        self.spills: dict[int, _Incoming] = {}
+        self._spill_ids = itertools.count(1)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.client_name = "?"
+        self.hello = False
+
+    def send(self, bufs: list[bytes | memoryview]) -> None:
+        if not self.writer.is_closing():
+            self.writer.writelines(bufs)
+
+    async def run(self) -> None:
+        sock = self.writer.get_extra_info("socket")
+        try:
+            uid = peer_uid(sock) if sock is not None else None
+            if uid is not None and uid != os.getuid():
+                raise PeerRefused(f"peer uid {uid} is not ours")
+            while True:
+                timeout = self.daemon.cfg.request_timeout if self.decoder.buffered else self.daemon.cfg.idle_timeout
+                if not self.hello:
+                    timeout = min(timeout, self.daemon.cfg.hello_timeout)
+                try:
+                    data = await asyncio.wait_for(self.reader.read(READ_CHUNK), timeout)
+                except TimeoutError:
+                    raise P.Timeout(f"client silent for {timeout:.0f} s") from None
+                if not data:
+                    return
+                for msg in self.decoder.feed(data):
+                    self._dispatch(msg)
+        except (errors.SpillError, ConnectionError) as exc:
+            level = logging.INFO if isinstance(exc, (ConnectionError, P.Timeout)) else logging.WARNING
+            log.log(level, "client %d (%s): %s", self.id, self.client_name, exc)
+            if isinstance(exc, errors.SpillError):
+                with contextlib.suppress(Exception):
+                    self.send(P.notification("error", {"code": exc.code, "message": str(exc)}))
+        finally:
+            if self.tasks:  # a half-closed client still gets the answers it asked for
+                await asyncio.wait(list(self.tasks), timeout=self.daemon.cfg.request_timeout)
+            await self.close()
+
+    async def close(self) -> None:
+        self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+    def _dispatch(self, msg: P.Message) -> None:
+        if not self.hello and not (msg.kind == P.REQUEST and msg.method == "hello"):
+            raise P.ProtocolError("the first message must be a hello request")
+        if msg.kind == P.NOTIFICATION:
+            if msg.method != "put":
+                raise P.UnknownMethod(f"unknown notification {msg.method!r}")
+            self._put(msg)
+        elif msg.kind == P.REQUEST:
+            if msg.method == "hello":
+                self._respond(msg.msgid, self._hello(msg.params))
+                return
+            handler = self.daemon.methods.get(msg.method)
+            if handler is None:
+                self._respond(msg.msgid, error=P.UnknownMethod(f"unknown method {msg.method!r}"))
+                return
+            task = asyncio.get_running_loop().create_task(self._call(handler, msg))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        else:
+            raise P.ProtocolError("clients send requests and notifications only")
+
+    async def _call(self, handler: Any, msg: P.Message) -> None:
+        try:
+            result = await handler(self, msg.params, msg.msgid)
+        except errors.SpillError as exc:
+            self._respond(msg.msgid, error=exc)
+        except (KeyError, TypeError, ValueError) as exc:
+            self._respond(msg.msgid, error=P.BadParams(f"{msg.method}: {exc!r}"))
+        except Exception as exc:  # a bug must not take the daemon down
+            log.exception("client %d: %s failed", self.id, msg.method)
+            self._respond(msg.msgid, error=errors.SpillError(f"internal error: {exc!r}"))
+        else:
+            self._respond(msg.msgid, result)
+
+    def _respond(self, msgid: int, result: Any = None, error: errors.SpillError | None = None) -> None:
+        self.send(P.response(msgid, result, error))
+
+    def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
+        if params.get("version") != P.PROTOCOL_VERSION:
+            raise P.UnsupportedProtocol(
+                f"protocol version {params.get('version')!r}; this daemon speaks {P.PROTOCOL_VERSION}"
+            )
+        self.hello = True
+        self.client_name = str(params.get("client", "?"))[:64]
+        log.info("client %d connected: %s", self.id, self.client_name)
+        return {
+            "version": P.PROTOCOL_VERSION,
+            "server": f"spilld {__version__}",
+            "pid": os.getpid(),
+            "limits": {"max_msg": P.MAX_MSG_BYTES, "max_payload": P.MAX_PAYLOAD_BYTES},
+            "dir": self.daemon.cfg.dir,
+        }
+
+    def _put(self, msg: P.Message) -> None:
+        sp = self.spills.get(int(msg.params.get("spill", -1)))
+        if sp is None or sp.error is not None:
+            return  # the commit reports the problem
+        try:
+            sp.put(int(msg.params["index"]), int(msg.params["offset"]), msg.payload)
+        except (errors.SpillError, KeyError, TypeError, ValueError) as exc:
+            sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc))
+
+
+class Daemon:
+    """The service state shared by every connection."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.store = Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
+        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]))
+        self.lease = NoLease()
+        self.connections: set[Connection] = set()
+        self.started = time.time()
+        self.stopping = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self._signals = 0
+        names = [
+            "spill",
+            "commit",
+            "abort",
+            "barrier",
+            "cancel",
+            "lookup",
+            "touch",
+            "delete",
+            "report_bad",
+            "drain",
+            "status",
+            "shutdown",
+            "evict",
+        ]
+        self.methods: dict[str, Any] = {n: getattr(self, f"_{n}") for n in names}
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await off_loop(self.store.scan)
+        self._server = await bind(self.cfg.socket, self._accept)
+        log.info(
+            "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
+            __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
+            format_size(self.store.disk_cap), len(self.store.entries),
+        )  # fmt: skip
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.start()
+        await self.stopping.wait()
+        return await self.stop()
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        log.info(
+            "%s: stopping (finishing queued work within %.0f s)", signal.Signals(sig).name, self.cfg.drain_deadline
+        )
+        self.stopping.set()
+
+    async def stop(self) -> int:
+        if self._server is not None:
+            self._server.close()
+        report = await self.queue.close(timeout=self.cfg.drain_deadline)
+        for conn in list(self.connections):
+            for t in list(conn.tasks):
+                with contextlib.suppress(asyncio.TimeoutError, Exception):
+                    await asyncio.wait_for(asyncio.shield(t), 1.0)
+            await conn.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.socket)
+        log.info("stopped: %s", json.dumps(self.queue.counters()))
+        return 0 if report.done else 3
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, reader, writer)
+        if len(self.connections) >= self.cfg.max_clients or self.stopping.is_set():
+            conn.send(P.notification("error", {"code": P.Busy.code, "message": "too many clients or stopping"}))
+            await conn.close()
+            return
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+
+    # --- writing -------------------------------------------------------------------------
+
+    async def _write(self, item: SpillItem) -> Any:
+        header: fmt.Header = item.meta["header"]
+        sources = [BytesSource(memoryview(b), s.shape) for b, s in zip(item.meta["bufs"], header.slots(), strict=True)]
+        return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=self.lease)
+
+    # --- methods ---------------------------------------------------------------------------
+
+    async def _spill(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        if self.stopping.is_set():
+            raise P.Busy("the daemon is stopping")
+        header = fmt.header_from_wire(p["header"])
+        header.created_at_ms = time.time_ns() // 1_000_000
+        for s in header.slots():
+            s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted
+        fmt.check_nesting(header.caches)
+        slots = header.slots()
+        fmt.check_limits(slots)
+        fmt.plan_offsets(slots)  # the daemon decides the layout
+        if header.checkpoint is not None:
+            header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
+        droppable = bool(p.get("droppable", True))
+        sp = _Incoming(header, droppable, str(p.get("key", "")))
+        if not droppable and not self._fits(sp.nbytes):
+            raise P.Busy(
+                f"queue full ({format_size(self.queue.pending_bytes)} of {format_size(self.cfg.cap)}); retry later"
+            )
+        sid = next(conn._spill_ids)
+        conn.spills[sid] = sp
+        return {"spill": sid, "tensors": len(slots), "bytes": sp.nbytes}
+
+    def _fits(self, nbytes: int) -> bool:
+        # An empty queue takes any one item (a soft cap), so an item larger than the cap still goes out.
+        return self.queue.pending_items == 0 or self.queue.would_fit(nbytes)
+
+    async def _commit(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        sp = conn.spills.pop(int(p["spill"]), None)
+        if sp is None:
+            raise P.BadParams("no such spill")
+        if sp.error is not None:
+            raise sp.error
+        if not sp.complete():
+            raise P.BadParams("commit before every tensor byte arrived")
+        item = SpillItem(
+            tokens=sp.header.tokens,
+            namespace=sp.header.identity.namespace,
+            key=sp.key,
+            droppable=sp.droppable,
+            meta={"header": sp.header, "bufs": sp.bufs, "nbytes": sp.nbytes},
+        )
+        if not sp.droppable and not self._fits(sp.nbytes):
+            raise P.Busy("queue full; retry later")
+        settled = await self.queue.enqueue(item)
+        out: dict[str, Any] = {"outcome": settled.outcome.value}
+        if settled.outcome is Outcome.STORED:
+            out |= {"path": settled.value.path, "file_bytes": settled.value.file_bytes}
+        elif settled.error is not None:
+            err = (
+                settled.error
+                if isinstance(settled.error, errors.SpillError)
+                else errors.StorageError(str(settled.error))
+            )
+            out |= {"code": err.code, "message": str(err)}
+        return out
+
+    async def _abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> None:
+        conn.spills.pop(int(p["spill"]), None)
+
+    async def _barrier(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        key = str(p.get("key", ""))
+        delete = bool(p.get("delete_checkpoints", False))
+
+        async def action() -> int:
+            return await off_loop(lambda: self.store.remove_checkpoints(key)) if delete else 0
+
+        settled = await self.queue.enqueue(SpillItem(key=key, barrier=action, meta={"nbytes": 0}))
+        return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
+
+    async def _cancel(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        ns, key = p.get("namespace"), p.get("key")
+        if ns is None and key is None:
+            raise P.BadParams("cancel needs a namespace or a key")
+        n = self.queue.cancel_where(lambda it: (ns is None or it.namespace == ns) and (key is None or it.key == key))
+        return {"cancelled": n}
+
+    async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        ident = fmt.Identity(**{k: str(v) for k, v in p["identity"].items()})
+        tokens = fmt.decode_tokens(p["tokens"])
+        hit = self.store.lookup(ident, str(p.get("namespace", "")), tokens, codec_provider=p.get("codec_provider"))
+        if isinstance(hit, Hit):
+            e = hit.entry
+            return {"hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable}
+        return {"hit": False, "reason": hit.reason.value}
+
+    async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        e = self.store.entry_at(str(p["path"]))
+        if e is not None:
+            self.store.touch(e)
+            self.store.counters.hits += 1
+        return {"found": e is not None}
+
+    async def _delete(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        if "path" in p:
+            n = self.store.remove_where(lambda e: e.path == str(p["path"]))
+        elif "key" in p:
+            n = self.store.remove_checkpoints(str(p["key"]))
+        else:
+            raise P.BadParams("delete needs a path or a key")
+        return {"deleted": n}
+
+    async def _report_bad(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        path = str(p["path"])
+        e = self.store.entry_at(path)
+        if e is None:
+            return {"quarantined": False}
+        self.store.quarantine(path, errors.error_from_code(str(p.get("code", "bad_file")), "reported by a client"))
+        self.store.counters.misses[MissReason.CORRUPT.value] += 1
+        return {"quarantined": True}
+
+    async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        deadline = time.monotonic() + float(p.get("timeout", 3600.0))
+        while True:
+            left = deadline - time.monotonic()
+            rep = await self.queue.drain(timeout=max(0.0, min(DRAIN_PROGRESS_S, left)))
+            if rep.done or left <= 0:
+                return {"done": rep.done, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes}
+            conn.send(
+                P.notification(
+                    "drain_progress",
+                    {"msgid": msgid, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes},
+                )
+            )
+
+    async def _evict(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        fp, older = p.get("fingerprint"), p.get("older_than_s")
+        n, nbytes = await off_loop(lambda: self.store.evict_matching(fp, None if older is None else float(older)))
+        return {"evicted": n, "bytes": nbytes}
+
+    async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        return self.status()
+
+    async def _shutdown(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        self.stopping.set()
+        return {"stopping": True}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "socket": self.cfg.socket,
+            "dir": self.cfg.dir,
+            "cap": self.cfg.cap,
+            "clients": len(self.connections),
+            "queue": self.queue.counters(),
+            "store": self.store.stats(),
+        }
+
+
+async def bind(path: str, handler: Any) -> asyncio.AbstractServer:
+    """Bind the socket: 0700 folder, 0600 socket; refuse a live daemon, replace a stale socket."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a stale socket from a crash
+        else:
+            raise AlreadyRunning(f"a daemon already listens on {path}")
+        finally:
+            probe.close()
+    old = os.umask(0o177)
+    try:
+        server = await asyncio.start_unix_server(handler, path=path, limit=READ_CHUNK)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return server
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d)
+
+
+def setup_logging(level: str = "info", json_logs: bool | None = None) -> None:
+    """JSON lines when stderr is not a terminal (service managers, files); plain text on a terminal."""
+    handler = logging.StreamHandler(sys.stderr)
+    use_json = not sys.stderr.isatty() if json_logs is None else json_logs
+    handler.setFormatter(
+        JsonFormatter() if use_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger("spilld")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def run(cfg: Config) -> int:
+    """Run the daemon on uvloop until SIGTERM/SIGINT or a shutdown request."""
+    import uvloop
+
+    async def main() -> int:
+        return await Daemon(cfg).serve()
+
+    return int(uvloop.run(main()))

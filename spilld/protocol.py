@@ -1,0 +1,205 @@
+"""The wire protocol: frames and messages, sans I/O.
+
+A frame is ``u32 msg_len | u32 payload_len | msg | payload`` (little-endian):
+``msg`` is a msgpack array in msgpack-RPC shape, ``payload`` raw bytes (tensor
+data travels there, never through msgpack). ``FrameDecoder`` is fed bytes and
+yields frames; it never does I/O, so it is tested (and fuzzed) without sockets.
+
+    request       [0, msgid, method, params]
+    response      [1, msgid, error, result]      error: nil or {"code", "message"}
+    notification  [2, method, params]
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from . import errors
+
+PROTOCOL_VERSION = 1
+FRAME_HEAD = struct.Struct("<II")
+
+# Limits. Each has its own error and a test that hits it.
+MAX_MSG_BYTES = 4 * 1024 * 1024  # a spill's header (tokens included) must fit here
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # one frame's raw bytes; bigger tensors come in several frames
+MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
+MAX_NESTING = 32  # msgpack container depth
+MAX_METHOD_LEN = 64
+
+REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
+
+
+class ProtocolError(errors.SpillError):
+    """The peer broke the protocol (a malformed or oversized frame); the connection is closed."""
+
+    code = "protocol_error"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
+
+
+class Busy(errors.SpillError):
+    """The daemon's queue is full of items it may not drop; wait and retry."""
+
+    code = "busy"
+
+
+class UnknownMethod(errors.SpillError):
+    code = "unknown_method"
+
+
+class BadParams(errors.SpillError):
+    code = "bad_params"
+
+
+class UnsupportedProtocol(errors.SpillError):
+    code = "unsupported_protocol"
+
+
+class ConnectionLost(errors.SpillError):
+    code = "connection_lost"
+
+
+class Timeout(errors.SpillError):
+    code = "timeout"
+
+
+# error_from_code must know the codes defined here too
+errors.ERRORS_BY_CODE.update(
+    {
+        c.code: c
+        for c in (
+            ProtocolError,
+            FrameTooLarge,
+            Busy,
+            UnknownMethod,
+            BadParams,
+            UnsupportedProtocol,
+            ConnectionLost,
+            Timeout,
+        )
+    }
+)
+
+
+@dataclass
+class Message:
+    kind: int
+    method: str = ""
+    msgid: int = 0
+    params: Any = None
+    error: dict[str, str] | None = None
+    result: Any = None
+    payload: memoryview | bytes = b""
+
+
+def _depth_ok(obj: Any, depth: int = 0) -> bool:
+    if depth > MAX_NESTING:
+        return False
+    if isinstance(obj, (list, tuple)):
+        return all(_depth_ok(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return all(_depth_ok(v, depth + 1) for v in obj.values())
+    return True
+
+
+def _message(raw: Any, payload: memoryview | bytes) -> Message:
+    if not isinstance(raw, list) or not raw or raw[0] not in (REQUEST, RESPONSE, NOTIFICATION):
+        raise ProtocolError("a frame must hold a msgpack-RPC array")
+    if not _depth_ok(raw):
+        raise ProtocolError(f"message nested deeper than {MAX_NESTING}")
+    kind = raw[0]
+    try:
+        if kind == REQUEST:
+            _, msgid, method, params = raw
+            ok = isinstance(msgid, int) and not isinstance(msgid, bool) and isinstance(method, str)
+            if not ok or len(method) > MAX_METHOD_LEN or not isinstance(params, dict):
+                raise ProtocolError("request must be [0, int msgid, str method, map params]")
+            return Message(kind, method, msgid, params, payload=payload)
+        if kind == RESPONSE:
+            _, msgid, error, result = raw
+            if not isinstance(msgid, int) or not (error is None or isinstance(error, dict)):
+                raise ProtocolError("response must be [1, int msgid, nil|map error, result]")
+            return Message(kind, msgid=msgid, error=error, result=result, payload=payload)
+        _, method, params = raw
+        if not isinstance(method, str) or len(method) > MAX_METHOD_LEN or not isinstance(params, dict):
+            raise ProtocolError("notification must be [2, str method, map params]")
+        return Message(kind, method, params=params, payload=payload)
+    except ValueError as exc:  # wrong arity
+        raise ProtocolError(f"malformed message: {exc}") from exc
+
+
+class FrameDecoder:
+    """Feed it bytes; take whole messages out. Raises ProtocolError on anything malformed."""
+
+    def __init__(self, max_msg: int = MAX_MSG_BYTES, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+        self.max_msg, self.max_payload = max_msg, max_payload
+        self._buf = bytearray()
+        self._out: list[Message] = []
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        self._buf += data
+        while True:
+            if len(self._buf) < FRAME_HEAD.size:
+                break
+            mlen, plen = FRAME_HEAD.unpack_from(self._buf)
+            if mlen > self.max_msg:
+                raise FrameTooLarge(f"message of {mlen} bytes (limit {self.max_msg})")
+            if plen > self.max_payload:
+                raise FrameTooLarge(f"payload of {plen} bytes (limit {self.max_payload})")
+            end = FRAME_HEAD.size + mlen + plen
+            if len(self._buf) < end:
+                break
+            body = bytes(self._buf[FRAME_HEAD.size : FRAME_HEAD.size + mlen])
+            payload = bytes(self._buf[FRAME_HEAD.size + mlen : end])
+            del self._buf[:end]
+            try:
+                raw = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+            self._out.append(_message(raw, payload))
+            if len(self._out) > MAX_PENDING_FRAMES:
+                raise ProtocolError(f"more than {MAX_PENDING_FRAMES} frames queued unread")
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+def frame(msg: list[Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+    """Encode one frame as buffers for a vectored send (the payload is not copied)."""
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > MAX_MSG_BYTES:
+        raise FrameTooLarge(f"message of {len(body)} bytes (limit {MAX_MSG_BYTES})")
+    n = memoryview(payload).nbytes
+    if n > MAX_PAYLOAD_BYTES:
+        raise FrameTooLarge(f"payload of {n} bytes (limit {MAX_PAYLOAD_BYTES})")
+    return [FRAME_HEAD.pack(len(body), n) + body, payload] if n else [FRAME_HEAD.pack(len(body), 0) + body]
+
+
+def request(
+    msgid: int, method: str, params: dict[str, Any], payload: bytes | memoryview = b""
+) -> list[bytes | memoryview]:
+    return frame([REQUEST, msgid, method, params], payload)
+
+
+def response(msgid: int, result: Any = None, error: errors.SpillError | None = None) -> list[bytes | memoryview]:
+    err = None if error is None else {"code": error.code, "message": str(error)}
+    return frame([RESPONSE, msgid, err, result])
+
+
+def notification(method: str, params: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+    return frame([NOTIFICATION, method, params], payload)
+
+
+def raise_for(error: dict[str, str] | None) -> None:
+    """Turn a response's error map back into the typed error."""
+    if error is not None:
+        raise errors.error_from_code(str(error.get("code", "error")), str(error.get("message", "")))

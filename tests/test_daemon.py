@@ -1,0 +1,218 @@
+"""The daemon as a real subprocess on a real socket: engines, restarts, drain, stop, bad clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+import spilld
+from spilld import protocol as P
+from spilld.client import AsyncClient
+from tests.daemons import Daemon, cleanup, new_root
+from tests.models import MODELS, next_logits, prefill, random_tokens, tiny_llama
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root(), ["--cap", "256MiB", "--drain-deadline", "30"]).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+async def connect(d: Daemon, model: Any, name: str) -> AsyncClient:
+    return await AsyncClient.connect(d.socket, identity=spilld.identity(model, model_id=name), name=name)
+
+
+@pytest.mark.asyncio
+async def test_two_engines_spill_lookup_load_identical_logits(daemon: Daemon) -> None:
+    llama, gemma = tiny_llama(), MODELS["gemma3"]()
+    engines = [(llama, await connect(daemon, llama, "llama")), (gemma, await connect(daemon, gemma, "gemma"))]
+    expected = []
+    for model, client in engines:
+        prompt = random_tokens(40, seed=len(expected))
+        cache, _ = prefill(model, prompt)
+        fut = client.spill(prompt, cache)
+        expected.append((prompt, next_logits(model, cache, 5)))
+        assert (await fut).stored
+    for (model, client), (prompt, logits) in zip(engines, expected, strict=True):
+        got = await client.load([*prompt, 5, 6])
+        assert got is not None and got.tokens == prompt
+        assert mx.array_equal(next_logits(model, got.caches, 5), logits).item()
+        # each engine sees only its own model's entries
+        other = engines[1][1] if client is engines[0][1] else engines[0][1]
+        assert (await other.lookup([*prompt, 5]))["hit"] is False
+    st = await engines[0][1].status()
+    assert st["store"]["entries"] == 2 and st["queue"]["stored"] == 2 and st["clients"] == 2
+    for _, c in engines:
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_daemon_restart_in_between(daemon: Daemon) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(30, seed=4)
+    cache, _ = prefill(model, prompt)
+    client = await connect(daemon, model, "m")
+    assert (await client.spill(prompt, cache)).stored
+    want = next_logits(model, cache, 9)
+    assert daemon.stop() == 0
+    with pytest.raises(P.ConnectionLost):
+        await client.lookup(prompt)  # the old connection is gone: a typed error, never a hang
+    daemon.start()
+    got = await client.load([*prompt, 9])  # reconnects by itself
+    assert got is not None and mx.array_equal(next_logits(model, got.caches, 9), want).item()
+    await client.close()
+
+
+def test_cli_drain_status_ls_evict(daemon: Daemon) -> None:
+    async def fill() -> None:
+        model = tiny_llama()
+        client = await connect(daemon, model, "cli")
+        for seed in range(3):
+            prompt = random_tokens(20, seed=seed)
+            client.spill(prompt, prefill(model, prompt)[0])
+        await client.close()  # ships everything first
+
+    asyncio.run(fill())
+    r = daemon.cli("drain", "--socket", daemon.socket, "--timeout", "60")
+    assert r.returncode == 0 and "durable" in r.stdout
+    st = json.loads(daemon.cli("status", "--socket", daemon.socket, "--json").stdout)
+    assert st["queue"]["stored"] == 3 and st["store"]["entries"] == 3
+    text = daemon.cli("status", "--socket", daemon.socket)
+    assert text.returncode == 0 and "3 entries" in text.stdout
+    ls = daemon.cli("ls", "--dir", daemon.dir, "--json")
+    rows = json.loads(ls.stdout)
+    assert len(rows) == 3 and all(r["model_id"] == "cli" for r in rows)
+    r = daemon.cli("evict", "--socket", daemon.socket, "--older-than", "1h")
+    assert r.returncode == 0 and "evicted 0" in r.stdout
+    r = daemon.cli("evict", "--socket", daemon.socket, "--fingerprint", rows[0]["fingerprint"])
+    assert r.returncode == 0 and "evicted 3" in r.stdout
+    assert os.listdir(daemon.dir) == [] or set(os.listdir(daemon.dir)) <= {".quarantine"}  # model folder cleared
+    assert daemon.cli("drain", "--socket", "/tmp/no-such-spilld.sock").returncode == 4
+
+
+def test_socket_permissions_and_single_instance(daemon: Daemon) -> None:
+    assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(daemon.socket)).st_mode) == 0o700
+    second = Daemon(daemon.root).start(wait=False)
+    assert second.proc is not None and second.proc.wait(30) == 5  # refuses to start over a live daemon
+
+
+def test_a_stale_socket_is_replaced() -> None:
+    d = Daemon(new_root())
+    try:
+        os.makedirs(os.path.dirname(d.socket), mode=0o700)
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(d.socket)  # bound, never listening, then abandoned: what a crash leaves
+        s.close()
+        d.start()
+        assert d.stop() == 0 and not os.path.exists(d.socket)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_a_client_dying_mid_spill_leaves_no_partial_file(daemon: Daemon) -> None:
+    model = tiny_llama()
+    prompt = random_tokens(16)
+    cache, _ = prefill(model, prompt)
+    header, _ = spilld.saver.plan(prompt, cache, identity=spilld.Identity("m"))
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(daemon.socket)
+    dec = P.FrameDecoder()
+
+    def call(bufs: list[Any]) -> P.Message:
+        s.sendall(b"".join(bytes(b) for b in bufs))
+        while True:
+            if msgs := dec.feed(s.recv(65536)):
+                return msgs[0]
+
+    assert call(P.request(1, "hello", {"version": 1, "client": "dies"})).error is None
+    sid = call(P.request(2, "spill", {"header": header.to_wire()})).result["spill"]
+    s.sendall(b"".join(bytes(b) for b in P.notification("put", {"spill": sid, "index": 0, "offset": 0}, b"\0" * 64)))
+    s.close()  # gone before commit
+    st = json.loads(daemon.cli("status", "--socket", daemon.socket, "--json").stdout)
+    assert st["queue"]["pending_items"] == 0 and st["store"]["entries"] == 0
+    files = [f for _, _, fs in os.walk(daemon.dir) for f in fs]
+    assert files == []
+
+
+def test_bad_clients_get_typed_errors_and_others_are_served(daemon: Daemon) -> None:
+    def raw(data: bytes) -> bytes:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(daemon.socket)
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)  # half-close: the daemon answers, then closes
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        s.close()
+        return out
+
+    def error_code(reply: bytes) -> str:
+        msgs = P.FrameDecoder().feed(reply)
+        return str(msgs[-1].params["code"] if msgs[-1].kind == P.NOTIFICATION else msgs[-1].error["code"])  # type: ignore[index]
+
+    assert error_code(raw(b"\xff\xff\xff\xff\0\0\0\0")) == "frame_too_large"
+    body = b"\xc1"
+    assert error_code(raw(len(body).to_bytes(4, "little") + b"\0\0\0\0" + body)) == "protocol_error"
+    status = b"".join(bytes(b) for b in P.request(1, "status", {}))
+    assert error_code(raw(status)) == "protocol_error"  # no hello first
+    hello = b"".join(bytes(b) for b in P.request(1, "hello", {"version": 99}))
+    assert error_code(raw(hello)) == "unsupported_protocol"
+    ok = b"".join(bytes(b) for b in P.request(1, "hello", {"version": 1})) + b"".join(
+        bytes(b) for b in P.request(2, "nope", {})
+    )
+    msgs = P.FrameDecoder().feed(raw(ok + b"".join(bytes(b) for b in P.request(3, "lookup", {"bad": 1}))))
+    codes = {m.msgid: (m.error or {}).get("code") for m in msgs if m.kind == P.RESPONSE}
+    assert codes == {1: None, 2: "unknown_method", 3: "bad_params"}
+    # the daemon still serves a well-behaved client
+    assert daemon.cli("status", "--socket", daemon.socket).returncode == 0
+
+
+def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
+    d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "fsync"]).start()
+    try:
+
+        async def go() -> list[Any]:
+            client = await AsyncClient.connect(d.socket, identity=spilld.Identity("big"))
+            from mlx_lm.models import cache as C
+
+            from tests.caches import fill
+
+            futs = [
+                client.spill([i, *range(1999)], [fill(C.KVCache(), 2000, heads=8, dim=128, seed=i) for _ in range(2)])
+                for i in range(12)
+            ]
+            await client.queue.drain()  # every item handed to the daemon
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGTERM)
+            return [await f for f in futs]
+
+        results = asyncio.run(go())
+        assert d.proc is not None and d.proc.wait(60) == 0
+        outcomes = {r.outcome for r in results}
+        assert outcomes <= {spilld.Outcome.STORED, spilld.Outcome.DROPPED}  # each owner was told
+        stored = sum(r.stored for r in results)
+        assert stored >= 1
+        files = [f for _, _, fs in os.walk(d.dir) for f in fs if f.endswith(".spilld")]
+        assert len(files) == stored  # stored means on disk
+    finally:
+        d.kill()
+        cleanup(d.root)

@@ -1,0 +1,121 @@
+"""The frame decoder, fed bytes: no sockets. Every limit and malformation gets a typed error."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spilld import errors
+from spilld import protocol as P
+from tests.conftest import LONG
+
+
+def join(bufs: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(b) for b in bufs)
+
+
+def test_roundtrip_every_shape() -> None:
+    data = (
+        join(P.request(7, "lookup", {"a": 1}))
+        + join(P.response(7, {"hit": False}))
+        + join(P.notification("put", {"i": 0}, b"\x01" * 100))
+    )
+    msgs = P.FrameDecoder().feed(data)
+    assert [m.kind for m in msgs] == [P.REQUEST, P.RESPONSE, P.NOTIFICATION]
+    assert msgs[0].method == "lookup" and msgs[0].msgid == 7 and msgs[0].params == {"a": 1}
+    assert msgs[1].result == {"hit": False} and msgs[1].error is None
+    assert bytes(msgs[2].payload) == b"\x01" * 100
+
+
+def test_byte_by_byte_feeding_gives_the_same_frames() -> None:
+    data = join(P.request(1, "status", {})) + join(P.notification("put", {"x": 2}, b"abc"))
+    dec = P.FrameDecoder()
+    out = []
+    for i in range(len(data)):
+        out += dec.feed(data[i : i + 1])
+    assert [m.method for m in out] == ["status", "put"] and bytes(out[1].payload) == b"abc"
+    assert dec.buffered == 0
+
+
+def test_error_responses_carry_stable_codes() -> None:
+    [m] = P.FrameDecoder().feed(join(P.response(3, error=P.Busy("full"))))
+    with pytest.raises(P.Busy):
+        P.raise_for(m.error)
+    with pytest.raises(errors.TensorHashMismatch):
+        P.raise_for({"code": "tensor_hash_mismatch", "message": "x"})
+
+
+@pytest.mark.parametrize(
+    ("mlen", "plen"), [(P.MAX_MSG_BYTES + 1, 0), (10, P.MAX_PAYLOAD_BYTES + 1), (2**32 - 1, 2**32 - 1)]
+)
+def test_oversized_lengths_are_refused_before_buffering(mlen: int, plen: int) -> None:
+    with pytest.raises(P.FrameTooLarge):
+        P.FrameDecoder().feed(struct.pack("<II", mlen, plen))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb({"not": "an array"}),
+        msgpack.packb([]),
+        msgpack.packb([9, 1, "x", {}]),
+        msgpack.packb([0, "id", "m", {}]),
+        msgpack.packb([0, 1, 2, {}]),
+        msgpack.packb([0, 1, "m", [1]]),
+        msgpack.packb([0, 1, "m" * (P.MAX_METHOD_LEN + 1), {}]),
+        msgpack.packb([0, 1, "m"]),
+        msgpack.packb([2, "m"]),
+        msgpack.packb([1, "x", None, 1]),
+        msgpack.packb([0, 1, "m", {"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}]),
+        msgpack.packb({1: 2}) + b"",
+    ],
+)
+def test_malformed_messages_are_protocol_errors(body: bytes) -> None:
+    with pytest.raises(P.ProtocolError):
+        P.FrameDecoder().feed(struct.pack("<II", len(body), 0) + body)
+
+
+def test_a_flood_of_unread_frames_is_cut_off() -> None:
+    one = join(P.notification("put", {}))
+    dec = P.FrameDecoder()
+    with pytest.raises(P.ProtocolError):
+        dec.feed(one * (P.MAX_PENDING_FRAMES + 1))
+
+
+def test_encoder_refuses_what_the_decoder_would() -> None:
+    with pytest.raises(P.FrameTooLarge):
+        P.request(1, "spill", {"h": b"x" * (P.MAX_MSG_BYTES + 1)})
+    with pytest.raises(P.FrameTooLarge):
+        P.notification("put", {}, memoryview(bytearray(P.MAX_PAYLOAD_BYTES + 1)))
+
+
+@settings(max_examples=20_000 if not LONG else 1_000_000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.binary(max_size=64))
+def test_fuzz_random_bytes_never_crash(data: bytes) -> None:
+    dec = P.FrameDecoder(max_msg=256, max_payload=256)
+    try:
+        for m in dec.feed(data):
+            assert m.kind in (P.REQUEST, P.RESPONSE, P.NOTIFICATION)
+    except P.ProtocolError:
+        pass
+
+
+@settings(max_examples=2_000 if not LONG else 100_000, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=4), c, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_fuzz_any_msgpack_value_is_a_message_or_a_protocol_error(value: object) -> None:
+    body = msgpack.packb(value, use_bin_type=True)
+    try:
+        P.FrameDecoder().feed(struct.pack("<II", len(body), 0) + body)
+    except P.ProtocolError:
+        pass
