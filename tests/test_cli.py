@@ -21,9 +21,10 @@ def test_help_lists_exit_codes() -> None:
     assert r.returncode == 0 and "exit codes" in r.stdout and "inspect" in r.stdout
 
 
-def test_no_command_is_usage_error() -> None:
-    assert spilld().returncode == 2
+def test_usage_errors() -> None:
+    assert spilld("bogus").returncode == 2
     assert spilld("inspect").returncode == 2  # argparse: missing FILE
+    assert spilld("--cap", "4 parsecs", "--socket", "/tmp/x-never.sock").returncode == 2  # sizes are checked first
 
 
 def test_inspect_text_and_json() -> None:
