@@ -284,6 +284,12 @@ class TensorBytes:
             raise errors.PlanDrift(f"tensor {self.index}: planned {self.slot.nbytes} bytes, got {got}")
         return True
 
+    def runs_now(self) -> list[memoryview]:
+        """Take every byte at once (no lease) and return the runs."""
+        while not self.take(None):
+            pass
+        return self.runs
+
     def digest(self) -> bytes:
         h = xxhash.xxh3_64()
         for r in self.runs:

@@ -216,3 +216,79 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
     finally:
         d.kill()
         cleanup(d.root)
+
+
+def test_sync_client_from_an_engine_thread(daemon: Daemon) -> None:
+    import threading
+
+    from spilld.client import Client
+
+    model = tiny_llama()
+    prompt = random_tokens(24, seed=8)
+    client = Client(daemon.socket, identity=spilld.identity(model, model_id="sync"), name="sync")
+    try:
+        out: list[Any] = []
+
+        def engine() -> None:  # decodes in its own thread, as mlx-lm's server does
+            cache, _ = prefill(model, prompt)
+            out.append((client.spill(prompt, cache).result(timeout=60), next_logits(model, cache, 3)))
+
+        th = threading.Thread(target=engine)
+        th.start()
+        th.join()
+        settled, want = out[0]
+        assert settled.stored
+        got = client.load([*prompt, 3])
+        assert got is not None and mx.array_equal(next_logits(model, got.caches, 3), want).item()
+        assert client.drain(timeout=10)["done"]
+        assert client.barrier("k")["outcome"] == "stored"
+        assert client.cancel(key="nothing") == 0
+    finally:
+        client.close()
+
+
+def test_busy_for_non_droppable_items_over_the_cap() -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    d = Daemon(new_root(), ["--cap", "1MiB"]).start()
+    try:
+        big = [fill(C.KVCache(), 1024, heads=8, dim=64)]  # 2 MiB of tensors, over the 1 MiB cap
+        header, sources = spilld.saver.plan(list(range(1024)), big, identity=spilld.Identity("b"))
+        tensors = [
+            b"".join(bytes(r) for r in spilld.saver.TensorBytes(i, s, src, None).runs_now())
+            for i, (s, src) in enumerate(zip(header.slots(), sources, strict=True))
+        ]
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(d.socket)
+        dec = P.FrameDecoder()
+        out: list[P.Message] = []
+
+        def send(bufs: list[Any]) -> None:
+            s.sendall(b"".join(bytes(b) for b in bufs))
+
+        def wait(msgid: int) -> P.Message:
+            while not any(m.kind == P.RESPONSE and m.msgid == msgid for m in out):
+                out.extend(dec.feed(s.recv(1 << 20)))
+            return next(m for m in out if m.kind == P.RESPONSE and m.msgid == msgid)
+
+        send(P.request(1, "hello", {"version": 1}))
+        wait(1)
+        send(P.request(2, "spill", {"header": header.to_wire(), "droppable": False}))
+        sid = wait(2).result["spill"]
+        for i, data in enumerate(tensors):
+            send(P.notification("put", {"spill": sid, "index": i, "offset": 0}, data))
+        # commit the first and ask for a second in one write: the queue holds 2 MiB when the second is weighed
+        send(
+            P.request(3, "commit", {"spill": sid})
+            + P.request(4, "spill", {"header": header.to_wire(), "droppable": False})
+        )
+        assert wait(4).error == {"code": "busy", "message": wait(4).error["message"]}  # type: ignore[index]
+        assert wait(3).result["outcome"] == "stored"  # an empty queue takes one item larger than the cap
+        send(P.request(5, "spill", {"header": header.to_wire(), "droppable": False}))
+        assert wait(5).error is None  # once it drained, the next is accepted
+        s.close()
+    finally:
+        d.kill()
+        cleanup(d.root)

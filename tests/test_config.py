@@ -1,0 +1,51 @@
+"""Sizes, durations and default paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from spilld.config import default_dir, default_socket, format_size, parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [
+        ("4GiB", 4 * 1024**3), ("512MiB", 512 * 1024**2), ("2G", 2 * 1024**3), ("10GB", 10 * 1000**3),
+        ("1K", 1024), ("1KB", 1000), ("3T", 3 * 1024**4), ("1TB", 1000**4), ("123", 123), ("1.5GiB", 3 * 1024**3 // 2),
+        ("64 mib", 64 * 1024**2),
+    ],
+)  # fmt: skip
+def test_sizes(text: str, n: int) -> None:
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "4 parsecs", "-1G", "4GiBs", "1e9", "4 G B"])
+def test_bad_sizes_are_usage_errors(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_durations() -> None:
+    assert parse_duration("45s") == 45 and parse_duration("30m") == 1800 and parse_duration("7d") == 7 * 86400
+    assert parse_duration("12") == 12
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+
+
+def test_format_size() -> None:
+    assert format_size(512) == "512 B" and format_size(4 * 1024**3) == "4.0 GiB"
+
+
+def test_default_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", "/c")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/7")
+    monkeypatch.delenv("SPILLD_SOCKET", raising=False)
+    import sys
+
+    if sys.platform != "darwin":
+        assert default_dir() == "/c/spilld"
+        assert default_socket() == "/run/user/7/spilld/spilld.sock"
+        monkeypatch.delenv("XDG_RUNTIME_DIR")
+        assert default_socket().startswith("/tmp/spilld-")
+    monkeypatch.setenv("SPILLD_SOCKET", "/x.sock")
+    assert default_socket() == "/x.sock"
