@@ -59,16 +59,19 @@ class SaveResult:
 
 
 def token_list(tokens: Any) -> list[int]:
-    """Token ids from a list, numpy array or mlx array, checked to fit in u32."""
+    """Token ids from a list, numpy array or mlx array, checked to fit in u32 (vectorized: it runs on the engine thread)."""
     if tokens is None:
         return []
-    if isinstance(tokens, (mx.array, np.ndarray)):
-        tokens = tokens.tolist()
-    out = [int(t) for t in tokens]
-    if any(t < 0 or t >= 2**32 for t in out):
+    arr = np.asarray(tokens.tolist() if isinstance(tokens, mx.array) else tokens)
+    if arr.size == 0:
+        return []
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError("token ids must be a flat sequence of integers")
+    if int(arr.min()) < 0 or int(arr.max()) >= 2**32:
         raise ValueError("token ids must fit in an unsigned 32-bit integer")
-    if len(out) > fmt.MAX_TOKENS:
-        raise errors.TooManyTokens(f"{len(out)} tokens (limit {fmt.MAX_TOKENS})")
+    if arr.size > fmt.MAX_TOKENS:
+        raise errors.TooManyTokens(f"{arr.size} tokens (limit {fmt.MAX_TOKENS})")
+    out: list[int] = arr.tolist()
     return out
 
 

@@ -266,11 +266,16 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of per-token latency (last round)")
     p.add_argument("--small", action="store_true", help="a quick smoke run")
+    p.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (Python default 0.005 s)"
+    )
     p.add_argument("--skip-1gib", action="store_true")
     args = p.parse_args()
     if args.small:
         args.tokens, args.spills, args.big_layers, args.big_tokens, args.rounds = 40, 2, 4, 512, 1
     folder = args.dir or tempfile.mkdtemp(prefix="spilld-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     model = build_model(args)
     print(
         f"device {mx.default_device()}, big cache {args.big_layers} layers x {args.big_tokens} tokens "
