@@ -1,0 +1,188 @@
+"""The daemon under load: ingest rate over the socket, and memory while producers outrun the disk.
+
+    python scripts/bench/daemon_load.py ingest --json bench-out/ingest.json
+    python scripts/bench/daemon_load.py rss --seconds 60 --cap 512MiB --json bench-out/rss.json
+
+ingest: one client ships 256 MiB items (inline frames) to a daemon writing to disk (durability fsync) and to one
+writing to tmpfs with durability none (the socket path alone); GB/s = bytes stored / wall time.
+rss: several producer connections ship droppable 64 MiB items as fast as they can for a while; the daemon's RSS
+is sampled every 0.2 s. Growth over the idle daemon's RSS is compared with cap + largest item + 64 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import spilld
+from spilld.client import AsyncClient
+from spilld.config import parse_size
+from tests.daemons import Daemon, cleanup, new_root
+
+MiB = 1024 * 1024
+
+
+def caches(total: int, seed: int = 0) -> list[Any]:
+    """KVCaches of f16 (1, 8, 4096, 128): 8 MiB per tensor, ``total`` bytes in all."""
+    mx.random.seed(seed)
+    out = []
+    for _ in range(max(1, total // (16 * MiB))):
+        c = C.KVCache()
+        k = mx.random.normal((1, 8, 4096, 128)).astype(mx.float16)
+        c.update_and_fetch(k, k)
+        out.append(c)
+    mx.eval([c.keys for c in out])
+    return out
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+async def ingest(d: Daemon, item_bytes: int, items: int) -> dict[str, Any]:
+    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("ingest"), queue_cap=4 << 30)
+    cs = caches(item_bytes)
+    t0 = time.perf_counter()
+    futs = [client.spill([i, *range(4095)], cs) for i in range(items)]
+    results = [await f for f in futs]
+    wall = time.perf_counter() - t0
+    await client.close()
+    stored = sum(r.stored for r in results)
+    return {
+        "items": items,
+        "stored": stored,
+        "bytes": stored * item_bytes,
+        "wall_s": wall,
+        "GBps": stored * item_bytes / wall / 1e9,
+    }
+
+
+async def rss(d: Daemon, seconds: float, item_bytes: int, producers: int) -> dict[str, Any]:
+    assert d.proc is not None
+    pid = d.proc.pid
+    await asyncio.sleep(1.0)
+    idle = rss_kib(pid)
+    samples: list[tuple[float, int]] = []
+    stop = time.monotonic() + seconds
+    cs = caches(item_bytes)
+    offered = 0
+    outcomes: dict[str, int] = {}
+
+    async def producer(k: int) -> None:
+        nonlocal offered
+        client = await AsyncClient.connect(d.socket, identity=spilld.Identity("rss"), queue_cap=2 * item_bytes)
+        i = 0
+        while time.monotonic() < stop:
+            fut = client.spill([k, i, *range(4094)], cs)
+            offered += item_bytes
+            i += 1
+            r = await fut
+            outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
+        await client.close()
+
+    async def sampler() -> None:
+        t0 = time.monotonic()
+        while time.monotonic() < stop + 2:
+            samples.append((time.monotonic() - t0, rss_kib(pid)))
+            await asyncio.sleep(0.2)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(sampler(), *(producer(k) for k in range(producers)))
+    wall = time.perf_counter() - t0
+    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("rss"))
+    drained = await client.drain(timeout=120)
+    st = await client.status()
+    await client.close()
+    peak = max(v for _, v in samples)
+    return {
+        "idle_rss_MiB": idle / 1024,
+        "peak_rss_MiB": peak / 1024,
+        "growth_MiB": (peak - idle) / 1024,
+        "bound_MiB": (d_cap(d) + item_bytes) / MiB + 64,
+        "offered_GBps": offered / wall / 1e9,
+        "written_GBps": st["queue"]["bytes_written"] / wall / 1e9,
+        "outcomes": outcomes,
+        "queue": st["queue"],
+        "drained": drained["done"],
+        "samples": samples,
+    }
+
+
+def d_cap(d: Daemon) -> int:
+    return parse_size(d.args[d.args.index("--cap") + 1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["ingest", "rss"])
+    p.add_argument("--items", type=int, default=8)
+    p.add_argument("--item", default="256MiB", help="item size for ingest (default 256MiB)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--cap", default="512MiB")
+    p.add_argument("--producers", type=int, default=4)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    out: dict[str, Any] = {"mode": a.mode, "args": vars(a)}
+    if a.mode == "ingest":
+        rows = []
+        for run in range(a.runs):
+            for label, extra, where in (
+                ("disk, fsync", ["--durability", "fsync"], None),
+                ("tmpfs, no sync", ["--durability", "none"], "/dev/shm"),
+            ):
+                root = new_root()
+                d = Daemon(root, ["--cap", "4GiB", *extra])
+                if where:
+                    d.args += ["--dir", os.path.join(where, f"spilld-bench-{os.getpid()}")]
+                d.start()
+                try:
+                    r = asyncio.run(ingest(d, parse_size(a.item), a.items)) | {"arm": label, "run": run}
+                finally:
+                    d.stop()
+                    cleanup(root)
+                    if where:
+                        cleanup(os.path.join(where, f"spilld-bench-{os.getpid()}"))
+                rows.append(r)
+                print(
+                    f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['stored']}/{r['items']} stored, {r['wall_s']:.2f} s)",
+                    flush=True,
+                )
+        for label in ("disk, fsync", "tmpfs, no sync"):
+            print(f"median {label:15s} {statistics.median(r['GBps'] for r in rows if r['arm'] == label):.2f} GB/s")
+        out["rows"] = rows
+    else:
+        root = new_root()
+        d = Daemon(root, ["--cap", a.cap]).start()
+        try:
+            r = asyncio.run(rss(d, a.seconds, 64 * MiB, a.producers))
+        finally:
+            d.stop()
+            cleanup(root)
+        print(json.dumps({k: v for k, v in r.items() if k != "samples"}, indent=1))
+        ok = r["growth_MiB"] <= r["bound_MiB"]
+        print(f"growth {r['growth_MiB']:.0f} MiB vs bound {r['bound_MiB']:.0f} MiB: {'met' if ok else 'MISSED'}")
+        out |= r
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
