@@ -29,13 +29,14 @@ from .codecs import CodecProvider, default_provider
 from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
-from .queue import DrainReport, Dropped, Settled, SpillItem, SpillQueue
+from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes, clone_and_size, plan
 from .store import check_namespace
 
 log = logging.getLogger("spilld.client")
 
 DEFAULT_CLIENT_CAP = 1024**3
+MAX_INFLIGHT_COMMITS = 8  # items shipped and awaiting the daemon's durable answer
 BUSY_RETRIES = 50
 BUSY_BACKOFF_S = 0.05
 
@@ -71,6 +72,7 @@ class AsyncClient:
         self._connect_lock = asyncio.Lock()
         self._send_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._commits: set[asyncio.Future[Any]] = set()
         self.server: dict[str, Any] = {}
 
     @classmethod
@@ -166,8 +168,10 @@ class AsyncClient:
         return await self._call(method, params or {}, **kw)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
-        """Ship what is queued (up to ``timeout``), then close the connection."""
+        """Ship what is queued and hear back about it (up to ``timeout``), then close the connection."""
         report = await self.queue.close(timeout)
+        if self._commits:
+            await asyncio.wait(list(self._commits), timeout=timeout)
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(Exception):
@@ -226,7 +230,20 @@ class AsyncClient:
                 provider=self.provider,
             )
             item.meta["held"] = held
-        return self._submit(lambda: self.queue.enqueue(item))
+        return self._submit(lambda: self._enqueue(item))
+
+    def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
+        """Queue locally; the returned future settles with the daemon's answer to the commit."""
+        outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
+        item.meta["outcome"] = outcome
+
+        def shipped(f: asyncio.Future[Settled]) -> None:
+            s = f.result()  # STORED here only means shipped; the commit answer settles ``outcome``
+            if s.outcome is not Outcome.STORED and not outcome.done():
+                outcome.set_result(s)
+
+        self.queue.enqueue(item).add_done_callback(shipped)
+        return outcome
 
     def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
         loop = self._loop
@@ -243,9 +260,14 @@ class AsyncClient:
         return out
 
     async def _ship(self, item: SpillItem) -> Any:
-        """Send one planned item: header, then each tensor's bytes (taken inside the lease), then commit."""
+        """Send one planned item: header, each tensor's bytes (taken inside the lease), then commit.
+
+        Returns once the commit is sent: the next item ships while the daemon writes this one.
+        """
         header, sources = item.meta["planned"]
         await self._ensure()
+        while len(self._commits) >= MAX_INFLIGHT_COMMITS:
+            await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED)
         for attempt in range(BUSY_RETRIES):
             try:
                 started = await self._call(
@@ -267,7 +289,7 @@ class AsyncClient:
                 finally:
                     tb.release()
                 await asyncio.sleep(0)  # one tensor per loop turn
-            result = await self._call("commit", {"spill": sid}, timeout=None)
+            commit = await self._start_call("commit", {"spill": sid})
         except BaseException:
             if self._writer is not None and not self._writer.is_closing():
                 with contextlib.suppress(Exception):
@@ -275,13 +297,35 @@ class AsyncClient:
             raise
         finally:
             item.meta.pop("planned", None)
-        if result["outcome"] == "dropped":
-            raise Dropped()
-        if result["outcome"] != "stored":
-            raise errors.error_from_code(
-                str(result.get("code", "error")), str(result.get("message", result["outcome"]))
-            )
-        return result
+        outcome: asyncio.Future[Settled] = item.meta["outcome"]
+        self._commits.add(commit)
+        commit.add_done_callback(lambda f: self._settle(f, outcome))
+
+    def _settle(self, commit: asyncio.Future[Any], outcome: asyncio.Future[Settled]) -> None:
+        self._commits.discard(commit)
+        if outcome.done():
+            return
+        if commit.cancelled() or commit.exception() is not None:
+            err = P.ConnectionLost("commit cancelled") if commit.cancelled() else commit.exception()
+            outcome.set_result(Settled(Outcome.FAILED, error=err))
+            return
+        r = commit.result()
+        if r["outcome"] == "stored":
+            outcome.set_result(Settled(Outcome.STORED, value=r))
+        elif r["outcome"] in ("dropped", "cancelled"):
+            outcome.set_result(Settled(Outcome(r["outcome"])))
+        else:
+            err = errors.error_from_code(str(r.get("code", "error")), str(r.get("message", r["outcome"])))
+            outcome.set_result(Settled(Outcome.FAILED, error=err))
+
+    async def _start_call(self, method: str, params: dict[str, Any]) -> asyncio.Future[Any]:
+        """Send a request; return the future of its answer (no timeout: the caller decides)."""
+        msgid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[msgid] = fut
+        fut.add_done_callback(lambda _: self._pending.pop(msgid, None))
+        await self._send(P.request(msgid, method, params))
+        return fut
 
     async def _send_tensor(self, sid: int, index: int, runs: list[memoryview]) -> None:
         offset = 0
@@ -344,6 +388,8 @@ class AsyncClient:
     ) -> dict[str, Any]:
         """Ship everything queued here, then wait for the daemon's queue to be durable."""
         rep = await self.queue.drain(timeout)
+        if self._commits:
+            await asyncio.wait(list(self._commits), timeout=timeout)
         params = {"timeout": 3600.0 if timeout is None else float(timeout)}
         result = dict(await self.call("drain", params, timeout=None, progress=progress or (lambda _: None)))
         result["client_done"] = rep.done

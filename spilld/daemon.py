@@ -32,7 +32,6 @@ from .store import Hit, MissReason, Store, checkpoint_namespace
 
 log = logging.getLogger("spilld.daemon")
 
-READ_CHUNK = 4 * 1024 * 1024
 DRAIN_PROGRESS_S = 0.5
 
 
@@ -64,7 +63,7 @@ class _Incoming:
     def __init__(self, header: fmt.Header, droppable: bool, key: str) -> None:
         self.header, self.droppable, self.key = header, droppable, key
         self.slots = header.slots()
-        self.bufs = [bytearray(s.nbytes) for s in self.slots]
+        self.chunks: list[list[bytes | bytearray | memoryview]] = [[] for _ in self.slots]  # kept as received: no copy
         self.got = [0] * len(self.slots)
         self.error: errors.SpillError | None = None
 
@@ -72,24 +71,25 @@ class _Incoming:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
-    def put(self, index: int, offset: int, payload: memoryview | bytes) -> None:
+    def put(self, index: int, offset: int, payload: memoryview | bytes | bytearray) -> None:
         n = memoryview(payload).nbytes
         if not 0 <= index < len(self.slots) or offset != self.got[index] or offset + n > self.slots[index].nbytes:
             raise P.BadParams(f"put out of order or out of range (tensor {index}, offset {offset}, {n} bytes)")
-        self.bufs[index][offset : offset + n] = payload
+        self.chunks[index].append(payload)
         self.got[index] += n
 
     def complete(self) -> bool:
         return all(g == s.nbytes for g, s in zip(self.got, self.slots, strict=True))
 
 
-class Connection:
-    """One client: reads frames, runs requests as tasks, writes responses in order of completion."""
+class Connection(asyncio.BufferedProtocol):
+    """One client. Socket bytes land straight in the frame decoder's buffers (payloads included);
+    requests run as tasks and answer in order of completion."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.daemon, self.reader, self.writer = daemon, reader, writer
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
         self.id = next(self._ids)
         self.decoder = P.FrameDecoder()
         self.spills: dict[int, _Incoming] = {}
@@ -97,45 +97,92 @@ class Connection:
         self.tasks: set[asyncio.Task[None]] = set()
         self.client_name = "?"
         self.hello = False
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._closing = False
+        self.closed = asyncio.get_running_loop().create_future()
+
+    # --- asyncio protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if len(self.daemon.connections) >= self.daemon.cfg.max_clients or self.daemon.stopping.is_set():
+            self._fail(P.Busy("too many clients, or the daemon is stopping"))
+            return
+        sock = transport.get_extra_info("socket")
+        uid = peer_uid(sock) if sock is not None else None
+        if uid is not None and uid != os.getuid():
+            self._fail(PeerRefused(f"peer uid {uid} is not ours"))  # before a single frame is read
+            return
+        self.daemon.connections.add(self)
+        self._arm_timer()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closing:
+            return
+        try:
+            for msg in self.decoder.buffer_updated(nbytes):
+                self._dispatch(msg)
+        except errors.SpillError as exc:
+            self._fail(exc)
+            return
+        self._arm_timer()
+
+    def eof_received(self) -> bool:
+        # A half-closed client still gets the answers it asked for; then we close.
+        self._finish_later()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
+        self.daemon.connections.discard(self)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _arm_timer(self) -> None:
+        cfg = self.daemon.cfg
+        timeout = cfg.request_timeout if self.decoder.buffered else cfg.idle_timeout
+        if not self.hello:
+            timeout = min(timeout, cfg.hello_timeout)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(
+            timeout, self._fail, P.Timeout(f"client silent for {timeout:.0f} s")
+        )
+
+    def _fail(self, exc: errors.SpillError) -> None:
+        """Tell the client why (a typed error notification), then close."""
+        level = logging.INFO if isinstance(exc, P.Timeout) else logging.WARNING
+        log.log(level, "client %d (%s): %s", self.id, self.client_name, exc)
+        self.send(P.notification("error", {"code": exc.code, "message": str(exc)}))
+        self.close()
+
+    def _finish_later(self) -> None:
+        async def finish() -> None:
+            if self.tasks:
+                await asyncio.wait(list(self.tasks), timeout=self.daemon.cfg.request_timeout)
+            self.close()
+
+        asyncio.get_running_loop().create_task(finish())
 
     def send(self, bufs: list[bytes | memoryview]) -> None:
-        if not self.writer.is_closing():
-            self.writer.writelines(bufs)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(bufs)
 
-    async def run(self) -> None:
-        sock = self.writer.get_extra_info("socket")
-        try:
-            uid = peer_uid(sock) if sock is not None else None
-            if uid is not None and uid != os.getuid():
-                raise PeerRefused(f"peer uid {uid} is not ours")
-            while True:
-                timeout = self.daemon.cfg.request_timeout if self.decoder.buffered else self.daemon.cfg.idle_timeout
-                if not self.hello:
-                    timeout = min(timeout, self.daemon.cfg.hello_timeout)
-                try:
-                    data = await asyncio.wait_for(self.reader.read(READ_CHUNK), timeout)
-                except TimeoutError:
-                    raise P.Timeout(f"client silent for {timeout:.0f} s") from None
-                if not data:
-                    return
-                for msg in self.decoder.feed(data):
-                    self._dispatch(msg)
-        except (errors.SpillError, ConnectionError) as exc:
-            level = logging.INFO if isinstance(exc, (ConnectionError, P.Timeout)) else logging.WARNING
-            log.log(level, "client %d (%s): %s", self.id, self.client_name, exc)
-            if isinstance(exc, errors.SpillError):
-                with contextlib.suppress(Exception):
-                    self.send(P.notification("error", {"code": exc.code, "message": str(exc)}))
-        finally:
-            if self.tasks:  # a half-closed client still gets the answers it asked for
-                await asyncio.wait(list(self.tasks), timeout=self.daemon.cfg.request_timeout)
-            await self.close()
-
-    async def close(self) -> None:
-        self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
+    def close(self) -> None:
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.transport is not None:
+            self.transport.close()
 
     def _dispatch(self, msg: P.Message) -> None:
         if not self.hello and not (msg.kind == P.REQUEST and msg.method == "hello"):
@@ -148,6 +195,8 @@ class Connection:
             if msg.method == "hello":
                 self._respond(msg.msgid, self._hello(msg.params))
                 return
+            if len(self.tasks) >= P.MAX_INFLIGHT_REQUESTS:
+                raise P.ProtocolError(f"more than {P.MAX_INFLIGHT_REQUESTS} requests in flight")
             handler = self.daemon.methods.get(msg.method)
             if handler is None:
                 self._respond(msg.msgid, error=P.UnknownMethod(f"unknown method {msg.method!r}"))
@@ -234,7 +283,7 @@ class Daemon:
 
     async def start(self) -> None:
         await off_loop(self.store.scan)
-        self._server = await bind(self.cfg.socket, self._accept)
+        self._server = await bind(self.cfg.socket, lambda: Connection(self))
         log.info(
             "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
             __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
@@ -265,32 +314,19 @@ class Daemon:
             self._server.close()
         report = await self.queue.close(timeout=self.cfg.drain_deadline)
         for conn in list(self.connections):
-            for t in list(conn.tasks):
-                with contextlib.suppress(asyncio.TimeoutError, Exception):
-                    await asyncio.wait_for(asyncio.shield(t), 1.0)
-            await conn.close()
+            if conn.tasks:  # commits answered before the connections go
+                await asyncio.wait(list(conn.tasks), timeout=1.0)
+            conn.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.socket)
         log.info("stopped: %s", json.dumps(self.queue.counters()))
         return 0 if report.done else 3
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(self, reader, writer)
-        if len(self.connections) >= self.cfg.max_clients or self.stopping.is_set():
-            conn.send(P.notification("error", {"code": P.Busy.code, "message": "too many clients or stopping"}))
-            await conn.close()
-            return
-        self.connections.add(conn)
-        try:
-            await conn.run()
-        finally:
-            self.connections.discard(conn)
-
     # --- writing -------------------------------------------------------------------------
 
     async def _write(self, item: SpillItem) -> Any:
         header: fmt.Header = item.meta["header"]
-        sources = [BytesSource(memoryview(b), s.shape) for b, s in zip(item.meta["bufs"], header.slots(), strict=True)]
+        sources = [BytesSource(c, s.shape) for c, s in zip(item.meta["chunks"], header.slots(), strict=True)]
         return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=self.lease)
 
     # --- methods ---------------------------------------------------------------------------
@@ -335,7 +371,7 @@ class Daemon:
             namespace=sp.header.identity.namespace,
             key=sp.key,
             droppable=sp.droppable,
-            meta={"header": sp.header, "bufs": sp.bufs, "nbytes": sp.nbytes},
+            meta={"header": sp.header, "chunks": sp.chunks, "nbytes": sp.nbytes},
         )
         if not sp.droppable and not self._fits(sp.nbytes):
             raise P.Busy("queue full; retry later")
@@ -464,7 +500,7 @@ async def bind(path: str, handler: Any) -> asyncio.AbstractServer:
             probe.close()
     old = os.umask(0o177)
     try:
-        server = await asyncio.start_unix_server(handler, path=path, limit=READ_CHUNK)
+        server = await asyncio.get_running_loop().create_unix_server(handler, path=path)
     finally:
         os.umask(old)
     os.chmod(path, 0o600)

@@ -29,6 +29,7 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # one frame's raw bytes; bigger tensors co
 MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
 MAX_NESTING = 32  # msgpack container depth
 MAX_METHOD_LEN = 64
+MAX_INFLIGHT_REQUESTS = 64  # requests of one connection being served at once
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 
@@ -95,7 +96,7 @@ class Message:
     params: Any = None
     error: dict[str, str] | None = None
     result: Any = None
-    payload: memoryview | bytes = b""
+    payload: memoryview | bytes | bytearray = b""
 
 
 def _depth_ok(obj: Any, depth: int = 0) -> bool:
@@ -108,7 +109,7 @@ def _depth_ok(obj: Any, depth: int = 0) -> bool:
     return True
 
 
-def _message(raw: Any, payload: memoryview | bytes) -> Message:
+def _message(raw: Any, payload: memoryview | bytes | bytearray) -> Message:
     if not isinstance(raw, list) or not raw or raw[0] not in (REQUEST, RESPONSE, NOTIFICATION):
         raise ProtocolError("a frame must hold a msgpack-RPC array")
     if not _depth_ok(raw):
@@ -135,42 +136,87 @@ def _message(raw: Any, payload: memoryview | bytes) -> Message:
 
 
 class FrameDecoder:
-    """Feed it bytes; take whole messages out. Raises ProtocolError on anything malformed."""
+    """Feed it bytes; take whole messages out. Raises ProtocolError on anything malformed.
+
+    A state machine: frame head, then the msgpack part, then the payload. It can
+    be fed (``feed``) or can lend its own buffer to be filled (``get_buffer`` /
+    ``buffer_updated``, as asyncio's BufferedProtocol does), in which case the
+    socket's bytes land straight in the payload's buffer: no copy at all here.
+    """
 
     def __init__(self, max_msg: int = MAX_MSG_BYTES, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
         self.max_msg, self.max_payload = max_msg, max_payload
-        self._buf = bytearray()
+        self._raw: Any = None  # None: reading a frame head; _UNSET: reading the msgpack part; else decoded
+        self._buf = bytearray(FRAME_HEAD.size)  # the part being filled
+        self._n = 0
+        self._plen = 0
         self._out: list[Message] = []
 
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes go (never empty)."""
+        return memoryview(self._buf)[self._n :]
+
+    def buffer_updated(self, nbytes: int) -> list[Message]:
+        """``nbytes`` were written into the last ``get_buffer()``; return the messages completed."""
+        self._n += nbytes
+        if self._n == len(self._buf):
+            self._part_done()
+        out, self._out = self._out, []
+        return out
+
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
-        self._buf += data
-        while True:
-            if len(self._buf) < FRAME_HEAD.size:
-                break
-            mlen, plen = FRAME_HEAD.unpack_from(self._buf)
+        view = memoryview(data).cast("B")
+        pos = 0
+        out: list[Message] = []
+        while pos < len(view):
+            buf = self.get_buffer()
+            n = min(len(buf), len(view) - pos)
+            buf[:n] = view[pos : pos + n]
+            pos += n
+            out += self.buffer_updated(n)
+            if len(out) > MAX_PENDING_FRAMES:
+                raise ProtocolError(f"more than {MAX_PENDING_FRAMES} frames queued unread")
+        return out
+
+    def _part_done(self) -> None:
+        if self._raw is None:  # the frame head
+            mlen, plen = FRAME_HEAD.unpack(self._buf)
             if mlen > self.max_msg:
                 raise FrameTooLarge(f"message of {mlen} bytes (limit {self.max_msg})")
             if plen > self.max_payload:
                 raise FrameTooLarge(f"payload of {plen} bytes (limit {self.max_payload})")
-            end = FRAME_HEAD.size + mlen + plen
-            if len(self._buf) < end:
-                break
-            body = bytes(self._buf[FRAME_HEAD.size : FRAME_HEAD.size + mlen])
-            payload = bytes(self._buf[FRAME_HEAD.size + mlen : end])
-            del self._buf[:end]
+            if mlen == 0:
+                raise ProtocolError("empty message")
+            self._raw, self._plen = _UNSET, plen
+            self._start(mlen)
+        elif self._raw is _UNSET:  # the msgpack part
             try:
-                raw = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+                raw = msgpack.unpackb(self._buf, raw=False, strict_map_key=True, use_list=True)
             except Exception as exc:  # msgpack raises several unrelated types
                 raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
-            self._out.append(_message(raw, payload))
-            if len(self._out) > MAX_PENDING_FRAMES:
-                raise ProtocolError(f"more than {MAX_PENDING_FRAMES} frames queued unread")
-        out, self._out = self._out, []
-        return out
+            if self._plen:
+                self._raw = raw
+                self._start(self._plen)
+            else:
+                self._emit(raw, b"")
+        else:  # the payload
+            self._emit(self._raw, self._buf)
+
+    def _start(self, size: int) -> None:
+        self._buf, self._n = bytearray(size), 0
+
+    def _emit(self, raw: Any, payload: bytearray | bytes) -> None:
+        self._raw, self._plen = None, 0
+        self._start(FRAME_HEAD.size)
+        self._out.append(_message(raw, payload))
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        """Bytes of a frame started but not finished."""
+        return self._n if self._raw is None else self._n + 1
+
+
+_UNSET = object()
 
 
 def frame(msg: list[Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:

@@ -33,9 +33,9 @@ from .lease import NoLease, RunStep, off_loop
 
 @dataclass
 class BytesSource:
-    """Tensor bytes that are already plain bytes (the daemon writes what a client sent)."""
+    """Tensor bytes that are already plain bytes, in one or more pieces (the daemon writes what a client sent)."""
 
-    data: memoryview
+    chunks: list[bytes | bytearray | memoryview]
     shape: tuple[int, ...]
 
 
@@ -266,7 +266,7 @@ class TensorBytes:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned shape {self.slot.shape}, got {src.shape}")
         if isinstance(src, BytesSource):
-            self.runs = [src.data.cast("B")] if src.data.nbytes else []
+            self.runs = [memoryview(c).cast("B") for c in src.chunks if len(c)]
         elif isinstance(src, LiveSource):
             if self._live_out is None:
                 self._live_out = (self._staging or Staging()).take(self.slot.nbytes)
