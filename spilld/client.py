@@ -30,7 +30,8 @@ from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
-from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes, clone_and_size, plan
+from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes
+from .spiller import item_bytes, new_item, submit
 from .store import check_namespace
 
 log = logging.getLogger("spilld.client")
@@ -61,7 +62,7 @@ class AsyncClient:
         self.lease: RunStep = lease or NoLease()
         self.provider = provider or default_provider()
         self.timeout = timeout
-        self.queue = SpillQueue(queue_cap, self._ship, bytes_of=lambda it: int(it.meta.get("held", 0)))
+        self.queue = SpillQueue(queue_cap, self._ship, bytes_of=lambda it: item_bytes(it, self.provider))
         self._staging = Staging()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -200,36 +201,10 @@ class AsyncClient:
         From the loop's thread an ``asyncio.Future``; from another thread (an
         engine decoding in its own thread) a ``concurrent.futures.Future``.
         """
-        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": check_namespace(namespace)})
-        item = SpillItem(
-            tokens=list(tokens),
-            namespace=namespace,
-            key=key or (checkpoint.key if checkpoint else ""),
-            droppable=droppable,
-        )
-        if live:
-            item.meta["planned"] = plan(
-                tokens,
-                caches,
-                meta=meta,
-                identity=ident,
-                attachments=attachments,
-                checkpoint=checkpoint,
-                provider=self.provider,
-                live=True,
-            )
-        else:
-            clones, held = clone_and_size(caches, self.provider)
-            item.meta["planned"] = plan(
-                tokens,
-                clones,
-                meta=meta,
-                identity=ident,
-                attachments=attachments,
-                checkpoint=checkpoint,
-                provider=self.provider,
-            )
-            item.meta["held"] = held
+        item = new_item(
+            self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
+            droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live,
+        )  # fmt: skip
         return self._submit(lambda: self._enqueue(item))
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
@@ -246,18 +221,9 @@ class AsyncClient:
         return outcome
 
     def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
-        loop = self._loop
-        if loop is None:
+        if self._loop is None:
             raise P.ConnectionLost("connect() has not run")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            return enqueue()
-        out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
-        loop.call_soon_threadsafe(lambda: enqueue().add_done_callback(lambda f: out.set_result(f.result())))
-        return out
+        return submit(self._loop, enqueue)
 
     async def _ship(self, item: SpillItem) -> Any:
         """Send one planned item: header, each tensor's bytes (taken inside the lease), then commit.

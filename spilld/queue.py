@@ -266,6 +266,7 @@ class SpillQueue:
         finally:
             rec.item.caches = []
             rec.item.attachments = []
+            rec.item.meta.clear()  # planned sources and received bytes go with the clones
         if not rec.future.done():
             rec.future.set_result(result)
 

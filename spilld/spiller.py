@@ -63,70 +63,18 @@ class Spiller:
     # --- writing --------------------------------------------------------------------
 
     def _bytes_of(self, item: SpillItem) -> int:
-        planned = item.meta.get("planned")
-        if planned is not None:
-            return int(planned[0].data_bytes)  # a live snapshot pins no memory; count its pending write
-        if "held" in item.meta:
-            return int(item.meta["held"]) + held_bytes([], item.attachments, self.provider)
-        return held_bytes(item.caches, item.attachments, self.provider)
+        return item_bytes(item, self.provider)
 
     async def _write(self, item: SpillItem) -> Any:
-        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": item.namespace})
         return await self.store.put(
-            item.tokens,
-            item.caches,
-            ident,
-            meta=item.meta.get("meta"),
-            attachments=item.attachments,
-            checkpoint=item.meta.get("checkpoint"),
+            [],
+            [],
+            self.identity,
             run_step=self.lease,
             write_in_lease=self.write_in_lease,
-            planned=item.meta.get("planned"),
+            planned=item.meta["planned"],
             staging=self._staging,
         )
-
-    def _item(
-        self,
-        tokens: Sequence[int],
-        caches: Sequence[Any],
-        meta: dict[str, str] | None,
-        namespace: str,
-        key: str,
-        droppable: bool,
-        attachments: Sequence[Attachment],
-        checkpoint: fmt.GenerationCheckpoint | None,
-        clone: bool,
-        live: bool = False,
-    ) -> SpillItem:
-        ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
-        item = SpillItem(
-            tokens=list(tokens),
-            attachments=list(attachments),
-            namespace=ns,
-            key=key or (checkpoint.key if checkpoint else ""),
-            droppable=droppable,
-            meta={"meta": meta, "checkpoint": checkpoint},
-        )
-        if live:
-            # Planned now, on the engine's thread, at the snapshot point; rows are read under the lease later.
-            ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": ns})
-            item.meta["planned"] = plan(
-                tokens,
-                caches,
-                meta=meta,
-                identity=ident,
-                attachments=attachments,
-                checkpoint=checkpoint,
-                provider=self.provider,
-                live=True,
-            )
-        else:
-            # Clone on the caller's (engine's) thread: views are evaluated there, cheaply.
-            if clone:
-                item.caches, item.meta["held"] = clone_and_size(caches, self.provider)
-            else:
-                item.caches = list(caches)
-        return item
 
     def spill(
         self,
@@ -154,7 +102,10 @@ class Spiller:
         engine must not cut such a cache below its current length until the
         future settles (a cut is detected and fails the write).
         """
-        item = self._item(tokens, caches, meta, namespace, key, droppable, attachments, checkpoint, clone, live)
+        item = new_item(
+            self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
+            droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live,
+        )  # fmt: skip
         return self._submit(lambda: self.queue.enqueue(item))
 
     def barrier(
@@ -169,23 +120,9 @@ class Spiller:
         return self._submit(lambda: self.queue.enqueue(SpillItem(key=key, barrier=run)))
 
     def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
-        loop = self._loop
-        if loop is None:
+        if self._loop is None:
             raise RuntimeError("Spiller.start() has not run")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            return enqueue()
-        out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
-
-        def on_loop() -> None:
-            fut = enqueue()
-            fut.add_done_callback(lambda f: out.set_result(f.result()))
-
-        loop.call_soon_threadsafe(on_loop)
-        return out
+        return submit(self._loop, enqueue)
 
     # --- reading ----------------------------------------------------------------------
 
@@ -217,7 +154,7 @@ class Spiller:
             self.queue.cancel_where(lambda it: it.key == checkpoint.key)
             return self.queue.enqueue(item)
 
-        item = self._item(tokens, caches, None, "", checkpoint.key, True, attachments, checkpoint, True)
+        item = new_item(self.identity, self.provider, tokens, caches, attachments=attachments, checkpoint=checkpoint)
         return self._submit(enqueue)
 
     async def resume(self, key: str) -> Loaded | None:
@@ -250,3 +187,70 @@ class Spiller:
 
     def stats(self) -> dict[str, Any]:
         return {"queue": self.queue.counters(), "store": self.store.stats()}
+
+
+def new_item(
+    identity: fmt.Identity,
+    provider: CodecProvider,
+    tokens: Sequence[int],
+    caches: Sequence[Any],
+    *,
+    meta: dict[str, str] | None = None,
+    namespace: str = "",
+    key: str = "",
+    droppable: bool = True,
+    attachments: Sequence[Attachment] = (),
+    checkpoint: fmt.GenerationCheckpoint | None = None,
+    clone: bool = True,
+    live: bool = False,
+) -> SpillItem:
+    """A planned spill item, made on the caller's (engine's) thread at the snapshot point.
+
+    Clones are views evaluated here, cheaply; a ``live`` snapshot holds no
+    view at all (its rows are read inside the lease at write time).
+    """
+    ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
+    ident = fmt.Identity(**{**identity.to_wire(), "namespace": ns})
+    item = SpillItem(
+        tokens=list(tokens),
+        attachments=list(attachments),
+        namespace=ns,
+        key=key or (checkpoint.key if checkpoint else ""),
+        droppable=droppable,
+    )
+    held = 0
+    if not live:
+        if clone:
+            item.caches, held = clone_and_size(caches, provider)
+        else:
+            item.caches, held = list(caches), held_bytes(caches, (), provider)
+    item.meta["held"] = held
+    item.meta["planned"] = plan(
+        tokens, item.caches if not live else caches, meta=meta, identity=ident, attachments=attachments,
+        checkpoint=checkpoint, provider=provider, live=live,
+    )  # fmt: skip
+    return item
+
+
+def item_bytes(item: SpillItem, provider: CodecProvider) -> int:
+    """What an item counts against a queue cap: the memory it pins, or a live snapshot's pending write."""
+    if "planned" not in item.meta:
+        return 0  # a barrier pins nothing
+    header = item.meta["planned"][0]
+    if not item.caches and item.meta.get("held", 0) == 0 and header.caches:
+        return int(header.data_bytes)
+    return int(item.meta.get("held", 0)) + held_bytes([], item.attachments, provider)
+
+
+def submit(loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
+    """Run ``enqueue`` on ``loop``: directly from its own thread (an asyncio future), else thread-safely
+    (a concurrent future)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        return enqueue()
+    out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+    loop.call_soon_threadsafe(lambda: enqueue().add_done_callback(lambda f: out.set_result(f.result())))
+    return out
