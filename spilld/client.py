@@ -31,7 +31,7 @@ from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes
-from .spiller import item_bytes, new_item, submit
+from .spiller import item_bytes, new_item, planned, submit
 from .store import check_namespace
 
 log = logging.getLogger("spilld.client")
@@ -230,7 +230,7 @@ class AsyncClient:
 
         Returns once the commit is sent: the next item ships while the daemon writes this one.
         """
-        header, sources = item.meta["planned"]
+        header, sources = planned(item)
         await self._ensure()
         while len(self._commits) >= MAX_INFLIGHT_COMMITS:
             await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,7 +22,7 @@ from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .queue import DrainReport, Settled, SpillItem, SpillQueue, held_bytes
-from .saver import Attachment, Staging, clone_and_size, plan
+from .saver import AnySource, Attachment, Staging, clone_and_size, plan
 from .store import Hit, Miss, Store, check_namespace, checkpoint_namespace
 
 log = logging.getLogger("spilld.spiller")
@@ -72,7 +73,7 @@ class Spiller:
             self.identity,
             run_step=self.lease,
             write_in_lease=self.write_in_lease,
-            planned=item.meta["planned"],
+            planned=planned(item),
             staging=self._staging,
         )
 
@@ -225,20 +226,27 @@ def new_item(
         else:
             item.caches, held = list(caches), held_bytes(caches, (), provider)
     item.meta["held"] = held
-    item.meta["planned"] = plan(
-        tokens, item.caches if not live else caches, meta=meta, identity=ident, attachments=attachments,
+    make_plan = functools.partial(
+        plan, item.tokens, item.caches if not live else caches, meta=meta, identity=ident, attachments=attachments,
         checkpoint=checkpoint, provider=provider, live=live,
     )  # fmt: skip
+    # A live snapshot is planned now (its state is read here); clones are planned by the writer, off this thread.
+    item.meta["planned" if live else "plan"] = make_plan() if live else make_plan
     return item
+
+
+def planned(item: SpillItem) -> tuple[fmt.Header, list[AnySource]]:
+    """The item's header and sources, planning it now if that was deferred."""
+    if "planned" not in item.meta:
+        item.meta["planned"] = item.meta.pop("plan")()
+    result: tuple[fmt.Header, list[AnySource]] = item.meta["planned"]
+    return result
 
 
 def item_bytes(item: SpillItem, provider: CodecProvider) -> int:
     """What an item counts against a queue cap: the memory it pins, or a live snapshot's pending write."""
-    if "planned" not in item.meta:
-        return 0  # a barrier pins nothing
-    header = item.meta["planned"][0]
-    if not item.caches and item.meta.get("held", 0) == 0 and header.caches:
-        return int(header.data_bytes)
+    if "planned" in item.meta:  # a live snapshot pins no memory: count its pending write
+        return int(item.meta["planned"][0].data_bytes)
     return int(item.meta.get("held", 0)) + held_bytes([], item.attachments, provider)
 
 
