@@ -55,6 +55,7 @@ class AsyncClient:
         queue_cap: int = DEFAULT_CLIENT_CAP,
         provider: CodecProvider | None = None,
         timeout: float = 30.0,
+        grant_lease: bool = False,
     ) -> None:
         self.socket_path = socket_path
         self.identity = identity
@@ -74,6 +75,8 @@ class AsyncClient:
         self._send_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: set[asyncio.Future[Any]] = set()
+        self._grants: set[asyncio.Task[None]] = set()
+        self.grant_lease = grant_lease
         self.server: dict[str, Any] = {}
 
     @classmethod
@@ -96,9 +99,8 @@ class AsyncClient:
             except (OSError, TimeoutError) as exc:
                 raise P.ConnectionLost(f"cannot reach spilld at {self.socket_path}: {exc}") from exc
             self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
-            self.server = await self._call(
-                "hello", {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
-            )
+            hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
+            self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease})
 
     async def _read_loop(self) -> None:
         decoder = P.FrameDecoder()
@@ -124,11 +126,21 @@ class AsyncClient:
                         fut.set_exception(exc)
                 else:
                     fut.set_result(msg.result)
+        elif msg.kind == P.REQUEST and msg.method == "lease":
+            task = asyncio.get_running_loop().create_task(self._grant(msg.msgid))
+            self._grants.add(task)
+            task.add_done_callback(self._grants.discard)
         elif msg.kind == P.NOTIFICATION:
             if msg.method == "drain_progress" and (cb := self._progress.get(int(msg.params.get("msgid", 0)))):
                 cb(msg.params)
             elif msg.method == "error":
                 log.warning("daemon: %s", msg.params.get("message"))
+
+    async def _grant(self, msgid: int) -> None:
+        """The daemon asks for a turn: answer once our engine is between two of its steps."""
+        await self.lease(lambda: None)
+        with contextlib.suppress(errors.SpillError):
+            await self._send(P.response(msgid, {"granted": True}))
 
     def _fail_all(self, err: errors.SpillError) -> None:
         pending, self._pending = self._pending, {}

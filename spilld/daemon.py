@@ -101,6 +101,9 @@ class Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._closing = False
         self.closed = asyncio.get_running_loop().create_future()
+        self.lease_grantor = False
+        self.asked: dict[int, asyncio.Future[bool]] = {}  # our requests to the client, by msgid
+        self._ask_ids = itertools.count(1)
 
     # --- asyncio protocol -------------------------------------------------------------------
 
@@ -136,8 +139,26 @@ class Connection(asyncio.BufferedProtocol):
         self._finish_later()
         return True
 
+    async def ask_lease(self, timeout: float) -> bool:
+        """Ask the client (its engine) for a turn; False if it is gone or does not answer in time."""
+        if self._closing:
+            return False
+        msgid = next(self._ask_ids)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.asked[msgid] = fut
+        self.send(P.request(msgid, "lease", {}))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self.asked.pop(msgid, None)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        for fut in self.asked.values():
+            if not fut.done():
+                fut.set_result(False)
         if self._timer is not None:
             self._timer.cancel()
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
@@ -204,8 +225,10 @@ class Connection(asyncio.BufferedProtocol):
             task = asyncio.get_running_loop().create_task(self._call(handler, msg))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
-        else:
-            raise P.ProtocolError("clients send requests and notifications only")
+        else:  # an answer to a request of ours (a lease grant)
+            fut = self.asked.pop(msg.msgid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.error is None)
 
     async def _call(self, handler: Any, msg: P.Message) -> None:
         try:
@@ -230,6 +253,7 @@ class Connection(asyncio.BufferedProtocol):
             )
         self.hello = True
         self.client_name = str(params.get("client", "?"))[:64]
+        self.lease_grantor = bool(params.get("lease_grantor", False))
         log.info("client %d connected: %s", self.id, self.client_name)
         return {
             "version": P.PROTOCOL_VERSION,
@@ -247,6 +271,18 @@ class Connection(asyncio.BufferedProtocol):
             sp.put(int(msg.params["index"]), int(msg.params["offset"]), msg.payload)
         except (errors.SpillError, KeyError, TypeError, ValueError) as exc:
             sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc))
+
+
+class GrantorLease:
+    """A lease granted by a client's engine: before each step the daemon asks, the engine answers between its
+    decode steps. A grantor that is gone or silent past the timeout no longer holds anything up (a free lease)."""
+
+    def __init__(self, conn: Connection, timeout: float) -> None:
+        self.conn, self.timeout = conn, timeout
+
+    async def __call__(self, fn: Any, /) -> Any:
+        await self.conn.ask_lease(self.timeout)
+        return await off_loop(fn)
 
 
 class Daemon:
@@ -327,7 +363,9 @@ class Daemon:
     async def _write(self, item: SpillItem) -> Any:
         header: fmt.Header = item.meta["header"]
         sources = [BytesSource(c, s.shape) for c, s in zip(item.meta["chunks"], header.slots(), strict=True)]
-        return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=self.lease)
+        grantor: Connection | None = item.meta.get("grantor")
+        lease = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
+        return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
 
     # --- methods ---------------------------------------------------------------------------
 
@@ -371,7 +409,12 @@ class Daemon:
             namespace=sp.header.identity.namespace,
             key=sp.key,
             droppable=sp.droppable,
-            meta={"header": sp.header, "chunks": sp.chunks, "nbytes": sp.nbytes},
+            meta={
+                "header": sp.header,
+                "chunks": sp.chunks,
+                "nbytes": sp.nbytes,
+                "grantor": conn if conn.lease_grantor else None,
+            },
         )
         if not sp.droppable and not self._fits(sp.nbytes):
             raise P.Busy("queue full; retry later")

@@ -292,3 +292,31 @@ def test_busy_for_non_droppable_items_over_the_cap() -> None:
     finally:
         d.kill()
         cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_a_lease_grantor_is_asked_before_each_write_step(daemon: Daemon) -> None:
+    asked = 0
+    engine_busy = asyncio.Lock()
+
+    async def lease(fn: Any) -> Any:  # the engine's lease: a turn between its decode steps
+        nonlocal asked
+        async with engine_busy:
+            asked += 1
+            return fn()
+
+    model = tiny_llama()
+    prompt = random_tokens(12)
+    cache, _ = prefill(model, prompt)
+    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("g"), lease=lease, grant_lease=True)
+    res = await client.spill(prompt, cache)
+    assert res.stored
+    n_tensors = 2 * len(cache)
+    # once per tensor to take its bytes here, once per tensor when the daemon writes it
+    assert asked == 2 * n_tensors
+    plain = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("p"), lease=lease)
+    before = asked
+    assert (await plain.spill(prompt, cache)).stored
+    assert asked - before == n_tensors  # no grantor: the daemon's lease is free
+    await client.close()
+    await plain.close()
