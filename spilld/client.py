@@ -31,6 +31,7 @@ from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes
+from .shm import ShmPool
 from .spiller import item_bytes, new_item, planned, submit
 from .store import check_namespace
 
@@ -56,6 +57,7 @@ class AsyncClient:
         provider: CodecProvider | None = None,
         timeout: float = 30.0,
         grant_lease: bool = False,
+        shm: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.identity = identity
@@ -77,6 +79,8 @@ class AsyncClient:
         self._commits: set[asyncio.Future[Any]] = set()
         self._grants: set[asyncio.Task[None]] = set()
         self.grant_lease = grant_lease
+        self.use_shm = shm
+        self._pool: ShmPool | None = None
         self.server: dict[str, Any] = {}
 
     @classmethod
@@ -133,6 +137,9 @@ class AsyncClient:
         elif msg.kind == P.NOTIFICATION:
             if msg.method == "drain_progress" and (cb := self._progress.get(int(msg.params.get("msgid", 0)))):
                 cb(msg.params)
+            elif msg.method == "shm_free" and self._pool is not None:
+                for name in msg.params.get("names", []):
+                    self._pool.give(str(name))
             elif msg.method == "error":
                 log.warning("daemon: %s", msg.params.get("message"))
 
@@ -143,6 +150,10 @@ class AsyncClient:
             await self._send(P.response(msgid, {"granted": True}))
 
     def _fail_all(self, err: errors.SpillError) -> None:
+        # The daemon may still be writing from our segments: never reuse them; a new pool comes with the next connection.
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -191,6 +202,9 @@ class AsyncClient:
                 await self._writer.wait_closed()
         if self._read_task is not None:
             await asyncio.gather(self._read_task, return_exceptions=True)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         return report
 
     # --- spilling -----------------------------------------------------------------------
@@ -306,14 +320,40 @@ class AsyncClient:
         return fut
 
     async def _send_tensor(self, sid: int, index: int, runs: list[memoryview]) -> None:
+        if self.use_shm and self.server.get("shm"):
+            await self._send_tensor_shm(sid, index, runs)
+            return
         offset = 0
         for run in runs:
-            pos = 0
-            while pos < run.nbytes:
-                chunk = run[pos : pos + P.MAX_PAYLOAD_BYTES]
-                await self._send(P.notification("put", {"spill": sid, "index": index, "offset": offset}, chunk))
-                pos += chunk.nbytes
-                offset += chunk.nbytes
+            await self._send_inline(sid, index, offset, run)
+            offset += run.nbytes
+
+    async def _send_tensor_shm(self, sid: int, index: int, runs: list[memoryview]) -> None:
+        """Copy the bytes into pool segments (off the loop) and send their names."""
+        if self._pool is None:
+            self._pool = ShmPool()
+        pool = self._pool
+        offset = 0
+        pending = [r for r in runs if r.nbytes]
+        while pending:
+            got = pool.try_take()
+            if got is None:  # every segment is with the daemon: the rest goes inline
+                for r in pending:
+                    await self._send_inline(sid, index, offset, r)
+                    offset += r.nbytes
+                return
+            name, seg = got
+            filled, pending = await off_loop(functools.partial(_fill, seg, pending), background=True)
+            params = {"spill": sid, "index": index, "offset": offset, "shm": name, "length": filled}
+            await self._send(P.notification("put_shm", params))
+            offset += filled
+
+    async def _send_inline(self, sid: int, index: int, offset: int, run: memoryview) -> None:
+        pos = 0
+        while pos < run.nbytes:
+            chunk = run[pos : pos + P.MAX_PAYLOAD_BYTES]
+            await self._send(P.notification("put", {"spill": sid, "index": index, "offset": offset + pos}, chunk))
+            pos += chunk.nbytes
 
     # --- other requests --------------------------------------------------------------------
 
@@ -375,6 +415,19 @@ class AsyncClient:
 
     async def status(self) -> dict[str, Any]:
         return dict(await self.call("status"))
+
+
+def _fill(seg: memoryview, runs: list[memoryview]) -> tuple[int, list[memoryview]]:
+    """Copy as much of ``runs`` as fits into ``seg``; return the bytes copied and what is left."""
+    pos = 0
+    left = list(runs)
+    while left and pos < len(seg):
+        r = left[0]
+        n = min(r.nbytes, len(seg) - pos)
+        seg[pos : pos + n] = r[:n]
+        pos += n
+        left = left[1:] if n == r.nbytes else [r[n:], *left[1:]]
+    return pos, left
 
 
 class Client:

@@ -28,6 +28,7 @@ from .config import Config, format_size
 from .lease import NoLease, off_loop
 from .queue import Outcome, SpillItem, SpillQueue
 from .saver import BytesSource
+from .shm import ShmAttachments
 from .store import Hit, MissReason, Store, checkpoint_namespace
 
 log = logging.getLogger("spilld.daemon")
@@ -64,6 +65,7 @@ class _Incoming:
         self.header, self.droppable, self.key = header, droppable, key
         self.slots = header.slots()
         self.chunks: list[list[bytes | bytearray | memoryview]] = [[] for _ in self.slots]  # kept as received: no copy
+        self.shm_names: list[str] = []  # client segments this spill reads from, handed back when it settles
         self.got = [0] * len(self.slots)
         self.error: errors.SpillError | None = None
 
@@ -102,6 +104,7 @@ class Connection(asyncio.BufferedProtocol):
         self._closing = False
         self.closed = asyncio.get_running_loop().create_future()
         self.lease_grantor = False
+        self.shm = ShmAttachments()
         self.asked: dict[int, asyncio.Future[bool]] = {}  # our requests to the client, by msgid
         self._ask_ids = itertools.count(1)
 
@@ -159,6 +162,7 @@ class Connection(asyncio.BufferedProtocol):
         for fut in self.asked.values():
             if not fut.done():
                 fut.set_result(False)
+        self.shm.close()  # mappings still read by queued items stay until those are written
         if self._timer is not None:
             self._timer.cancel()
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
@@ -209,7 +213,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self.hello and not (msg.kind == P.REQUEST and msg.method == "hello"):
             raise P.ProtocolError("the first message must be a hello request")
         if msg.kind == P.NOTIFICATION:
-            if msg.method != "put":
+            if msg.method not in ("put", "put_shm"):
                 raise P.UnknownMethod(f"unknown notification {msg.method!r}")
             self._put(msg)
         elif msg.kind == P.REQUEST:
@@ -260,6 +264,7 @@ class Connection(asyncio.BufferedProtocol):
             "server": f"spilld {__version__}",
             "pid": os.getpid(),
             "limits": {"max_msg": P.MAX_MSG_BYTES, "max_payload": P.MAX_PAYLOAD_BYTES},
+            "shm": True,
             "dir": self.daemon.cfg.dir,
         }
 
@@ -268,9 +273,21 @@ class Connection(asyncio.BufferedProtocol):
         if sp is None or sp.error is not None:
             return  # the commit reports the problem
         try:
-            sp.put(int(msg.params["index"]), int(msg.params["offset"]), msg.payload)
+            payload: memoryview | bytes | bytearray = msg.payload
+            if msg.method == "put_shm":
+                name = str(msg.params["shm"])
+                payload = self.shm.view(name, int(msg.params["length"]))
+                sp.shm_names.append(name)
+            sp.put(int(msg.params["index"]), int(msg.params["offset"]), payload)
         except (errors.SpillError, KeyError, TypeError, ValueError) as exc:
             sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc))
+
+
+def _free_shm(item: SpillItem) -> None:
+    """Hand a settled item's shared-memory segments back to their client."""
+    conn, names = item.meta.get("shm", (None, []))
+    if conn is not None and names:
+        conn.send(P.notification("shm_free", {"names": names}))
 
 
 class GrantorLease:
@@ -291,7 +308,7 @@ class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.store = Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
-        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]))
+        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=_free_shm)
         self.lease = NoLease()
         self.connections: set[Connection] = set()
         self.started = time.time()
@@ -400,10 +417,10 @@ class Daemon:
         sp = conn.spills.pop(int(p["spill"]), None)
         if sp is None:
             raise P.BadParams("no such spill")
-        if sp.error is not None:
-            raise sp.error
-        if not sp.complete():
-            raise P.BadParams("commit before every tensor byte arrived")
+        if sp.error is not None or not sp.complete():
+            if sp.shm_names:
+                conn.send(P.notification("shm_free", {"names": sp.shm_names}))
+            raise sp.error or P.BadParams("commit before every tensor byte arrived")
         item = SpillItem(
             tokens=sp.header.tokens,
             namespace=sp.header.identity.namespace,
@@ -414,9 +431,12 @@ class Daemon:
                 "chunks": sp.chunks,
                 "nbytes": sp.nbytes,
                 "grantor": conn if conn.lease_grantor else None,
+                "shm": (conn, sp.shm_names),
             },
         )
         if not sp.droppable and not self._fits(sp.nbytes):
+            if sp.shm_names:
+                conn.send(P.notification("shm_free", {"names": sp.shm_names}))
             raise P.Busy("queue full; retry later")
         settled = await self.queue.enqueue(item)
         out: dict[str, Any] = {"outcome": settled.outcome.value}
@@ -432,7 +452,9 @@ class Daemon:
         return out
 
     async def _abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> None:
-        conn.spills.pop(int(p["spill"]), None)
+        sp = conn.spills.pop(int(p["spill"]), None)
+        if sp is not None and sp.shm_names:
+            conn.send(P.notification("shm_free", {"names": sp.shm_names}))
 
     async def _barrier(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         key = str(p.get("key", ""))

@@ -320,3 +320,41 @@ async def test_a_lease_grantor_is_asked_before_each_write_step(daemon: Daemon) -
     assert asked - before == n_tensors  # no grantor: the daemon's lease is free
     await client.close()
     await plain.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "inline"])
+async def test_both_ingest_paths_store_exact_data(daemon: Daemon, shm: bool) -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill, live, same
+
+    cache = [fill(C.KVCache(), 3000, heads=8, dim=128, seed=3)]  # 2 x 5.9 MiB: several segments
+    want = live(fill(C.KVCache(), 3000, heads=8, dim=128, seed=3))
+    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("x"), shm=shm)
+    for i in range(3):
+        assert (await client.spill([i, *range(2999)], cache)).stored
+    got = await client.load([0, *range(2999), 5])
+    assert got is not None and same(live(got.caches[0]), want)
+    if shm:
+        pool = client._pool
+        assert (
+            pool is not None and pool._free is not None and pool._free.qsize() == pool._count
+        )  # every segment came back
+    await client.close()
+
+
+@pytest.mark.asyncio
+async def test_an_item_larger_than_the_segment_pool_still_ships(daemon: Daemon) -> None:
+    from mlx_lm.models import cache as C
+
+    from spilld import shm
+    from tests.caches import fill, live, same
+
+    cache = [fill(C.KVCache(), 2048, heads=8, dim=128, seed=i) for i in range(3)]  # 6 tensors of 4 MiB
+    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("x"))
+    client._pool = shm.ShmPool(segments=2, size=4 * 1024 * 1024)  # fewer segments than tensors
+    assert (await asyncio.wait_for(client.spill(list(range(2048)), cache), 60)).stored
+    got = await client.load([*range(2048), 1])
+    assert got is not None and all(same(live(a), live(b)) for a, b in zip(got.caches, cache, strict=True))
+    await client.close()

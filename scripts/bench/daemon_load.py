@@ -54,8 +54,8 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-async def ingest(d: Daemon, item_bytes: int, items: int) -> dict[str, Any]:
-    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("ingest"), queue_cap=4 << 30)
+async def ingest(d: Daemon, item_bytes: int, items: int, shm: bool) -> dict[str, Any]:
+    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("ingest"), queue_cap=4 << 30, shm=shm)
     cs = caches(item_bytes)
     t0 = time.perf_counter()
     futs = [client.spill([i, *range(4095)], cs) for i in range(items)]
@@ -127,6 +127,14 @@ def d_cap(d: Daemon) -> int:
     return parse_size(d.args[d.args.index("--cap") + 1])
 
 
+ARMS = [
+    ("disk, fsync, shm", ["--durability", "fsync"], None, True),
+    ("disk, fsync, inline", ["--durability", "fsync"], None, False),
+    ("tmpfs, no sync, shm", ["--durability", "none"], "/dev/shm", True),
+    ("tmpfs, no sync, inline", ["--durability", "none"], "/dev/shm", False),
+]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["ingest", "rss"])
@@ -142,17 +150,14 @@ def main() -> None:
     if a.mode == "ingest":
         rows = []
         for run in range(a.runs):
-            for label, extra, where in (
-                ("disk, fsync", ["--durability", "fsync"], None),
-                ("tmpfs, no sync", ["--durability", "none"], "/dev/shm"),
-            ):
+            for label, extra, where, shm in ARMS:
                 root = new_root()
                 d = Daemon(root, ["--cap", "4GiB", *extra])
                 if where:
                     d.args += ["--dir", os.path.join(where, f"spilld-bench-{os.getpid()}")]
                 d.start()
                 try:
-                    r = asyncio.run(ingest(d, parse_size(a.item), a.items)) | {"arm": label, "run": run}
+                    r = asyncio.run(ingest(d, parse_size(a.item), a.items, shm)) | {"arm": label, "run": run}
                 finally:
                     d.stop()
                     cleanup(root)
@@ -163,8 +168,8 @@ def main() -> None:
                     f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['stored']}/{r['items']} stored, {r['wall_s']:.2f} s)",
                     flush=True,
                 )
-        for label in ("disk, fsync", "tmpfs, no sync"):
-            print(f"median {label:15s} {statistics.median(r['GBps'] for r in rows if r['arm'] == label):.2f} GB/s")
+        for label, *_ in ARMS:
+            print(f"median {label:24s} {statistics.median(r['GBps'] for r in rows if r['arm'] == label):.2f} GB/s")
         out["rows"] = rows
     else:
         root = new_root()
