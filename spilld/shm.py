@@ -53,8 +53,8 @@ class ShmPool:
         if self._free is None:
             self._free = asyncio.Queue()
             for i in range(self._count):
+                # the creator stays tracked: Python unlinks the segment if this process dies first
                 seg = shared_memory.SharedMemory(name=f"{self._prefix}-{i}", create=True, size=self.size)
-                _untrack(seg)
                 buf = seg.buf
                 assert buf is not None
                 buf[:] = bytes(self.size)  # fault the pages in once
