@@ -358,3 +358,30 @@ async def test_an_item_larger_than_the_segment_pool_still_ships(daemon: Daemon) 
     got = await client.load([*range(2048), 1])
     assert got is not None and all(same(live(a), live(b)) for a, b in zip(got.caches, cache, strict=True))
     await client.close()
+
+
+@pytest.mark.asyncio
+async def test_drain_timeout_exits_3(daemon: Daemon) -> None:
+    hold = asyncio.Event()
+
+    async def lease(fn: Any) -> Any:  # an engine that never has a free moment
+        await hold.wait()
+        return fn()
+
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    granting = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
+    # ship with a free lease of our own, so only the daemon's write waits on the grantor
+    granting.lease = spilld.NoLease()
+    fut = granting.spill(list(range(8)), [fill(C.KVCache(), 8)])
+    await granting.queue.drain()
+    granting.lease = lease
+    r = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: daemon.cli("drain", "--socket", daemon.socket, "--timeout", "1")
+    )
+    assert r.returncode == 3 and "still queued" in r.stdout
+    hold.set()
+    assert (await fut).stored
+    await granting.close()
