@@ -461,7 +461,7 @@ class Daemon:
         delete = bool(p.get("delete_checkpoints", False))
 
         async def action() -> int:
-            return await off_loop(lambda: self.store.remove_checkpoints(key)) if delete else 0
+            return self.store.remove_checkpoints(key) if delete else 0  # the index lives on this thread
 
         settled = await self.queue.enqueue(SpillItem(key=key, barrier=action, meta={"nbytes": 0}))
         return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
@@ -523,7 +523,7 @@ class Daemon:
 
     async def _evict(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         fp, older = p.get("fingerprint"), p.get("older_than_s")
-        n, nbytes = await off_loop(lambda: self.store.evict_matching(fp, None if older is None else float(older)))
+        n, nbytes = self.store.evict_matching(fp, None if older is None else float(older))  # index: loop thread only
         return {"evicted": n, "bytes": nbytes}
 
     async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:

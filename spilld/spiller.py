@@ -16,7 +16,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from . import fileio
+from . import errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
@@ -136,7 +136,15 @@ class Spiller:
         if isinstance(hit, Miss):
             return None
         ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": namespace})
-        got = await off_loop(lambda: self.store.restore(hit, ident))
+        return await self._restore(hit, ident)
+
+    async def _restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | None:
+        # The read runs on a worker thread; the index is only ever changed on the loop's thread.
+        try:
+            loaded: Loaded | errors.SpillError = await off_loop(lambda: self.store.read_hit(hit, ident))
+        except errors.SpillError as exc:
+            loaded = exc
+        got = self.store.restore_done(hit, loaded)
         return got if isinstance(got, Loaded) else None
 
     # --- generation checkpoints ----------------------------------------------------------
@@ -164,17 +172,14 @@ class Spiller:
         if e is None:
             return None
         ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": checkpoint_namespace(key)})
-        got = await off_loop(lambda: self.store.restore(Hit(e, e.ntokens), ident))
-        return got if isinstance(got, Loaded) else None
+        return await self._restore(Hit(e, e.ntokens), ident)
 
     def finish(self, key: str) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
         """The generation is done: drop its queued checkpoints, then delete the stored ones after in-flight writes."""
 
         def enqueue() -> asyncio.Future[Settled]:
             self.queue.cancel_where(lambda it: it.key == key)
-            return self.queue.enqueue(
-                SpillItem(key=key, barrier=lambda: off_loop(lambda: self.store.remove_checkpoints(key)))
-            )
+            return self.queue.enqueue(SpillItem(key=key, barrier=lambda: _now(self.store.remove_checkpoints, key)))
 
         return self._submit(enqueue)
 
@@ -262,3 +267,8 @@ def submit(loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future
     out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
     loop.call_soon_threadsafe(lambda: enqueue().add_done_callback(lambda f: out.set_result(f.result())))
     return out
+
+
+async def _now(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run index work on the loop's thread (the store is not thread-safe), as an awaitable."""
+    return fn(*args)

@@ -269,9 +269,23 @@ class Store:
 
     def restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
         """Load a hit, cut back to its matched length; a file that fails is quarantined (a miss)."""
+        try:
+            loaded = self.read_hit(hit, ident)
+        except errors.SpillError as exc:
+            return self.restore_done(hit, exc)
+        return self.restore_done(hit, loaded)
+
+    def read_hit(self, hit: Hit, ident: fmt.Identity) -> Loaded:
+        """The file read alone: touches no index state, so it may run on a worker thread."""
+        e = hit.entry
+        return load(e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider)
+
+    def restore_done(self, hit: Hit, outcome: Loaded | errors.SpillError) -> Loaded | Miss:
+        """Account for a read (on the index's own thread): a hit, or a miss with its reason."""
         e = hit.entry
         try:
-            loaded = load(e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider)
+            if isinstance(outcome, errors.SpillError):
+                raise outcome
         except (errors.FileFormatError, errors.StorageError) as exc:
             if isinstance(exc, errors.StorageError) and not os.path.exists(e.path):
                 self._remember_evicted(e)  # evicted between lookup and open
@@ -282,9 +296,10 @@ class Store:
         except errors.SpillError:
             # A valid file this reader must not use (codecs, identity): a miss, never quarantined.
             return self._miss(MissReason.IDENTITY_MISMATCH)
+        assert isinstance(outcome, Loaded)
         self.touch(e)
         self.counters.hits += 1
-        return loaded
+        return outcome
 
     def entry_at(self, path: str) -> Entry | None:
         return next((e for e in self.entries if e.path == path), None)
