@@ -34,10 +34,6 @@ class Outcome(enum.Enum):
     FAILED = "failed"
 
 
-class Dropped(Exception):
-    """Raised by a store function when the far side shed the item (it settles DROPPED, not FAILED)."""
-
-
 @dataclass
 class Settled:
     """How an item ended. ``value`` is what the store returned; ``error`` why it failed."""
@@ -230,9 +226,6 @@ class SpillQueue:
             except asyncio.CancelledError:
                 self._finish(rec, Settled(Outcome.CANCELLED))
                 raise
-            except Dropped:
-                self.dropped += 1
-                self._finish(rec, Settled(Outcome.DROPPED))
             except Exception as exc:
                 self.failed += 1
                 log.warning(
