@@ -34,6 +34,7 @@ from .store import Hit, MissReason, Store, checkpoint_namespace
 log = logging.getLogger("spilld.daemon")
 
 DRAIN_PROGRESS_S = 0.5
+MAX_OPEN_SPILLS = 16  # spills being received on one connection
 
 
 class AlreadyRunning(errors.SpillError):
@@ -135,6 +136,9 @@ class Connection(asyncio.BufferedProtocol):
         except errors.SpillError as exc:
             self._fail(exc)
             return
+        except Exception as exc:  # whatever a client sends, it cannot crash the protocol callback
+            self._fail(P.ProtocolError(f"malformed message: {exc!r}"[:200]))
+            return
         self._arm_timer()
 
     def eof_received(self) -> bool:
@@ -165,6 +169,8 @@ class Connection(asyncio.BufferedProtocol):
         self.shm.close()  # mappings still read by queued items stay until those are written
         if self._timer is not None:
             self._timer.cancel()
+        for sp in self.spills.values():
+            self.daemon.receiving -= sp.nbytes
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
         self.daemon.connections.discard(self)
         if not self.closed.done():
@@ -173,6 +179,11 @@ class Connection(asyncio.BufferedProtocol):
     # --- helpers --------------------------------------------------------------------------
 
     def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._closing or ((self.tasks or self.asked) and not self.decoder.buffered):
+            return  # the client waits on us (a long commit or drain): silence is not idleness
         cfg = self.daemon.cfg
         timeout = cfg.request_timeout if self.decoder.buffered else cfg.idle_timeout
         if not self.hello:
@@ -183,11 +194,16 @@ class Connection(asyncio.BufferedProtocol):
             timeout, self._fail, P.Timeout(f"client silent for {timeout:.0f} s")
         )
 
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if not self.tasks:
+            self._arm_timer()  # idle again: the clock starts now
+
     def _fail(self, exc: errors.SpillError) -> None:
         """Tell the client why (a typed error notification), then close."""
         level = logging.INFO if isinstance(exc, P.Timeout) else logging.WARNING
         log.log(level, "client %d (%s): %s", self.id, self.client_name, exc)
-        self.send(P.notification("error", {"code": exc.code, "message": str(exc)}))
+        self.send(P.notification("error", {"code": exc.code, "message": str(exc)[: P.MAX_ERROR_MESSAGE]}))
         self.close()
 
     def _finish_later(self) -> None:
@@ -228,7 +244,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             task = asyncio.get_running_loop().create_task(self._call(handler, msg))
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            task.add_done_callback(self._task_done)
         else:  # an answer to a request of ours (a lease grant)
             fut = self.asked.pop(msg.msgid, None)
             if fut is not None and not fut.done():
@@ -269,18 +285,24 @@ class Connection(asyncio.BufferedProtocol):
         }
 
     def _put(self, msg: P.Message) -> None:
-        sp = self.spills.get(int(msg.params.get("spill", -1)))
+        sp = self.spills.get(msg.params.get("spill")) if isinstance(msg.params.get("spill"), int) else None
+        name = str(msg.params.get("shm", ""))[:64] if msg.method == "put_shm" else ""
+        if name:
+            if sp is None:
+                self.send(P.notification("shm_free", {"names": [name]}))  # never keep a segment we will not use
+            else:
+                sp.shm_names.append(name)  # handed back when the spill settles, whatever happens to it
         if sp is None or sp.error is not None:
             return  # the commit reports the problem
         try:
             payload: memoryview | bytes | bytearray = msg.payload
-            if msg.method == "put_shm":
-                name = str(msg.params["shm"])
+            if name:
                 payload = self.shm.view(name, int(msg.params["length"]))
-                sp.shm_names.append(name)
+            if not memoryview(payload).nbytes:
+                raise P.BadParams("empty put")
             sp.put(int(msg.params["index"]), int(msg.params["offset"]), payload)
-        except (errors.SpillError, KeyError, TypeError, ValueError) as exc:
-            sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc))
+        except (errors.SpillError, KeyError, TypeError, ValueError, ArithmeticError) as exc:
+            sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc)[:200])
 
 
 def _free_shm(item: SpillItem) -> None:
@@ -311,6 +333,7 @@ class Daemon:
         self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=_free_shm)
         self.lease = NoLease()
         self.connections: set[Connection] = set()
+        self.receiving = 0  # bytes declared by spills being received (not yet in the queue)
         self.started = time.time()
         self.stopping = asyncio.Event()
         self._server: asyncio.AbstractServer | None = None
@@ -401,12 +424,17 @@ class Daemon:
             header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
         droppable = bool(p.get("droppable", True))
         sp = _Incoming(header, droppable, str(p.get("key", "")))
+        if len(conn.spills) >= MAX_OPEN_SPILLS:
+            raise P.Busy(f"more than {MAX_OPEN_SPILLS} spills open on one connection")
+        if self.receiving and self.receiving + self.queue.pending_bytes + sp.nbytes > 2 * self.cfg.cap:
+            raise P.Busy("too many bytes in flight to the daemon; retry later")  # memory stays bounded
         if not droppable and not self._fits(sp.nbytes):
             raise P.Busy(
                 f"queue full ({format_size(self.queue.pending_bytes)} of {format_size(self.cfg.cap)}); retry later"
             )
         sid = next(conn._spill_ids)
         conn.spills[sid] = sp
+        self.receiving += sp.nbytes
         return {"spill": sid, "tensors": len(slots), "bytes": sp.nbytes}
 
     def _fits(self, nbytes: int) -> bool:
@@ -417,6 +445,7 @@ class Daemon:
         sp = conn.spills.pop(int(p["spill"]), None)
         if sp is None:
             raise P.BadParams("no such spill")
+        self.receiving -= sp.nbytes  # from here the queue counts it
         if sp.error is not None or not sp.complete():
             if sp.shm_names:
                 conn.send(P.notification("shm_free", {"names": sp.shm_names}))
@@ -453,6 +482,8 @@ class Daemon:
 
     async def _abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> None:
         sp = conn.spills.pop(int(p["spill"]), None)
+        if sp is not None:
+            self.receiving -= sp.nbytes
         if sp is not None and sp.shm_names:
             conn.send(P.notification("shm_free", {"names": sp.shm_names}))
 

@@ -94,23 +94,27 @@ class DirectWriter:
             raise ValueError("direct writes start at block-aligned offsets")
         buf = POOL.take()
         fill = 0
-        for run in runs:
-            pos = 0
-            while pos < run.nbytes:
-                n = min(CHUNK - fill, run.nbytes - pos)
-                buf[fill : fill + n] = run[pos : pos + n]
-                fill += n
-                pos += n
-                if fill == CHUNK:
-                    self._jobs.put((buf, CHUNK, offset))
-                    offset += CHUNK
-                    buf, fill = POOL.take(), 0
-        if fill:
-            padded = -(-fill // BLOCK) * BLOCK  # zeros up to the block: alignment padding in the file
-            buf[fill:padded] = bytes(padded - fill)
-            self._jobs.put((buf, padded, offset))
-        else:
-            POOL.give(buf)
+        try:
+            for run in runs:
+                pos = 0
+                while pos < run.nbytes:
+                    n = min(CHUNK - fill, run.nbytes - pos)
+                    buf[fill : fill + n] = run[pos : pos + n]
+                    fill += n
+                    pos += n
+                    if fill == CHUNK:
+                        self._jobs.put((buf, CHUNK, offset))
+                        offset += CHUNK
+                        buf, fill = POOL.take(), 0
+            if fill:
+                padded = -(-fill // BLOCK) * BLOCK  # zeros up to the block: alignment padding in the file
+                buf[fill:padded] = bytes(padded - fill)
+                self._jobs.put((buf, padded, offset))
+                return
+        except BaseException:
+            POOL.give(buf)  # never lose a pooled buffer: the pool is process-wide and bounded
+            raise
+        POOL.give(buf)
 
     def flush(self) -> None:
         """Wait for every queued write; raise the first error of any of them."""

@@ -29,7 +29,10 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # one frame's raw bytes; bigger tensors co
 MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
 MAX_NESTING = 32  # msgpack container depth
 MAX_METHOD_LEN = 64
-MAX_INFLIGHT_REQUESTS = 64  # requests of one connection being served at once
+MAX_INFLIGHT_REQUESTS = 64
+MAX_ERROR_MESSAGE = (
+    1024  # error text sent back (it may echo what a client sent)  # requests of one connection being served at once
+)
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 
@@ -237,7 +240,7 @@ def request(
 
 
 def response(msgid: int, result: Any = None, error: errors.SpillError | None = None) -> list[bytes | memoryview]:
-    err = None if error is None else {"code": error.code, "message": str(error)}
+    err = None if error is None else {"code": error.code, "message": str(error)[:MAX_ERROR_MESSAGE]}
     return frame([RESPONSE, msgid, err, result])
 
 

@@ -146,6 +146,8 @@ class _File:
                     self.direct = directio.DirectWriter(self.fd, self.temp, self.ops)
                 except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered writes
                     self.want_direct = False
+                    self.fd = None
+                    fileio.remove_quietly(self.ops, self.temp)  # some kernels create the file before refusing
             if self.fd is None:
                 with fileio.io_errors("create", self.temp):
                     self.fd = self.ops.open_new(self.temp)
@@ -460,7 +462,7 @@ def save_steps(
     header_len = len(head_bytes)
     _, data_start = fmt.encode_prefix(head_bytes)
     slots = header.slots()
-    data_end = max((s.off + s.nbytes for s in slots), default=0)
+    data_end = fmt.plan_offsets(slots)  # the layout rule itself: a trailing empty tensor does not extend the file
     if direct is None:
         direct = data_end >= directio.DIRECT_MIN_BYTES
     file = _File(dest, data_start + data_end, Durability(durability), ops, direct)

@@ -56,9 +56,9 @@ class Spiller:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> Spiller:
-        """Scan the folder (off the event loop) and bind to the running loop."""
-        self._loop = asyncio.get_running_loop()
+        """Scan the folder (off the event loop), then bind to the running loop (spills wait for the scan)."""
         await off_loop(self.store.scan)
+        self._loop = asyncio.get_running_loop()
         return self
 
     # --- writing --------------------------------------------------------------------

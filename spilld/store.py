@@ -199,8 +199,11 @@ class Store:
             header = read_header(path)
             if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns_dir:
                 raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
-        except errors.SpillError as exc:
+        except errors.FileFormatError as exc:
             self.quarantine(path, exc)
+            return
+        except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO...): left alone, not indexed
+            log.warning("skipped %s: %s", path, exc)
             return
         self._index(path, header, os.stat(path).st_mtime)
 
@@ -286,12 +289,15 @@ class Store:
         try:
             if isinstance(outcome, errors.SpillError):
                 raise outcome
-        except (errors.FileFormatError, errors.StorageError) as exc:
-            if isinstance(exc, errors.StorageError) and not os.path.exists(e.path):
+        except errors.FileFormatError as exc:
+            self.quarantine(e.path, exc)
+            return self._miss(MissReason.CORRUPT)
+        except errors.StorageError as exc:
+            if not os.path.exists(e.path):
                 self._remember_evicted(e)  # evicted between lookup and open
                 self._forget(e)
                 return self._miss(MissReason.EVICTED)
-            self.quarantine(e.path, exc)
+            log.warning("could not read %s: %s", e.path, exc)  # EMFILE, EIO...: a miss; the file stays
             return self._miss(MissReason.CORRUPT)
         except errors.SpillError:
             # A valid file this reader must not use (codecs, identity): a miss, never quarantined.
@@ -366,6 +372,8 @@ class Store:
         for e in list(self.entries):
             if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace:
                 continue
+            if e.codec_provider != new.codec_provider:
+                continue  # another engine's codecs: its readers cannot use ours
             exact = e.ntokens == new.ntokens and _common_prefix(e.tokens, new.tokens) == new.ntokens
             ancestor = (
                 e.ntokens < new.ntokens

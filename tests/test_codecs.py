@@ -273,3 +273,14 @@ def test_writer_refuses_what_the_reader_would(tmp_path: Any) -> None:
             tmp_path / "f", [], [], attachments=[spilld.Attachment("r", {}, [mx.zeros((1,) * (fmt.MAX_RANK + 1))])]
         )
     assert sorted(os.listdir(tmp_path)) == ["g"]
+
+
+def test_a_trailing_empty_tensor_does_not_extend_the_file(tmp_path: Any) -> None:
+    att = spilld.Attachment("x", {}, [mx.ones((10,)), mx.zeros((0,))])
+    res = spilld.save(tmp_path / "f", [], [fill(C.KVCache(), 3)], attachments=[att])
+    assert os.path.getsize(tmp_path / "f") == res.file_bytes
+    got = spilld.load(tmp_path / "f")  # the writer never publishes what its reader refuses
+    assert got.attachments[0].tensors[1].shape == (0,)
+    big = [fill(C.KVCache(), 4096, heads=8, dim=128)]  # the O_DIRECT path too
+    res = spilld.save(tmp_path / "g", [], big, attachments=[att], direct=True)
+    assert os.path.getsize(tmp_path / "g") == res.file_bytes and spilld.load(tmp_path / "g").caches

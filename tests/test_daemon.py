@@ -385,3 +385,23 @@ async def test_drain_timeout_exits_3(daemon: Daemon) -> None:
     hold.set()
     assert (await fut).stored
     await granting.close()
+
+
+def test_open_spills_per_connection_are_bounded(daemon: Daemon) -> None:
+    from spilld.daemon import MAX_OPEN_SPILLS
+
+    header, _ = spilld.saver.plan([1, 2], [], identity=spilld.Identity("m"))
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(daemon.socket)
+    data = b"".join(bytes(b) for b in P.request(1, "hello", {"version": 1}))
+    for i in range(MAX_OPEN_SPILLS + 1):
+        data += b"".join(bytes(b) for b in P.request(2 + i, "spill", {"header": header.to_wire()}))
+    data += b"".join(bytes(b) for b in P.notification("put", {"spill": 1, "index": 0, "offset": 0}, b""))
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    errs = [m.error for m in P.FrameDecoder().feed(out) if m.kind == P.RESPONSE and m.error]
+    assert [e["code"] for e in errs] == ["busy"]  # only the one over the limit
