@@ -342,26 +342,34 @@ class Store:
         if planned is not None:
             ident = planned[0].identity
         path = self.new_path(ident, ident.namespace)
-        try:
-            result = await save_async(
-                path,
-                tokens,
-                caches,
-                meta,
-                identity=ident,
-                attachments=attachments,
-                checkpoint=checkpoint,
-                durability=self.durability,
-                provider=self.provider,
-                run_step=run_step,
-                write_in_lease=write_in_lease,
-                ops=ops,
-                planned=planned,
-                staging=staging,
-            )
-        except Exception:
-            self.counters.store_errors += 1
-            raise
+        for attempt in (1, 2):
+            try:
+                result = await save_async(
+                    path,
+                    tokens,
+                    caches,
+                    meta,
+                    identity=ident,
+                    attachments=attachments,
+                    checkpoint=checkpoint,
+                    durability=self.durability,
+                    provider=self.provider,
+                    run_step=run_step,
+                    write_in_lease=write_in_lease,
+                    ops=ops,
+                    planned=planned,
+                    staging=staging,
+                )
+                break
+            except errors.DiskFull:
+                needed = planned[0].data_bytes if planned is not None else 0
+                if attempt == 2 or not self.make_room(needed):
+                    self.counters.store_errors += 1
+                    raise
+                log.warning("disk full: evicted old entries, retrying the write")
+            except Exception:
+                self.counters.store_errors += 1
+                raise
         entry = self._index(path, result.header, time.time())
         self.counters.stored += 1
         self._supersede(entry, has_attachments=bool(result.header.attachments))
@@ -400,6 +408,20 @@ class Store:
             self.counters.evicted += 1
             n += 1
         return n
+
+    def make_room(self, nbytes: int) -> bool:
+        """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
+        freed = 0
+        gone = 0
+        for e in sorted(self.entries, key=lambda x: x.last_used):
+            if gone and freed >= nbytes:
+                break
+            self._remember_evicted(e)
+            self._remove(e)
+            self.counters.evicted += 1
+            freed += e.nbytes
+            gone += 1
+        return gone > 0
 
     def _remember_evicted(self, e: Entry) -> None:
         self._evicted.setdefault((e.fingerprint, e.namespace), deque(maxlen=EVICTED_MEMORY)).append(e.tokens)

@@ -682,3 +682,35 @@ def test_reserved_checkpoint_namespaces_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         check_namespace(checkpoint_namespace("k"))
     assert check_namespace("ok") == "ok"
+
+
+class _FullOnce(fileio.FileOps):
+    """ENOSPC on the first data write of the next save (once, or every time)."""
+
+    def __init__(self, persistent: bool = False) -> None:
+        self.persistent, self.fired = persistent, 0
+
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        if offset > 0 and (self.persistent or not self.fired):
+            self.fired += 1
+            raise OSError(28, "No space left on device")
+        return super().pwritev(fd, bufs, offset)
+
+
+@pytest.mark.asyncio
+async def test_disk_full_evicts_then_retries(tmp_path: Path) -> None:
+    from spilld.store import MissReason
+
+    s = Store(tmp_path, disk_cap=2**40)
+    ident = spilld.Identity("m", "cfg", "tok", "")
+    await s.put(list(range(8)), [fill(C.KVCache(), 8)], ident)  # the old entry that makes room
+    r = await s.put(list(range(100, 116)), [fill(C.KVCache(), 16)], ident, ops=_FullOnce())
+    assert os.path.exists(r.path) and s.counters.evicted == 1 and len(s.entries) == 1
+    assert isinstance(s.lookup(ident, "", list(range(9))), spilld.Miss)
+    assert s.lookup(ident, "", list(range(9))).reason is MissReason.EVICTED  # type: ignore[union-attr]
+    # persistently full: the item fails with its reason, nothing partial is left, counters move
+    with pytest.raises(spilld.errors.DiskFull):
+        await s.put(list(range(200, 216)), [fill(C.KVCache(), 16)], ident, ops=_FullOnce(persistent=True))
+    assert s.counters.store_errors == 1
+    leftovers = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(fileio.TEMP_SUFFIX)]
+    assert leftovers == []
