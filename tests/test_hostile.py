@@ -1,0 +1,69 @@
+"""Hostile and careless clients: idle storms, half-closed sockets, garbage; the daemon serves everyone else and
+leaks no file descriptor."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from spilld import protocol as P
+from tests.daemons import Daemon, cleanup, new_root
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def fds(d: Daemon) -> int:
+    assert d.proc is not None
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_hundreds_of_idle_connections_time_out_and_leave_no_fd(daemon: Daemon) -> None:
+    time.sleep(0.5)
+    before = fds(daemon)
+    idle = []
+    for _ in range(300):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(daemon.socket)
+        idle.append(s)
+    half = []
+    for _ in range(50):  # half-closed before a word
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(daemon.socket)
+        s.shutdown(socket.SHUT_WR)
+        half.append(s)
+    garbage = socket.socket(socket.AF_UNIX)
+    garbage.connect(daemon.socket)
+    garbage.sendall(os.urandom(4096))
+    t0 = time.monotonic()
+    r = daemon.cli("status", "--socket", daemon.socket, "--json")  # a well-behaved client is served meanwhile
+    assert r.returncode == 0 and time.monotonic() - t0 < 10
+    assert json.loads(r.stdout)["clients"] >= 1
+    # the idle ones are cut after the hello timeout (5 s), each told why
+    deadline = time.monotonic() + 20
+    for s in idle:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        assert P.FrameDecoder().feed(data)[-1].params["code"] == "timeout"
+        s.close()
+    for s in [*half, garbage]:
+        s.close()
+    deadline = time.monotonic() + 10
+    while fds(daemon) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fds(daemon) == before
