@@ -4,6 +4,7 @@ identity and codecs checked before any tensor is read, every tensor hash checked
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ def read_header(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt
 
 
 VERIFY_CHUNK = 8 * 1024 * 1024
+LOAD_THREADS = 2  # tensors allocated, read and hashed in parallel (each step releases the GIL)
+PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
 def verify_file(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt.Header:
@@ -147,6 +150,53 @@ class _Reader:
         return cache
 
 
+class _Recorder:
+    """A dry run of the codecs: learns which tensors they read, and with what capacity, reading nothing."""
+
+    def __init__(self, provider: CodecProvider, path: str) -> None:
+        self.provider, self.path = provider, path
+        self.wants: dict[int, tuple[fmt.Slot, int | None]] = {}
+
+    def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        self.wants[id(slot)] = (slot, capacity)
+        shape = list(slot.shape)
+        if capacity is not None and len(shape) >= 2 and capacity > shape[-2]:
+            shape[-2] = capacity
+        return mx.zeros(shape, dtype=dtypes.dtype_of(slot.dtype))  # lazy: never evaluated, never allocated
+
+    def decode(self, entry: fmt.CacheEntry) -> Any:
+        return self.provider.for_entry(entry, self.path).decode(entry, self)
+
+
+class _Prefetched:
+    """Hands the codecs tensors that worker threads read ahead (allocation, read and hash on both cores)."""
+
+    def __init__(self, reader: _Reader, arrays: dict[int, mx.array]) -> None:
+        self.reader, self.arrays = reader, arrays
+
+    def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        return self.arrays.pop(id(slot)) if id(slot) in self.arrays else self.reader.read(slot, capacity)
+
+    def decode(self, entry: fmt.CacheEntry) -> Any:
+        return self.reader.provider.for_entry(entry, self.reader.path).decode(entry, self)
+
+
+def _decode_parallel(reader: _Reader, entries: list[fmt.CacheEntry], threads: int) -> list[Any]:
+    plan = _Recorder(reader.provider, reader.path)
+    for e in entries:
+        plan.decode(e)
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="spilld-load") as pool:
+        futs = {k: pool.submit(reader.read, slot, cap) for k, (slot, cap) in plan.wants.items()}
+        try:
+            arrays = {k: f.result() for k, f in futs.items()}
+        except BaseException:
+            for f in futs.values():
+                f.cancel()
+            raise
+    ctx = _Prefetched(reader, arrays)
+    return [ctx.decode(e) for e in entries]
+
+
 def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
     """Trim loaded caches back to ``upto`` tokens, where the header says that is valid."""
     if upto > len(header.tokens) or upto < 0:
@@ -172,6 +222,7 @@ def load(
     upto: int | None = None,
     provider: CodecProvider | None = None,
     ops: FileOps = DEFAULT_OPS,
+    threads: int = LOAD_THREADS,
 ) -> Loaded:
     """Load a file into cache objects of the right classes.
 
@@ -191,7 +242,10 @@ def load(
         prov.check_entries(header.caches, p)
         check_identity(header, expect, p)
         reader = _Reader(fd, header, prov, verify, ops, p)
-        caches = [reader.decode(e) for e in header.caches]
+        if threads > 1 and header.data_bytes >= PARALLEL_MIN_BYTES:
+            caches = _decode_parallel(reader, header.caches, threads)
+        else:
+            caches = [reader.decode(e) for e in header.caches]
         attachments = [
             Attachment(a.schema, dict(a.metadata), [reader.read(s) for s in a.tensors]) for a in header.attachments
         ]
