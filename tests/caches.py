@@ -82,3 +82,13 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return bool(a == b) and type(a) is type(b)
+
+
+def chunked(n: int) -> Any:
+    """A ChunkedKVCache of ``n`` tokens whose front was trimmed away (start_position > 0)."""
+    c = C.ChunkedKVCache(chunk_size=8)
+    fill(c, n - 4)
+    for i in range(4):
+        c.maybe_trim_front()
+        c.update_and_fetch(*kv(1, seed=20 + i))
+    return c

@@ -13,7 +13,7 @@ from mlx_lm.models import cache as C
 import spilld
 from spilld import errors
 from spilld.codecs import Codec, CodecProvider, default_provider
-from tests.caches import fill, kv, live, same
+from tests.caches import chunked, fill, kv, live, same
 
 
 def roundtrip(tmp_path: Any, caches: list[Any], tokens: list[int] | None = None) -> spilld.Loaded:
@@ -42,15 +42,6 @@ def _batch_rot(steps: int) -> Any:
     return c
 
 
-def _chunked(n: int) -> Any:
-    c = C.ChunkedKVCache(chunk_size=8)
-    fill(c, n - 4)
-    for i in range(4):
-        c.maybe_trim_front()
-        c.update_and_fetch(*kv(1, seed=20 + i))
-    return c
-
-
 def _arrays(with_none: bool) -> Any:
     c = C.ArraysCache(3)
     c[0] = mx.random.normal((1, 3, 16))
@@ -71,7 +62,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "rotating_concat_wrapped": lambda: fill(C.RotatingKVCache(max_size=16, keep=2), 40),
     "quantized4": lambda: _quantized(21, 4),
     "quantized8": lambda: _quantized(21, 8),
-    "chunked": lambda: _chunked(14),
+    "chunked": lambda: chunked(14),
     "arrays": lambda: _arrays(False),
     "arrays_none": lambda: _arrays(True),
     "cachelist": lambda: C.CacheList(_arrays(True), fill(C.KVCache(), 9)),
@@ -183,7 +174,7 @@ def test_trimmability_from_header_alone(tmp_path: Any, name: str, trimmable: boo
 
 
 def test_chunked_min_reusable_is_start_position(tmp_path: Any) -> None:
-    cache = _chunked(14)
+    cache = chunked(14)
     assert cache.start_position > 0
     h = spilld.save(tmp_path / "f", list(range(14)), [cache]).header
     assert h.min_reusable_offset == cache.start_position

@@ -28,7 +28,7 @@ from spilld.store import (
     identity_fingerprint,
     namespace_hash,
 )
-from tests.caches import fill, kv, live, same
+from tests.caches import chunked, fill, live, same
 
 IDENT = spilld.Identity("model-a", "cfg-a", "tok-a", "")
 OTHER = spilld.Identity("model-a", "cfg-b", "tok-a", "")  # same model id, other config: another fingerprint
@@ -44,16 +44,6 @@ def toks(n: int, start: int = 1000) -> list[int]:
 
 def kv_layers(n: int, layers: int = 2, seed: int = 0) -> list[Any]:
     return [fill(C.KVCache(), n, seed=seed + i) for i in range(layers)]
-
-
-def chunked(n: int) -> Any:
-    """As tests/test_codecs.py ``_chunked``: the front is trimmed away, so start_position > 0."""
-    c = C.ChunkedKVCache(chunk_size=8)
-    fill(c, n - 4)
-    for i in range(4):
-        c.maybe_trim_front()
-        c.update_and_fetch(*kv(1, seed=20 + i))
-    return c
 
 
 def hybrid(n: int, seed: int = 0) -> list[Any]:
