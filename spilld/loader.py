@@ -110,7 +110,20 @@ def check_identity(header: fmt.Header, expect: fmt.Identity | Mapping[str, str] 
             raise errors.IdentityMismatch(f"{key} mismatch (file {have[key]!r}, expected {value!r})", path=path)
 
 
-class _Reader:
+class _Decoding:
+    """What the codecs call back into: ``read`` (per subclass) and ``decode`` for nested entries."""
+
+    provider: CodecProvider
+    path: str
+
+    def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        raise NotImplementedError
+
+    def decode(self, entry: fmt.CacheEntry) -> Any:
+        return self.provider.for_entry(entry, self.path).decode(entry, self)
+
+
+class _Reader(_Decoding):
     """Reads tensors straight into freshly allocated mlx buffers, verifying hashes."""
 
     def __init__(self, fd: int, header: fmt.Header, provider: CodecProvider, verify: bool, ops: FileOps, path: str):
@@ -145,12 +158,8 @@ class _Reader:
             mv.release()
         return arr
 
-    def decode(self, entry: fmt.CacheEntry) -> Any:
-        cache = self.provider.for_entry(entry, self.path).decode(entry, self)
-        return cache
 
-
-class _Recorder:
+class _Recorder(_Decoding):
     """A dry run of the codecs: learns which tensors they read, and with what capacity, reading nothing."""
 
     def __init__(self, provider: CodecProvider, path: str) -> None:
@@ -164,21 +173,16 @@ class _Recorder:
             shape[-2] = capacity
         return mx.zeros(shape, dtype=dtypes.dtype_of(slot.dtype))  # lazy: never evaluated, never allocated
 
-    def decode(self, entry: fmt.CacheEntry) -> Any:
-        return self.provider.for_entry(entry, self.path).decode(entry, self)
 
-
-class _Prefetched:
+class _Prefetched(_Decoding):
     """Hands the codecs tensors that worker threads read ahead (allocation, read and hash on both cores)."""
 
     def __init__(self, reader: _Reader, arrays: dict[int, mx.array]) -> None:
         self.reader, self.arrays = reader, arrays
+        self.provider, self.path = reader.provider, reader.path
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         return self.arrays.pop(id(slot)) if id(slot) in self.arrays else self.reader.read(slot, capacity)
-
-    def decode(self, entry: fmt.CacheEntry) -> Any:
-        return self.reader.provider.for_entry(entry, self.reader.path).decode(entry, self)
 
 
 def _decode_parallel(reader: _Reader, entries: list[fmt.CacheEntry], threads: int) -> list[Any]:

@@ -286,26 +286,22 @@ class Store:
     def restore_done(self, hit: Hit, outcome: Loaded | errors.SpillError) -> Loaded | Miss:
         """Account for a read (on the index's own thread): a hit, or a miss with its reason."""
         e = hit.entry
-        try:
-            if isinstance(outcome, errors.SpillError):
-                raise outcome
-        except errors.FileFormatError as exc:
-            self.quarantine(e.path, exc)
+        if isinstance(outcome, Loaded):
+            self.touch(e)
+            self.counters.hits += 1
+            return outcome
+        if isinstance(outcome, errors.FileFormatError):
+            self.quarantine(e.path, outcome)
             return self._miss(MissReason.CORRUPT)
-        except errors.StorageError as exc:
+        if isinstance(outcome, errors.StorageError):
             if not os.path.exists(e.path):
                 self._remember_evicted(e)  # evicted between lookup and open
                 self._forget(e)
                 return self._miss(MissReason.EVICTED)
-            log.warning("could not read %s: %s", e.path, exc)  # EMFILE, EIO...: a miss; the file stays
+            log.warning("could not read %s: %s", e.path, outcome)  # EMFILE, EIO...: a miss; the file stays
             return self._miss(MissReason.CORRUPT)
-        except errors.SpillError:
-            # A valid file this reader must not use (codecs, identity): a miss, never quarantined.
-            return self._miss(MissReason.IDENTITY_MISMATCH)
-        assert isinstance(outcome, Loaded)
-        self.touch(e)
-        self.counters.hits += 1
-        return outcome
+        # A valid file this reader must not use (codecs, identity): a miss, never quarantined.
+        return self._miss(MissReason.IDENTITY_MISMATCH)
 
     def entry_at(self, path: str) -> Entry | None:
         return next((e for e in self.entries if e.path == path), None)
