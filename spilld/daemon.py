@@ -28,6 +28,8 @@ from .config import Config, format_size
 from .lease import NoLease, off_loop
 from .queue import Outcome, SpillItem, SpillQueue
 from .saver import BytesSource
+from .service.activation import inherited_listener, socket_path
+from .service.lifecycle import Lifecycle
 from .shm import ShmAttachments
 from .store import Hit, MissReason, Store, checkpoint_namespace
 
@@ -325,10 +327,13 @@ class GrantorLease:
 
 
 class Daemon:
-    """The service state shared by every connection."""
+    """The service state shared by every connection. ``listener``: a listening socket handed over by a service
+    manager (socket activation), served instead of binding ``cfg.socket``."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, listener: socket.socket | None = None) -> None:
         self.cfg = cfg
+        self.listener = listener
+        self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
         self.store = Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
         self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=_free_shm)
         self.lease = NoLease()
@@ -359,18 +364,26 @@ class Daemon:
 
     async def start(self) -> None:
         await off_loop(self.store.scan)
-        self._server = await bind(self.cfg.socket, lambda: Connection(self))
+        if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: Connection(self), sock=self.listener
+            )
+            self.cfg.socket = socket_path(self.listener) or self.cfg.socket
+        else:
+            self._server = await bind(self.cfg.socket, lambda: Connection(self))
         log.info(
             "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
             __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
             format_size(self.store.disk_cap), len(self.store.entries),
         )  # fmt: skip
+        self.service.ready(f"serving on {self.cfg.socket}: {len(self.store.entries)} entries")
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
+        self.service.start_watchdog()  # before the scan: a long scan runs off the loop, which stays alive
         await self.start()
         await self.stopping.wait()
         return await self.stop()
@@ -386,17 +399,24 @@ class Daemon:
         self.stopping.set()
 
     async def stop(self) -> int:
+        self.service.stopping(self._drain_status())
         if self._server is not None:
             self._server.close()
-        report = await self.queue.close(timeout=self.cfg.drain_deadline)
+        async with self.service.extending_stop(self.cfg.drain_deadline, self._drain_status):
+            report = await self.queue.close(timeout=self.cfg.drain_deadline)
         for conn in list(self.connections):
             if conn.tasks:  # commits answered before the connections go
                 await asyncio.wait(list(conn.tasks), timeout=1.0)
             conn.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.cfg.socket)
+        if self.listener is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.socket)
         log.info("stopped: %s", json.dumps(self.queue.counters()))
+        await self.service.close()
         return 0 if report.done else 3
+
+    def _drain_status(self) -> str:
+        return f"stopping: {self.queue.pending_items} items ({format_size(self.queue.pending_bytes)}) left to write"
 
     # --- writing -------------------------------------------------------------------------
 
@@ -630,10 +650,13 @@ def setup_logging(level: str = "info", json_logs: bool | None = None) -> None:
 
 
 def run(cfg: Config) -> int:
-    """Run the daemon on uvloop until SIGTERM/SIGINT or a shutdown request."""
+    """Run the daemon on uvloop until SIGTERM/SIGINT or a shutdown request, on the socket a service manager
+    passed if there is one (raises ``ActivationError`` if what it passed is unusable)."""
     import uvloop
 
+    listener = inherited_listener()  # before anything could start a child: it unsets LISTEN_*
+
     async def main() -> int:
-        return await Daemon(cfg).serve()
+        return await Daemon(cfg, listener).serve()
 
     return int(uvloop.run(main()))
