@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import __version__, errors
@@ -21,6 +22,7 @@ EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_UNREACHABLE = 4
 EXIT_ALREADY_RUNNING = 5
+EXIT_SERVICE = 6
 
 EPILOG = """exit codes:
   0  success (drain: everything acknowledged is durable)
@@ -29,6 +31,7 @@ EPILOG = """exit codes:
   3  timeout: drain (or a stop) left work unfinished
   4  the daemon cannot be reached
   5  another daemon already serves this socket
+  6  service: launchctl or systemctl refused a command
 """
 
 
@@ -145,6 +148,7 @@ def _async(fn: Any) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .config import Config, parse_size
     from .daemon import AlreadyRunning, run, setup_logging
+    from .service.activation import ActivationError
 
     try:
         cfg = Config(
@@ -165,6 +169,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AlreadyRunning as exc:
         print(f"spilld: {exc}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
+    except ActivationError as exc:  # a unit or plist that passes the wrong socket: a configuration error
+        print(f"spilld: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -273,6 +280,61 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _service_spec(args: argparse.Namespace) -> Any:
+    from .config import parse_size
+    from .service.units import ServiceSpec
+
+    parse_size(args.cap)  # a bad size fails here, not at the service's first start
+    if args.drain_deadline <= 0:
+        raise ValueError(f"--drain-deadline must be positive, not {args.drain_deadline}")
+    absolute = lambda p: os.path.abspath(os.path.expanduser(p)) if p else None  # noqa: E731
+    return ServiceSpec(
+        cap=args.cap,
+        dir=absolute(args.dir),
+        socket=absolute(args.socket),
+        drain_deadline=args.drain_deadline,
+        socket_activation=args.socket_activation,
+    )
+
+
+def _service_status(manager: Any, home: Path) -> int:
+    from .service import install as svc
+
+    st = svc.status(manager, home, svc.run_command)
+    for path, present in st.files.items():
+        print(f"{'installed' if present else 'missing  '}  {path}")
+    for line in st.detail:
+        print(line)
+    return EXIT_OK if st.installed and st.loaded else EXIT_UNREACHABLE
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from .service import install as svc
+
+    manager = args.manager or svc.default_manager()
+    if manager is None:
+        print(f"spilld: no service manager for {sys.platform} (launchd or systemd)", file=sys.stderr)
+        return EXIT_USAGE
+    home = Path.home()
+    if args.action == "status":
+        return _service_status(manager, home)
+    if args.action == "install":
+        try:
+            plan = svc.install_plan(manager, _service_spec(args), home)
+        except ValueError as exc:
+            print(f"spilld: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    else:
+        plan = svc.uninstall_plan(manager, home)
+    if args.dry_run:
+        svc.show(plan, sys.stdout)
+        return EXIT_OK
+    if not svc.apply(plan, svc.run_command, sys.stderr):
+        return EXIT_SERVICE
+    print(f"{args.action}ed: {', '.join(str(p) for p in [*plan.write, *plan.remove])}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import default_dir, default_socket
 
@@ -359,6 +421,31 @@ def build_parser() -> argparse.ArgumentParser:
     ver = add("verify", "check files end to end (header, layout, every tensor hash)")
     ver.add_argument("files", nargs="+")
     ver.set_defaults(func=cmd_verify)
+
+    svc = add(
+        "service",
+        "install, remove or show spilld as a user service (launchd on macOS, systemd on Linux); "
+        "the service files run `spilld serve` with the options below",
+    )
+    svc.add_argument("action", choices=["install", "uninstall", "status"])
+    svc.add_argument("--dry-run", action="store_true", help="print the files and the commands; change nothing")
+    svc.add_argument("--cap", default="4GiB", help="the daemon's --cap (default 4GiB)")
+    svc.add_argument("--dir", default=None, help="the daemon's --dir (default: its own default)")
+    svc.add_argument("--socket", default=None, help="the daemon's --socket (default: its own default)")
+    svc.add_argument(
+        "--drain-deadline",
+        type=float,
+        default=60.0,
+        help="the daemon's --drain-deadline; the manager's stop timeout is this plus 30 s (default 60)",
+    )
+    svc.add_argument(
+        "--socket-activation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let the manager own the socket and hand it to the daemon (default: on)",
+    )
+    svc.add_argument("--manager", choices=["launchd", "systemd"], default=None, help="default: the platform's own")
+    svc.set_defaults(func=cmd_service)
     return p
 
 

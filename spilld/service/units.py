@@ -1,0 +1,200 @@
+"""The service files: a launchd LaunchAgent plist and systemd user units, rendered for one installation.
+
+The files in ``deploy/`` are these renderings for placeholder paths (``python -m spilld.service.units deploy``
+writes them again; a test keeps them in step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import plistlib
+import string
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LABEL = "dev.spilld"
+PLIST_NAME = f"{LABEL}.plist"
+SERVICE_NAME = "spilld.service"
+SOCKET_NAME = "spilld.socket"
+LAUNCHD_SOCKET_KEY = "spilld"  # what the daemon asks launch_activate_socket for
+STOP_MARGIN_S = 30  # stop timeouts exceed the drain deadline by this much
+WATCHDOG_S = 30
+SYSTEMD_SOCKET = "%t/spilld/spilld.sock"  # %t is $XDG_RUNTIME_DIR, the daemon's own default folder
+
+
+def spilld_command() -> list[str]:
+    """The absolute command that runs this spilld: the console script next to the interpreter, else ``-m``."""
+    bindir = os.path.dirname(os.path.abspath(sys.executable))  # not resolved: a venv's python must stay the venv's
+    script = os.path.join(bindir, "spilld")
+    if os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script]
+    return [os.path.abspath(sys.executable), "-m", "spilld"]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """What one installation runs: the command and the daemon options its service files pass."""
+
+    command: tuple[str, ...] = field(default_factory=lambda: tuple(spilld_command()))
+    cap: str = "4GiB"
+    dir: str | None = None
+    socket: str | None = None  # None: the daemon's default (and %t/spilld/spilld.sock for systemd's socket unit)
+    drain_deadline: float = 60.0
+    socket_activation: bool = True
+
+    def argv(self) -> list[str]:
+        """ExecStart / ProgramArguments: the command, ``serve`` and the options."""
+        args = [*self.command, "serve", "--cap", self.cap]
+        if self.dir:
+            args += ["--dir", self.dir]
+        if self.socket:
+            args += ["--socket", self.socket]
+        return [*args, "--drain-deadline", f"{self.drain_deadline:g}"]
+
+    @property
+    def stop_timeout_s(self) -> int:
+        """What the service manager waits after SIGTERM before SIGKILL: the drain deadline and a margin."""
+        return math.ceil(self.drain_deadline) + STOP_MARGIN_S
+
+
+# --- launchd -----------------------------------------------------------------------------------
+
+
+def launchd_socket(spec: ServiceSpec, home: Path) -> str:
+    return spec.socket or str(home / "Library" / "Application Support" / "spilld" / "spilld.sock")
+
+
+def launchd_log(home: Path) -> Path:
+    return home / "Library" / "Logs" / "spilld" / "spilld.log"
+
+
+def launchd_job(spec: ServiceSpec, home: Path) -> dict[str, Any]:
+    """The LaunchAgent as a dict (plistlib writes the XML, so paths need no escaping)."""
+    log = str(launchd_log(home))
+    job: dict[str, Any] = {
+        "Label": LABEL,
+        "ProgramArguments": spec.argv(),  # execvp, no shell: absolute paths only
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},  # restart after a crash, never after a clean stop
+        "ExitTimeOut": spec.stop_timeout_s,  # SIGTERM to SIGKILL: the daemon drains within its deadline first
+        # Background: the engines own the machine; spilld's writes should yield to them (see docs/design.md).
+        "ProcessType": "Background",
+        "StandardOutPath": log,
+        "StandardErrorPath": log,
+        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1"},
+    }
+    if spec.socket_activation:
+        job["Sockets"] = {
+            LAUNCHD_SOCKET_KEY: {
+                "SockPathName": launchd_socket(spec, home),
+                "SockPathMode": 0o600,
+                "SockType": "stream",
+            }
+        }
+    return job
+
+
+def launchd_plist(spec: ServiceSpec, home: Path) -> str:
+    return plistlib.dumps(launchd_job(spec, home), sort_keys=False).decode()
+
+
+# --- systemd -----------------------------------------------------------------------------------
+
+SERVICE_TEMPLATE = string.Template("""\
+[Unit]
+Description=spilld, a write-behind cold tier for LLM KV caches
+${socket_deps}
+[Service]
+Type=notify
+NotifyAccess=main
+ExecStart=${exec_start}
+KillSignal=SIGTERM
+# SIGTERM makes the daemon drain its queue within --drain-deadline; this adds a margin before SIGKILL
+# (a long drain also asks for more time with EXTEND_TIMEOUT_USEC).
+TimeoutStopSec=${stop_timeout}s
+WatchdogSec=${watchdog}s
+Restart=on-failure
+RestartSec=2s
+# 2: bad options, 5: another daemon serves the socket; a restart fixes neither.
+RestartPreventExitStatus=2 5
+# A cache is the first thing to lose when memory runs out, not the engine.
+OOMScoreAdjust=100
+UMask=0077
+# Hardening that needs no privileges. ProtectSystem=, PrivateTmp= and the like need user namespaces in a
+# user manager, which many kernels deny, so they are left out.
+NoNewPrivileges=yes
+LockPersonality=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+RestrictNamespaces=yes
+SystemCallArchitectures=native
+RestrictAddressFamilies=AF_UNIX
+
+[Install]
+WantedBy=default.target
+${also}""")
+
+SOCKET_TEMPLATE = string.Template("""\
+[Unit]
+Description=spilld socket
+
+[Socket]
+ListenStream=${listen}
+SocketMode=0600
+DirectoryMode=0700
+RemoveOnStop=yes
+
+[Install]
+WantedBy=sockets.target
+""")
+
+_SPECIAL = set(" \t\n\"'\\;")
+
+
+def systemd_quote(arg: str) -> str:
+    """One ExecStart word: specifiers (%) and variables ($) made literal, quoted when it has spaces or quotes."""
+    arg = arg.replace("%", "%%").replace("$", "$$")
+    if arg and not _SPECIAL & set(arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def systemd_service(spec: ServiceSpec) -> str:
+    activation = spec.socket_activation
+    return SERVICE_TEMPLATE.substitute(
+        socket_deps=f"Requires={SOCKET_NAME}\nAfter={SOCKET_NAME}\n" if activation else "",
+        exec_start=" ".join(systemd_quote(a) for a in spec.argv()),
+        stop_timeout=spec.stop_timeout_s,
+        watchdog=WATCHDOG_S,
+        also=f"Also={SOCKET_NAME}\n" if activation else "",
+    )
+
+
+def systemd_socket(spec: ServiceSpec) -> str:
+    return SOCKET_TEMPLATE.substitute(listen=spec.socket.replace("%", "%%") if spec.socket else SYSTEMD_SOCKET)
+
+
+# --- the shipped examples ----------------------------------------------------------------------
+
+EXAMPLE_LAUNCHD = ServiceSpec(command=("/Users/you/.local/bin/spilld",))
+EXAMPLE_SYSTEMD = ServiceSpec(command=("/home/you/.local/bin/spilld",))
+
+
+def examples() -> dict[str, str]:
+    """The files of ``deploy/``, by path relative to it."""
+    return {
+        f"launchd/{PLIST_NAME}": launchd_plist(EXAMPLE_LAUNCHD, Path("/Users/you")),
+        f"systemd/{SERVICE_NAME}": systemd_service(EXAMPLE_SYSTEMD),
+        f"systemd/{SOCKET_NAME}": systemd_socket(EXAMPLE_SYSTEMD),
+    }
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "deploy")
+    for rel, text in examples().items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+        print(root / rel)
