@@ -128,6 +128,7 @@ class StoreCounters:
     quarantined: int = 0
     reaped_temp: int = 0
     store_errors: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
 
 
 class Store:
@@ -141,6 +142,7 @@ class Store:
         durability: fileio.Durability | str = fileio.Durability.FSYNC,
         provider: CodecProvider | None = None,
         verify: bool = True,
+        ops: fileio.FileOps = fileio.DEFAULT_OPS,
     ) -> None:
         self.root = os.path.abspath(os.fspath(root))
         os.makedirs(self.root, exist_ok=True)
@@ -148,6 +150,7 @@ class Store:
         self.durability = fileio.Durability(durability)
         self.provider = provider or default_provider()
         self.verify = verify
+        self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
         self.entries: list[Entry] = []
         self.counters = StoreCounters()
         self._evicted: dict[tuple[str, str], deque[np.ndarray]] = {}
@@ -190,7 +193,7 @@ class Store:
     def _scan_file(self, path: str, fp: str, ns_dir: str) -> None:
         name = os.path.basename(path)
         if fileio.is_temp_name(name):
-            fileio.remove_quietly(fileio.DEFAULT_OPS, path)
+            fileio.remove_quietly(self.ops, path)
             self.counters.reaped_temp += 1
             return
         if not name.endswith(EXT):
@@ -327,13 +330,14 @@ class Store:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         run_step: RunStep | None = None,
         write_in_lease: bool = False,
-        ops: fileio.FileOps = fileio.DEFAULT_OPS,
+        ops: fileio.FileOps | None = None,
         planned: tuple[fmt.Header, list[AnySource]] | None = None,
         staging: Staging | None = None,
     ) -> SaveResult:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
-        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``.
+        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``; ``ops`` defaults
+        to the store's file layer.
         """
         if planned is not None:
             ident = planned[0].identity
@@ -352,25 +356,30 @@ class Store:
                     provider=self.provider,
                     run_step=run_step,
                     write_in_lease=write_in_lease,
-                    ops=ops,
+                    ops=ops or self.ops,
                     planned=planned,
                     staging=staging,
                 )
                 break
-            except errors.DiskFull:
+            except errors.DiskFull as exc:
                 needed = planned[0].data_bytes if planned is not None else 0
                 if attempt == 2 or not self.make_room(needed):
-                    self.counters.store_errors += 1
+                    self._count_error(exc)
                     raise
                 log.warning("disk full: evicted old entries, retrying the write")
-            except Exception:
-                self.counters.store_errors += 1
+            except Exception as exc:
+                self._count_error(exc)
                 raise
         entry = self._index(path, result.header, time.time())
         self.counters.stored += 1
         self._supersede(entry, has_attachments=bool(result.header.attachments))
         self.evict_to_cap(keep=entry)
         return result
+
+    def _count_error(self, exc: Exception) -> None:
+        self.counters.store_errors += 1
+        code = exc.code if isinstance(exc, errors.SpillError) else "error"
+        self.counters.errors[code] = self.counters.errors.get(code, 0) + 1
 
     def _supersede(self, new: Entry, *, has_attachments: bool) -> None:
         for e in list(self.entries):
@@ -428,7 +437,7 @@ class Store:
 
     def _remove(self, e: Entry) -> None:
         self._forget(e)
-        fileio.remove_quietly(fileio.DEFAULT_OPS, e.path)
+        fileio.remove_quietly(self.ops, e.path)
 
     def remove_where(self, pred: Callable[[Entry], bool]) -> int:
         gone = [e for e in self.entries if pred(e)]
@@ -484,14 +493,14 @@ class Store:
         try:
             os.rename(path, dest)
         except OSError:
-            fileio.remove_quietly(fileio.DEFAULT_OPS, path)
+            fileio.remove_quietly(self.ops, path)
         for e in [e for e in self.entries if e.path == path]:
             self._forget(e)
         self.counters.quarantined += 1
         log.warning("quarantined %s: %s", path, why)
         kept = sorted(os.listdir(qdir))
         for old in kept[:-QUARANTINE_KEEP]:
-            fileio.remove_quietly(fileio.DEFAULT_OPS, os.path.join(qdir, old))
+            fileio.remove_quietly(self.ops, os.path.join(qdir, old))
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
@@ -507,6 +516,7 @@ class Store:
             "quarantined": c.quarantined,
             "reaped_temp": c.reaped_temp,
             "store_errors": c.store_errors,
+            "errors": dict(c.errors),
         }
 
 
