@@ -134,7 +134,8 @@ class _File:
         self.durability = durability
         self.ops = ops
         self.fd: int | None = None
-        self.published = False
+        self.renamed = False  # the final name exists
+        self.published = False  # ... and is durable: the save succeeded
         self.want_direct = direct and bool(directio.O_DIRECT)
         self.direct: directio.DirectWriter | None = None
 
@@ -177,8 +178,9 @@ class _File:
             self.ops.close(fd)
         with fileio.io_errors("rename", self.path):
             self.ops.rename(self.temp, self.path)
-        self.published = True
+        self.renamed = True
         fileio.sync_dir(self.ops, os.path.dirname(self.path), self.durability)
+        self.published = True
 
     def abort(self) -> None:
         if self.direct is not None:
@@ -189,8 +191,8 @@ class _File:
                 self.ops.close(fd)
             except OSError:
                 pass  # a failed fd is never fsynced or reused
-        if not self.published:
-            fileio.remove_quietly(self.ops, self.temp)
+        if not self.published:  # a save that fails after its rename (the folder's fsync) takes its name back
+            fileio.remove_quietly(self.ops, self.path if self.renamed else self.temp)
 
 
 def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
