@@ -14,6 +14,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,21 @@ def held_bytes(caches: Sequence[Any], attachments: Sequence[Any] = (), provider:
             if isinstance(t, mx.array):
                 seen[id(t)] = t.nbytes
     return sum(seen.values())
+
+
+def unpin(exc: BaseException) -> None:
+    """Drop the locals of the finished frames an error's tracebacks hold (its causes' too).
+
+    A failed item's error outlives the item (in its ``Settled``, in a caller's hands); its traceback's
+    frames would otherwise pin the item's clones or received bytes (and, through an asyncio future in
+    one of them, form a cycle only the garbage collector breaks). File and line stay for printing.
+    """
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
 
 
 @dataclass
@@ -235,6 +251,7 @@ class SpillQueue:
                     rec.item.key,
                     exc,
                 )
+                unpin(exc)
                 self._finish(rec, Settled(Outcome.FAILED, error=exc))
             else:
                 self.stored += 1

@@ -30,6 +30,7 @@ from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .lease import RunStep
 from .loader import Loaded, load, read_header
+from .queue import unpin
 from .saver import AnySource, Attachment, SaveResult, Staging, save_async
 
 log = logging.getLogger("spilld.store")
@@ -366,6 +367,7 @@ class Store:
                 if attempt == 2 or not self.make_room(needed):
                     self._count_error(exc)
                     raise
+                unpin(exc)  # dropped here: its frames must not keep this attempt's bytes (or a cycle) alive
                 log.warning("disk full: evicted old entries, retrying the write")
             except Exception as exc:
                 self._count_error(exc)
