@@ -427,7 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
         "install, remove or show spilld as a user service (launchd on macOS, systemd on Linux); "
         "the service files run `spilld serve` with the options below",
     )
-    svc.add_argument("action", choices=["install", "uninstall", "status"])
+    svc.add_argument(
+        "action",
+        choices=["install", "uninstall", "status"],
+        help="install: write the files, load and start the service; uninstall: stop it (it drains), unload, "
+        "remove the files; status: are the files there and is it loaded (exit 4 if not)",
+    )
     svc.add_argument("--dry-run", action="store_true", help="print the files and the commands; change nothing")
     svc.add_argument("--cap", default="4GiB", help="the daemon's --cap (default 4GiB)")
     svc.add_argument("--dir", default=None, help="the daemon's --dir (default: its own default)")

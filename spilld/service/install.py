@@ -165,6 +165,7 @@ def apply(plan: Plan, runner: Runner, err: TextIO) -> bool:
     """Carry the plan out; False (with a message) when a command that must succeed failed."""
     for folder in plan.folders:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.chmod(0o700)  # an existing folder too: the socket's folder is what keeps other users out
     if not _run_steps(plan.before, runner, err):
         return False
     for path, text in plan.write.items():
