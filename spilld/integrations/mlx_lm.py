@@ -1,0 +1,214 @@
+"""A cold tier for mlx-lm's server prompt cache (``LRUPromptCache``).
+
+``ColdTierPromptCache`` is a drop-in ``LRUPromptCache``: every entry the server
+inserts is written behind (droppable, so a burst never holds memory); an entry
+the LRU evicts before its write-behind was stored is spilled again, this time
+not droppable; a fetch the memory tier cannot answer in full asks spilld for
+the longest usable prefix and loads it. A server restart therefore starts warm.
+
+Run mlx-lm's own server with it (every ``mlx_lm.server`` option works)::
+
+    python -m spilld.integrations.mlx_lm --model PATH              # through the spilld daemon
+    python -m spilld.integrations.mlx_lm --model PATH --spilld-dir ~/.cache/spilld-embedded  # no daemon
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, PromptTrie
+
+from .. import errors
+from .. import format as fmt
+from ..identity import identity
+from ..queue import Settled
+from .tier import ColdTier, DaemonTier, EmbeddedTier
+
+log = logging.getLogger("spilld.mlx_lm")
+
+TierFor = Callable[[Any], ColdTier | None]
+
+
+def covered_tokens(tokens: Sequence[int], caches: Sequence[Any]) -> int | None:
+    """How many of ``tokens`` the caches hold: the server keys entries with the last, unfed token too.
+
+    None when no cache keeps a position (a pure state-space model): then we cannot
+    tell, and such an entry is not spilled rather than risk a shifted restore.
+    """
+    offsets = [c.offset for c in caches if isinstance(getattr(c, "offset", None), int)]
+    return min(min(offsets), len(tokens)) if offsets else None
+
+
+class _ReportingTrie(PromptTrie):
+    """mlx-lm's trie, reporting each entry the LRU pops for space before it is gone."""
+
+    def __init__(self, on_evict: Callable[[Any, list[int], Any], None]) -> None:
+        super().__init__()
+        self._on_evict = on_evict
+
+    def pop(self, model: Any, tokens: list[int]) -> Any:
+        entry = super().pop(model, tokens)
+        self._on_evict(model, tokens, entry)
+        return entry
+
+
+class ColdTierPromptCache(LRUPromptCache):
+    """``LRUPromptCache`` with spilld behind it. ``tier_for(model_key)`` gives the tier of a model (or None)."""
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, tier_for: TierFor) -> None:
+        super().__init__(max_size, max_bytes)
+        self._tier_for = tier_for
+        self._trie = _ReportingTrie(self._evicted)  # empty yet: nothing to carry over
+        self._pending: dict[tuple[Any, tuple[int, ...]], concurrent.futures.Future[Settled]] = {}
+        self.stats = {"restores": 0, "restored_tokens": 0, "cold_misses": 0, "spills": 0, "evictions_spilled": 0}
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        have = len(tokens) - len(rest)
+        tier = self._tier_for(model)
+        if tier is None or have >= len(tokens) - 1:  # a restore is capped at len - 1: memory cannot be beaten
+            return cache, rest
+        t0 = time.perf_counter()
+        loaded = tier.load(tokens)
+        n = len(loaded.tokens) if loaded is not None else 0
+        if loaded is None or n <= have:
+            self.stats["cold_misses"] += 1
+            return cache, rest
+        self.stats["restores"] += 1
+        self.stats["restored_tokens"] += n
+        log.info(
+            "cold tier: restored %d of %d prompt tokens in %.1f ms", n, len(tokens), 1e3 * (time.perf_counter() - t0)
+        )
+        return loaded.caches, tokens[n:]
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], **kwargs: Any) -> None:
+        self._spill(model, tokens, prompt_cache, droppable=True)  # first: the insert itself may evict it
+        super().insert_cache(model, tokens, prompt_cache, **kwargs)
+
+    def _evicted(self, model: Any, tokens: list[int], entry: Any) -> None:
+        behind = self._pending.pop((model, tuple(tokens)), None)
+        if behind is not None and behind.done() and behind.result().stored:
+            return
+        # Not stored yet (queued, shed or failed): this is the last copy, so it must not be dropped.
+        if self._spill(model, tokens, entry.prompt_cache, droppable=False):
+            self.stats["evictions_spilled"] += 1
+
+    def _spill(self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool) -> bool:
+        tier = self._tier_for(model)
+        n = covered_tokens(tokens, caches)
+        if tier is None or not n:
+            return False
+        future = tier.spill(tokens[:n], caches, droppable=droppable)
+        self.stats["spills"] += 1
+        if droppable:
+            key = (model, tuple(tokens))
+            self._pending[key] = future
+            future.add_done_callback(lambda f: self._forget(key, f))
+        return True
+
+    def _forget(self, key: tuple[Any, tuple[int, ...]], f: concurrent.futures.Future[Settled]) -> None:
+        # Runs on the tier's thread: only drop the record when it is the stored outcome of this same future.
+        if f.result().stored and self._pending.get(key) is f:
+            self._pending.pop(key, None)
+
+
+class ServerTiers:
+    """One tier per model key of mlx-lm's ``ModelProvider``, built when that model is first seen."""
+
+    def __init__(self, model_provider: Any, *, socket: str | None, folder: str | None, **kwargs: Any) -> None:
+        self.provider = model_provider
+        self.socket, self.folder, self.kwargs = socket, folder, kwargs
+        self.tiers: dict[Any, ColdTier | None] = {}
+
+    def __call__(self, model_key: Any) -> ColdTier | None:
+        if model_key not in self.tiers:
+            self.tiers[model_key] = self._make(model_key)
+        return self.tiers[model_key]
+
+    def identity(self, model_key: Any) -> fmt.Identity:
+        p, args = self.provider, self.provider.cli_args
+        if p.model_key != model_key or p.model is None:
+            raise errors.SpillError(f"model {model_key!r} is not the one loaded")
+        model_id = "|".join(str(k) for k in model_key if k)
+        kv_bits = getattr(args, "kv_bits", None)
+        return identity(p.model, p.tokenizer, model_id=model_id, kv_bits=kv_bits, kv_group_size=args.kv_group_size)
+
+    def _make(self, model_key: Any) -> ColdTier | None:
+        try:
+            ident = self.identity(model_key)
+            if self.folder is not None:
+                return EmbeddedTier(self.folder, ident, **self.kwargs)
+            return DaemonTier(self.socket, ident, **self.kwargs)
+        except errors.SpillError as exc:
+            log.warning("no cold tier for %r: %s", model_key, exc)
+            return None
+
+    def close(self, timeout: float | None = None) -> None:
+        for tier in self.tiers.values():
+            if tier is not None:
+                tier.close(timeout)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m spilld.integrations.mlx_lm",
+        description="mlx-lm's HTTP server with spilld as the cold tier of its prompt cache. "
+        "Every other option is mlx_lm.server's own (see `mlx_lm.server --help`).",
+        add_help=False,
+    )
+    parser.add_argument("--spilld-socket", help="the daemon's socket (default: the daemon's default socket)")
+    parser.add_argument("--spilld-dir", help="no daemon: write the files from this process, into this folder")
+    parser.add_argument(
+        "--spilld-drain-timeout",
+        type=float,
+        default=30.0,
+        help="at exit, how long to wait for queued spills (seconds, default 30)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Start ``mlx_lm.server`` with a ``ColdTierPromptCache`` in place of its ``LRUPromptCache``."""
+    import mlx.core as mx
+    from mlx_lm import server
+
+    parser = _parser()
+    opts, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(rest):
+        parser.print_help()
+        print("\nmlx_lm.server's options follow.\n")
+    state: dict[str, ServerTiers] = {}
+
+    def run(host: str, port: int, model_provider: Any, **kwargs: Any) -> None:
+        group = mx.distributed.init()
+        tiers = state["tiers"] = ServerTiers(model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir)
+        prompt_cache = ColdTierPromptCache(model_provider.cli_args.prompt_cache_size, tier_for=tiers)
+        generator = server.ResponseGenerator(model_provider, prompt_cache)
+        if group.rank() == 0:
+            server._run_http_server(host, port, generator, **kwargs)
+        else:
+            generator.join()
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # mlx-lm's server stops cleanly on it; then our queue drains
+
+    signal.signal(signal.SIGTERM, on_term)
+    server.run = run  # type: ignore[assignment]  # mlx-lm's own run, with our prompt cache
+    sys.argv = [sys.argv[0], *rest]
+    try:
+        server.main()
+    finally:
+        if "tiers" in state:
+            log.info("draining the cold tier (up to %.0f s)", opts.spilld_drain_timeout)
+            state["tiers"].close(opts.spilld_drain_timeout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""mlx-lm's own HTTP server with spilld as the cold tier of its prompt cache.
+
+A tiny random-weight model in a local folder (nothing downloaded). One request;
+the server restarts; the same request again must be served from the cold tier
+(``cached_tokens`` > 0) and answer identically, down to the log-probabilities.
+The in-process tests cover the eviction path without HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from spilld.identity import identity
+from spilld.integrations.mlx_lm import ColdTierPromptCache, covered_tokens
+from spilld.integrations.tier import EmbeddedTier
+from spilld.tinymodel import TinySpec, write_tiny_model
+from tests.daemons import Daemon, cleanup, new_root
+
+SPEC = TinySpec(hidden=64, layers=2, intermediate=128)
+PROMPT = "The cold tier keeps long prompts warm across restarts. " * 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny")), SPEC)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``python -m spilld.integrations.mlx_lm`` as a subprocess on a loopback port."""
+
+    def __init__(self, model: str, log: str, *spilld_args: str) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", model, "--port", str(self.port)]
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen([*cmd, *spilld_args], stdout=f, stderr=f)
+        self.log = log
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{open(self.log).read()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).read()
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        raise TimeoutError(open(self.log).read())
+
+    def complete(self, prompt: str) -> dict[str, Any]:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": True, "top_logprobs": 3}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return dict(json.loads(r.read()))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)  # the wrapper drains the cold tier, then exits
+        return self.proc.wait(120)
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+
+def _request_restart_request(model: str, log: str, *spilld_args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    first = Server(model, log, *spilld_args)
+    try:
+        a = first.complete(PROMPT)
+    finally:
+        assert first.stop() == 0, open(log).read()
+    second = Server(model, log, *spilld_args)
+    try:
+        b = second.complete(PROMPT)
+    finally:
+        assert second.stop() == 0, open(log).read()
+    return a, b
+
+
+def _assert_identical_from_cold_tier(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert _cached(a) == 0  # the first request had nothing to reuse
+    assert _cached(b) == a["usage"]["prompt_tokens"] - 1  # all but the last prompt token came from disk
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["choices"][0]["logprobs"] == a["choices"][0]["logprobs"]  # same floats: same K/V rows
+
+
+def test_embedded_server_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
+    store = str(tmp_path / "store")
+    a, b = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-dir", store)
+    _assert_identical_from_cold_tier(a, b)
+    assert "cold tier: restored" in open(tmp_path / "server.log").read()
+
+
+def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
+    d = Daemon(new_root(), ["--cap", "256MiB"]).start()
+    try:
+        a, b = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-socket", d.socket)
+        _assert_identical_from_cold_tier(a, b)
+        assert d.cli("status", "--json", "--socket", d.socket).returncode == 0
+    finally:
+        assert d.stop() == 0
+        cleanup(d.root)
+
+
+def test_server_without_daemon_still_serves(model_dir: str, tmp_path: Any) -> None:
+    """An unreachable daemon is a miss, never an error: the server answers from a full prefill."""
+    s = Server(model_dir, str(tmp_path / "server.log"), "--spilld-socket", str(tmp_path / "nobody.sock"))
+    try:
+        assert _cached(s.complete(PROMPT)) == 0
+    finally:
+        assert s.stop() == 0
+    assert "unreachable" in open(tmp_path / "server.log").read()
+
+
+# --- in process ------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def tiny(model_dir: str) -> Iterator[tuple[Any, Any]]:
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(model_dir)
+    yield model, tokenizer
+
+
+def _prefilled(model: Any, tokens: list[int]) -> list[Any]:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    return cache
+
+
+def test_covered_tokens_uses_the_cache_offset(tiny: tuple[Any, Any]) -> None:
+    model, _ = tiny
+    cache = _prefilled(model, list(range(10)))
+    assert covered_tokens(list(range(11)), cache) == 10  # the server keys entries with one unfed token
+    assert covered_tokens(list(range(5)), cache) == 5
+    assert covered_tokens(list(range(5)), [object()]) is None
+
+
+def test_evicted_entries_are_spilled_and_come_back(tiny: tuple[Any, Any], tmp_path: Any) -> None:
+    model, tokenizer = tiny
+    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"), queue_cap=1)
+    try:
+        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+        prompts = [[7, i, *range(40, 80)] for i in range(3)]
+        for p in prompts:
+            lru.insert_cache("m", p, _prefilled(model, p))
+        assert len(lru) == 1
+        tier._run(tier.spiller.drain(30))
+        # A 1-byte queue cap sheds write-behinds; the evicted entries were spilled again, not droppable.
+        assert lru.stats["evictions_spilled"] >= 1
+        for p in prompts:
+            cache, rest = lru.fetch_nearest_cache("m", [*p, 99])
+            assert cache is not None and len(rest) == 1, p
+            want = model(mx.array([[99]]), cache=_prefilled(model, p))
+            got = model(mx.array([[99]]), cache=cache)
+            assert mx.array_equal(got, want).item()
+        assert lru.stats["restores"] >= 2
+    finally:
+        tier.close(30)
+
+
+def test_a_model_without_a_tier_is_plain_lru(tiny: tuple[Any, Any]) -> None:
+    model, _ = tiny
+    lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: None)
+    p = list(range(20))
+    lru.insert_cache("m", p, _prefilled(model, p))
+    cache, rest = lru.fetch_nearest_cache("m", [*p, 5])
+    assert cache is not None and rest == [5]
+    assert lru.stats["spills"] == 0 and lru.stats["restores"] == 0
+
+
+def test_wrapper_help_lists_both_option_sets() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "spilld.integrations.mlx_lm", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--spilld-dir" in out.stdout and "--prompt-cache-size" in out.stdout
