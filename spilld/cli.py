@@ -174,6 +174,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    try:
+        run_demo(args.socket, args.dir, as_json=args.json)
+    except errors.SpillError as exc:
+        print(f"spilld demo: {exc} [{exc.code}]", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    return EXIT_OK
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     tty = sys.stderr.isatty()
 
@@ -387,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: JSON lines unless stderr is a terminal",
     )
     srv.set_defaults(func=cmd_serve)
+
+    de = add("demo", "a one-minute tour: a tiny model, a chat spilled behind decode, a restart served from disk")
+    with_socket(de)
+    de.add_argument("--dir", help="the store folder of a daemon the demo starts (default: the platform cache folder)")
+    de.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    de.set_defaults(func=cmd_demo)
 
     dr = add("drain", "wait until everything queued in the daemon is durable")
     with_socket(dr)

@@ -38,6 +38,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny")), SPEC)
 
 
+def _read(path: Any) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,13 +64,13 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{open(self.log).read()}")
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{_read(self.log)}")
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).read()
                 return
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.2)
-        raise TimeoutError(open(self.log).read())
+        raise TimeoutError(_read(self.log))
 
     def complete(self, prompt: str) -> dict[str, Any]:
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": True, "top_logprobs": 3}
@@ -91,12 +96,12 @@ def _request_restart_request(model: str, log: str, *spilld_args: str) -> tuple[d
     try:
         a = first.complete(PROMPT)
     finally:
-        assert first.stop() == 0, open(log).read()
+        assert first.stop() == 0, _read(log)
     second = Server(model, log, *spilld_args)
     try:
         b = second.complete(PROMPT)
     finally:
-        assert second.stop() == 0, open(log).read()
+        assert second.stop() == 0, _read(log)
     return a, b
 
 
@@ -111,7 +116,7 @@ def test_embedded_server_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -
     store = str(tmp_path / "store")
     a, b = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-dir", store)
     _assert_identical_from_cold_tier(a, b)
-    assert "cold tier: restored" in open(tmp_path / "server.log").read()
+    assert "cold tier: restored" in _read(tmp_path / "server.log")
 
 
 def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
@@ -132,7 +137,7 @@ def test_server_without_daemon_still_serves(model_dir: str, tmp_path: Any) -> No
         assert _cached(s.complete(PROMPT)) == 0
     finally:
         assert s.stop() == 0
-    assert "unreachable" in open(tmp_path / "server.log").read()
+    assert "unreachable" in _read(tmp_path / "server.log")
 
 
 # --- in process ------------------------------------------------------------------------------
@@ -142,8 +147,8 @@ def test_server_without_daemon_still_serves(model_dir: str, tmp_path: Any) -> No
 def tiny(model_dir: str) -> Iterator[tuple[Any, Any]]:
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(model_dir)
-    yield model, tokenizer
+    loaded = mlx_lm.load(model_dir)
+    yield loaded[0], loaded[1]
 
 
 def _prefilled(model: Any, tokens: list[int]) -> list[Any]:

@@ -1,0 +1,222 @@
+"""``spilld demo``: a newcomer's first minute with spilld, on a tiny local model.
+
+It reaches the daemon (starting one if none answers), builds a tiny random-weight
+model, runs a short chat whose every turn is spilled behind the decode loop, then
+"restarts the engine" (a fresh model object, no caches in memory) and answers the
+next turn twice: from a full prefill, and from the cold tier. It prints what it
+measured; nothing is asserted about the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from . import errors
+from .config import default_dir, default_socket, format_size
+
+SYSTEM = (
+    "You are a careful assistant for people who run language models on their own machines. "
+    "Answer briefly, cite the manual when you can, and never invent a command-line flag. "
+)
+TURNS = ("How do I keep long prompts warm?", "And after a restart?", "What does the cap do?")
+SYSTEM_REPEAT = 16  # about 2,800 tokens of system prompt: the part a cold tier saves
+DECODE_TOKENS = 24
+PREFILL_STEP = 512
+DAEMON_START_TIMEOUT_S = 30.0
+
+
+def _say(msg: str) -> None:
+    print(f"  {msg}", flush=True)
+
+
+@dataclass
+class Engine:
+    """The smallest mlx-lm style engine: prefill in steps, greedy decode, one lock held per model call."""
+
+    model: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def step(self, tokens: list[int], cache: list[Any]) -> int:
+        import mlx.core as mx
+
+        with self.lock:  # the generation lock: spilld's write steps run between these
+            logits = self.model(mx.array([tokens]), cache=cache)
+            nxt = mx.argmax(logits[0, -1])
+            mx.eval(nxt)
+        return cast(int, nxt.item())
+
+    def prefill(self, tokens: list[int], cache: list[Any]) -> int:
+        """Feed ``tokens``; returns the first generated token (time to first token ends here)."""
+        for i in range(0, len(tokens) - 1, PREFILL_STEP):
+            self.step(tokens[i : min(i + PREFILL_STEP, len(tokens) - 1)], cache)
+        return self.step(tokens[-1:], cache)
+
+    def decode(self, first: int, cache: list[Any], n: int, on_token: Any = None) -> tuple[list[int], list[float]]:
+        out, times, tok = [first], [], first
+        for i in range(n):
+            t0 = time.perf_counter()
+            tok = self.step([tok], cache)
+            times.append(time.perf_counter() - t0)
+            out.append(tok)
+            if on_token is not None:
+                on_token(i, out)
+        return out, times
+
+
+def _reachable(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _start_daemon(sock: str, folder: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "spilld", "--cap", "1GiB", "--socket", sock, "--dir", folder, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+    while not _reachable(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise errors.SpillError(f"could not start a daemon on {sock} (exit {proc.poll()})")
+        time.sleep(0.05)
+    return proc
+
+
+def _load(path: str) -> tuple[Any, Any]:
+    import mlx_lm
+
+    loaded = mlx_lm.load(path)
+    return loaded[0], loaded[1]
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1e3 * statistics.median(xs) if xs else float("nan")
+
+
+def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: bool = False) -> dict[str, Any]:
+    """Run the demo; returns the figures it printed."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .client import Client
+    from .identity import identity
+    from .lease import ThreadLockLease
+    from .tinymodel import write_tiny_model
+
+    sock = sock or default_socket()
+    started: subprocess.Popen[bytes] | None = None
+    workdir = tempfile.mkdtemp(prefix="spilld-demo-")
+    t_start = time.perf_counter()
+    try:
+        if _reachable(sock):
+            _say(f"using the daemon on {sock}")
+        else:
+            _say(f"no daemon on {sock}: starting one for this demo (it stops at the end)")
+            started = _start_daemon(sock, folder or default_dir())
+        _say("building a tiny random-weight model (nothing is downloaded)")
+        model, tok = _load(write_tiny_model(os.path.join(workdir, "model")))
+        engine = Engine(model)
+        ident = identity(model, tok, model_id="spilld-demo")
+        client = Client(sock, identity=ident, lease=ThreadLockLease(engine.lock))
+
+        # --- a chat: each turn extends one cache, which is spilled behind the next turn's decode
+        _say(f"chatting: {len(TURNS)} turns, each spilled write-behind")
+        cache = make_prompt_cache(model)
+        history: list[int] = []  # exactly the tokens in ``cache``
+        unfed: list[int] = []  # the last answer token, fed at the start of the next turn
+        idle_ms: list[float] = []
+        busy_ms: list[float] = []
+        outcomes = []
+        for i, turn in enumerate(TURNS):
+            text = (SYSTEM * SYSTEM_REPEAT if i == 0 else "") + f"<user>{turn}\n<assistant>"
+            new = unfed + tok.encode(text, add_special_tokens=False)
+            first = engine.prefill(new, cache)
+            history += new
+
+            def spill_often(k: int, out: list[int], fed: list[int] = history) -> None:
+                if k % 4 == 0:  # a snapshot every 4 tokens, so writes overlap the decode
+                    outcomes.append(client.spill(fed + out[:-1], cache, live=True))
+
+            out, times = engine.decode(first, cache, DECODE_TOKENS, spill_often if i == 1 else None)
+            (busy_ms if i == 1 else idle_ms).extend(times)
+            history += out[:-1]
+            unfed = out[-1:]
+            outcomes.append(client.spill(history, cache, live=True, droppable=False))
+        for f in outcomes:
+            f.result(timeout=60)  # live snapshots read the cache until they settle
+        client.barrier("demo")
+
+        # --- the engine restarts: nothing in memory; answer the next turn twice
+        _say("restarting the engine (no cache in memory) and asking the next question twice")
+        del model, engine, cache
+        model, tok = _load(os.path.join(workdir, "model"))
+        engine = Engine(model)
+        prompt = history + unfed + tok.encode("<user>Thanks!\n<assistant>", add_special_tokens=False)
+
+        t0 = time.perf_counter()
+        cold_first = engine.prefill(prompt, make_prompt_cache(model))
+        ttft_prefill = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        loaded = client.load(prompt)
+        restored = len(loaded.tokens) if loaded is not None else 0
+        cache = loaded.caches if loaded is not None else make_prompt_cache(model)
+        warm_first = engine.prefill(prompt[restored:], cache)
+        ttft_tier = time.perf_counter() - t0
+
+        store = client.status().get("store", {})
+        client.close(30)
+        figures = {
+            "prompt_tokens": len(prompt),
+            "restored_tokens": restored,
+            "ttft_without_tier_ms": round(1e3 * ttft_prefill, 1),
+            "ttft_with_tier_ms": round(1e3 * ttft_tier, 1),
+            "same_first_token": cold_first == warm_first,
+            "decode_idle_ms_per_token": round(_median_ms(idle_ms), 2),
+            "decode_spilling_ms_per_token": round(_median_ms(busy_ms), 2),
+            "files": store.get("entries"),
+            "bytes_on_disk": store.get("bytes"),
+            "demo_seconds": round(time.perf_counter() - t_start, 1),
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if started is not None:
+            started.send_signal(signal.SIGTERM)
+            started.wait(60)
+    _print(figures, as_json)
+    return figures
+
+
+def _print(f: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(f))
+        return
+    speedup = f["ttft_without_tier_ms"] / max(f["ttft_with_tier_ms"], 1e-3)
+    rows = [
+        ("time to first token, full prefill", f"{f['ttft_without_tier_ms']:.1f} ms ({f['prompt_tokens']} tokens)"),
+        ("time to first token, cold tier", f"{f['ttft_with_tier_ms']:.1f} ms ({f['restored_tokens']} restored), {speedup:.1f}x"),
+        ("same first token", "yes" if f["same_first_token"] else "NO"),
+        ("decode, idle", f"{f['decode_idle_ms_per_token']:.2f} ms/token"),
+        ("decode, while spilling", f"{f['decode_spilling_ms_per_token']:.2f} ms/token"),
+        ("files on disk (all models)", f"{f['files']} ({format_size(int(f['bytes_on_disk'] or 0))})"),
+    ]  # fmt: skip
+    print()
+    for name, value in rows:
+        print(f"  {name:<34} {value}")
+    print(f"\n  done in {f['demo_seconds']:.0f} s. Next: `spilld status`, and the README's engine section.")

@@ -1,0 +1,50 @@
+"""``spilld demo`` end to end: it starts its own daemon when none answers, or uses the one running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from tests.daemons import Daemon, cleanup, new_root
+
+
+def _demo(*args: str) -> tuple[dict[str, Any], str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "spilld", "demo", "--json", *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+def _check_cold_tier_path(f: dict[str, Any]) -> None:
+    assert f["restored_tokens"] > 0  # the restart was served from disk
+    assert f["restored_tokens"] < f["prompt_tokens"]
+    assert f["same_first_token"] is True
+    assert f["files"] >= 1 and f["bytes_on_disk"] > 0
+    print(json.dumps(f))  # the timings are shown, never asserted
+
+
+def test_demo_starts_and_stops_its_own_daemon() -> None:
+    root = new_root()
+    try:
+        f, text = _demo("--socket", f"{root}/s.sock", "--dir", f"{root}/store")
+        _check_cold_tier_path(f)
+        assert "starting one for this demo" in text
+        assert Daemon(root).cli("status", "--socket", f"{root}/s.sock").returncode == 4  # stopped at the end
+    finally:
+        cleanup(root)
+
+
+def test_demo_uses_a_running_daemon_and_leaves_it_running() -> None:
+    d = Daemon(new_root(), ["--cap", "256MiB"]).start()
+    try:
+        f, text = _demo("--socket", d.socket)
+        _check_cold_tier_path(f)
+        assert "using the daemon" in text
+        assert d.proc is not None and d.proc.poll() is None
+        assert d.cli("status", "--socket", d.socket).returncode == 0
+    finally:
+        assert d.stop() == 0
+        cleanup(d.root)
