@@ -236,7 +236,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"disk    {d['entries']} entries, {format_size(d['bytes'])} of {format_size(d['disk_cap'])} cap in {st['dir']}"
         )
         print(f"lookups hits {d['hits']}; misses: {misses}")
-        print(f"errors  store {d['store_errors']}, quarantined {d['quarantined']}, evicted {d['evicted']}")
+        by_code = ", ".join(f"{k} {v}" for k, v in d.get("errors", {}).items() if v)
+        print(
+            f"errors  store {d['store_errors']}{f' ({by_code})' if by_code else ''}, "
+            f"quarantined {d['quarantined']}, evicted {d['evicted']}"
+        )
         return EXIT_OK
 
     return _async(go)
