@@ -18,7 +18,6 @@ import functools
 import itertools
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from .codecs import CodecProvider, default_provider
 from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
+from .loopthread import LoopThread
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes
 from .shm import ShmPool
@@ -434,13 +434,12 @@ class Client:
     """The same API, synchronous, for engines that decode in a thread of their own."""
 
     def __init__(self, socket_path: str | None = None, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="spilld-client", daemon=True)
-        self._thread.start()
-        self._async: AsyncClient = self._run(AsyncClient.connect(socket_path, **kwargs))
+        self._lt, self._async = LoopThread.start_with(
+            "spilld-client", lambda lt: lt.run(AsyncClient.connect(socket_path, **kwargs))
+        )
 
     def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._lt.run(coro)
 
     def spill(
         self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
@@ -470,6 +469,4 @@ class Client:
         try:
             self._run(self._async.close(timeout))
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._lt.stop()

@@ -94,6 +94,7 @@ def _start_daemon(sock: str, folder: str) -> subprocess.Popen[bytes]:
     while not _reachable(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
             raise errors.SpillError(f"could not start a daemon on {sock} (exit {proc.poll()})")
         time.sleep(0.05)
     return proc
@@ -106,14 +107,76 @@ def _load(path: str) -> tuple[Any, Any]:
     return loaded[0], loaded[1]
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the daemon drains), then SIGKILL if it overstays; never raises over the demo's own error."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _median_ms(xs: list[float]) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
 
-def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: bool = False) -> dict[str, Any]:
-    """Run the demo; returns the figures it printed."""
+def _chat(engine: Engine, tok: Any, client: Any) -> tuple[list[int], list[float], list[float]]:
+    """Three turns on one growing cache, spilled write-behind; returns (tokens so far, idle ms, spilling ms)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    cache = make_prompt_cache(engine.model)
+    history: list[int] = []  # exactly the tokens in ``cache``
+    unfed: list[int] = []  # the last answer token, fed at the start of the next turn
+    idle_ms: list[float] = []
+    busy_ms: list[float] = []
+    outcomes = []
+    for i, turn in enumerate(TURNS):
+        text = (SYSTEM * SYSTEM_REPEAT if i == 0 else "") + f"<user>{turn}\n<assistant>"
+        new = unfed + tok.encode(text, add_special_tokens=False)
+        first = engine.prefill(new, cache)
+        history += new
+
+        def spill_often(k: int, out: list[int], fed: list[int] = history) -> None:
+            if k % 4 == 0:  # a snapshot every 4 tokens, so writes overlap the decode
+                outcomes.append(client.spill(fed + out[:-1], cache, live=True))
+
+        out, times = engine.decode(first, cache, DECODE_TOKENS, spill_often if i == 1 else None)
+        (busy_ms if i == 1 else idle_ms).extend(times)
+        history += out[:-1]
+        unfed = out[-1:]
+        outcomes.append(client.spill(history, cache, live=True, droppable=False))
+    for f in outcomes:
+        f.result(timeout=60)  # live snapshots read the cache until they settle
+    client.barrier("demo")
+    return history + unfed, idle_ms, busy_ms
+
+
+def _answer_twice(engine: Engine, client: Any, prompt: list[int]) -> dict[str, Any]:
+    """The first token of ``prompt`` from a full prefill, then from the cold tier plus the rest."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    t0 = time.perf_counter()
+    cold_first = engine.prefill(prompt, make_prompt_cache(engine.model))
+    ttft_prefill = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    loaded = client.load(prompt)
+    restored = len(loaded.tokens) if loaded is not None else 0
+    cache = loaded.caches if loaded is not None else make_prompt_cache(engine.model)
+    warm_first = engine.prefill(prompt[restored:], cache)
+    ttft_tier = time.perf_counter() - t0
+    return {
+        "prompt_tokens": len(prompt),
+        "restored_tokens": restored,
+        "ttft_without_tier_ms": round(1e3 * ttft_prefill, 1),
+        "ttft_with_tier_ms": round(1e3 * ttft_tier, 1),
+        "same_first_token": cold_first == warm_first,
+    }
+
+
+def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: bool = False) -> dict[str, Any]:
+    """Run the demo; returns the figures it printed."""
     from .client import Client
     from .identity import identity
     from .lease import ThreadLockLease
@@ -130,64 +193,22 @@ def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: boo
             _say(f"no daemon on {sock}: starting one for this demo (it stops at the end)")
             started = _start_daemon(sock, folder or default_dir())
         _say("building a tiny random-weight model (nothing is downloaded)")
-        model, tok = _load(write_tiny_model(os.path.join(workdir, "model")))
+        model_dir = write_tiny_model(os.path.join(workdir, "model"))
+        model, tok = _load(model_dir)
         engine = Engine(model)
-        ident = identity(model, tok, model_id="spilld-demo")
-        client = Client(sock, identity=ident, lease=ThreadLockLease(engine.lock))
-
-        # --- a chat: each turn extends one cache, which is spilled behind the next turn's decode
-        _say(f"chatting: {len(TURNS)} turns, each spilled write-behind")
-        cache = make_prompt_cache(model)
-        history: list[int] = []  # exactly the tokens in ``cache``
-        unfed: list[int] = []  # the last answer token, fed at the start of the next turn
-        idle_ms: list[float] = []
-        busy_ms: list[float] = []
-        outcomes = []
-        for i, turn in enumerate(TURNS):
-            text = (SYSTEM * SYSTEM_REPEAT if i == 0 else "") + f"<user>{turn}\n<assistant>"
-            new = unfed + tok.encode(text, add_special_tokens=False)
-            first = engine.prefill(new, cache)
-            history += new
-
-            def spill_often(k: int, out: list[int], fed: list[int] = history) -> None:
-                if k % 4 == 0:  # a snapshot every 4 tokens, so writes overlap the decode
-                    outcomes.append(client.spill(fed + out[:-1], cache, live=True))
-
-            out, times = engine.decode(first, cache, DECODE_TOKENS, spill_often if i == 1 else None)
-            (busy_ms if i == 1 else idle_ms).extend(times)
-            history += out[:-1]
-            unfed = out[-1:]
-            outcomes.append(client.spill(history, cache, live=True, droppable=False))
-        for f in outcomes:
-            f.result(timeout=60)  # live snapshots read the cache until they settle
-        client.barrier("demo")
-
-        # --- the engine restarts: nothing in memory; answer the next turn twice
-        _say("restarting the engine (no cache in memory) and asking the next question twice")
-        del model, engine, cache
-        model, tok = _load(os.path.join(workdir, "model"))
-        engine = Engine(model)
-        prompt = history + unfed + tok.encode("<user>Thanks!\n<assistant>", add_special_tokens=False)
-
-        t0 = time.perf_counter()
-        cold_first = engine.prefill(prompt, make_prompt_cache(model))
-        ttft_prefill = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        loaded = client.load(prompt)
-        restored = len(loaded.tokens) if loaded is not None else 0
-        cache = loaded.caches if loaded is not None else make_prompt_cache(model)
-        warm_first = engine.prefill(prompt[restored:], cache)
-        ttft_tier = time.perf_counter() - t0
-
-        store = client.status().get("store", {})
-        client.close(30)
-        figures = {
-            "prompt_tokens": len(prompt),
-            "restored_tokens": restored,
-            "ttft_without_tier_ms": round(1e3 * ttft_prefill, 1),
-            "ttft_with_tier_ms": round(1e3 * ttft_tier, 1),
-            "same_first_token": cold_first == warm_first,
+        client = Client(sock, identity=identity(model, tok, model_id="spilld-demo"), lease=ThreadLockLease(engine.lock))
+        try:
+            _say(f"chatting: {len(TURNS)} turns, each spilled write-behind")
+            history, idle_ms, busy_ms = _chat(engine, tok, client)
+            _say("restarting the engine (no cache in memory) and asking the next question twice")
+            del model, engine
+            model, tok = _load(model_dir)
+            prompt = history + tok.encode("<user>Thanks!\n<assistant>", add_special_tokens=False)
+            figures = _answer_twice(Engine(model), client, prompt)
+            store = client.status().get("store", {})
+        finally:
+            client.close(30)
+        figures |= {
             "decode_idle_ms_per_token": round(_median_ms(idle_ms), 2),
             "decode_spilling_ms_per_token": round(_median_ms(busy_ms), 2),
             "files": store.get("entries"),
@@ -197,8 +218,7 @@ def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: boo
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if started is not None:
-            started.send_signal(signal.SIGTERM)
-            started.wait(60)
+            _stop(started)
     _print(figures, as_json)
     return figures
 

@@ -76,7 +76,10 @@ def model_config(spec: TinySpec) -> dict[str, object]:
 
 
 def write_tiny_model(folder: str, spec: TinySpec = TinySpec()) -> str:
-    """Write config, float32 weights and tokenizer to ``folder``; returns the folder. Same spec, same bytes."""
+    """Write config, float32 weights and tokenizer to ``folder``; returns the folder. Same spec, same bytes.
+
+    Seeds mlx's global random state (``spec.seed``), as any model built this way would.
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama

@@ -188,6 +188,69 @@ def test_evicted_entries_are_spilled_and_come_back(tiny: tuple[Any, Any], tmp_pa
         tier.close(30)
 
 
+def test_stored_entries_are_not_written_again_when_evicted(tiny: tuple[Any, Any], tmp_path: Any) -> None:
+    model, tokenizer = tiny
+    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"))
+    try:
+        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+        for i in range(4):
+            p = [3, i, *range(40, 60)]
+            lru.insert_cache("m", p, _prefilled(model, p))
+            tier._run(tier.spiller.drain(30))
+        assert lru.stats["evictions_spilled"] == 0
+        assert lru.stats["spills"] == 4
+        assert tier.spiller.store.counters.stored == 4
+    finally:
+        tier.close(30)
+
+
+def test_spill_unstored_writes_what_the_queue_shed(tiny: tuple[Any, Any], tmp_path: Any) -> None:
+    model, tokenizer = tiny
+    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"), queue_cap=1)
+    try:
+        lru = ColdTierPromptCache(max_size=8, tier_for=lambda key: tier)
+        prompts = [[5, i, *range(60, 100)] for i in range(4)]
+        for p in prompts:
+            lru.insert_cache("m", p, _prefilled(model, p))
+        tier._run(tier.spiller.drain(30))
+        shed = tier.spiller.queue.counters()["dropped"]
+        assert lru.spill_unstored() == shed  # exactly the entries whose write-behind did not land
+        tier._run(tier.spiller.drain(30))
+        assert all(tier.load([*p, 1]) is not None for p in prompts)
+    finally:
+        tier.close(30)
+
+
+def test_image_placeholder_ids_are_neither_stored_nor_looked_up(tiny: tuple[Any, Any], tmp_path: Any) -> None:
+    model, tokenizer = tiny
+    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"))
+    try:
+        lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
+        p = [1, -1, -1, 2, *range(10, 20)]  # mlx-lm keys image tokens with negative ids
+        lru.insert_cache("m", p, _prefilled(model, [max(t, 0) for t in p]))
+        cache, rest = lru.fetch_nearest_cache("m", [7, -1, 8])  # no error: a plain miss
+        assert cache is None and rest == [7, -1, 8]
+        tier._run(tier.spiller.drain(30))
+        assert tier.spiller.store.counters.stored == 0
+    finally:
+        tier.close(30)
+
+
+def test_unreachable_daemon_leaks_no_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from spilld.format import Identity
+    from spilld.integrations import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 0.0)
+    before = threading.active_count()
+    t = tier_mod.DaemonTier(str(tmp_path / "nobody.sock"), Identity(model_id="x"))
+    for _ in range(5):
+        assert t.load([1, 2, 3]) is None
+        assert not t.spill([1, 2], []).result().stored
+    assert threading.active_count() == before
+
+
 def test_a_model_without_a_tier_is_plain_lru(tiny: tuple[Any, Any]) -> None:
     model, _ = tiny
     lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: None)

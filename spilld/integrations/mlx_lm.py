@@ -3,8 +3,10 @@
 ``ColdTierPromptCache`` is a drop-in ``LRUPromptCache``: every entry the server
 inserts is written behind (droppable, so a burst never holds memory); an entry
 the LRU evicts before its write-behind was stored is spilled again, this time
-not droppable; a fetch the memory tier cannot answer in full asks spilld for
-the longest usable prefix and loads it. A server restart therefore starts warm.
+not droppable, and so is every such entry at exit; a fetch the memory tier
+cannot answer in full asks spilld for the longest usable prefix and loads it.
+A restarted server therefore starts with what it had (minus anything the
+daemon itself had to shed or failed to write).
 
 Run mlx-lm's own server with it (every ``mlx_lm.server`` option works)::
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,27 +50,42 @@ def covered_tokens(tokens: Sequence[int], caches: Sequence[Any]) -> int | None:
     return min(min(offsets), len(tokens)) if offsets else None
 
 
-class _ReportingTrie(PromptTrie):
-    """mlx-lm's trie, reporting each entry the LRU pops for space before it is gone."""
+Key = tuple[Any, tuple[int, ...]]
 
-    def __init__(self, on_evict: Callable[[Any, list[int], Any], None]) -> None:
+
+class _ReportingTrie(PromptTrie):
+    """mlx-lm's trie, reporting each entry that leaves it: popped for space (evicted) or as a superseded prefix."""
+
+    def __init__(self, on_evict: Callable[[Any, list[int], Any], None], on_drop: Callable[[Key], None]) -> None:
         super().__init__()
-        self._on_evict = on_evict
+        self._on_evict, self._on_drop = on_evict, on_drop
 
     def pop(self, model: Any, tokens: list[int]) -> Any:
         entry = super().pop(model, tokens)
         self._on_evict(model, tokens, entry)
         return entry
 
+    def pop_prefixes(self, model: Any, tokens: list[int]) -> list[tuple[int, Any]]:
+        popped: list[tuple[int, Any]] = super().pop_prefixes(model, tokens)
+        for n, _ in popped:  # a longer trimmable entry covers them; on disk the store supersedes them too
+            self._on_drop((model, tuple(tokens[:n])))
+        return popped
+
 
 class ColdTierPromptCache(LRUPromptCache):
-    """``LRUPromptCache`` with spilld behind it. ``tier_for(model_key)`` gives the tier of a model (or None)."""
+    """``LRUPromptCache`` with spilld behind it. ``tier_for(model_key)`` gives the tier of a model (or None).
+
+    Called from the server's generation thread only; the write-behind outcomes arrive on the tier's thread,
+    hence the lock around the two records of what is in flight and what is stored.
+    """
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, tier_for: TierFor) -> None:
         super().__init__(max_size, max_bytes)
         self._tier_for = tier_for
-        self._trie = _ReportingTrie(self._evicted)  # empty yet: nothing to carry over
-        self._pending: dict[tuple[Any, tuple[int, ...]], concurrent.futures.Future[Settled]] = {}
+        self._trie = _ReportingTrie(self._evicted, self._forget)  # empty yet: nothing to carry over
+        self._lock = threading.Lock()
+        self._behind: dict[Key, concurrent.futures.Future[Settled]] = {}  # write-behinds in flight
+        self._stored: set[Key] = set()  # entries in the LRU whose write-behind is on disk
         self.stats = {"restores": 0, "restored_tokens": 0, "cold_misses": 0, "spills": 0, "evictions_spilled": 0}
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
@@ -76,7 +95,7 @@ class ColdTierPromptCache(LRUPromptCache):
         if tier is None or have >= len(tokens) - 1:  # a restore is capped at len - 1: memory cannot be beaten
             return cache, rest
         t0 = time.perf_counter()
-        loaded = tier.load(tokens)
+        loaded = tier.load(tokens)  # blocks this thread, as the prefill it replaces would, only shorter
         n = len(loaded.tokens) if loaded is not None else 0
         if loaded is None or n <= have:
             self.stats["cold_misses"] += 1
@@ -89,15 +108,25 @@ class ColdTierPromptCache(LRUPromptCache):
         return loaded.caches, tokens[n:]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], **kwargs: Any) -> None:
+        self._forget((model, tuple(tokens)))  # a replaced entry: its old record no longer says anything
         self._spill(model, tokens, prompt_cache, droppable=True)  # first: the insert itself may evict it
         super().insert_cache(model, tokens, prompt_cache, **kwargs)
 
+    def spill_unstored(self) -> int:
+        """Spill, not droppable, every entry in memory whose write-behind is not on disk (call before exit)."""
+        n = 0
+        for lru in self._lru._lrus.values():
+            for model, tokens in list(lru):
+                if not self._is_stored((model, tuple(tokens))):
+                    n += self._spill(model, tokens, self._trie.get(model, tokens).prompt_cache, droppable=False)
+        return n
+
     def _evicted(self, model: Any, tokens: list[int], entry: Any) -> None:
-        behind = self._pending.pop((model, tuple(tokens)), None)
-        if behind is not None and behind.done() and behind.result().stored:
-            return
-        # Not stored yet (queued, shed or failed): this is the last copy, so it must not be dropped.
-        if self._spill(model, tokens, entry.prompt_cache, droppable=False):
+        key = (model, tuple(tokens))
+        stored = self._is_stored(key)
+        self._forget(key)
+        # Not stored (still queued, shed or failed): this is the last copy, so it must not be dropped.
+        if not stored and self._spill(model, tokens, entry.prompt_cache, droppable=False):
             self.stats["evictions_spilled"] += 1
 
     def _spill(self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool) -> bool:
@@ -109,14 +138,26 @@ class ColdTierPromptCache(LRUPromptCache):
         self.stats["spills"] += 1
         if droppable:
             key = (model, tuple(tokens))
-            self._pending[key] = future
-            future.add_done_callback(lambda f: self._forget(key, f))
+            with self._lock:
+                self._behind[key] = future
+            future.add_done_callback(lambda f: self._settled(key, f))
         return True
 
-    def _forget(self, key: tuple[Any, tuple[int, ...]], f: concurrent.futures.Future[Settled]) -> None:
-        # Runs on the tier's thread: only drop the record when it is the stored outcome of this same future.
-        if f.result().stored and self._pending.get(key) is f:
-            self._pending.pop(key, None)
+    def _settled(self, key: Key, f: concurrent.futures.Future[Settled]) -> None:
+        with self._lock:  # only this very write-behind, still current, counts
+            if self._behind.get(key) is f:
+                del self._behind[key]
+                if f.result().stored:
+                    self._stored.add(key)
+
+    def _is_stored(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._stored
+
+    def _forget(self, key: Key) -> None:
+        with self._lock:
+            self._behind.pop(key, None)
+            self._stored.discard(key)
 
 
 class ServerTiers:
@@ -146,7 +187,7 @@ class ServerTiers:
             if self.folder is not None:
                 return EmbeddedTier(self.folder, ident, **self.kwargs)
             return DaemonTier(self.socket, ident, **self.kwargs)
-        except errors.SpillError as exc:
+        except Exception as exc:  # e.g. an unusable --spilld-dir: serve without a cold tier, say so once
             log.warning("no cold tier for %r: %s", model_key, exc)
             return None
 
@@ -184,12 +225,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if {"-h", "--help"} & set(rest):
         parser.print_help()
         print("\nmlx_lm.server's options follow.\n")
-    state: dict[str, ServerTiers] = {}
+    state: dict[str, Any] = {}
 
     def run(host: str, port: int, model_provider: Any, **kwargs: Any) -> None:
         group = mx.distributed.init()
         tiers = state["tiers"] = ServerTiers(model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir)
-        prompt_cache = ColdTierPromptCache(model_provider.cli_args.prompt_cache_size, tier_for=tiers)
+        prompt_cache = state["cache"] = ColdTierPromptCache(model_provider.cli_args.prompt_cache_size, tier_for=tiers)
         generator = server.ResponseGenerator(model_provider, prompt_cache)
         if group.rank() == 0:
             server._run_http_server(host, port, generator, **kwargs)
@@ -202,12 +243,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_term)
     server.run = run  # type: ignore[assignment]  # mlx-lm's own run, with our prompt cache
     sys.argv = [sys.argv[0], *rest]
+    code: int | str | None = 0
     try:
         server.main()
+    except SystemExit as exc:  # --help, or a usage error
+        code = exc.code
+    except BaseException:
+        log.exception("mlx_lm.server failed")
+        code = 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
         if "tiers" in state:
-            log.info("draining the cold tier (up to %.0f s)", opts.spilld_drain_timeout)
+            unstored = state["cache"].spill_unstored()
+            log.info("draining the cold tier (%d more entries; up to %.0f s)", unstored, opts.spilld_drain_timeout)
             state["tiers"].close(opts.spilld_drain_timeout)
+    # Everything is drained: skip the interpreter's teardown, where mlx-lm's server aborts about half the
+    # time (std::terminate; plain `mlx_lm server` does it too on this version).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 2)
 
 
 if __name__ == "__main__":

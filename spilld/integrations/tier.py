@@ -2,18 +2,17 @@
 
 Both kinds answer the same three calls from the engine's thread: ``spill`` (clone
 now, write behind; a future of the outcome), ``load`` (the longest usable prefix,
-or None) and ``close``. Neither ever raises a spilld error into the engine: a
-failure is logged and counted, and the engine goes on as if the tier missed.
+or None) and ``close``. ``spill`` and ``load`` never raise into the engine: a
+failure is logged, and the engine goes on as if the tier missed. Token ids
+outside u32 (e.g. image placeholders) are never stored or looked up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .. import errors
@@ -21,6 +20,7 @@ from .. import format as fmt
 from ..client import Client
 from ..lease import RunStep
 from ..loader import Loaded
+from ..loopthread import LoopThread
 from ..queue import Outcome, Settled
 from ..spiller import Spiller
 
@@ -39,6 +39,11 @@ class ColdTier(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
 
 
+def storable(tokens: Sequence[int]) -> bool:
+    """Token ids a file can hold (u32); engines use negative ids for image placeholders."""
+    return all(0 <= t < 1 << 32 for t in tokens)
+
+
 def settled_now(outcome: Outcome, error: BaseException | None = None) -> concurrent.futures.Future[Settled]:
     """A future already settled, for spills that never reached a queue."""
     f: concurrent.futures.Future[Settled] = concurrent.futures.Future()
@@ -46,33 +51,45 @@ def settled_now(outcome: Outcome, error: BaseException | None = None) -> concurr
     return f
 
 
+def guarded_spill(spill: Callable[[], Any], tokens: Sequence[int]) -> concurrent.futures.Future[Settled]:
+    if not storable(tokens):
+        return settled_now(Outcome.CANCELLED)
+    try:
+        f = spill()
+    except Exception as exc:  # e.g. a cache class no codec knows: the engine must go on
+        log.warning("spill refused: %s", exc)
+        return settled_now(Outcome.FAILED, exc)
+    assert isinstance(f, concurrent.futures.Future)  # called from the engine's thread
+    return f
+
+
+def guarded_load(load: Callable[[], Loaded | None], tokens: Sequence[int]) -> Loaded | None:
+    if not storable(tokens):
+        return None
+    try:
+        return load()
+    except Exception as exc:  # a restore is an optimization: any failure is a miss
+        log.warning("cold-tier load failed: %s", exc)
+        return None
+
+
 class EmbeddedTier:
     """A ``Spiller`` on a private event-loop thread: no daemon, the engine's process writes the files."""
 
     def __init__(self, folder: str, identity: fmt.Identity, *, lease: RunStep | None = None, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="spilld-embedded", daemon=True)
-        self._thread.start()
         self.spiller = Spiller(folder, identity=identity, lease=lease, **kwargs)
-        self._run(self.spiller.start())
+        self._lt, _ = LoopThread.start_with("spilld-embedded", lambda lt: lt.run(self.spiller.start()))
 
     def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._lt.run(coro)
 
     def spill(
         self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
     ) -> concurrent.futures.Future[Settled]:
-        try:
-            f = self.spiller.spill(tokens, caches, droppable=droppable)
-        except errors.SpillError as exc:  # e.g. a cache class no codec knows
-            log.warning("spill refused: %s", exc)
-            return settled_now(Outcome.FAILED, exc)
-        assert isinstance(f, concurrent.futures.Future)  # called from the engine's thread
-        return f
+        return guarded_spill(lambda: self.spiller.spill(tokens, caches, droppable=droppable), tokens)
 
     def load(self, tokens: Sequence[int]) -> Loaded | None:
-        result: Loaded | None = self._run(self.spiller.restore(tokens))
-        return result
+        return guarded_load(lambda: self._run(self.spiller.restore(tokens)), tokens)
 
     def stats(self) -> dict[str, Any]:
         return self.spiller.stats()
@@ -81,9 +98,7 @@ class EmbeddedTier:
         try:
             self._run(self.spiller.close(timeout))
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._lt.stop()
 
 
 class DaemonTier:
@@ -113,21 +128,13 @@ class DaemonTier:
         client = self._connect()
         if client is None:
             return settled_now(Outcome.FAILED, errors.SpillError("the daemon is unreachable"))
-        try:
-            return client.spill(tokens, caches, droppable=droppable)
-        except errors.SpillError as exc:
-            log.warning("spill refused: %s", exc)
-            return settled_now(Outcome.FAILED, exc)
+        return guarded_spill(lambda: client.spill(tokens, caches, droppable=droppable), tokens)
 
     def load(self, tokens: Sequence[int]) -> Loaded | None:
         client = self._connect()
         if client is None:
             return None
-        try:
-            return client.load(tokens)
-        except errors.SpillError as exc:  # a lost connection reconnects on the next call
-            log.warning("cold-tier load failed: %s", exc)
-            return None
+        return guarded_load(lambda: client.load(tokens), tokens)  # a lost connection reconnects next time
 
     def stats(self) -> dict[str, Any]:
         client = self._connect()
