@@ -173,7 +173,8 @@ async def worker(sock: str, a: argparse.Namespace) -> None:
     running = [asyncio.get_running_loop().create_task(c) for c in loops]
     await asyncio.sleep(0.5)
     print("ready", flush=True)
-    running.append(asyncio.get_running_loop().create_task(churn()))
+    if a.rate > 0:
+        running.append(asyncio.get_running_loop().create_task(churn()))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
@@ -323,6 +324,7 @@ async def bench(d: Any, a: argparse.Namespace) -> dict[str, Any]:
                     [sys.executable, os.path.abspath(__file__), "worker", "--socket", d.socket, *worker_args(a)],
                     stdout=subprocess.PIPE,
                     text=True,
+                    preexec_fn=(lambda: os.nice(a.worker_nice)) if a.worker_nice else None,
                 )
                 assert w.stdout is not None
                 line = await asyncio.get_running_loop().run_in_executor(None, w.stdout.readline)
@@ -425,6 +427,12 @@ def main() -> None:
     p.add_argument("--half-closed", type=int, default=50, help="connections half-closed at once (default 50)")
     p.add_argument("--stalled", type=int, default=10, help="connections stalled mid-frame (default 10)")
     p.add_argument("--rate", type=float, default=50.0, help="garbage and reconnect connections a second (default 50)")
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="run the hostile worker at this nice level (diagnostics: how much of the cost is its own CPU)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.mode == "worker":
