@@ -19,13 +19,15 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from .. import errors
+from .units import LAUNCHD_SOCKET_KEY, SOCKET_NAME
 
 log = logging.getLogger("spilld.service")
 
 SD_LISTEN_FDS_START = 3
 LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
-LAUNCHD_SOCKET_NAME = "spilld"  # the key under Sockets in the plist
-OUR_NAMES = ("spilld", "spilld.socket")  # FileDescriptorName= defaults to the socket unit's name
+# Among several systemd fds, ours is named after our socket unit (FileDescriptorName='s default) or, in a
+# hand-written unit, FileDescriptorName=spilld (the name launchd's plist uses too).
+OUR_NAMES = (SOCKET_NAME, LAUNCHD_SOCKET_KEY)
 
 
 class ActivationError(errors.SpillError):
@@ -53,7 +55,10 @@ def systemd_fds(env: MutableMapping[str, str] | None = None, pid: int | None = N
     names = (values["LISTEN_FDNAMES"] or "").split(":")
     fds = list(range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + count))
     for fd in fds:
-        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)  # as sd_listen_fds does
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)  # as sd_listen_fds does
+        except OSError as exc:  # EBADF: the variables name an fd this process does not have
+            raise ActivationError(f"LISTEN_FDS={count} names fd {fd}, which is not open: {exc}") from exc
     return [(fd, names[i] if i < len(names) else "unknown") for i, fd in enumerate(fds)]
 
 
@@ -61,7 +66,7 @@ def _libsystem() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("System") or "/usr/lib/libSystem.B.dylib", use_errno=True)
 
 
-def launchd_fds(name: str = LAUNCHD_SOCKET_NAME, lib: Any = None) -> list[int]:
+def launchd_fds(name: str = LAUNCHD_SOCKET_KEY, lib: Any = None) -> list[int]:
     """The fds of the plist's ``Sockets`` entry ``name``, or [] when launchd did not start us with one."""
     if lib is None:
         if sys.platform != "darwin":
@@ -102,7 +107,9 @@ def _pick(named: list[tuple[int, str]]) -> int:
         return named[0][0]
     ours = [fd for fd, name in named if name in OUR_NAMES]
     if len(ours) != 1:
-        raise ActivationError(f"{len(named)} sockets passed and none is named spilld: {named}")
+        raise ActivationError(
+            f"{len(named)} sockets passed, and not exactly one is named {' or '.join(OUR_NAMES)}: {named}"
+        )
     return ours[0]
 
 
