@@ -29,7 +29,7 @@ from .lease import NoLease, off_loop
 from .queue import Outcome, SpillItem, SpillQueue
 from .saver import BytesSource
 from .service.activation import inherited_listener, socket_path
-from .service.lifecycle import Lifecycle
+from .service.lifecycle import Lifecycle, Progress
 from .shm import ShmAttachments
 from .store import Hit, MissReason, Store, checkpoint_namespace
 
@@ -339,6 +339,7 @@ class Daemon:
         self.lease = NoLease()
         self.connections: set[Connection] = set()
         self.receiving = 0  # bytes declared by spills being received (not yet in the queue)
+        self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
         self.stopping = asyncio.Event()
         self._server: asyncio.AbstractServer | None = None
@@ -363,7 +364,8 @@ class Daemon:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        await off_loop(self.store.scan)
+        async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan: a big store needs time
+            await off_loop(self.store.scan)
         if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
             self._server = await asyncio.get_running_loop().create_unix_server(
                 lambda: Connection(self), sock=self.listener
@@ -402,7 +404,7 @@ class Daemon:
         self.service.stopping(self._drain_status())
         if self._server is not None:
             self._server.close()
-        async with self.service.extending_stop(self.cfg.drain_deadline, self._drain_status):
+        async with self.service.extending(self._drain_progress, budget_s=self.cfg.drain_deadline):
             report = await self.queue.close(timeout=self.cfg.drain_deadline)
         for conn in list(self.connections):
             if conn.tasks:  # commits answered before the connections go
@@ -418,6 +420,14 @@ class Daemon:
     def _drain_status(self) -> str:
         return f"stopping: {self.queue.pending_items} items ({format_size(self.queue.pending_bytes)}) left to write"
 
+    def _drain_progress(self) -> Progress:
+        q = self.queue
+        return Progress((q.pending_items, q.pending_bytes), busy=self.writing > 0, status=self._drain_status())
+
+    def _scan_progress(self) -> Progress:
+        found, c = len(self.store.entries), self.store.counters  # the scan appends from its thread
+        return Progress((found, c.quarantined, c.reaped_temp), busy=False, status=f"scanning: {found} entries so far")
+
     # --- writing -------------------------------------------------------------------------
 
     async def _write(self, item: SpillItem) -> Any:
@@ -425,7 +435,11 @@ class Daemon:
         sources = [BytesSource(c, s.shape) for c, s in zip(item.meta["chunks"], header.slots(), strict=True)]
         grantor: Connection | None = item.meta.get("grantor")
         lease = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
-        return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
+        self.writing += 1
+        try:
+            return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
+        finally:
+            self.writing -= 1
 
     # --- methods ---------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import fcntl
+import io
+import itertools
 import json
 import os
 import plistlib
@@ -22,7 +25,8 @@ from typing import Any
 import pytest
 
 from spilld import cli
-from spilld.service import activation, install, units
+from spilld.service import activation, install, lifecycle, units
+from spilld.service.lifecycle import Progress
 from spilld.service.sdnotify import Notifier, notify_address, watchdog_interval
 from spilld.service.units import ServiceSpec
 from tests.daemons import cleanup, new_root
@@ -35,9 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def check_plist(job: dict[str, Any], home: str, deadline: float) -> None:
     assert job["Label"] == units.LABEL and job["RunAtLoad"] is True
     assert job["KeepAlive"] == {"SuccessfulExit": False}
-    assert job["ExitTimeOut"] > deadline
+    assert job["ExitTimeOut"] > deadline  # launchd cannot be asked for more time: the whole drain must fit
+    assert job["ThrottleInterval"] >= 30  # exit 2 is relaunched (launchd has no RestartPreventExitStatus): slowly
     assert "EnableTransactions" not in job
-    assert job["ProcessType"] in ("Background", "Adaptive")
+    assert job["ProcessType"] == "Standard"  # Background would throttle the I/O of the drain and of every save
     argv = job["ProgramArguments"]
     assert os.path.isabs(argv[0]) and argv[argv.index("--cap") + 1]
     assert float(argv[argv.index("--drain-deadline") + 1]) == deadline
@@ -100,8 +105,9 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path, spec: ServiceSpec) ->
     text = units.systemd_service(spec)
     for line in ("Type=notify", "NotifyAccess=main", "Restart=on-failure", "KillSignal=SIGTERM", "WatchdogSec="):
         assert line in text
-    stop = int(text.split("TimeoutStopSec=")[1].split("s")[0])
-    assert stop > spec.drain_deadline and f"--cap {spec.cap}" in text
+    stop = int(text.split("\nTimeoutStopSec=")[1].split("s")[0])
+    assert stop == units.SYSTEMD_STOP_S == 30 and f"--cap {spec.cap}" in text  # short: a drain asks for more
+    assert "\nTimeoutStartSec=" not in text  # the default: the scan asks for more time while it advances
     assert ("Requires=spilld.socket" in text) == spec.socket_activation
 
 
@@ -190,6 +196,58 @@ def test_systemd_fds_only_for_our_pid_and_the_variables_go() -> None:
     assert activation.systemd_fds({"LISTEN_FDS": "1"}) == []
     with pytest.raises(activation.ActivationError):
         activation.systemd_fds({"LISTEN_PID": "x", "LISTEN_FDS": "1"})
+
+
+def unused_fds(n: int) -> int:
+    """The first of ``n`` consecutive fd numbers (from 200) that are not open in this process."""
+    first = 200
+    while any(is_open(fd) for fd in range(first, first + n)):
+        first += n
+    return first
+
+
+def is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_several_systemd_fds_ours_is_picked_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    first = unused_fds(3)
+    monkeypatch.setattr(activation, "SD_LISTEN_FDS_START", first)  # where systemd would put them: 3, 4, 5
+    fds = list(range(first, first + 3))
+    try:
+        for i, s in enumerate(socks):
+            s.bind(str(tmp_path / f"{i}.sock"))
+            s.listen()
+            os.dup2(s.fileno(), fds[i], inheritable=True)
+        env = {"LISTEN_PID": "7", "LISTEN_FDS": "3", "LISTEN_FDNAMES": "metrics.socket:spilld.socket:admin"}
+        named = activation.systemd_fds(env, pid=7)
+        assert named == [(fds[0], "metrics.socket"), (fds[1], "spilld.socket"), (fds[2], "admin")]
+        assert all(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in fds)  # as sd_listen_fds leaves them
+        sock = activation.listener_from_fd(activation._pick(named))
+        assert sock.fileno() == fds[1] and activation.socket_path(sock) == str(tmp_path / "1.sock")
+        sock.detach()
+        assert activation._pick([(fds[0], "metrics"), (fds[1], "spilld")]) == fds[1]  # FileDescriptorName=spilld
+        for names in ("metrics:admin:other", "spilld.socket:spilld:other", ""):  # none ours, two ours, unnamed
+            env = {"LISTEN_PID": "7", "LISTEN_FDS": "3", "LISTEN_FDNAMES": names}
+            with pytest.raises(activation.ActivationError, match="not exactly one is named"):
+                activation._pick(activation.systemd_fds(env, pid=7))
+    finally:
+        for fd in fds:
+            if is_open(fd):
+                os.close(fd)
+        for s in socks:
+            s.close()
+
+
+def test_a_listen_fd_that_is_not_open_is_an_activation_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(activation, "SD_LISTEN_FDS_START", unused_fds(2))
+    with pytest.raises(activation.ActivationError, match="which is not open"):  # EBADF, which would exit 1
+        activation.systemd_fds({"LISTEN_PID": "7", "LISTEN_FDS": "2"}, pid=7)
 
 
 def test_listener_checks_what_it_inherits(tmp_path: Path) -> None:
@@ -325,10 +383,13 @@ def test_socket_activation_with_a_real_inherited_fd(root: str) -> None:
         assert pings.count("WATCHDOG=1") >= 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log_of(root)
-        notify.settimeout(0.5)
         rest = recv_all(notify, has("STOPPING=1"), timeout=10)
-        rest += recv_all(notify, has("EXTEND_TIMEOUT_USEC="), timeout=10)
+        notify.setblocking(False)
+        with contextlib.suppress(BlockingIOError):  # the daemon has exited: whatever it sent is here
+            while True:
+                rest.append(notify.recv(4096).decode())
         assert any(m.startswith("STOPPING=1\nSTATUS=stopping: 0 items") for m in rest), rest
+        assert not any("EXTEND_TIMEOUT_USEC" in m for m in rest), rest  # nothing to write: no more time asked
         assert os.path.exists(path)  # an inherited socket's path belongs to the manager: not unlinked
     finally:
         if proc.poll() is None:
@@ -337,14 +398,28 @@ def test_socket_activation_with_a_real_inherited_fd(root: str) -> None:
         notify.close()
 
 
-def test_a_wrong_inherited_socket_is_a_configuration_error(root: str) -> None:
-    dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+@pytest.mark.parametrize(
+    ("kind", "extra", "why"),
+    [
+        (socket.SOCK_DGRAM, {}, "not a listening Unix stream socket"),
+        # two fds announced, one passed: fd 4 is ours by name and not there (EBADF, or not a socket)
+        (socket.SOCK_STREAM, {"LISTEN_FDS": "2", "LISTEN_FDNAMES": "other:spilld.socket"}, "fd 4"),
+    ],
+    ids=["datagram", "missing-fd"],
+)
+def test_a_wrong_inherited_socket_is_a_configuration_error(
+    root: str, kind: socket.SocketKind, extra: dict[str, str], why: str
+) -> None:
+    sock = socket.socket(socket.AF_UNIX, kind)
+    if kind == socket.SOCK_STREAM:
+        sock.bind(os.path.join(root, "act.sock"))
+        sock.listen()
     try:
-        proc = start_activated(root, dgram, {})
-        assert proc.wait(120) == cli.EXIT_USAGE
+        proc = start_activated(root, sock, extra)
+        assert proc.wait(120) == cli.EXIT_USAGE, log_of(root)  # 2: RestartPreventExitStatus, not a restart loop
     finally:
-        dgram.close()
-    assert "not a listening Unix stream socket" in log_of(root)
+        sock.close()
+    assert why in log_of(root)
 
 
 # --- spilld service install / uninstall / status ----------------------------------------------
@@ -354,7 +429,15 @@ def test_install_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XDG_CONFIG_HOME"} | {"HOME": str(tmp_path)}
     for manager, want in (
         ("systemd", ["ExecStart=", "ListenStream=", "$ systemctl --user daemon-reload", "enable --now spilld.socket"]),
-        ("launchd", ["<key>ProgramArguments</key>", f"$ launchctl bootstrap gui/{os.getuid()}", "4GiB"]),
+        (
+            "launchd",
+            [
+                "<key>ProgramArguments</key>",
+                f"$ launchctl print gui/{os.getuid()}/{units.LABEL}  # again every 0.5 s until it fails",
+                f"$ launchctl bootstrap gui/{os.getuid()}",
+                "4GiB",
+            ],
+        ),
     ):
         r = subprocess.run(
             [sys.executable, "-m", "spilld", "service", "install", "--dry-run", "--manager", manager],
@@ -370,14 +453,57 @@ def test_install_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
 
 
 class FakeRunner:
-    def __init__(self, fail: Sequence[str] = ()) -> None:
-        self.calls: list[list[str]] = []
-        self.fail = fail
+    """launchctl and systemctl as a small state machine that answers as the real tools do. ``codes[verb]``
+    forces the exit codes of that verb's next calls; ``unloading``: how many ``launchctl print`` calls still
+    find a job after its bootout; ``hang``: a verb that runs past its timeout."""
 
-    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        self.calls.append(list(argv))
-        bad = any(word in argv for word in self.fail)
-        return subprocess.CompletedProcess(list(argv), 1 if bad else 0, "active\n", "refused" if bad else "")
+    def __init__(self, codes: dict[str, list[int]] | None = None, unloading: int = 0, hang: str = "") -> None:
+        self.calls: list[list[str]] = []
+        self.timeouts: list[float] = []
+        self.codes = {verb: list(rcs) for verb, rcs in (codes or {}).items()}
+        self.unloading, self.hang = unloading, hang
+        self.loaded, self.lingering = False, 0
+        self.enabled: set[str] = set()
+        self.active: set[str] = set()
+
+    def __call__(self, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        argv = list(argv)
+        self.calls.append(argv)
+        self.timeouts.append(timeout)
+        skip = 3 if argv[0] == "systemctl" else 2  # systemctl --user VERB ..., launchctl VERB ...
+        verb, args = argv[skip - 1], argv[skip:]
+        if verb == self.hang:
+            raise subprocess.TimeoutExpired(argv, timeout)
+        if self.codes.get(verb):
+            rc = self.codes[verb].pop(0)
+            return subprocess.CompletedProcess(argv, rc, "", f"{verb} failed: {rc}" if rc else "")
+        rc, out, err = self.answer(verb, args)
+        return subprocess.CompletedProcess(argv, rc, out, err)
+
+    def answer(self, verb: str, args: list[str]) -> tuple[int, str, str]:
+        names = {a for a in args if not a.startswith("--")}
+        if verb == "bootstrap":
+            if self.loaded or self.lingering:
+                return 5, "", "Bootstrap failed: 5: Input/output error"
+            self.loaded = True
+        elif verb == "bootout":
+            if not self.loaded:
+                return 113, "", "Boot-out failed: 113: Could not find specified service"
+            self.loaded, self.lingering = False, self.unloading
+        elif verb == "print":
+            if not (self.loaded or self.lingering):
+                return 113, "", f'Could not find service "{units.LABEL}" in domain for user gui: {os.getuid()}'
+            self.lingering = max(0, self.lingering - 1)
+            return 0, f"{args[0]} = {{\n\tstate = {'running' if self.loaded else 'exiting'}\n}}\n", ""
+        elif verb in ("enable", "disable"):
+            (self.enabled.update if verb == "enable" else self.enabled.difference_update)(names)
+            if "--now" in args:
+                (self.active.update if verb == "enable" else self.active.difference_update)(names)
+        elif verb == "is-enabled":
+            return (0, "enabled\n", "") if names <= self.enabled else (1, "disabled\n", "")
+        elif verb == "is-active":
+            return (0, "active\n", "") if names <= self.active else (3, "inactive\n", "")
+        return 0, "", ""
 
 
 @pytest.fixture
@@ -389,7 +515,7 @@ def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Fa
     return tmp_path, runner
 
 
-def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner]) -> None:
+def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]) -> None:
     home, runner = fake_home
     assert cli.main(["service", "install", "--manager", "systemd", "--cap", "8GiB", "--dir", "~/kv"]) == 0
     folder = home / ".config" / "systemd" / "user"
@@ -401,8 +527,11 @@ def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner]) -> No
         ["systemctl", "--user", "enable", "--now", "spilld.socket", "spilld.service"],
     ]
     runner.calls.clear()
+    capsys.readouterr()
     assert cli.main(["service", "status", "--manager", "systemd"]) == 0
     assert ["systemctl", "--user", "is-active", "spilld.service"] in runner.calls
+    out = capsys.readouterr().out
+    assert "spilld.socket: enabled, active" in out and "spilld.service: enabled, active" in out
     runner.calls.clear()
     assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
     assert list(folder.iterdir()) == []
@@ -410,7 +539,9 @@ def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner]) -> No
         ["systemctl", "--user", "disable", "--now", "spilld.service", "spilld.socket"],
         ["systemctl", "--user", "daemon-reload"],
     ]
-    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_UNREACHABLE  # files gone
+    capsys.readouterr()
+    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_UNREACHABLE  # files gone, stopped
+    assert "spilld.service: disabled, inactive" in capsys.readouterr().out
 
 
 def test_systemd_install_without_activation_drops_the_socket_unit(fake_home: tuple[Path, FakeRunner]) -> None:
@@ -421,9 +552,10 @@ def test_systemd_install_without_activation_drops_the_socket_unit(fake_home: tup
     assert sorted(p.name for p in folder.iterdir()) == ["spilld.service"]
     assert "Requires=spilld.socket" not in (folder / "spilld.service").read_text()
     assert runner.calls[-1] == ["systemctl", "--user", "enable", "--now", "spilld.service"]
+    assert runner.active == {"spilld.service"}  # the socket unit of the first install was stopped
 
 
-def test_launchd_install_and_uninstall(fake_home: tuple[Path, FakeRunner]) -> None:
+def test_launchd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]) -> None:
     home, runner = fake_home
     target = f"gui/{os.getuid()}/{units.LABEL}"
     assert cli.main(["service", "install", "--manager", "launchd", "--drain-deadline", "20"]) == 0
@@ -434,18 +566,89 @@ def test_launchd_install_and_uninstall(fake_home: tuple[Path, FakeRunner]) -> No
     assert (home / "Library" / "Logs" / "spilld").is_dir()
     assert (home / "Library" / "Application Support" / "spilld").stat().st_mode & 0o777 == 0o700
     assert runner.calls == [
-        ["launchctl", "bootout", target],
+        ["launchctl", "bootout", target],  # nothing loaded yet: fails, and may
+        ["launchctl", "print", target],  # fails at once: no old job to wait for
         ["launchctl", "enable", target],
         ["launchctl", "bootstrap", f"gui/{os.getuid()}", str(plist)],
     ]
+    capsys.readouterr()
+    assert cli.main(["service", "status", "--manager", "launchd"]) == 0
+    assert "launchd: loaded state = running" in capsys.readouterr().out
     runner.calls.clear()
     assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
     assert not plist.exists() and runner.calls == [["launchctl", "bootout", target]]
+    assert cli.main(["service", "status", "--manager", "launchd"]) == cli.EXIT_UNREACHABLE
+
+
+def launchd_reinstall(home: Path, runner: FakeRunner, deadline: float = 20) -> tuple[bool, list[float], str]:
+    """Install, then install again over it; the second install's verbs are left in ``runner.calls``."""
+    slept: list[float] = []
+    err = io.StringIO()
+    spec = ServiceSpec(drain_deadline=deadline)
+    assert install.apply(install.install_plan("launchd", spec, home), runner, err, sleep=slept.append)
+    runner.calls.clear()
+    ok = install.apply(install.install_plan("launchd", spec, home), runner, err, sleep=slept.append)
+    return ok, slept, err.getvalue()
+
+
+def verbs(runner: FakeRunner) -> list[str]:
+    return [argv[1] for argv in runner.calls]
+
+
+def test_launchd_reinstall_waits_until_the_old_job_has_unloaded(tmp_path: Path) -> None:
+    runner = FakeRunner(unloading=3)  # the bootout returns while the old job is still going
+    ok, slept, err = launchd_reinstall(tmp_path, runner)
+    assert ok, err
+    assert verbs(runner) == ["bootout", "print", "print", "print", "print", "enable", "bootstrap"]
+    assert slept == [install.POLL_S] * 3
+
+
+def test_launchd_bootstrap_is_retried_on_an_io_error(tmp_path: Path) -> None:
+    runner = FakeRunner(codes={"bootstrap": [0, 5, 5]})  # the first install's, then two "not yet"
+    ok, slept, err = launchd_reinstall(tmp_path, runner)
+    assert ok, err
+    assert verbs(runner) == ["bootout", "print", "enable", "bootstrap", "bootstrap", "bootstrap"]
+    assert slept == [install.RETRY_PAUSE_S] * 2
+    stuck = FakeRunner(codes={"bootstrap": [0, *[5] * 10]})
+    ok, slept, err = launchd_reinstall(tmp_path / "stuck", stuck)
+    assert not ok and verbs(stuck).count("bootstrap") == 1 + install.RETRIES and "failed (5)" in err
+
+
+def test_launchd_reinstall_gives_up_on_a_job_that_never_unloads(tmp_path: Path) -> None:
+    runner = FakeRunner(unloading=10**6)
+    ok, slept, err = launchd_reinstall(tmp_path, runner, deadline=5)
+    stop_s = units.stop_timeout_s(5)
+    assert not ok and "has not unloaded" in err and f"after {stop_s} s" in err
+    assert sum(slept) == pytest.approx(stop_s) and "bootstrap" not in verbs(runner)  # bounded, and no bootstrap
+
+
+def test_commands_may_run_as_long_as_the_longest_stop(fake_home: tuple[Path, FakeRunner]) -> None:
+    _, runner = fake_home
+    assert cli.main(["service", "install", "--manager", "systemd", "--drain-deadline", "300"]) == 0
+    longest = units.stop_timeout_s(300) + install.COMMAND_MARGIN_S
+    assert set(runner.timeouts) == {longest} and longest > 300
+    runner.timeouts.clear()
+    assert cli.main(["service", "install", "--manager", "systemd", "--drain-deadline", "10"]) == 0
+    assert set(runner.timeouts) == {longest}  # try-restart stops the installed daemon, whose deadline is 300 s
+    runner.timeouts.clear()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
+    assert set(runner.timeouts) == {units.stop_timeout_s(10) + install.COMMAND_MARGIN_S}  # read from the unit
+
+
+def test_a_command_that_hangs_is_a_clean_failure(
+    fake_home: tuple[Path, FakeRunner], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(install, "run_command", FakeRunner(hang="try-restart"))  # a step that may fail, even so
+    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_SERVICE
+    err = capsys.readouterr().err
+    assert "`systemctl --user try-restart spilld.service` did not finish within 180 s" in err
+    assert "Traceback" not in err
+    monkeypatch.setattr(install, "run_command", FakeRunner(hang="is-active"))
+    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_UNREACHABLE  # no answer: not active
 
 
 def test_a_refused_command_and_bad_options(fake_home: tuple[Path, FakeRunner], monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = FakeRunner(fail=["bootstrap"])
-    monkeypatch.setattr(install, "run_command", runner)
+    monkeypatch.setattr(install, "run_command", FakeRunner(codes={"bootstrap": [1]}))
     assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
     assert cli.main(["service", "install", "--manager", "systemd", "--cap", "lots"]) == cli.EXIT_USAGE
     assert cli.main(["service", "install", "--manager", "systemd", "--drain-deadline", "0"]) == cli.EXIT_USAGE
@@ -454,29 +657,115 @@ def test_a_refused_command_and_bad_options(fake_home: tuple[Path, FakeRunner], m
 # --- the lifecycle, in-process ------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_a_long_drain_keeps_extending_the_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from spilld.service import lifecycle
+class Recorder(Notifier):
+    """A notifier that also keeps every message, with the time it was sent."""
 
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.sent: list[tuple[float, str]] = []
+
+    def send(self, **fields: str | int) -> bool:
+        self.sent.append((time.monotonic(), "\n".join(f"{k}={v}" for k, v in fields.items())))
+        return super().send(**fields)
+
+    def messages(self, prefix: str = "") -> list[str]:
+        return [m for _, m in self.sent if m.startswith(prefix)]
+
+
+@pytest.mark.asyncio
+async def test_more_time_is_asked_only_while_the_work_advances(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lifecycle, "EXTEND_EVERY_S", 0.01)
+    rec = Recorder(str(tmp_path / "notify"))
+    life = lifecycle.Lifecycle(rec, watchdog_s=None)
+    looks = [
+        Progress((10, 1000), False, "10 left"),  # the first look: what the next is compared with
+        Progress((8, 800), False, "8 left"),
+        Progress((8, 800), True, "8 left, writing"),  # counts stand still, but a write is under way
+        Progress((8, 800), False, "8 left"),  # stalled
+        Progress((5, 500), False, "5 left"),
+    ]
+    seen, done = 0, asyncio.Event()
+
+    def probe() -> Progress:
+        nonlocal seen
+        seen += 1
+        if seen >= len(looks):
+            done.set()
+        return looks[min(seen, len(looks)) - 1]
+
+    async with life.extending(probe):  # no budget: the start-up scan
+        await asyncio.wait_for(done.wait(), timeout=60)
+    await life.close()
+    window = "EXTEND_TIMEOUT_USEC=15000000"
+    sent = rec.messages()
+    assert sent[:4] == [
+        f"{window}\nSTATUS=8 left",
+        f"{window}\nSTATUS=8 left, writing",
+        "STATUS=8 left (no progress: no more time asked)",
+        f"{window}\nSTATUS=5 left",
+    ]
+    assert all(m == "STATUS=5 left (no progress: no more time asked)" for m in sent[4:]), sent
+
+
+@pytest.mark.asyncio
+async def test_the_requests_never_reach_past_the_drain_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lifecycle, "EXTEND_EVERY_S", 0.05)
-    monkeypatch.setattr(lifecycle, "STOP_GRACE_S", 0.0)
-    r = receiver(str(tmp_path / "notify"))
-    life = lifecycle.Lifecycle(Notifier(str(tmp_path / "notify")), watchdog_s=0.05)
-    left = iter(range(100, 0, -1))
-    try:
-        life.start_watchdog()
-        async with life.extending_stop(0.3, lambda: f"{next(left)} items left"):
-            await asyncio.sleep(0.6)  # a drain that outlives its budget: the requests stop at the budget
-        await life.close()
-        r.setblocking(False)
-        got = []
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                got.append(r.recv(4096).decode())
-    finally:
-        r.close()
-    extends = [m for m in got if m.startswith("EXTEND_TIMEOUT_USEC=")]
-    assert 4 <= len(extends) <= 8, got  # every 50 ms within the 300 ms budget, none after
-    assert all(int(m.split("\n")[0].split("=")[1]) <= 300_000 for m in extends)  # never past the budget
-    assert extends[0].endswith("STATUS=100 items left") and "STATUS=99 items left" in extends[1]
-    assert got.count("WATCHDOG=1") >= 5
+    monkeypatch.setattr(lifecycle, "STOP_GRACE_S", 0.1)
+    rec = Recorder(str(tmp_path / "notify"))
+    life = lifecycle.Lifecycle(rec, watchdog_s=0.05)
+    left = itertools.count(1000, -1)
+    life.start_watchdog()
+    async with life.extending(lambda: Progress((next(left),), False, "draining"), budget_s=0.5):
+        ends = time.monotonic() + 0.5 + 0.1  # no earlier than the end of the budget and grace
+        await asyncio.sleep(1.5)  # a drain that outlives its budget, advancing all the while
+    await life.close()
+    extends = [(t, m) for t, m in rec.sent if m.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert extends, rec.sent  # at least one of the ~10 turns came, however busy the machine
+    usecs = [int(m.split("\n")[0].split("=")[1]) for _, m in extends]
+    assert all(m.endswith("\nSTATUS=draining") for _, m in extends)
+    assert usecs == sorted(usecs, reverse=True) and usecs[0] <= 600_000  # each asks only for what is left
+    assert all(t + usec / 1e6 <= ends + 0.01 for (t, _), usec in zip(extends, usecs, strict=True))
+    assert len(rec.messages("WATCHDOG=1")) >= 2  # the watchdog is a separate task and keeps going
+
+
+@pytest.mark.asyncio
+async def test_the_daemon_asks_for_time_while_it_scans_and_while_it_drains(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spilld.config import Config
+    from spilld.daemon import Daemon
+    from spilld.queue import DrainReport
+
+    monkeypatch.setattr(lifecycle, "EXTEND_EVERY_S", 0.02)
+    cfg = Config(
+        cap=2**20,
+        disk_cap=2**30,
+        dir=os.path.join(root, "store"),
+        socket=os.path.join(root, "run", "spilld.sock"),
+        drain_deadline=30,
+    )
+    d = Daemon(cfg)
+    rec = Recorder(os.path.join(root, "notify"))
+    d.service = lifecycle.Lifecycle(rec, watchdog_s=None)
+
+    def slow_scan() -> int:  # a big store: files keep turning up for a while
+        for _ in range(10):
+            time.sleep(0.04)
+            d.store.counters.reaped_temp += 1
+        return 0
+
+    async def slow_close(timeout: float | None = None) -> DrainReport:  # one long write, counts standing still
+        d.writing += 1
+        await asyncio.sleep(0.4)
+        d.writing -= 1
+        return DrainReport(done=True, pending_items=0, pending_bytes=0)
+
+    monkeypatch.setattr(d.store, "scan", slow_scan)
+    monkeypatch.setattr(d.queue, "close", slow_close)
+    await d.start()
+    assert await d.stop() == 0
+    sent = rec.messages()
+    first = lambda prefix: next(i for i, m in enumerate(sent) if m.startswith(prefix))  # noqa: E731
+    scanning, ready = first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=scanning: 0 entries"), first("READY=1")
+    stopping, draining = first("STOPPING=1"), first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=stopping: 0 items")
+    assert scanning < ready < stopping < draining, sent

@@ -3,15 +3,22 @@
 Each action is first built as a :class:`Plan` (files to write or remove, commands to run); ``--dry-run``
 prints the plan, otherwise it is carried out. Commands go through a runner so tests can see them without
 running ``launchctl`` or ``systemctl``.
+
+A command that stops the daemon (``bootout``, ``disable --now``, ``try-restart``) waits for its drain, so
+commands may run as long as the longest stop plus a margin for the start. One that runs longer is a failure
+like a refused command: a message, and ``spilld service`` exits 6.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import plistlib
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +28,22 @@ from . import units
 from .units import ServiceSpec
 
 Manager = Literal["launchd", "systemd"]
-Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+# (argv, timeout in seconds) -> the finished command; raises subprocess.TimeoutExpired past the timeout
+Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess[str]]
+
+# A command may run the longest stop plus this: `try-restart` and `enable --now` also wait for the start,
+# which ends at READY=1, after the index scan (TimeoutStartSec= is 90 s by default).
+COMMAND_MARGIN_S = 90
+QUERY_TIMEOUT_S = 30  # `launchctl print`, `systemctl is-active`: nothing to wait for
+POLL_S = 0.5  # between looks at a job that is still unloading
+RETRIES = 4  # more tries of a step whose exit code says "not yet" (bootstrap's 5 while the old job unloads)
+RETRY_PAUSE_S = 1.0
 
 
-def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+def run_command(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """The real runner: run a command, capture its output; a missing program reads as exit 127."""
     try:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=120)
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as exc:
         return subprocess.CompletedProcess(list(argv), 127, "", str(exc))
 
@@ -40,10 +56,15 @@ def default_manager() -> Manager | None:
 
 @dataclass
 class Step:
-    """One command; a step that may fail (unloading what is not loaded) does not stop the plan."""
+    """One command. ``may_fail``: its failure does not stop the plan (unloading what is not loaded).
+    ``until_fails``: run it every POLL_S until it fails, for at most the plan's ``stop_s`` (a job's
+    ``launchctl print``, until the job is gone). ``retry_on``: exit codes after which it is tried again,
+    up to RETRIES more times."""
 
     argv: list[str]
     may_fail: bool = False
+    until_fails: bool = False
+    retry_on: tuple[int, ...] = ()
 
 
 @dataclass
@@ -53,6 +74,11 @@ class Plan:
     folders: list[Path] = field(default_factory=list)  # created 0700 before anything runs
     before: list[Step] = field(default_factory=list)  # run before the files change
     after: list[Step] = field(default_factory=list)  # run after
+    stop_s: float = units.stop_timeout_s(units.DRAIN_DEADLINE_S)  # the longest a stop of the daemon may take
+
+    @property
+    def command_timeout_s(self) -> float:
+        return self.stop_s + COMMAND_MARGIN_S
 
 
 def config_home(home: Path) -> Path:
@@ -77,16 +103,43 @@ def installed_files(manager: Manager, home: Path) -> list[Path]:
     return [unit_dir(home) / units.SERVICE_NAME, unit_dir(home) / units.SOCKET_NAME]
 
 
+def _drain_deadline(manager: Manager, path: Path) -> float:
+    """The ``--drain-deadline`` an installed plist or unit passes to the daemon."""
+    if manager == "launchd":
+        argv = [str(a) for a in plistlib.loads(path.read_bytes())["ProgramArguments"]]
+    else:
+        argv = next(ln for ln in path.read_text().splitlines() if ln.startswith("ExecStart=")).split()
+    return float(argv[argv.index("--drain-deadline") + 1])
+
+
+def installed_stop_s(manager: Manager, home: Path) -> float:
+    """The longest stop of the installed daemon (what a command that stops it may have to wait)."""
+    try:
+        deadline = _drain_deadline(manager, installed_files(manager, home)[0])
+    except Exception:  # not installed, or a file we did not write: the default deadline
+        deadline = units.DRAIN_DEADLINE_S
+    return units.stop_timeout_s(deadline)
+
+
 def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     """Files and commands that install the service and start it."""
+    stop_s = max(spec.stop_timeout_s, installed_stop_s(manager, home))  # a reinstall stops the old daemon
     if manager == "launchd":
         plist = plist_path(home)
         target = f"{_domain()}/{units.LABEL}"
         return Plan(
             write={plist: units.launchd_plist(spec, home)},
             folders=[units.launchd_log(home).parent, Path(units.launchd_socket(spec, home)).parent],
-            before=[Step(["launchctl", "bootout", target], may_fail=True)],  # a reinstall replaces the old job
-            after=[Step(["launchctl", "enable", target]), Step(["launchctl", "bootstrap", _domain(), str(plist)])],
+            before=[
+                Step(["launchctl", "bootout", target], may_fail=True),  # a reinstall replaces the old job
+                # the old job may still be unloading, and a bootstrap meanwhile fails with 5 (I/O error)
+                Step(["launchctl", "print", target], until_fails=True),
+            ],
+            after=[
+                Step(["launchctl", "enable", target]),
+                Step(["launchctl", "bootstrap", _domain(), str(plist)], retry_on=(5,)),
+            ],
+            stop_s=stop_s,
         )
     folder = unit_dir(home)
     write = {folder / units.SERVICE_NAME: units.systemd_service(spec)}
@@ -106,20 +159,23 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
             Step(["systemctl", "--user", "try-restart", units.SERVICE_NAME], may_fail=True),
             Step(["systemctl", "--user", "enable", "--now", *names]),
         ],
+        stop_s=stop_s,
     )
 
 
 def uninstall_plan(manager: Manager, home: Path) -> Plan:
     """Commands that stop and disable the service (the daemon drains), then the files go."""
-    files = installed_files(manager, home)
+    files, stop_s = installed_files(manager, home), installed_stop_s(manager, home)
     if manager == "launchd":
-        return Plan(remove=files, before=[Step(["launchctl", "bootout", f"{_domain()}/{units.LABEL}"], may_fail=True)])
+        target = f"{_domain()}/{units.LABEL}"
+        return Plan(remove=files, before=[Step(["launchctl", "bootout", target], may_fail=True)], stop_s=stop_s)
     return Plan(
         remove=files,
         before=[
             Step(["systemctl", "--user", "disable", "--now", units.SERVICE_NAME, units.SOCKET_NAME], may_fail=True)
         ],
         after=[Step(["systemctl", "--user", "daemon-reload"], may_fail=True)],
+        stop_s=stop_s,
     )
 
 
@@ -136,15 +192,45 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _run_steps(steps: list[Step], runner: Runner, err: TextIO) -> bool:
+def _run_step(step: Step, plan: Plan, runner: Runner, sleep: Callable[[float], None]) -> str | None:
+    """Carry out one step: None, or why it failed."""
+    timeout = plan.command_timeout_s
+    if step.until_fails:
+        for _ in range(math.ceil(plan.stop_s / POLL_S)):
+            if runner(step.argv, timeout).returncode != 0:
+                return None
+            sleep(POLL_S)
+        return f"still finds the job after {plan.stop_s:g} s: it has not unloaded"
+    r = runner(step.argv, timeout)
+    for _ in range(RETRIES if step.retry_on else 0):
+        if r.returncode not in step.retry_on:
+            break
+        sleep(RETRY_PAUSE_S)
+        r = runner(step.argv, timeout)
+    if r.returncode == 0 or step.may_fail:
+        return None
+    return f"failed ({r.returncode}): {(r.stderr or r.stdout).strip()}"
+
+
+def _run_steps(steps: list[Step], plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None]) -> bool:
     for step in steps:
-        r = runner(step.argv)
-        if r.returncode != 0 and not step.may_fail:
-            print(
-                f"spilld: `{shlex.join(step.argv)}` failed ({r.returncode}): {(r.stderr or r.stdout).strip()}", file=err
-            )
+        try:
+            why = _run_step(step, plan, runner, sleep)
+        except subprocess.TimeoutExpired as exc:  # even for a step that may fail: the stop is still under way
+            why = f"did not finish within {exc.timeout:g} s (a stop waits for the drain): see `spilld service status`"
+        if why is not None:
+            print(f"spilld: `{shlex.join(step.argv)}` {why}", file=err)
             return False
     return True
+
+
+def _show_step(step: Step, plan: Plan, out: TextIO) -> None:
+    note = ""
+    if step.until_fails:
+        note = f"  # again every {POLL_S:g} s until it fails, for at most {plan.stop_s:g} s"
+    elif step.retry_on:
+        note = f"  # again on exit {', '.join(map(str, step.retry_on))}, up to {RETRIES} times"
+    print(f"$ {shlex.join(step.argv)}{note}", file=out)
 
 
 def show(plan: Plan, out: TextIO) -> None:
@@ -152,27 +238,28 @@ def show(plan: Plan, out: TextIO) -> None:
     for folder in plan.folders:
         print(f"# create folder {folder} (0700)", file=out)
     for step in plan.before:
-        print(f"$ {shlex.join(step.argv)}", file=out)
+        _show_step(step, plan, out)
     for path, text in plan.write.items():
         print(f"# write {path}\n{text.rstrip()}\n", file=out)
     for path in plan.remove:
         print(f"# remove {path}", file=out)
     for step in plan.after:
-        print(f"$ {shlex.join(step.argv)}", file=out)
+        _show_step(step, plan, out)
+    print(f"# each command may run {plan.command_timeout_s:g} s (a stop waits for the daemon's drain)", file=out)
 
 
-def apply(plan: Plan, runner: Runner, err: TextIO) -> bool:
-    """Carry the plan out; False (with a message) when a command that must succeed failed."""
+def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Carry the plan out; False (with a message) when a command that must succeed failed or timed out."""
     for folder in plan.folders:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder.chmod(0o700)  # an existing folder too: the socket's folder is what keeps other users out
-    if not _run_steps(plan.before, runner, err):
+    if not _run_steps(plan.before, plan, runner, err, sleep):
         return False
     for path, text in plan.write.items():
         _write_atomic(path, text)
     for path in plan.remove:
         path.unlink(missing_ok=True)
-    return _run_steps(plan.after, runner, err)
+    return _run_steps(plan.after, plan, runner, err, sleep)
 
 
 @dataclass
@@ -186,17 +273,25 @@ class Status:
         return any(self.files.values())
 
 
+def _ask(runner: Runner, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """A query; one that hangs reads as a failure with no answer."""
+    try:
+        return runner(argv, QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"no answer within {QUERY_TIMEOUT_S} s")
+
+
 def status(manager: Manager, home: Path, runner: Runner) -> Status:
     """Which files are in place and whether the manager has the job loaded (asks, changes nothing)."""
     files = {p: p.exists() for p in installed_files(manager, home)}
     if manager == "launchd":
-        r = runner(["launchctl", "print", f"{_domain()}/{units.LABEL}"])
+        r = _ask(runner, ["launchctl", "print", f"{_domain()}/{units.LABEL}"])
         state = next((ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("state =")), "")
         return Status(files, r.returncode == 0, [f"launchd: {'loaded' if r.returncode == 0 else 'not loaded'} {state}"])
     detail, active = [], False
     for unit in (units.SOCKET_NAME, units.SERVICE_NAME):
-        enabled = runner(["systemctl", "--user", "is-enabled", unit]).stdout.strip() or "unknown"
-        state = runner(["systemctl", "--user", "is-active", unit]).stdout.strip() or "unknown"
+        enabled = _ask(runner, ["systemctl", "--user", "is-enabled", unit]).stdout.strip() or "unknown"
+        state = _ask(runner, ["systemctl", "--user", "is-active", unit]).stdout.strip() or "unknown"
         active = active or state == "active"
         detail.append(f"{unit}: {enabled}, {state}")
     return Status(files, active, detail)

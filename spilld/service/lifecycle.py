@@ -1,4 +1,4 @@
-"""What the daemon tells its service manager as it runs: ready, alive (watchdog), stopping, still draining.
+"""What the daemon tells its service manager as it runs: ready, alive (watchdog), stopping, still working.
 
 All of it goes through :class:`~spilld.service.sdnotify.Notifier`, so outside systemd every call is a no-op.
 """
@@ -8,16 +8,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from .sdnotify import Notifier, watchdog_interval
 
 log = logging.getLogger("spilld.service")
 
-EXTEND_EVERY_S = 5.0  # how often a draining stop asks for more time
-EXTEND_WINDOW_S = 15.0  # each request covers three periods, so one late turn of the loop is no harm
+EXTEND_EVERY_S = 5.0  # how often slow work (the start-up scan, a drain) is checked for progress
+EXTEND_WINDOW_S = 15.0  # what one request asks for: three checks, so one late turn of the loop is no harm
 STOP_GRACE_S = 10.0  # after the drain deadline: answering commits, closing clients, the last log line
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One look at slow work. ``marks`` change as it advances (items and bytes left, entries found);
+    ``busy`` says that a step of it (one write) is under way; ``status`` is its STATUS= line."""
+
+    marks: tuple[int, ...]
+    busy: bool
+    status: str
+
+    def advanced_since(self, before: Progress) -> bool:
+        return self.busy or self.marks != before.marks
 
 
 class Lifecycle:
@@ -50,14 +65,15 @@ class Lifecycle:
         self.notifier.stopping(status)
 
     @contextlib.asynccontextmanager
-    async def extending_stop(self, budget_s: float, progress: Callable[[], str]) -> AsyncIterator[None]:
-        """While the body runs (the drain), keep asking for a little more stop time, at most until
-        ``budget_s`` plus a grace has passed; ``progress`` gives the STATUS line of each request."""
+    async def extending(self, probe: Callable[[], Progress], budget_s: float | None = None) -> AsyncIterator[None]:
+        """While the body runs, look at ``probe`` every EXTEND_EVERY_S; if the work advanced since the last
+        look, ask systemd for EXTEND_WINDOW_S more (EXTEND_TIMEOUT_USEC), never past ``budget_s`` plus
+        STOP_GRACE_S. Work that stalls asks for nothing, so the unit's own timeout (TimeoutStartSec=,
+        TimeoutStopSec=) ends it at most one window after its last request."""
         task = None
         if self.notifier.enabled:
-            until = time.monotonic() + budget_s + STOP_GRACE_S
-            self._extend_once(until, progress)  # now, not on the task's first turn: a short drain never gives it one
-            task = asyncio.get_running_loop().create_task(self._extend(until, progress))
+            until = math.inf if budget_s is None else time.monotonic() + budget_s + STOP_GRACE_S
+            task = asyncio.get_running_loop().create_task(self._extend(probe, until))
         try:
             yield
         finally:
@@ -66,16 +82,19 @@ class Lifecycle:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    def _extend_once(self, until: float, progress: Callable[[], str]) -> None:
-        """Ask for one window more, never past the end of the budget."""
-        left = until - time.monotonic()
-        if left > 0:
-            self.notifier.extend_timeout(min(EXTEND_WINDOW_S, left), progress())
-
-    async def _extend(self, until: float, progress: Callable[[], str]) -> None:
-        while (left := until - time.monotonic()) > 0:
-            await asyncio.sleep(min(EXTEND_EVERY_S, left))
-            self._extend_once(until, progress)
+    async def _extend(self, probe: Callable[[], Progress], until: float) -> None:
+        last = probe()
+        while True:
+            await asyncio.sleep(EXTEND_EVERY_S)
+            left = until - time.monotonic()
+            if left <= 0:
+                return  # the budget is spent: what the manager granted so far is all there is
+            now = probe()
+            if now.advanced_since(last):
+                self.notifier.extend_timeout(min(EXTEND_WINDOW_S, left), now.status)
+            else:
+                self.notifier.status(f"{now.status} (no progress: no more time asked)")
+            last = now
 
     async def close(self) -> None:
         if self._watchdog is not None:

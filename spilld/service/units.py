@@ -15,13 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .lifecycle import EXTEND_EVERY_S, EXTEND_WINDOW_S, STOP_GRACE_S
+
 LABEL = "dev.spilld"
 PLIST_NAME = f"{LABEL}.plist"
 SERVICE_NAME = "spilld.service"
 SOCKET_NAME = "spilld.socket"
 LAUNCHD_SOCKET_KEY = "spilld"  # what the daemon asks launch_activate_socket for
-STOP_MARGIN_S = 30  # stop timeouts exceed the drain deadline by this much
+STOP_MARGIN_S = 30  # launchd's ExitTimeOut exceeds the drain deadline by this much
+SYSTEMD_STOP_S = 30  # TimeoutStopSec=: short, since a drain that is still writing asks for more (EXTEND_TIMEOUT_USEC)
+THROTTLE_S = 30  # launchd starts the job at most this often (its default, 10 s, is a relaunch loop on a bad option)
 WATCHDOG_S = 30
+DRAIN_DEADLINE_S = 60.0  # the daemon's own default
 SYSTEMD_SOCKET = "%t/spilld/spilld.sock"  # %t is $XDG_RUNTIME_DIR, the daemon's own default folder
 
 
@@ -42,7 +47,7 @@ class ServiceSpec:
     cap: str = "4GiB"
     dir: str | None = None
     socket: str | None = None  # None: the daemon's default (and %t/spilld/spilld.sock for systemd's socket unit)
-    drain_deadline: float = 60.0
+    drain_deadline: float = DRAIN_DEADLINE_S
     socket_activation: bool = True
 
     def argv(self) -> list[str]:
@@ -56,8 +61,13 @@ class ServiceSpec:
 
     @property
     def stop_timeout_s(self) -> int:
-        """What the service manager waits after SIGTERM before SIGKILL: the drain deadline and a margin."""
-        return math.ceil(self.drain_deadline) + STOP_MARGIN_S
+        return stop_timeout_s(self.drain_deadline)
+
+
+def stop_timeout_s(drain_deadline: float) -> int:
+    """launchd's ExitTimeOut (SIGTERM to SIGKILL): the drain deadline and a margin. It is also the longest a
+    stop takes under systemd, whose extensions end at the deadline plus STOP_GRACE_S."""
+    return math.ceil(drain_deadline) + STOP_MARGIN_S
 
 
 # --- launchd -----------------------------------------------------------------------------------
@@ -80,8 +90,12 @@ def launchd_job(spec: ServiceSpec, home: Path) -> dict[str, Any]:
         "RunAtLoad": True,
         "KeepAlive": {"SuccessfulExit": False},  # restart after a crash, never after a clean stop
         "ExitTimeOut": spec.stop_timeout_s,  # SIGTERM to SIGKILL: the daemon drains within its deadline first
-        # Background: the engines own the machine; spilld's writes should yield to them (see docs/design.md).
-        "ProcessType": "Background",
+        # launchd has no RestartPreventExitStatus: a job that exits 2 (bad options) is started again, at most
+        # once per ThrottleInterval.
+        "ThrottleInterval": THROTTLE_S,
+        # Standard, not Background: Background throttles I/O all the time (more shedding) and slows the drain
+        # that must end within ExitTimeOut. The writer threads run at nice 10 instead.
+        "ProcessType": "Standard",
         "StandardOutPath": log,
         "StandardErrorPath": log,
         "EnvironmentVariables": {"PYTHONUNBUFFERED": "1"},
@@ -112,9 +126,13 @@ Type=notify
 NotifyAccess=main
 ExecStart=${exec_start}
 KillSignal=SIGTERM
-# SIGTERM makes the daemon drain its queue within --drain-deadline; this adds a margin before SIGKILL
-# (a long drain also asks for more time with EXTEND_TIMEOUT_USEC).
+# On SIGTERM the daemon writes out its queue within --drain-deadline. TimeoutStopSec= is short, so a hung
+# daemon is killed soon. A drain that advances asks for more: every ${every} s, if the items or bytes left
+# have fallen or a write is under way, EXTEND_TIMEOUT_USEC asks for ${window} s from then, never past the
+# deadline + ${grace} s. SIGKILL comes at the later of TimeoutStopSec= and the end of the last request.
 TimeoutStopSec=${stop_timeout}s
+# READY=1 comes after the index scan. A scan that advances asks for more time the same way (no cap), so a
+# big store does not run into TimeoutStartSec= (90 s by default); a scan that stalls does.
 WatchdogSec=${watchdog}s
 Restart=on-failure
 RestartSec=2s
@@ -167,7 +185,10 @@ def systemd_service(spec: ServiceSpec) -> str:
     return SERVICE_TEMPLATE.substitute(
         socket_deps=f"Requires={SOCKET_NAME}\nAfter={SOCKET_NAME}\n" if activation else "",
         exec_start=" ".join(systemd_quote(a) for a in spec.argv()),
-        stop_timeout=spec.stop_timeout_s,
+        stop_timeout=SYSTEMD_STOP_S,
+        every=f"{EXTEND_EVERY_S:g}",
+        window=f"{EXTEND_WINDOW_S:g}",
+        grace=f"{STOP_GRACE_S:g}",
         watchdog=WATCHDOG_S,
         also=f"Also={SOCKET_NAME}\n" if activation else "",
     )
