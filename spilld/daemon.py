@@ -172,7 +172,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         for sp in self.spills.values():
-            self.daemon.receiving -= sp.nbytes
+            self.daemon.forget_incoming(sp)
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
         self.daemon.connections.discard(self)
         if not self.closed.done():
@@ -257,8 +257,8 @@ class Connection(asyncio.BufferedProtocol):
             result = await handler(self, msg.params, msg.msgid)
         except errors.SpillError as exc:
             self._respond(msg.msgid, error=exc)
-        except (KeyError, TypeError, ValueError) as exc:
-            self._respond(msg.msgid, error=P.BadParams(f"{msg.method}: {exc!r}"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # params of the wrong shape
+            self._respond(msg.msgid, error=P.BadParams(f"{msg.method}: {exc!r}"[: P.MAX_ERROR_MESSAGE]))
         except Exception as exc:  # a bug must not take the daemon down
             log.exception("client %d: %s failed", self.id, msg.method)
             self._respond(msg.msgid, error=errors.SpillError(f"internal error: {exc!r}"))
@@ -339,6 +339,7 @@ class Daemon:
         self.lease = NoLease()
         self.connections: set[Connection] = set()
         self.receiving = 0  # bytes declared by spills being received (not yet in the queue)
+        self.reserved = 0  # of those, the non-droppable ones: queue room held for their commit
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
         self.stopping = asyncio.Event()
@@ -469,17 +470,27 @@ class Daemon:
         sid = next(conn._spill_ids)
         conn.spills[sid] = sp
         self.receiving += sp.nbytes
+        if not droppable:  # its room is held from now, so the commit of its last byte is never refused
+            self.reserved += sp.nbytes
         return {"spill": sid, "tensors": len(slots), "bytes": sp.nbytes}
 
     def _fits(self, nbytes: int) -> bool:
         # An empty queue takes any one item (a soft cap), so an item larger than the cap still goes out.
-        return self.queue.pending_items == 0 or self.queue.would_fit(nbytes)
+        if self.queue.pending_items == 0 and self.reserved == 0:
+            return True
+        return self.queue.would_fit(self.reserved + nbytes)
+
+    def forget_incoming(self, sp: _Incoming) -> None:
+        """A spill being received ends (committed, aborted, or its client gone): release what it held."""
+        self.receiving -= sp.nbytes
+        if not sp.droppable:
+            self.reserved -= sp.nbytes
 
     async def _commit(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         sp = conn.spills.pop(int(p["spill"]), None)
         if sp is None:
             raise P.BadParams("no such spill")
-        self.receiving -= sp.nbytes  # from here the queue counts it
+        self.forget_incoming(sp)  # from here the queue counts it
         if sp.error is not None or not sp.complete():
             if sp.shm_names:
                 conn.send(P.notification("shm_free", {"names": sp.shm_names}))
@@ -497,10 +508,6 @@ class Daemon:
                 "shm": (conn, sp.shm_names),
             },
         )
-        if not sp.droppable and not self._fits(sp.nbytes):
-            if sp.shm_names:
-                conn.send(P.notification("shm_free", {"names": sp.shm_names}))
-            raise P.Busy("queue full; retry later")
         settled = await self.queue.enqueue(item)
         out: dict[str, Any] = {"outcome": settled.outcome.value}
         if settled.outcome is Outcome.STORED:
@@ -517,7 +524,7 @@ class Daemon:
     async def _abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> None:
         sp = conn.spills.pop(int(p["spill"]), None)
         if sp is not None:
-            self.receiving -= sp.nbytes
+            self.forget_incoming(sp)
         if sp is not None and sp.shm_names:
             conn.send(P.notification("shm_free", {"names": sp.shm_names}))
 

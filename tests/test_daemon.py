@@ -179,9 +179,12 @@ def test_bad_clients_get_typed_errors_and_others_are_served(daemon: Daemon) -> N
     ok = b"".join(bytes(b) for b in P.request(1, "hello", {"version": 1})) + b"".join(
         bytes(b) for b in P.request(2, "nope", {})
     )
-    msgs = P.FrameDecoder().feed(raw(ok + b"".join(bytes(b) for b in P.request(3, "lookup", {"bad": 1}))))
+    wrong_shape = {"identity": [1], "namespace": "", "tokens": b"", "codec_provider": "x"}  # a list, not a map
+    more = P.request(3, "lookup", {"bad": 1}) + P.request(4, "lookup", wrong_shape)
+    msgs = P.FrameDecoder().feed(raw(ok + b"".join(bytes(b) for b in more)))
     codes = {m.msgid: (m.error or {}).get("code") for m in msgs if m.kind == P.RESPONSE}
-    assert codes == {1: None, 2: "unknown_method", 3: "bad_params"}
+    assert codes == {1: None, 2: "unknown_method", 3: "bad_params", 4: "bad_params"}
+    assert "Traceback" not in daemon.read_log()  # a client's mistake is not logged as the daemon's bug
     # the daemon still serves a well-behaved client
     assert daemon.cli("status", "--socket", daemon.socket).returncode == 0
 
@@ -277,6 +280,9 @@ def test_busy_for_non_droppable_items_over_the_cap() -> None:
         wait(1)
         send(P.request(2, "spill", {"header": header.to_wire(), "droppable": False}))
         sid = wait(2).result["spill"]
+        send(P.request(10, "spill", {"header": header.to_wire(), "droppable": False}))
+        err = wait(10).error  # the first one's room is held: a second is refused before it sends a byte,
+        assert err is not None and err["code"] == "busy"  # never at its commit, after all of them
         for i, data in enumerate(tensors):
             send(P.notification("put", {"spill": sid, "index": i, "offset": 0}, data))
         # commit the first and ask for a second in one write: the queue holds 2 MiB when the second is weighed
