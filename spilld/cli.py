@@ -31,7 +31,7 @@ EPILOG = """exit codes:
   3  timeout: drain (or a stop) left work unfinished
   4  the daemon cannot be reached
   5  another daemon already serves this socket
-  6  service: launchctl or systemctl refused a command
+  6  service: launchctl or systemctl refused a command, or did not finish in time
 """
 
 
@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-deadline",
         type=float,
         default=60.0,
-        help="the daemon's --drain-deadline; the manager's stop timeout is this plus 30 s (default 60)",
+        help="the daemon's --drain-deadline (default 60); launchd's ExitTimeOut is this plus 30 s, systemd's stop "
+        "timeout is 30 s, extended by the daemon while its drain advances",
     )
     svc.add_argument(
         "--socket-activation",
