@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from . import errors
 
@@ -26,6 +27,7 @@ FRAME_HEAD = struct.Struct("<II")
 # Limits. Each has its own error and a test that hits it.
 MAX_MSG_BYTES = 4 * 1024 * 1024  # a spill's header (tokens included) must fit here
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # one frame's raw bytes; bigger tensors come in several frames
+UNZEROED_MIN_BYTES = 64 * 1024  # frame parts this large are allocated without zero-filling
 MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
 MAX_NESTING = 32  # msgpack container depth
 MAX_METHOD_LEN = 64
@@ -150,7 +152,7 @@ class FrameDecoder:
     def __init__(self, max_msg: int = MAX_MSG_BYTES, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
         self.max_msg, self.max_payload = max_msg, max_payload
         self._raw: Any = None  # None: reading a frame head; _UNSET: reading the msgpack part; else decoded
-        self._buf = bytearray(FRAME_HEAD.size)  # the part being filled
+        self._buf: bytearray | memoryview = bytearray(FRAME_HEAD.size)  # the part being filled
         self._n = 0
         self._plen = 0
         self._out: list[Message] = []
@@ -206,9 +208,11 @@ class FrameDecoder:
             self._emit(self._raw, self._buf)
 
     def _start(self, size: int) -> None:
-        self._buf, self._n = bytearray(size), 0
+        # Payloads are filled by the socket: no need to zero them first (a memset of every byte received).
+        self._buf = bytearray(size) if size < UNZEROED_MIN_BYTES else np.empty(size, np.uint8).data
+        self._n = 0
 
-    def _emit(self, raw: Any, payload: bytearray | bytes) -> None:
+    def _emit(self, raw: Any, payload: bytes | bytearray | memoryview) -> None:
         self._raw, self._plen = None, 0
         self._start(FRAME_HEAD.size)
         self._out.append(_message(raw, payload))

@@ -3,8 +3,10 @@
     python scripts/bench/daemon_load.py ingest --json bench-out/ingest.json
     python scripts/bench/daemon_load.py rss --seconds 60 --cap 512MiB --json bench-out/rss.json
 
-ingest: one client ships 256 MiB items (inline frames) to a daemon writing to disk (durability fsync) and to one
-writing to tmpfs with durability none (the socket path alone); GB/s = bytes stored / wall time.
+ingest: one client ships 256 MiB items, through shared memory or inline frames, to a daemon writing to disk
+(durability fsync) and to one writing to tmpfs with durability none (the socket path alone); GB/s = bytes stored /
+wall time. A first arm writes the same bytes with Store.put in this process (no socket): the daemon's own write
+path on this disk, measured side by side, the ceiling ingest is compared with.
 rss: several producer connections ship droppable 64 MiB items as fast as they can for a while; the daemon's RSS
 is sampled every 0.2 s. Growth over the idle daemon's RSS is compared with cap + largest item + 64 MiB.
 """
@@ -26,8 +28,13 @@ from mlx_lm.models import cache as C
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import spilld
+from spilld import format as fmt
 from spilld.client import AsyncClient
+from spilld.codecs import default_provider
 from spilld.config import parse_size
+from spilld.saver import BytesSource, TensorBytes
+from spilld.spiller import new_item, planned
+from spilld.store import Store
 from tests.daemons import Daemon, cleanup, new_root
 
 MiB = 1024 * 1024
@@ -123,11 +130,30 @@ async def rss(d: Daemon, seconds: float, item_bytes: int, producers: int) -> dic
     }
 
 
+async def write_path(root: str, item_bytes: int, items: int) -> dict[str, Any]:
+    """The daemon's write path without the socket: ``Store.put`` of the same bytes, fsync, in this process."""
+    store = Store(root, durability="fsync")
+    cs = caches(item_bytes)
+    header, sources = planned(new_item(spilld.Identity("ingest"), default_provider(), list(range(4096)), cs))
+    chunks: list[list[bytes | bytearray | memoryview]] = [[b"".join(bytes(r) for r in TensorBytes(i, s, src, None).runs_now())] for i, (s, src) in
+              enumerate(zip(header.slots(), sources, strict=True))]  # fmt: skip
+    t0 = time.perf_counter()
+    for _ in range(items):
+        h = fmt.header_from_wire(header.to_wire())
+        srcs: list[Any] = [BytesSource(c, s.shape) for c, s in zip(chunks, h.slots(), strict=True)]
+        await store.put([], [], h.identity, planned=(h, srcs))
+    wall = time.perf_counter() - t0
+    return {"items": items, "stored": items, "bytes": items * item_bytes, "wall_s": wall,
+            "GBps": items * item_bytes / wall / 1e9}  # fmt: skip
+
+
 def d_cap(d: Daemon) -> int:
     return parse_size(d.args[d.args.index("--cap") + 1])
 
 
+WRITE_PATH = "disk, fsync, Store.put in-process"
 ARMS = [
+    (WRITE_PATH, [], None, False),
     ("disk, fsync, shm", ["--durability", "fsync"], None, True),
     ("disk, fsync, inline", ["--durability", "fsync"], None, False),
     ("tmpfs, no sync, shm", ["--durability", "none"], "/dev/shm", True),
@@ -151,6 +177,15 @@ def main() -> None:
         rows = []
         for run in range(a.runs):
             for label, extra, where, shm in ARMS:
+                if label == WRITE_PATH:
+                    root = new_root()
+                    try:
+                        r = asyncio.run(write_path(root, parse_size(a.item), a.items)) | {"arm": label, "run": run}
+                    finally:
+                        cleanup(root)
+                    rows.append(r)
+                    print(f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['wall_s']:.2f} s)", flush=True)
+                    continue
                 root = new_root()
                 d = Daemon(root, ["--cap", "4GiB", *extra])
                 if where:
@@ -168,8 +203,10 @@ def main() -> None:
                     f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['stored']}/{r['items']} stored, {r['wall_s']:.2f} s)",
                     flush=True,
                 )
-        for label, *_ in ARMS:
-            print(f"median {label:24s} {statistics.median(r['GBps'] for r in rows if r['arm'] == label):.2f} GB/s")
+        med = {label: statistics.median(r["GBps"] for r in rows if r["arm"] == label) for label, *_ in ARMS}
+        for label, v in med.items():
+            print(f"median {label:32s} {v:.2f} GB/s ({v / med[WRITE_PATH]:.2f}x the write path)")
+        out["medians"] = med
         out["rows"] = rows
     else:
         root = new_root()
