@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -151,6 +151,20 @@ def tiny(model_dir: str) -> Iterator[tuple[Any, Any]]:
     yield loaded[0], loaded[1]
 
 
+@pytest.fixture()
+def make_tier(tiny: tuple[Any, Any], tmp_path: Any) -> Iterator[Callable[..., EmbeddedTier]]:
+    """Embedded tiers for the tiny model in a temporary folder, closed (drained) at the end of the test."""
+    made: list[EmbeddedTier] = []
+
+    def make(**kwargs: Any) -> EmbeddedTier:
+        made.append(EmbeddedTier(str(tmp_path), identity(tiny[0], tiny[1], model_id="tiny"), **kwargs))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close(30)
+
+
 def _prefilled(model: Any, tokens: list[int]) -> list[Any]:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([tokens]), cache=cache))
@@ -165,75 +179,71 @@ def test_covered_tokens_uses_the_cache_offset(tiny: tuple[Any, Any]) -> None:
     assert covered_tokens(list(range(5)), [object()]) is None
 
 
-def test_evicted_entries_are_spilled_and_come_back(tiny: tuple[Any, Any], tmp_path: Any) -> None:
-    model, tokenizer = tiny
-    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"), queue_cap=1)
-    try:
-        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
-        prompts = [[7, i, *range(40, 80)] for i in range(3)]
-        for p in prompts:
-            lru.insert_cache("m", p, _prefilled(model, p))
-        assert len(lru) == 1
+def test_evicted_entries_are_spilled_and_come_back(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    model, _ = tiny
+    tier = make_tier(queue_cap=1)
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    prompts = [[7, i, *range(40, 80)] for i in range(3)]
+    for p in prompts:
+        lru.insert_cache("m", p, _prefilled(model, p))
+    assert len(lru) == 1
+    tier._run(tier.spiller.drain(30))
+    # A 1-byte queue cap sheds write-behinds; the evicted entries were spilled again, not droppable.
+    assert lru.stats["evictions_spilled"] >= 1
+    for p in prompts:
+        cache, rest = lru.fetch_nearest_cache("m", [*p, 99])
+        assert cache is not None and len(rest) == 1, p
+        want = model(mx.array([[99]]), cache=_prefilled(model, p))
+        got = model(mx.array([[99]]), cache=cache)
+        assert mx.array_equal(got, want).item()
+    assert lru.stats["restores"] >= 2
+
+
+def test_stored_entries_are_not_written_again_when_evicted(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    model, _ = tiny
+    tier = make_tier()
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    for i in range(4):
+        p = [3, i, *range(40, 60)]
+        lru.insert_cache("m", p, _prefilled(model, p))
         tier._run(tier.spiller.drain(30))
-        # A 1-byte queue cap sheds write-behinds; the evicted entries were spilled again, not droppable.
-        assert lru.stats["evictions_spilled"] >= 1
-        for p in prompts:
-            cache, rest = lru.fetch_nearest_cache("m", [*p, 99])
-            assert cache is not None and len(rest) == 1, p
-            want = model(mx.array([[99]]), cache=_prefilled(model, p))
-            got = model(mx.array([[99]]), cache=cache)
-            assert mx.array_equal(got, want).item()
-        assert lru.stats["restores"] >= 2
-    finally:
-        tier.close(30)
+    assert lru.stats["evictions_spilled"] == 0
+    assert lru.stats["spills"] == 4
+    assert tier.spiller.store.counters.stored == 4
 
 
-def test_stored_entries_are_not_written_again_when_evicted(tiny: tuple[Any, Any], tmp_path: Any) -> None:
-    model, tokenizer = tiny
-    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"))
-    try:
-        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
-        for i in range(4):
-            p = [3, i, *range(40, 60)]
-            lru.insert_cache("m", p, _prefilled(model, p))
-            tier._run(tier.spiller.drain(30))
-        assert lru.stats["evictions_spilled"] == 0
-        assert lru.stats["spills"] == 4
-        assert tier.spiller.store.counters.stored == 4
-    finally:
-        tier.close(30)
+def test_spill_unstored_writes_what_the_queue_shed(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    model, _ = tiny
+    tier = make_tier(queue_cap=1)
+    lru = ColdTierPromptCache(max_size=8, tier_for=lambda key: tier)
+    prompts = [[5, i, *range(60, 100)] for i in range(4)]
+    for p in prompts:
+        lru.insert_cache("m", p, _prefilled(model, p))
+    tier._run(tier.spiller.drain(30))
+    shed = tier.spiller.queue.counters()["dropped"]
+    assert lru.spill_unstored() == shed  # exactly the entries whose write-behind did not land
+    tier._run(tier.spiller.drain(30))
+    assert all(tier.load([*p, 1]) is not None for p in prompts)
 
 
-def test_spill_unstored_writes_what_the_queue_shed(tiny: tuple[Any, Any], tmp_path: Any) -> None:
-    model, tokenizer = tiny
-    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"), queue_cap=1)
-    try:
-        lru = ColdTierPromptCache(max_size=8, tier_for=lambda key: tier)
-        prompts = [[5, i, *range(60, 100)] for i in range(4)]
-        for p in prompts:
-            lru.insert_cache("m", p, _prefilled(model, p))
-        tier._run(tier.spiller.drain(30))
-        shed = tier.spiller.queue.counters()["dropped"]
-        assert lru.spill_unstored() == shed  # exactly the entries whose write-behind did not land
-        tier._run(tier.spiller.drain(30))
-        assert all(tier.load([*p, 1]) is not None for p in prompts)
-    finally:
-        tier.close(30)
-
-
-def test_image_placeholder_ids_are_neither_stored_nor_looked_up(tiny: tuple[Any, Any], tmp_path: Any) -> None:
-    model, tokenizer = tiny
-    tier = EmbeddedTier(str(tmp_path), identity(model, tokenizer, model_id="tiny"))
-    try:
-        lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
-        p = [1, -1, -1, 2, *range(10, 20)]  # mlx-lm keys image tokens with negative ids
-        lru.insert_cache("m", p, _prefilled(model, [max(t, 0) for t in p]))
-        cache, rest = lru.fetch_nearest_cache("m", [7, -1, 8])  # no error: a plain miss
-        assert cache is None and rest == [7, -1, 8]
-        tier._run(tier.spiller.drain(30))
-        assert tier.spiller.store.counters.stored == 0
-    finally:
-        tier.close(30)
+def test_image_placeholder_ids_are_neither_stored_nor_looked_up(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    model, _ = tiny
+    tier = make_tier()
+    lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
+    p = [1, -1, -1, 2, *range(10, 20)]  # mlx-lm keys image tokens with negative ids
+    lru.insert_cache("m", p, _prefilled(model, [max(t, 0) for t in p]))
+    cache, rest = lru.fetch_nearest_cache("m", [7, -1, 8])  # no error: a plain miss
+    assert cache is None and rest == [7, -1, 8]
+    tier._run(tier.spiller.drain(30))
+    assert tier.spiller.store.counters.stored == 0
 
 
 def test_unreachable_daemon_leaks_no_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
