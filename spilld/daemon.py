@@ -37,6 +37,7 @@ log = logging.getLogger("spilld.daemon")
 
 DRAIN_PROGRESS_S = 0.5
 MAX_OPEN_SPILLS = 16  # spills being received on one connection
+CLIENT_ERROR_LOGS_PER_S = 10  # log lines a second about misbehaving clients; the rest are counted, then summarized
 
 
 class AlreadyRunning(errors.SpillError):
@@ -59,6 +60,33 @@ def peer_uid(sock: socket.socket) -> int | None:
         raw = sock.getsockopt(0, 0x001, 76)
         return int(struct.unpack_from("Ii", raw)[1])
     return None
+
+
+class LogThrottle:
+    """At most ``per_s`` lines a second; the lines held back are counted for a summary line.
+
+    A client that misbehaves on purpose, in a loop, must not be able to fill the disk with our logs.
+    """
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self.held = 0
+        self._window = -1.0
+        self._sent = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        if now - self._window >= 1.0:
+            self._window, self._sent = now, 0
+        if self._sent >= self.per_s:
+            self.held += 1
+            return False
+        self._sent += 1
+        return True
+
+    def take_held(self) -> int:
+        held, self.held = self.held, 0
+        return held
 
 
 class _Incoming:
@@ -204,7 +232,7 @@ class Connection(asyncio.BufferedProtocol):
     def _fail(self, exc: errors.SpillError) -> None:
         """Tell the client why (a typed error notification), then close."""
         level = logging.INFO if isinstance(exc, P.Timeout) else logging.WARNING
-        log.log(level, "client %d (%s): %s", self.id, self.client_name, exc)
+        self.daemon.client_error(level, "client %d (%s): %s", self.id, self.client_name, exc)
         self.send(P.notification("error", {"code": exc.code, "message": str(exc)[: P.MAX_ERROR_MESSAGE]}))
         self.close()
 
@@ -340,6 +368,8 @@ class Daemon:
         self.connections: set[Connection] = set()
         self.receiving = 0  # bytes declared by spills being received (not yet in the queue)
         self.reserved = 0  # of those, the non-droppable ones: queue room held for their commit
+        self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
+        self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
         self.stopping = asyncio.Event()
@@ -417,6 +447,18 @@ class Daemon:
         log.info("stopped: %s", json.dumps(self.queue.counters()))
         await self.service.close()
         return 0 if report.done else 3
+
+    def client_error(self, level: int, msg: str, *args: Any) -> None:
+        """Count a client's fault; log it unless too many came this second (then one summary line a second later)."""
+        self.client_errors += 1
+        if self.client_log.allow():
+            log.log(level, msg, *args)
+        elif self.client_log.held == 1:
+            asyncio.get_running_loop().call_later(1.0, self._log_held_client_errors)
+
+    def _log_held_client_errors(self) -> None:
+        if held := self.client_log.take_held():
+            log.warning("%d more client errors not logged (at most %d lines a second)", held, self.client_log.per_s)
 
     def _drain_status(self) -> str:
         return f"stopping: {self.queue.pending_items} items ({format_size(self.queue.pending_bytes)}) left to write"
@@ -614,6 +656,7 @@ class Daemon:
             "dir": self.cfg.dir,
             "cap": self.cfg.cap,
             "clients": len(self.connections),
+            "client_errors": self.client_errors,
             "queue": self.queue.counters(),
             "store": self.store.stats(),
         }

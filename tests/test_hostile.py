@@ -67,3 +67,13 @@ def test_hundreds_of_idle_connections_time_out_and_leave_no_fd(daemon: Daemon) -
     while fds(daemon) > before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert fds(daemon) == before
+    # 301 clients ended by their own fault (idle, garbage): all counted, at most 10 log lines a second of them
+    time.sleep(1.2)  # the summary of the lines held back comes a second after the first of them
+    st = json.loads(daemon.cli("status", "--socket", daemon.socket, "--json").stdout)
+    assert st["client_errors"] >= 301
+    log = [json.loads(x) for x in daemon.read_log().splitlines()]
+    lines = [x for x in log if x["msg"].startswith("client ") and "): " in x["msg"]]
+    seconds = int(lines[-1]["ts"]) - int(lines[0]["ts"]) + 1
+    assert len(lines) <= 10 * (seconds + 1)
+    held = sum(int(x["msg"].split()[0]) for x in log if "more client errors not logged" in x["msg"])
+    assert len(lines) + held == st["client_errors"]  # every one either logged or summed up
