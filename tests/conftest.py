@@ -16,10 +16,14 @@ def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[
 
 
 LONG = os.environ.get("SPILLD_LONG") == "1"
+LONG_TIMEOUT_S = 4 * 3600  # per test, in the opt-in run
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """``slow`` tests run only with SPILLD_LONG=1, and that opt-in run (tens of minutes) lifts the per-test timeout."""
     if LONG:
+        for item in items:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
         return
     skip = pytest.mark.skip(reason="long run: set SPILLD_LONG=1")
     for item in items:
