@@ -3,6 +3,7 @@ leaks no file descriptor."""
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
@@ -77,3 +78,32 @@ def test_hundreds_of_idle_connections_time_out_and_leave_no_fd(daemon: Daemon) -
     assert len(lines) <= 10 * (seconds + 1)
     held = sum(int(x["msg"].split()[0]) for x in log if "more client errors not logged" in x["msg"])
     assert len(lines) + held == st["client_errors"]  # every one either logged or summed up
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_fds_sent_with_frames_are_never_kept(daemon: Daemon) -> None:
+    """The protocol passes no fds (shared memory goes by name): any a client sends are dropped by the kernel."""
+    time.sleep(0.5)
+    before = fds(daemon)
+    hello = b"".join(bytes(b) for b in P.request(1, "hello", {"version": 1}))
+    senders = []
+    for _ in range(20):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(daemon.socket)
+        pipes = [os.pipe() for _ in range(16)]  # 32 unexpected fds on each connection
+        passed = [fd for pair in pipes for fd in pair]
+        s.sendmsg([hello], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", passed))])
+        for fd in passed:
+            os.close(fd)
+        senders.append(s)
+    for s in senders:
+        s.settimeout(10)
+        assert P.FrameDecoder().feed(s.recv(4096))[0].error is None  # its hello is answered all the same
+    assert fds(daemon) == before + len(senders)  # one per connection: none of the 640 passed fds arrived
+    assert daemon.cli("status", "--socket", daemon.socket).returncode == 0
+    for s in senders:
+        s.close()
+    deadline = time.monotonic() + 10
+    while fds(daemon) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fds(daemon) == before
