@@ -192,9 +192,14 @@ class ServerTiers:
             return None
 
     def close(self, timeout: float | None = None) -> None:
-        for tier in self.tiers.values():
-            if tier is not None:
+        """Drain and close every tier; one that fails to close does not keep the others open."""
+        for key, tier in self.tiers.items():
+            if tier is None:
+                continue
+            try:
                 tier.close(timeout)
+            except Exception:
+                log.exception("closing the cold tier of %r failed", key)
 
 
 def _parser() -> argparse.ArgumentParser:
