@@ -14,7 +14,6 @@ import asyncio
 import enum
 import itertools
 import logging
-import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,17 +83,18 @@ def held_bytes(caches: Sequence[Any], attachments: Sequence[Any] = (), provider:
 
 
 def unpin(exc: BaseException) -> None:
-    """Drop the locals of the finished frames an error's tracebacks hold (its causes' too).
+    """Drop the tracebacks an error holds (its causes' too), and with them the frames they keep alive.
 
     A failed item's error outlives the item (in its ``Settled``, in a caller's hands); its traceback's
     frames would otherwise pin the item's clones or received bytes (and, through an asyncio future in
-    one of them, form a cycle only the garbage collector breaks). File and line stay for printing.
+    one of them, form a cycle only the garbage collector breaks). The frames are let go, never cleared:
+    one may belong to a coroutine that is only suspended, and clearing it would finalize that coroutine.
     """
     seen: set[int] = set()
     err: BaseException | None = exc
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
+        err.__traceback__ = None
         err = err.__cause__ or err.__context__
 
 
