@@ -662,22 +662,28 @@ class Daemon:
         }
 
 
+def is_served(path: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections on the Unix socket ``path`` (a live daemon, not a stale file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(timeout)
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 async def bind(path: str, handler: Any) -> asyncio.AbstractServer:
     """Bind the socket: 0700 folder, 0600 socket; refuse a live daemon, replace a stale socket."""
     folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
     if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a stale socket from a crash
-        else:
+        if is_served(path):
             raise AlreadyRunning(f"a daemon already listens on {path}")
-        finally:
-            probe.close()
+        os.unlink(path)  # nobody listens: a stale socket from a crash
     old = os.umask(0o177)
     try:
         server = await asyncio.get_running_loop().create_unix_server(handler, path=path)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any, cast
 
 from . import errors
 from .config import default_dir, default_socket, format_size
+from .daemon import is_served
 
 SYSTEM = (
     "You are a careful assistant for people who run language models on their own machines. "
@@ -75,23 +75,11 @@ class Engine:
         return out, times
 
 
-def _reachable(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(1.0)
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def _start_daemon(sock: str, folder: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "spilld", "--cap", "1GiB", "--socket", sock, "--dir", folder, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
-    while not _reachable(sock):
+    while not is_served(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
@@ -187,7 +175,7 @@ def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: boo
     workdir = tempfile.mkdtemp(prefix="spilld-demo-")
     t_start = time.perf_counter()
     try:
-        if _reachable(sock):
+        if is_served(sock):
             _say(f"using the daemon on {sock}")
         else:
             _say(f"no daemon on {sock}: starting one for this demo (it stops at the end)")
