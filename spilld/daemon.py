@@ -248,6 +248,11 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.writelines(bufs)
 
+    def free_shm(self, names: list[str]) -> None:
+        """Hand shared-memory segments back to the client (nothing to say when there are none)."""
+        if names:
+            self.send(P.notification("shm_free", {"names": names}))
+
     def close(self) -> None:
         self._closing = True
         if self._timer is not None:
@@ -319,7 +324,7 @@ class Connection(asyncio.BufferedProtocol):
         name = str(msg.params.get("shm", ""))[:64] if msg.method == "put_shm" else ""
         if name:
             if sp is None:
-                self.send(P.notification("shm_free", {"names": [name]}))  # never keep a segment we will not use
+                self.free_shm([name])  # never keep a segment we will not use
             else:
                 sp.shm_names.append(name)  # handed back when the spill settles, whatever happens to it
         if sp is None or sp.error is not None:
@@ -338,8 +343,8 @@ class Connection(asyncio.BufferedProtocol):
 def _free_shm(item: SpillItem) -> None:
     """Hand a settled item's shared-memory segments back to their client."""
     conn, names = item.meta.get("shm", (None, []))
-    if conn is not None and names:
-        conn.send(P.notification("shm_free", {"names": names}))
+    if conn is not None:
+        conn.free_shm(names)
 
 
 class GrantorLease:
@@ -534,8 +539,7 @@ class Daemon:
             raise P.BadParams("no such spill")
         self.forget_incoming(sp)  # from here the queue counts it
         if sp.error is not None or not sp.complete():
-            if sp.shm_names:
-                conn.send(P.notification("shm_free", {"names": sp.shm_names}))
+            conn.free_shm(sp.shm_names)
             raise sp.error or P.BadParams("commit before every tensor byte arrived")
         item = SpillItem(
             tokens=sp.header.tokens,
@@ -567,8 +571,7 @@ class Daemon:
         sp = conn.spills.pop(int(p["spill"]), None)
         if sp is not None:
             self.forget_incoming(sp)
-        if sp is not None and sp.shm_names:
-            conn.send(P.notification("shm_free", {"names": sp.shm_names}))
+            conn.free_shm(sp.shm_names)
 
     async def _barrier(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         key = str(p.get("key", ""))
