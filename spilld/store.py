@@ -331,14 +331,13 @@ class Store:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         run_step: RunStep | None = None,
         write_in_lease: bool = False,
-        ops: fileio.FileOps | None = None,
         planned: tuple[fmt.Header, list[AnySource]] | None = None,
         staging: Staging | None = None,
     ) -> SaveResult:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
-        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``; ``ops`` defaults
-        to the store's file layer.
+        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. Files are written
+        through the store's file layer (``self.ops``).
         """
         if planned is not None:
             ident = planned[0].identity
@@ -357,7 +356,7 @@ class Store:
                     provider=self.provider,
                     run_step=run_step,
                     write_in_lease=write_in_lease,
-                    ops=ops or self.ops,
+                    ops=self.ops,
                     planned=planned,
                     staging=staging,
                 )

@@ -694,13 +694,15 @@ async def test_disk_full_evicts_then_retries(tmp_path: Path) -> None:
     s = Store(tmp_path, disk_cap=2**40)
     ident = spilld.Identity("m", "cfg", "tok", "")
     await s.put(list(range(8)), [fill(C.KVCache(), 8)], ident)  # the old entry that makes room
-    r = await s.put(list(range(100, 116)), [fill(C.KVCache(), 16)], ident, ops=_FullOnce())
+    s.ops = _FullOnce()
+    r = await s.put(list(range(100, 116)), [fill(C.KVCache(), 16)], ident)
     assert os.path.exists(r.path) and s.counters.evicted == 1 and len(s.entries) == 1
     assert isinstance(s.lookup(ident, "", list(range(9))), spilld.Miss)
     assert s.lookup(ident, "", list(range(9))).reason is MissReason.EVICTED  # type: ignore[union-attr]
     # persistently full: the item fails with its reason, nothing partial is left, counters move
     with pytest.raises(spilld.errors.DiskFull):
-        await s.put(list(range(200, 216)), [fill(C.KVCache(), 16)], ident, ops=_FullOnce(persistent=True))
+        s.ops = _FullOnce(persistent=True)
+        await s.put(list(range(200, 216)), [fill(C.KVCache(), 16)], ident)
     assert s.counters.store_errors == 1
     leftovers = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(fileio.TEMP_SUFFIX)]
     assert leftovers == []
