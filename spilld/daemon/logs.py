@@ -1,0 +1,63 @@
+"""The daemon's logs: JSON lines for service managers, and a throttle for lines a client can provoke."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+CLIENT_ERROR_LOGS_PER_S = 10  # log lines a second about misbehaving clients; the rest are counted, then summarized
+
+
+class LogThrottle:
+    """At most ``per_s`` lines a second; the lines held back are counted for a summary line.
+
+    A client that misbehaves on purpose, in a loop, must not be able to fill the disk with our logs.
+    """
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self.held = 0
+        self._window = -1.0
+        self._sent = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        if now - self._window >= 1.0:
+            self._window, self._sent = now, 0
+        if self._sent >= self.per_s:
+            self.held += 1
+            return False
+        self._sent += 1
+        return True
+
+    def take_held(self) -> int:
+        held, self.held = self.held, 0
+        return held
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d)
+
+
+def setup_logging(level: str = "info", json_logs: bool | None = None) -> None:
+    """JSON lines when stderr is not a terminal (service managers, files); plain text on a terminal."""
+    handler = logging.StreamHandler(sys.stderr)
+    use_json = not sys.stderr.isatty() if json_logs is None else json_logs
+    handler.setFormatter(
+        JsonFormatter() if use_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger("spilld")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

@@ -1,0 +1,272 @@
+"""The spilld service: one process, one Unix socket, one queue and one store for every engine.
+
+Clients hand over file-ready spills: a planned header, then the tensors' bytes
+(``put`` frames), then ``commit``. The daemon queues the complete item against
+``--cap``, writes it with the generator saver (hashes computed here, never
+trusted from the client) and answers the commit once the file is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from .. import __version__, errors
+from .. import format as fmt
+from .. import protocol as P
+from ..config import Config, format_size
+from ..lease import NoLease, off_loop
+from ..queue import SpillItem, SpillQueue
+from ..saver import BytesSource
+from ..service.activation import inherited_listener, socket_path
+from ..service.lifecycle import Lifecycle, Progress
+from ..store import Hit, MissReason, Store
+from .connection import Connection, GrantorLease, free_item_shm
+from .ingest import Ingest
+from .listen import bind
+from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
+
+log = logging.getLogger("spilld.daemon")
+
+DRAIN_PROGRESS_S = 0.5
+
+
+class Daemon:
+    """The service state shared by every connection. ``listener``: a listening socket handed over by a service
+    manager (socket activation), served instead of binding ``cfg.socket``."""
+
+    def __init__(self, cfg: Config, listener: socket.socket | None = None) -> None:
+        self.cfg = cfg
+        self.listener = listener
+        self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
+        self.store = Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
+        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=free_item_shm)
+        self.lease = NoLease()
+        self.stopping = asyncio.Event()
+        self.connections: set[Connection] = set()
+        self.ingest = Ingest(cfg, self.queue, self.stopping)
+        self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
+        self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
+        self.writing = 0  # saves under way (a drain that is writing is making progress)
+        self.started = time.time()
+        self._server: asyncio.AbstractServer | None = None
+        self._signals = 0
+        names = [
+            "barrier",
+            "cancel",
+            "lookup",
+            "touch",
+            "delete",
+            "report_bad",
+            "drain",
+            "status",
+            "shutdown",
+            "evict",
+        ]
+        self.methods: dict[str, Any] = {n: getattr(self, f"_{n}") for n in names}
+        self.methods |= {"spill": self.ingest.spill, "commit": self.ingest.commit, "abort": self.ingest.abort}
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan: a big store needs time
+            await off_loop(self.store.scan)
+        if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: Connection(self), sock=self.listener
+            )
+            self.cfg.socket = socket_path(self.listener) or self.cfg.socket
+        else:
+            self._server = await bind(self.cfg.socket, lambda: Connection(self))
+        log.info(
+            "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
+            __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
+            format_size(self.store.disk_cap), len(self.store.entries),
+        )  # fmt: skip
+        self.service.ready(f"serving on {self.cfg.socket}: {len(self.store.entries)} entries")
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        self.service.start_watchdog()  # before the scan: a long scan runs off the loop, which stays alive
+        await self.start()
+        await self.stopping.wait()
+        return await self.stop()
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        log.info(
+            "%s: stopping (finishing queued work within %.0f s)", signal.Signals(sig).name, self.cfg.drain_deadline
+        )
+        self.stopping.set()
+
+    async def stop(self) -> int:
+        self.service.stopping(self._drain_status())
+        if self._server is not None:
+            self._server.close()
+        async with self.service.extending(self._drain_progress, budget_s=self.cfg.drain_deadline):
+            report = await self.queue.close(timeout=self.cfg.drain_deadline)
+        for conn in list(self.connections):
+            if conn.tasks:  # commits answered before the connections go
+                await asyncio.wait(list(conn.tasks), timeout=1.0)
+            conn.close()
+        if self.listener is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.socket)
+        log.info("stopped: %s", json.dumps(self.queue.counters()))
+        await self.service.close()
+        return 0 if report.done else 3
+
+    def client_error(self, level: int, msg: str, *args: Any) -> None:
+        """Count a client's fault; log it unless too many came this second (then one summary line a second later)."""
+        self.client_errors += 1
+        if self.client_log.allow():
+            log.log(level, msg, *args)
+        elif self.client_log.held == 1:
+            asyncio.get_running_loop().call_later(1.0, self._log_held_client_errors)
+
+    def _log_held_client_errors(self) -> None:
+        if held := self.client_log.take_held():
+            log.warning("%d more client errors not logged (at most %d lines a second)", held, self.client_log.per_s)
+
+    def _drain_status(self) -> str:
+        return f"stopping: {self.queue.pending_items} items ({format_size(self.queue.pending_bytes)}) left to write"
+
+    def _drain_progress(self) -> Progress:
+        q = self.queue
+        return Progress((q.pending_items, q.pending_bytes), busy=self.writing > 0, status=self._drain_status())
+
+    def _scan_progress(self) -> Progress:
+        found, c = len(self.store.entries), self.store.counters  # the scan appends from its thread
+        return Progress((found, c.quarantined, c.reaped_temp), busy=False, status=f"scanning: {found} entries so far")
+
+    # --- writing -------------------------------------------------------------------------
+
+    async def _write(self, item: SpillItem) -> Any:
+        header: fmt.Header = item.meta["header"]
+        sources = [BytesSource(c, s.shape) for c, s in zip(item.meta["chunks"], header.slots(), strict=True)]
+        grantor: Connection | None = item.meta.get("grantor")
+        lease = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
+        self.writing += 1
+        try:
+            return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
+        finally:
+            self.writing -= 1
+
+    # --- methods ---------------------------------------------------------------------------
+
+    async def _barrier(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        key = str(p.get("key", ""))
+        delete = bool(p.get("delete_checkpoints", False))
+
+        async def action() -> int:
+            return self.store.remove_checkpoints(key) if delete else 0  # the index lives on this thread
+
+        settled = await self.queue.enqueue(SpillItem(key=key, barrier=action, meta={"nbytes": 0}))
+        return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
+
+    async def _cancel(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        ns, key = p.get("namespace"), p.get("key")
+        if ns is None and key is None:
+            raise P.BadParams("cancel needs a namespace or a key")
+        n = self.queue.cancel_where(lambda it: (ns is None or it.namespace == ns) and (key is None or it.key == key))
+        return {"cancelled": n}
+
+    async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        ident = fmt.Identity(**{k: str(v) for k, v in p["identity"].items()})
+        tokens = fmt.decode_tokens(p["tokens"])
+        hit = self.store.lookup(ident, str(p.get("namespace", "")), tokens, codec_provider=p.get("codec_provider"))
+        if isinstance(hit, Hit):
+            e = hit.entry
+            return {"hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable}
+        return {"hit": False, "reason": hit.reason.value}
+
+    async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        e = self.store.entry_at(str(p["path"]))
+        if e is not None:
+            self.store.touch(e)
+            self.store.counters.hits += 1
+        return {"found": e is not None}
+
+    async def _delete(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        if "path" in p:
+            n = self.store.remove_where(lambda e: e.path == str(p["path"]))
+        elif "key" in p:
+            n = self.store.remove_checkpoints(str(p["key"]))
+        else:
+            raise P.BadParams("delete needs a path or a key")
+        return {"deleted": n}
+
+    async def _report_bad(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        path = str(p["path"])
+        e = self.store.entry_at(path)
+        if e is None:
+            return {"quarantined": False}
+        self.store.quarantine(path, errors.error_from_code(str(p.get("code", "bad_file")), "reported by a client"))
+        self.store.counters.misses[MissReason.CORRUPT.value] += 1
+        return {"quarantined": True}
+
+    async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        deadline = time.monotonic() + float(p.get("timeout", 3600.0))
+        while True:
+            left = deadline - time.monotonic()
+            rep = await self.queue.drain(timeout=max(0.0, min(DRAIN_PROGRESS_S, left)))
+            if rep.done or left <= 0:
+                return {"done": rep.done, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes}
+            conn.send(
+                P.notification(
+                    "drain_progress",
+                    {"msgid": msgid, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes},
+                )
+            )
+
+    async def _evict(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        fp, older = p.get("fingerprint"), p.get("older_than_s")
+        n, nbytes = self.store.evict_matching(fp, None if older is None else float(older))  # index: loop thread only
+        return {"evicted": n, "bytes": nbytes}
+
+    async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        return self.status()
+
+    async def _shutdown(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        self.stopping.set()
+        return {"stopping": True}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "socket": self.cfg.socket,
+            "dir": self.cfg.dir,
+            "cap": self.cfg.cap,
+            "clients": len(self.connections),
+            "client_errors": self.client_errors,
+            "queue": self.queue.counters(),
+            "store": self.store.stats(),
+        }
+
+
+def run(cfg: Config) -> int:
+    """Run the daemon on uvloop until SIGTERM/SIGINT or a shutdown request, on the socket a service manager
+    passed if there is one (raises ``ActivationError`` if what it passed is unusable)."""
+    import uvloop
+
+    listener = inherited_listener()  # before anything could start a child: it unsets LISTEN_*
+
+    async def main() -> int:
+        return await Daemon(cfg, listener).serve()
+
+    return int(uvloop.run(main()))
