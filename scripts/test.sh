@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh virtual environment and run the whole test suite (mypy and ruff included).
+# Set up a fresh virtual environment and run the whole test suite (mypy and ruff included, and every benchmark
+# script under scripts/bench in its --smoke mode: tests/test_bench_smoke.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

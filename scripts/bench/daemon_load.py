@@ -161,70 +161,90 @@ ARMS = [
 ]
 
 
-def main() -> None:
+def run_ingest(a: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for run in range(a.runs):
+        for label, extra, where, shm in ARMS:
+            if label == WRITE_PATH:
+                root = new_root()
+                try:
+                    r = asyncio.run(write_path(root, parse_size(a.item), a.items)) | {"arm": label, "run": run}
+                finally:
+                    cleanup(root)
+                rows.append(r)
+                print(f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['wall_s']:.2f} s)", flush=True)
+                continue
+            root = new_root()
+            d = Daemon(root, ["--cap", "4GiB", *extra])
+            if where:
+                d.args += ["--dir", os.path.join(where, f"spilld-bench-{os.getpid()}")]
+            d.start()
+            try:
+                r = asyncio.run(ingest(d, parse_size(a.item), a.items, shm)) | {"arm": label, "run": run}
+            finally:
+                d.stop()
+                cleanup(root)
+                if where:
+                    cleanup(os.path.join(where, f"spilld-bench-{os.getpid()}"))
+            rows.append(r)
+            print(
+                f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['stored']}/{r['items']} stored, {r['wall_s']:.2f} s)",
+                flush=True,
+            )
+    med = {label: statistics.median(r["GBps"] for r in rows if r["arm"] == label) for label, *_ in ARMS}
+    for label, v in med.items():
+        print(f"median {label:32s} {v:.2f} GB/s ({v / med[WRITE_PATH]:.2f}x the write path)")
+    return {"medians": med, "rows": rows, "ok": all(r["stored"] == r["items"] for r in rows)}
+
+
+def run_rss(a: argparse.Namespace) -> dict[str, Any]:
+    root = new_root()
+    d = Daemon(root, ["--cap", a.cap]).start()
+    try:
+        r = asyncio.run(rss(d, a.seconds, parse_size(a.rss_item), a.producers))
+    finally:
+        d.stop()
+        cleanup(root)
+    print(json.dumps({k: v for k, v in r.items() if k != "samples"}, indent=1))
+    ok = r["growth_MiB"] <= r["bound_MiB"]
+    print(f"growth {r['growth_MiB']:.0f} MiB vs bound {r['bound_MiB']:.0f} MiB: {'met' if ok else 'MISSED'}")
+    return r | {"ok": ok and r["drained"] and not r["outcomes"].get("failed")}
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["ingest", "rss"])
+    p.add_argument("mode", nargs="?", choices=["ingest", "rss"], help="required unless --smoke (which runs both)")
     p.add_argument("--items", type=int, default=8)
     p.add_argument("--item", default="256MiB", help="item size for ingest (default 256MiB)")
+    p.add_argument("--rss-item", default="64MiB", help="item size for rss (default 64MiB)")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--cap", default="512MiB")
     p.add_argument("--producers", type=int, default=4)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--smoke", action="store_true", help="seconds-long check that both modes and every arm run (16 MiB items)"
+    )
     a = p.parse_args()
+    if a.smoke:
+        a.items, a.item, a.rss_item, a.seconds, a.cap, a.producers, a.runs = 2, "16MiB", "16MiB", 1.0, "64MiB", 2, 1
+    elif a.mode is None:
+        p.error("a mode (ingest or rss) is required without --smoke")
+    modes = ["ingest", "rss"] if a.smoke and a.mode is None else [a.mode]
     out: dict[str, Any] = {"mode": a.mode, "args": vars(a)}
-    if a.mode == "ingest":
-        rows = []
-        for run in range(a.runs):
-            for label, extra, where, shm in ARMS:
-                if label == WRITE_PATH:
-                    root = new_root()
-                    try:
-                        r = asyncio.run(write_path(root, parse_size(a.item), a.items)) | {"arm": label, "run": run}
-                    finally:
-                        cleanup(root)
-                    rows.append(r)
-                    print(f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['wall_s']:.2f} s)", flush=True)
-                    continue
-                root = new_root()
-                d = Daemon(root, ["--cap", "4GiB", *extra])
-                if where:
-                    d.args += ["--dir", os.path.join(where, f"spilld-bench-{os.getpid()}")]
-                d.start()
-                try:
-                    r = asyncio.run(ingest(d, parse_size(a.item), a.items, shm)) | {"arm": label, "run": run}
-                finally:
-                    d.stop()
-                    cleanup(root)
-                    if where:
-                        cleanup(os.path.join(where, f"spilld-bench-{os.getpid()}"))
-                rows.append(r)
-                print(
-                    f"run {run} {label:15s} {r['GBps']:.2f} GB/s ({r['stored']}/{r['items']} stored, {r['wall_s']:.2f} s)",
-                    flush=True,
-                )
-        med = {label: statistics.median(r["GBps"] for r in rows if r["arm"] == label) for label, *_ in ARMS}
-        for label, v in med.items():
-            print(f"median {label:32s} {v:.2f} GB/s ({v / med[WRITE_PATH]:.2f}x the write path)")
-        out["medians"] = med
-        out["rows"] = rows
-    else:
-        root = new_root()
-        d = Daemon(root, ["--cap", a.cap]).start()
-        try:
-            r = asyncio.run(rss(d, a.seconds, 64 * MiB, a.producers))
-        finally:
-            d.stop()
-            cleanup(root)
-        print(json.dumps({k: v for k, v in r.items() if k != "samples"}, indent=1))
-        ok = r["growth_MiB"] <= r["bound_MiB"]
-        print(f"growth {r['growth_MiB']:.0f} MiB vs bound {r['bound_MiB']:.0f} MiB: {'met' if ok else 'MISSED'}")
-        out |= r
+    ok = True
+    for mode in modes:
+        r = run_ingest(a) if mode == "ingest" else run_rss(a)
+        ok = ok and r.pop("ok")
+        out |= r if len(modes) == 1 else {mode: r}
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    if not ok:
+        print("FAILED: an item was not stored, a spill failed, the drain did not finish or memory passed its bound")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

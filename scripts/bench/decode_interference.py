@@ -178,7 +178,8 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
             del caches  # the eviction case: the engine drops them
     for f in futures:
         outcome = f.result(timeout=600)
-        assert outcome.stored, outcome
+        if not outcome.stored:
+            raise RuntimeError(f"{arm} {case}: a spill was not stored: {outcome}")
     if t_first_spill and settled_at:
         # from the first spill to the last one durable (decode ran meanwhile)
         res.spill_wall_s = max(settled_at) - t_first_spill
@@ -193,9 +194,9 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     return res
 
 
-def spill_call_cost_1gib(args: argparse.Namespace, folder: str) -> dict[str, float]:
-    """Engine-thread cost of Spiller.spill() for a 1 GiB cache (32 layers of (1, 8, 8192, 128) f16)."""
-    caches = big_cache(32, 8192 - 1, 8, 128, seed=7)
+def spill_call_cost(folder: str, layers: int = 32, tokens: int = 8192 - 1) -> dict[str, float]:
+    """Engine-thread cost of Spiller.spill(); the default cache is 1 GiB (32 layers of (1, 8, 8192, 128) f16)."""
+    caches = big_cache(layers, tokens, 8, 128, seed=7)
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()
@@ -265,14 +266,17 @@ def main() -> None:
     )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of per-token latency (last round)")
-    p.add_argument("--small", action="store_true", help="a quick smoke run")
+    p.add_argument(
+        "--smoke", action="store_true", help="seconds-long check that every arm runs: a tiny model and caches, 1 round"
+    )
     p.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (Python default 0.005 s)"
     )
     p.add_argument("--skip-1gib", action="store_true")
     args = p.parse_args()
-    if args.small:
-        args.tokens, args.spills, args.big_layers, args.big_tokens, args.rounds = 40, 2, 4, 512, 1
+    if args.smoke:
+        args.tokens, args.warmup, args.spills, args.big_layers, args.big_tokens, args.rounds = 24, 4, 2, 2, 256, 1
+        args.hidden, args.layers, args.vocab = 64, 2, 512
     folder = args.dir or tempfile.mkdtemp(prefix="spilld-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -333,8 +337,12 @@ def main() -> None:
                 f"  {case:9s} {arm:7s} p50 {p50:7.2f}  p99 {p99:8.2f} ({row['p99_vs_idle'] or 0:.2f}x idle)  max {mx_:8.2f} ms"
                 + (f"  step after spill {after:.2f} ms = {row['after_spill_vs_normal']:.2f}x normal" if after else "")
             )
-    one_gib = None if args.skip_1gib or args.small else spill_call_cost_1gib(args, folder)
-    if one_gib:
+    one_gib = None
+    if args.smoke:  # the same code path on a cache of 2 MiB, every spill stored
+        if spill_call_cost(folder, layers=2, tokens=1023)["not_stored"]:
+            raise RuntimeError("spill() cost: a 2 MiB spill was not stored")
+    elif not args.skip_1gib:
+        one_gib = spill_call_cost(folder)
         print(
             f"\nspill() on the engine thread, 1 GiB cache: median {one_gib['median_ms']:.3f} ms, max {one_gib['max_ms']:.3f} ms"
         )
