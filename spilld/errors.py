@@ -157,6 +157,27 @@ class DiskFull(StorageError):
     code = "disk_full"
 
 
+# --- running: where and beside whom a daemon may run ----------------------------------
+
+
+class AlreadyRunning(SpillError):
+    """Another spilld holds the folder or the socket (its lock file names the pid)."""
+
+    code = "already_running"
+
+
+class UnusableFolder(SpillError):
+    """A folder spilld was given cannot be used safely: not writable, not a folder, or open to other users."""
+
+    code = "unusable_folder"
+
+
+class ForeignDaemon(SpillError):
+    """What answers on the socket runs as another user: nothing is sent to it."""
+
+    code = "foreign_daemon"
+
+
 def _all_subclasses(cls: type[SpillError]) -> list[type[SpillError]]:
     out: list[type[SpillError]] = [cls]
     for sub in cls.__subclasses__():

@@ -93,6 +93,9 @@ class FileOps:
     def unlink(self, path: str) -> None:
         os.unlink(path)
 
+    def mkdir(self, path: str, mode: int = 0o700) -> None:
+        os.mkdir(path, mode)
+
 
 def preallocate(ops: FileOps, fd: int, size: int, path: str) -> None:
     """Allocate blocks up front: writes then run at device speed (feasibility §5)."""
@@ -147,6 +150,58 @@ def sync_dir(ops: FileOps, folder: str, durability: Durability) -> None:
         sync(ops, fd, durability, folder)
     finally:
         ops.close(fd)
+
+
+def make_dirs(ops: FileOps, folder: str, durability: Durability) -> list[str]:
+    """Create ``folder`` and any missing parents (0700: only what we create), durably; return those created.
+
+    A new folder's name lives in its parent, so each one created is fsynced, and its parent, before any
+    file below it may be called stored: otherwise a power loss could take the folder, and the entry
+    with it, after we said the entry was durable.
+    """
+    missing: list[str] = []
+    d = os.path.abspath(folder)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    created: list[str] = []
+    for d in reversed(missing):
+        try:
+            with io_errors("create folder", d):
+                ops.mkdir(d, 0o700)
+        except errors.StorageError as exc:
+            if exc.errno != errno.EEXIST or not os.path.isdir(d):  # another writer made it first: fine
+                raise
+        else:
+            created.append(d)
+    sync_folders(ops, created, durability)
+    return created
+
+
+def sync_folders(ops: FileOps, folders: Sequence[str], durability: Durability) -> None:
+    """fsync each folder and its parent, deepest first, each once."""
+    done: set[str] = set()
+    for d in reversed(folders):
+        for f in (d, os.path.dirname(d)):
+            if f not in done:
+                done.add(f)
+                sync_dir(ops, f, durability)
+
+
+def probe_writable(ops: FileOps, folder: str) -> None:
+    """Write, fsync and remove a small file in ``folder``: raises StorageError unless writes can land there."""
+    path = os.path.join(folder, f".probe.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+    with io_errors("create a probe file", path):
+        fd = ops.open_new(path)
+    try:
+        write_all(ops, fd, [memoryview(b"spilld write probe\n")], 0, path)
+        sync(ops, fd, Durability.FSYNC, path)
+    finally:
+        ops.close(fd)
+        remove_quietly(ops, path)
 
 
 def remove_quietly(ops: FileOps, path: str) -> None:

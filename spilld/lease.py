@@ -36,15 +36,17 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
 
 
 _background: concurrent.futures.ThreadPoolExecutor | None = None
+_background_lock = threading.Lock()  # two first callers (two loops, or a loop and a thread) make one pool
 
 
 def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _background
-    if _background is None:
-        _background = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="spilld-io", initializer=lower_thread_priority
-        )
-    return _background
+    with _background_lock:
+        if _background is None:
+            _background = concurrent.futures.ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="spilld-io", initializer=lower_thread_priority
+            )
+        return _background
 
 
 async def off_loop(fn: Callable[[], T], *, background: bool = False) -> T:

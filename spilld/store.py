@@ -9,13 +9,15 @@ root and reaps temp orphans. Lookups match the caller's fingerprint.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import secrets
 import shutil
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -28,8 +30,9 @@ import xxhash
 from . import errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
-from .lease import RunStep
+from .lease import RunStep, off_loop
 from .loader import Loaded, load, read_header
+from .lockfile import LOCK_NAME, FileLock
 from .queue import unpin
 from .saver import AnySource, Attachment, SaveResult, Staging, save_async
 
@@ -41,6 +44,7 @@ QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
 DEFAULT_DISK_CAP = 64 * 1024**3
 CHECKPOINT_NS_PREFIX = "\0checkpoint:"
+STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
 
 
 def identity_fingerprint(ident: fmt.Identity) -> str:
@@ -119,6 +123,62 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def _start_key(namespace: str, tokens: np.ndarray) -> tuple[str, int]:
+    """Where an entry sits in the lookup index: only entries sharing a prompt's first token can match it."""
+    return namespace, int(tokens[0]) if len(tokens) else -1
+
+
+def _set_mtime(path: str, when: float) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path, (when, when))
+
+
+def _unlink_all(ops: fileio.FileOps, paths: Sequence[str]) -> None:
+    for p in paths:
+        fileio.remove_quietly(ops, p)
+
+
+@dataclass
+class _Found:
+    """What a comparison of a prompt against candidate entries found (computed on any thread)."""
+
+    best: Hit | None = None
+    untrimmable: bool = False
+    foreign: bool = False
+    evicted: bool = False
+
+
+@dataclass
+class _Query:
+    """A lookup's inputs, taken from the index on its own thread; ``match`` reads only these."""
+
+    want: np.ndarray
+    fp: str
+    provider_id: str
+    candidates: list[Entry]
+    evicted: list[np.ndarray]
+
+    def match(self) -> _Found:
+        found = _Found()
+        limit = len(self.want) - 1
+        for e in self.candidates:
+            usable = min(_common_prefix(e.tokens, self.want), limit)
+            if usable <= 0:
+                continue
+            if e.fingerprint != self.fp or e.codec_provider != self.provider_id:
+                found.foreign = True
+                continue
+            if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
+                found.untrimmable = True
+                continue
+            best = found.best
+            if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
+                found.best = Hit(e, usable)
+        if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
+            found.evicted = any(_common_prefix(t, self.want) > 0 for t in self.evicted)
+        return found
+
+
 @dataclass
 class StoreCounters:
     hits: int = 0
@@ -146,15 +206,38 @@ class Store:
         ops: fileio.FileOps = fileio.DEFAULT_OPS,
     ) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        os.makedirs(self.root, exist_ok=True)
-        self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self.durability = fileio.Durability(durability)
+        self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
+        fileio.make_dirs(self.ops, self.root, self.durability)
+        self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self.provider = provider or default_provider()
         self.verify = verify
-        self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
-        self.entries: list[Entry] = []
         self.counters = StoreCounters()
         self._evicted: dict[tuple[str, str], deque[np.ndarray]] = {}
+        # The index: changed only on the thread that owns the store (the event loop), read anywhere.
+        self._by_path: dict[str, Entry] = {}
+        self._by_start: dict[tuple[str, int], dict[str, Entry]] = {}  # (namespace, first token): lookup candidates
+        self._doomed: list[str] = []  # files whose entries left the index, still to unlink (off the loop)
+        self._busy: Counter[str] = Counter()  # folders a save writes into: never removed as empty
+        self._folders = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
+        self._error_run = 0  # writes failed in a row
+        self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every indexed entry, oldest indexed first (a copy)."""
+        return list(self._by_path.values())
+
+    @property
+    def count(self) -> int:
+        return len(self._by_path)
+
+    def acquire(self) -> None:
+        """Become the folder's one owner for this process's life (``AlreadyRunning`` if another spilld is)."""
+        self.lock.acquire()
+
+    def close(self) -> None:
+        self.lock.release()
 
     # --- paths ---------------------------------------------------------------------
 
@@ -162,19 +245,53 @@ class Store:
         return os.path.join(self.root, identity_fingerprint(ident), namespace_hash(namespace))
 
     def new_path(self, ident: fmt.Identity, namespace: str) -> str:
-        folder = self.folder(ident, namespace)
-        os.makedirs(folder, exist_ok=True)
-        return os.path.join(folder, secrets.token_hex(12) + EXT)
+        """A fresh file name in the entry's folder (nothing is created: see ``make_folder``)."""
+        return os.path.join(self.folder(ident, namespace), secrets.token_hex(12) + EXT)
+
+    def claim_folder(self, folder: str) -> None:
+        """Mark a folder as written into: the empty-folder sweep leaves it (and its parent) alone until released."""
+        with self._folders:
+            self._busy[folder] += 1
+
+    def release_folder(self, folder: str) -> None:
+        with self._folders:
+            self._busy[folder] -= 1
+            if self._busy[folder] <= 0:
+                del self._busy[folder]
+
+    def make_folder(self, folder: str) -> None:
+        """Create a claimed entry folder and its model folder, each new one durable (blocking: a worker thread)."""
+        fileio.make_dirs(self.ops, folder, self.durability)
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        return sum(e.nbytes for e in self._by_path.values())
 
     # --- scan ----------------------------------------------------------------------
 
     def scan(self) -> int:
         """Rebuild the index from the files under the root; reap temp orphans; quarantine bad files."""
-        self.entries = []
+        self._clear_index()
+        held = self.lock.held
+        reap = held or self._try_lock()  # temp files are ours to reap only when no other spilld runs here
+        took = reap and not held
+        try:
+            self._scan_folders(reap)
+        finally:
+            if took:
+                self.lock.release()
+        log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
+        self.evict_to_cap()
+        self._delete_doomed()
+        return self.count
+
+    def _try_lock(self) -> bool:
+        try:
+            return self.lock.try_acquire()
+        except errors.StorageError:  # a folder we may only read: nothing is reaped
+            return False
+
+    def _scan_folders(self, reap: bool) -> None:
         for fp in sorted(os.listdir(self.root)):
             fp_dir = os.path.join(self.root, fp)
             if fp.startswith(".") or not os.path.isdir(fp_dir):
@@ -184,18 +301,14 @@ class Store:
                 if not os.path.isdir(ns_dir):
                     continue
                 for name in os.listdir(ns_dir):
-                    self._scan_file(os.path.join(ns_dir, name), fp, ns)
-        log.info(
-            "%s: %d entries, %d bytes, cap %d bytes", self.root, len(self.entries), self.total_bytes, self.disk_cap
-        )
-        self.evict_to_cap()
-        return len(self.entries)
+                    self._scan_file(os.path.join(ns_dir, name), fp, ns, reap)
 
-    def _scan_file(self, path: str, fp: str, ns_dir: str) -> None:
+    def _scan_file(self, path: str, fp: str, ns_dir: str, reap: bool = True) -> None:
         name = os.path.basename(path)
         if fileio.is_temp_name(name):
-            fileio.remove_quietly(self.ops, path)
-            self.counters.reaped_temp += 1
+            if reap:  # under the folder's lock: no other spilld is writing it
+                fileio.remove_quietly(self.ops, path)
+                self.counters.reaped_temp += 1
             return
         if not name.endswith(EXT):
             return
@@ -224,8 +337,13 @@ class Store:
             checkpoint=header.checkpoint,
             codec_provider=header.codec_provider,
         )
-        self.entries.append(e)
+        self._by_path[path] = e
+        self._by_start.setdefault(_start_key(e.namespace, e.tokens), {})[path] = e
         return e
+
+    def _clear_index(self) -> None:
+        self._by_path = {}
+        self._by_start = {}
 
     # --- lookup ------------------------------------------------------------------------
 
@@ -234,45 +352,43 @@ class Store:
     ) -> Hit | Miss:
         """The longest usable prefix of ``tokens`` (at most len - 1: one token must be computed).
 
-        Only entries written by ``codec_provider`` (default: this store's) can be used.
+        Only entries written by ``codec_provider`` (default: this store's) can be used. Only the entries
+        of the namespace that start with the prompt's first token are compared (``lookup_async`` compares
+        them on a worker thread).
         """
-        provider_id = codec_provider or self.provider.id
+        q = self._query(ident, namespace, tokens, codec_provider)
+        return self._settle(q, q.match())
+
+    async def lookup_async(
+        self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], *, codec_provider: str | None = None
+    ) -> Hit | Miss:
+        """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
+        q = self._query(ident, namespace, tokens, codec_provider)
+        found = await off_loop(q.match) if q.candidates or q.evicted else _Found()
+        return self._settle(q, found)
+
+    def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> _Query:
         want = np.asarray(tokens, dtype=np.uint32)
-        limit = len(want) - 1
         fp = identity_fingerprint(ident)
-        best: Hit | None = None
-        saw_untrimmable = saw_foreign = False
-        for e in self.entries:
-            if e.namespace != namespace:
-                continue
-            usable = min(_common_prefix(e.tokens, want), limit)
-            if usable <= 0:
-                continue
-            if e.fingerprint != fp or e.codec_provider != provider_id:
-                saw_foreign = True
-                continue
-            if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
-                saw_untrimmable = True
-                continue
-            if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
-                best = Hit(e, usable)
-        if best is not None:
-            return best
-        if saw_untrimmable:
+        cands = list(self._by_start.get(_start_key(namespace, want), {}).values()) if len(want) > 1 else []
+        return _Query(want, fp, provider or self.provider.id, cands, list(self._evicted.get((fp, namespace), ())))
+
+    def _settle(self, q: _Query, found: _Found) -> Hit | Miss:
+        if found.best is not None:
+            if found.best.entry.path in self._by_path:
+                return found.best
+            return self._miss(MissReason.EVICTED)  # removed while the comparison ran
+        if found.untrimmable:
             return self._miss(MissReason.UNTRIMMABLE)
-        if saw_foreign:
+        if found.foreign:
             return self._miss(MissReason.IDENTITY_MISMATCH)
-        if self._was_evicted(fp, namespace, want):
+        if found.evicted:
             return self._miss(MissReason.EVICTED)
         return self._miss(MissReason.NO_ENTRY)
 
     def _miss(self, reason: MissReason) -> Miss:
         self.counters.misses[reason.value] += 1
         return Miss(reason)
-
-    def _was_evicted(self, fp: str, namespace: str, want: np.ndarray) -> bool:
-        """Would an entry we evicted have served this prompt? (explains the miss)"""
-        return any(_common_prefix(t, want) > 0 for t in self._evicted.get((fp, namespace), ()))
 
     def restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
         """Load a hit, cut back to its matched length; a file that fails is quarantined (a miss)."""
@@ -308,15 +424,17 @@ class Store:
         return self._miss(MissReason.IDENTITY_MISMATCH)
 
     def entry_at(self, path: str) -> Entry | None:
-        return next((e for e in self.entries if e.path == path), None)
+        return self._by_path.get(path)
 
     def touch(self, e: Entry) -> None:
         """A restore counts as use (kept across restarts through the file's mtime)."""
         e.last_used = time.time()
-        try:
-            os.utime(e.path, (e.last_used, e.last_used))
-        except OSError:
-            pass
+        _set_mtime(e.path, e.last_used)
+
+    async def touch_async(self, e: Entry) -> None:
+        """``touch`` with the file's mtime set on a worker thread."""
+        e.last_used = when = time.time()
+        await off_loop(lambda: _set_mtime(e.path, when))
 
     # --- store --------------------------------------------------------------------------
 
@@ -337,53 +455,86 @@ class Store:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
         ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. Files are written
-        through the store's file layer (``self.ops``).
+        through the store's file layer (``self.ops``); folders, writes and unlinks run off the event loop.
         """
         if planned is not None:
             ident = planned[0].identity
         path = self.new_path(ident, ident.namespace)
+        folder = os.path.dirname(path)
+        self.claim_folder(folder)  # from here to the rename, no sweep removes the folder under the write
+        try:
+            result = await self._write(path, folder, tokens, caches, ident, planned, **{
+                "meta": meta, "attachments": attachments, "checkpoint": checkpoint, "run_step": run_step,
+                "write_in_lease": write_in_lease, "staging": staging,
+            })  # fmt: skip
+        except asyncio.CancelledError:
+            # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
+            # no durable file the index does not know.
+            fileio.remove_quietly(self.ops, path)
+            raise
+        finally:
+            self.release_folder(folder)
+        entry = self._index(path, result.header, time.time())  # no await between the save's end and this
+        self.counters.stored += 1
+        self._ok()
+        self._supersede(entry, has_attachments=bool(result.header.attachments))
+        self.evict_to_cap(keep=entry)
+        try:
+            await self.delete_doomed_async()
+        except asyncio.CancelledError:  # the entry is stored and indexed: say so (the unlinks still finish)
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()
+        return result
+
+    async def _write(
+        self,
+        path: str,
+        folder: str,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        ident: fmt.Identity,
+        planned: tuple[fmt.Header, list[AnySource]] | None,
+        **kw: Any,
+    ) -> SaveResult:
+        """Create the folders, then save; on ENOSPC evict once and retry. Every failure is counted."""
         for attempt in (1, 2):
             try:
-                result = await save_async(
-                    path,
-                    tokens,
-                    caches,
-                    meta,
-                    identity=ident,
-                    attachments=attachments,
-                    checkpoint=checkpoint,
-                    durability=self.durability,
-                    provider=self.provider,
-                    run_step=run_step,
-                    write_in_lease=write_in_lease,
-                    ops=self.ops,
-                    planned=planned,
-                    staging=staging,
-                )
-                break
+                await off_loop(lambda: self.make_folder(folder))
+                return await save_async(
+                    path, tokens, caches, identity=ident, durability=self.durability, provider=self.provider,
+                    ops=self.ops, planned=planned, **kw,
+                )  # fmt: skip
             except errors.DiskFull as exc:
                 needed = planned[0].data_bytes if planned is not None else 0
                 if attempt == 2 or not self.make_room(needed):
                     self._count_error(exc)
                     raise
+                await self.delete_doomed_async()
                 unpin(exc)  # dropped here: its frames must not keep this attempt's bytes (or a cycle) alive
                 log.warning("disk full: evicted old entries, retrying the write")
             except Exception as exc:
                 self._count_error(exc)
                 raise
-        entry = self._index(path, result.header, time.time())
-        self.counters.stored += 1
-        self._supersede(entry, has_attachments=bool(result.header.attachments))
-        self.evict_to_cap(keep=entry)
-        return result
+        raise AssertionError("unreachable")
 
     def _count_error(self, exc: Exception) -> None:
+        """A failed write: counted by code, logged when a run starts and every ``STORE_ERROR_RUN_LOG`` after."""
         self.counters.store_errors += 1
         code = exc.code if isinstance(exc, errors.SpillError) else "error"
         self.counters.errors[code] = self.counters.errors.get(code, 0) + 1
+        self._error_run += 1
+        if self._error_run == 1:
+            log.warning("a write to %s failed: %s [%s]", self.root, exc, code)
+        elif self._error_run % STORE_ERROR_RUN_LOG == 0:
+            log.error("%d writes to %s failed in a row; the last: %s [%s]", self._error_run, self.root, exc, code)
+
+    def _ok(self) -> None:
+        if self._error_run > 1:
+            log.warning("writes to %s succeed again after %d failures in a row", self.root, self._error_run)
+        self._error_run = 0
 
     def _supersede(self, new: Entry, *, has_attachments: bool) -> None:
-        for e in list(self.entries):
+        for e in list(self._by_start.get(_start_key(new.namespace, new.tokens), {}).values()):
             if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace:
                 continue
             if e.codec_provider != new.codec_provider:
@@ -402,15 +553,22 @@ class Store:
                 self._remove(e)
 
     def evict_to_cap(self, keep: Entry | None = None) -> int:
-        """Remove least recently used entries until the whole root fits the disk cap."""
+        """Take least recently used entries out of the index until the root fits the disk cap.
+
+        Their files join the ones to delete (``delete_doomed_async``, or at once by the sync callers).
+        """
         n = 0
-        for e in sorted(self.entries, key=lambda x: x.last_used):
-            if self.total_bytes <= self.disk_cap:
+        total = self.total_bytes
+        if total <= self.disk_cap:
+            return 0
+        for e in sorted(self._by_path.values(), key=lambda x: x.last_used):
+            if total <= self.disk_cap:
                 break
             if e is keep:
                 continue
             self._remember_evicted(e)
             self._remove(e)
+            total -= e.nbytes
             self.counters.evicted += 1
             n += 1
         return n
@@ -419,7 +577,7 @@ class Store:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
         freed = 0
         gone = 0
-        for e in sorted(self.entries, key=lambda x: x.last_used):
+        for e in sorted(self._by_path.values(), key=lambda x: x.last_used):
             if gone and freed >= nbytes:
                 break
             self._remember_evicted(e)
@@ -433,80 +591,151 @@ class Store:
         self._evicted.setdefault((e.fingerprint, e.namespace), deque(maxlen=EVICTED_MEMORY)).append(e.tokens)
 
     def _forget(self, e: Entry) -> None:
-        if e in self.entries:
-            self.entries.remove(e)
+        if self._by_path.get(e.path) is e:
+            del self._by_path[e.path]
+            group = self._by_start.get(_start_key(e.namespace, e.tokens))
+            if group is not None:
+                group.pop(e.path, None)
+                if not group:
+                    del self._by_start[_start_key(e.namespace, e.tokens)]
 
     def _remove(self, e: Entry) -> None:
+        """Out of the index now; the file joins those to delete."""
         self._forget(e)
-        fileio.remove_quietly(self.ops, e.path)
+        self._doomed.append(e.path)
+
+    def _take_doomed(self) -> list[str]:
+        doomed, self._doomed = self._doomed, []
+        return doomed
+
+    def _delete_doomed(self) -> None:
+        _unlink_all(self.ops, self._take_doomed())
+
+    async def delete_doomed_async(self) -> None:
+        """Unlink the files of entries that left the index, on a worker thread."""
+        if doomed := self._take_doomed():
+            await off_loop(lambda: _unlink_all(self.ops, doomed))
 
     def remove_where(self, pred: Callable[[Entry], bool]) -> int:
-        gone = [e for e in self.entries if pred(e)]
+        n = self._drop_where(pred)
+        self._delete_doomed()
+        return n
+
+    async def remove_where_async(self, pred: Callable[[Entry], bool]) -> int:
+        n = self._drop_where(pred)
+        await self.delete_doomed_async()
+        return n
+
+    def _drop_where(self, pred: Callable[[Entry], bool]) -> int:
+        gone = [e for e in self._by_path.values() if pred(e)]
         for e in gone:
             self._remove(e)
         return len(gone)
 
     def evict_matching(self, fingerprint: str | None = None, older_than_s: float | None = None) -> tuple[int, int]:
         """Remove entries of one identity folder and/or unused for a while; clear emptied folders."""
+        n, nbytes = self._evict_select(fingerprint, older_than_s)
+        self._delete_doomed()
+        self.remove_empty_folders()
+        return n, nbytes
+
+    async def evict_async(self, fingerprint: str | None = None, older_than_s: float | None = None) -> tuple[int, int]:
+        """``evict_matching`` for the event loop: the index changes here, every unlink and the sweep on a worker."""
+        n, nbytes = self._evict_select(fingerprint, older_than_s)
+        doomed = self._take_doomed()
+
+        def work() -> None:
+            _unlink_all(self.ops, doomed)
+            self.remove_empty_folders()
+
+        await off_loop(work)
+        return n, nbytes
+
+    def _evict_select(self, fingerprint: str | None, older_than_s: float | None) -> tuple[int, int]:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
         gone = [
-            e for e in self.entries
+            e for e in self._by_path.values()
             if (fingerprint is None or e.fingerprint == fingerprint) and (cutoff is None or e.last_used < cutoff)
         ]  # fmt: skip
         for e in gone:
             self._remember_evicted(e)
             self._remove(e)
         self.counters.evicted += len(gone)
-        self.remove_empty_folders()
         return len(gone), sum(e.nbytes for e in gone)
 
     def remove_empty_folders(self) -> None:
-        """Folders of models no longer in use go when their last entry does."""
+        """Folders of models no longer in use go when their last entry does (blocking: a worker thread).
+
+        A folder a save has claimed is left, and so is its model folder: the save may be about to write there.
+        """
         for fp in os.listdir(self.root):
             fp_dir = os.path.join(self.root, fp)
             if fp.startswith(".") or not os.path.isdir(fp_dir):
                 continue
             for ns in os.listdir(fp_dir):
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(fp_dir, ns))  # only succeeds when empty
+                self._rmdir_unless_busy(os.path.join(fp_dir, ns))
+            self._rmdir_unless_busy(fp_dir)
+
+    def _rmdir_unless_busy(self, folder: str) -> None:
+        with self._folders:
+            if any(b == folder or b.startswith(folder + os.sep) for b in self._busy):
+                return
             with contextlib.suppress(OSError):
-                os.rmdir(fp_dir)
+                os.rmdir(folder)  # only succeeds when empty
 
     # --- generation checkpoints -------------------------------------------------------
 
     def find_checkpoint(self, ident: fmt.Identity, key: str) -> Entry | None:
         ns = checkpoint_namespace(key)
         fp = identity_fingerprint(ident)
-        found = [e for e in self.entries if e.namespace == ns and e.fingerprint == fp and e.checkpoint]
+        found = [e for e in self._by_path.values() if e.namespace == ns and e.fingerprint == fp and e.checkpoint]
         return max(found, key=lambda e: (e.ntokens, e.last_used), default=None)
 
     def remove_checkpoints(self, key: str) -> int:
         ns = checkpoint_namespace(key)
         return self.remove_where(lambda e: e.namespace == ns)
 
+    async def remove_checkpoints_async(self, key: str) -> int:
+        ns = checkpoint_namespace(key)
+        return await self.remove_where_async(lambda e: e.namespace == ns)
+
     # --- quarantine ---------------------------------------------------------------------
 
     def quarantine(self, path: str, why: BaseException) -> None:
         """Move a bad file aside (never served again) and count it."""
+        self._quarantine_index(path, why)
+        self._move_aside(path)
+
+    async def quarantine_async(self, path: str, why: BaseException) -> None:
+        """``quarantine`` with the move on a worker thread; the index changes here."""
+        self._quarantine_index(path, why)
+        await off_loop(lambda: self._move_aside(path))
+
+    def _quarantine_index(self, path: str, why: BaseException) -> None:
+        e = self._by_path.get(path)
+        if e is not None:
+            self._forget(e)
+        self.counters.quarantined += 1
+        log.warning("quarantined %s: %s", path, why)
+
+    def _move_aside(self, path: str) -> None:
         qdir = os.path.join(self.root, QUARANTINE)
-        os.makedirs(qdir, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.makedirs(qdir, mode=0o700, exist_ok=True)
         dest = os.path.join(qdir, f"{int(time.time() * 1000)}-{os.path.basename(path)}")
         try:
             os.rename(path, dest)
         except OSError:
             fileio.remove_quietly(self.ops, path)
-        for e in [e for e in self.entries if e.path == path]:
-            self._forget(e)
-        self.counters.quarantined += 1
-        log.warning("quarantined %s: %s", path, why)
-        kept = sorted(os.listdir(qdir))
-        for old in kept[:-QUARANTINE_KEEP]:
-            fileio.remove_quietly(self.ops, os.path.join(qdir, old))
+        with contextlib.suppress(OSError):
+            kept = sorted(os.listdir(qdir))
+            for old in kept[:-QUARANTINE_KEEP]:
+                fileio.remove_quietly(self.ops, os.path.join(qdir, old))
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {
-            "entries": len(self.entries),
+            "entries": self.count,
             "bytes": self.total_bytes,
             "disk_cap": self.disk_cap,
             "hits": c.hits,

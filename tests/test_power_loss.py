@@ -13,19 +13,22 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from mlx_lm.models import cache as C
 
 import spilld
 from spilld import errors, fileio
+from spilld.store import Store
 from tests.caches import fill, live, same
 from tests.conftest import LONG
 
 SEEDS = 2000 if LONG else 150
+FIRST_SEEDS = 200 if LONG else 12  # saves of a first entry into new folders, per case
 
 
 @dataclass
 class Op:
-    kind: str  # write | fsync | rename | dirsync | truncate
+    kind: str  # write | fsync | rename | dirsync | truncate | mkdir
     path: str = ""
     off: int = 0
     data: bytes = b""
@@ -64,6 +67,10 @@ class Recorder(fileio.FileOps):
     def rename(self, src: str, dst: str) -> None:
         self.journal.append(Op("rename", src, dst=dst))
         super().rename(src, dst)
+
+    def mkdir(self, path: str, mode: int = 0o700) -> None:
+        self.journal.append(Op("mkdir", path))
+        super().mkdir(path, mode)
 
 
 def disk_after(journal: list[Op], cut: int, rng: random.Random, keep_unsynced_name: bool) -> bytes | None:
@@ -141,3 +148,59 @@ def test_power_loss_never_returns_a_wrong_tensor(tmp_path: Any) -> None:
     assert cases >= (100_000 if LONG else 10_000)
     assert wrong == 0
     assert hits > 0 and refused > 0  # durable saves come back; torn ones are refused
+
+
+def folders_durable(journal: list[Op], created: list[str]) -> bool:
+    """Whether the folders a save created survive a power loss after ``journal``: each one's name is in its
+    parent, so the parent must have been fsynced after the folder was made (a folder made outside the file
+    layer, unrecorded, needs a parent fsync anywhere)."""
+    for d in created:
+        made = next((i for i, op in enumerate(journal) if op.kind == "mkdir" and op.path == d), -1)
+        parent = os.path.dirname(d) + "/"
+        if not any(op.kind == "dirsync" and op.path == parent for op in journal[made + 1 :]):
+            return False
+    return True
+
+
+def folders_under(root: str) -> set[str]:
+    return {os.path.join(folder, d) for folder, dirs, _ in os.walk(root) for d in dirs}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first", ["model", "namespace"])
+async def test_the_first_entry_of_a_new_model_or_namespace_survives_power_loss(tmp_path: Any, first: str) -> None:
+    """Stored means durable for the entry's folders too: a new model's folder, a new namespace's folder."""
+    cases = wrong = hits = 0
+    for seed in range(FIRST_SEEDS):
+        rng = random.Random(seed)
+        store = Store(tmp_path / f"{first}{seed}", disk_cap=2**40)
+        ident = spilld.Identity("m", f"cfg{seed}", "tok", "")
+        if first == "namespace":  # the model's folder exists: only the namespace's is new
+            await store.put([1, 2, 3], [fill(C.KVCache(), 3, heads=2, dim=8)], ident)
+            ident = spilld.Identity("m", f"cfg{seed}", "tok", "chat-b")
+        n = rng.randrange(1, 30)
+        caches = [fill(C.KVCache(), n, heads=2, dim=8, seed=seed)]
+        want = [live(c) for c in caches]
+        before = folders_under(store.root)
+        store.ops = rec = Recorder()
+        result = await store.put(list(range(n)), caches, ident)
+        created = sorted(folders_under(store.root) - before)
+        assert len(created) == (2 if first == "model" else 1), created
+        assert folders_durable(rec.journal, created), f"stored before its new folders {created} were durable"
+        for cut in range(len(rec.journal) + 1):
+            for keep_name in (False, True):
+                data = disk_after(rec.journal, cut, random.Random(seed * 7919 + cut), keep_name)
+                cases += 1
+                if data is None or not (keep_name or folders_durable(rec.journal[:cut], created)):
+                    continue  # the name, or a folder on its path, is lost: a miss
+                probe = tmp_path / "probe.spilld"
+                probe.write_bytes(data)
+                try:
+                    got = spilld.load(probe)
+                except errors.SpillError:
+                    continue
+                hits += 1
+                wrong += not all(same(live(a), b) for a, b in zip(got.caches, want, strict=True))
+        assert os.path.exists(result.path)
+    print(f"first entry of a new {first}: cases {cases}: {hits} loads returned caches, {wrong} wrong")
+    assert wrong == 0 and hits > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -241,3 +242,37 @@ async def test_counters_track_everything() -> None:
     c = q.counters()
     assert (c["stored"], c["dropped"], c["cancelled"], c["failed"], c["pending_items"]) == (1, 1, 1, 1, 0)
     assert c["peak_bytes"] >= 20
+
+
+async def test_a_close_timeout_after_the_rename_never_leaves_an_unindexed_durable_file(tmp_path: Any) -> None:
+    import threading
+
+    from mlx_lm.models import cache as C
+
+    import spilld
+    from spilld import fileio
+    from spilld.store import Store
+    from tests.caches import fill
+
+    renamed, go = threading.Event(), threading.Event()
+
+    class HoldAfterRename(fileio.FileOps):
+        def rename(self, src: str, dst: str) -> None:
+            super().rename(src, dst)
+            renamed.set()
+            go.wait(10)  # the queue's close times out while the save is past its rename
+
+    ident = spilld.Identity("m", "cfg", "tok", "")
+    store = Store(tmp_path, disk_cap=2**40, ops=HoldAfterRename())
+    q = SpillQueue(2**30, lambda it: store.put(it.tokens, it.caches, ident), bytes_of=lambda it: 1)
+    fut = q.enqueue(SpillItem(tokens=list(range(8)), caches=[fill(C.KVCache(), 8)]))
+    await asyncio.to_thread(renamed.wait, 10)
+    asyncio.get_running_loop().call_later(0.05, go.set)
+    report = await q.close(timeout=0)
+    settled = await fut
+    files = sorted(os.path.join(d, n) for d, _, ns in os.walk(tmp_path) for n in ns if n.endswith(".spilld"))
+    assert not report.done
+    if settled.outcome is Outcome.STORED:
+        assert files == [e.path for e in store.entries]
+    else:
+        assert settled.outcome is Outcome.CANCELLED and files == [] and store.entries == []

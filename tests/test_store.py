@@ -706,3 +706,66 @@ async def test_disk_full_evicts_then_retries(tmp_path: Path) -> None:
     assert s.counters.store_errors == 1
     leftovers = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(fileio.TEMP_SUFFIX)]
     assert leftovers == []
+
+
+# --- folders under concurrent sweeps, failed writes, the lookup index ----------------------------
+
+
+class _SweepBeforeCreate(fileio.FileOps):
+    """An evict's empty-folder sweep landing between the entry folder's creation and the first write."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def open_new(self, path: str, flags: int = 0) -> int:
+        self.store.remove_empty_folders()
+        return super().open_new(path, flags)
+
+
+@pytest.mark.asyncio
+async def test_an_evict_sweep_before_the_first_write_does_not_fail_the_save(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40)
+    s.ops = _SweepBeforeCreate(s)
+    r = await s.put(toks(8), kv_layers(8), IDENT)  # a new model: both its folders are empty until this write
+    assert os.path.exists(r.path) and s.counters.store_errors == 0
+    assert isinstance(s.lookup(IDENT, "", [*toks(8), 1]), Hit)
+    s.ops = fileio.DEFAULT_OPS
+    await s.evict_async()
+    assert [d for d in os.listdir(tmp_path) if not d.startswith(".")] == []  # the sweep runs again once it may
+
+
+@pytest.mark.asyncio
+async def test_a_write_that_cannot_make_its_folder_is_a_counted_store_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from spilld import errors
+    from spilld.store import STORE_ERROR_RUN_LOG, identity_fingerprint
+
+    s = Store(tmp_path, disk_cap=2**40)
+    (tmp_path / identity_fingerprint(IDENT)).write_bytes(b"a file where the model's folder goes")
+    with caplog.at_level("WARNING", logger="spilld.store"):
+        for _ in range(STORE_ERROR_RUN_LOG):
+            with pytest.raises(errors.StorageError):
+                await s.put(toks(4), kv_layers(4), IDENT)
+    assert s.counters.store_errors == STORE_ERROR_RUN_LOG and s.counters.errors == {"io_error": STORE_ERROR_RUN_LOG}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # the run's first failure, then one summary at the limit
+    assert f"{STORE_ERROR_RUN_LOG} writes" in lines[1]
+    (tmp_path / identity_fingerprint(IDENT)).unlink()
+    with caplog.at_level("WARNING", logger="spilld.store"):
+        await s.put(toks(4), kv_layers(4), IDENT)
+    assert "succeed again" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.asyncio
+async def test_lookup_compares_only_entries_that_start_like_the_prompt(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40)
+    for i in range(40):
+        await s.put(toks(4, start=10 * i), kv_layers(4), IDENT)
+        await s.put(toks(4, start=10 * i), kv_layers(4), ident("other"))
+    q = s._query(IDENT, "", [*toks(4, start=70), 1], None)
+    assert [e.tokens.tolist() for e in q.candidates] == [toks(4, start=70)]
+    hit = await s.lookup_async(IDENT, "", [*toks(4, start=70), 1])
+    assert isinstance(hit, Hit) and hit.matched == 4
+    miss = await s.lookup_async(IDENT, "", [5, 6, 7])
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY

@@ -1,0 +1,74 @@
+"""One owner per folder and per socket: an exclusive ``flock`` on a small file, held for the owner's life.
+
+The lock file holds the owner's pid, so a second process can say who is in the way. The file is never
+removed: removing a lock file while another process may have it open would let two owners hold two
+different files under one name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+
+from . import errors
+from .fileio import io_errors
+
+LOCK_NAME = ".spilld.lock"  # in the store's folder (the scan skips names that start with a dot)
+SOCKET_LOCK_SUFFIX = ".lock"  # beside the socket: <socket>.lock
+PID_BYTES = 32  # the most of a lock file read back for the holder's pid
+
+
+def holder_pid(path: str) -> int | None:
+    """The pid a lock file names (None if it names none yet, or cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read(PID_BYTES).strip() or b"x")
+    except (OSError, ValueError):
+        return None
+
+
+class FileLock:
+    """An exclusive, non-blocking lock on ``path``; ``what`` names what it guards in messages."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
+        self.fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``AlreadyRunning`` naming the holder's pid (``StorageError`` if no file can be made)."""
+        if not self.try_acquire():
+            pid = holder_pid(self.path)
+            who = f"pid {pid}" if pid is not None else "a process that has not written its pid yet"
+            raise errors.AlreadyRunning(f"{self.what} is in use by another spilld ({who}; lock {self.path})")
+
+    def try_acquire(self) -> bool:
+        """Take the lock if nobody holds it; False if somebody does."""
+        if self.fd is not None:
+            return True
+        with io_errors("lock file", self.path):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError:
+            os.close(fd)
+            raise
+        with io_errors("lock file", self.path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)  # closing the last descriptor drops the flock
