@@ -104,22 +104,67 @@ def test_clone_matches_and_is_detached(tmp_path: Any, name: str) -> None:
     cache = CASES[name]()
     clone = spilld.clone_caches([cache])[0]
     assert type(clone) is type(cache)
-    before = live(cache)
-    mx.eval(before)
-    assert same(live(clone), before)
-    # Mutate the original the way an engine does; the clone must keep the old data.
-    if hasattr(cache, "update_and_fetch") and not isinstance(
-        cache, (C.BatchKVCache, C.BatchRotatingKVCache, C.QuantizedKVCache)
-    ):
-        cache.update_and_fetch(*kv(1, seed=99, **like(cache)))
-        assert same(live(clone), before)
+    before = frozen(live(cache))
+    assert frozen(live(clone)) == before
+    # The engine goes on: it writes over every array the cache held at the clone (in place: mlx rebinds the same
+    # Python object), then runs its own steps, which rewrite the clone's rows (trim and refill, a ring that wraps,
+    # a slot replaced). The clone must keep the old data through both.
+    scribble(cache)
+    engine_steps(cache)
+    assert frozen(live(cache)) != before  # the mutations reached the original (or this test checks nothing)
+    assert frozen(live(clone)) == before
+
+
+def frozen(x: Any) -> Any:
+    """A deep copy of nested arrays and scalars, as numpy (bfloat16 widened exactly), for later comparison."""
+    import numpy as np
+
+    if isinstance(x, mx.array):
+        a = np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x, copy=True)
+        return ("array", str(x.dtype), a.shape, a.tobytes())
+    if isinstance(x, (list, tuple)):
+        return [frozen(v) for v in x]
+    if isinstance(x, dict):
+        return {k: frozen(v) for k, v in x.items()}
+    return x
+
+
+def scribble(cache: Any) -> None:
+    from tests.caches import _arrays
+
+    for a in _arrays(cache):
+        a[...] = mx.array(7).astype(a.dtype)
+    mx.eval(_arrays(cache))
+
+
+def engine_steps(cache: Any) -> None:
+    """Decode steps that rewrite every row a clone holds (or fill an empty cache)."""
+    if isinstance(cache, C.CacheList):
+        for c in cache.caches:
+            engine_steps(c)
+        return
+    if isinstance(cache, C.ArraysCache):
+        for i in range(len(cache.cache)):
+            cache[i] = mx.full((1, 2, 3), 5.0)  # a recurrent state is replaced each step
+        return
+    shape = like(cache)
+    if isinstance(cache, (C.RotatingKVCache, C.BatchRotatingKVCache)):
+        for i in range(cache.max_size + 1):  # the ring wraps: every slot is written again
+            cache.update_and_fetch(*kv(1, seed=50 + i, **shape))
+        return
+    n = max(1, cache.trim(cache._idx if isinstance(cache, C.BatchKVCache) else cache.offset))
+    cache.update_and_fetch(*kv(n, seed=99, **shape))  # trimmed to nothing, then refilled with other rows
 
 
 def like(cache: Any) -> dict[str, Any]:
+    """The shape of the rows an engine would append to ``cache``."""
+    batch = cache.left_padding.shape[0] if isinstance(cache, (C.BatchKVCache, C.BatchRotatingKVCache)) else 1
     k = getattr(cache, "keys", None)
     if k is None:
-        return {}
-    return {"heads": k.shape[1], "dim": k.shape[-1], "dtype": k.dtype}
+        return {"batch": batch, "dim": getattr(cache, "group_size", 8)}  # quantized rows: one group at least
+    if isinstance(cache, C.QuantizedKVCache):  # packed: 32 / bits values per uint32, scales in the keys' dtype
+        return {"batch": batch, "heads": k[0].shape[1], "dim": k[0].shape[-1] * 32 // cache.bits, "dtype": k[1].dtype}
+    return {"batch": batch, "heads": k.shape[1], "dim": k.shape[-1], "dtype": k.dtype}
 
 
 def test_empty_clone_is_empty() -> None:
