@@ -11,16 +11,14 @@ from typing import Any
 
 from .. import errors
 
-
-class AlreadyRunning(errors.SpillError):
-    code = "already_running"
+AlreadyRunning = errors.AlreadyRunning  # one class for the socket and the lock file: one code, one except clause
 
 
 class PeerRefused(errors.SpillError):
     code = "peer_refused"
 
 
-errors.ERRORS_BY_CODE.update({AlreadyRunning.code: AlreadyRunning, PeerRefused.code: PeerRefused})
+errors.ERRORS_BY_CODE[PeerRefused.code] = PeerRefused
 
 
 def peer_uid(sock: socket.socket) -> int | None:
