@@ -9,6 +9,8 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from tests.conftest import LONG
 from tests.daemons import Daemon, cleanup, new_root
 
 KILLS = 1000 if LONG else 50
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDENT = spilld.Identity("crash")
 
 
@@ -96,26 +99,72 @@ def test_sigkill_under_load_never_loses_or_corrupts_an_acknowledged_entry() -> N
         cleanup(d.root)
 
 
-@pytest.mark.parametrize("point", ["open_new", "fallocate", "pwritev", "fsync", "rename", "open_dir"])
-def test_a_crash_at_each_syscall_of_the_save_path_leaves_old_or_new(tmp_path: Any, point: str) -> None:
-    """Whitebox: die (an exception no one catches) right before each syscall; then scan."""
+# (syscall, which call of it, kill before or after it): every step of a publish, from the temp file's creation to
+# the folder's fsync. The sequence is open_new, fallocate, pwritev..., fsync (file), close, rename, open_dir, fsync
+# (folder), close.
+CRASH_POINTS = [
+    ("open_new", 1, "before"),
+    ("fallocate", 1, "after"),  # an empty temp file of the full size
+    ("pwritev", 1, "after"),  # some tensors written, not the header
+    ("fsync", 1, "before"),  # every byte written, none synced
+    ("fsync", 1, "after"),  # the temp file complete and durable, not renamed
+    ("rename", 1, "after"),  # published, the folder not synced
+    ("fsync", 2, "after"),  # the folder synced: the save's last syscall
+]
 
-    class Died(BaseException):
-        pass
+
+def crashing_save(path: str, method: str, nth: int, when: str) -> None:
+    """Run in a child process: save item 1 over ``path`` and SIGKILL this process at the chosen syscall."""
 
     class Crashing(fileio.FileOps):
-        def __getattribute__(self, name: str) -> Any:
-            if name == point:
-                raise Died(name)
-            return super().__getattribute__(name)
+        calls = 0
 
-    root = tmp_path / "store"
-    folder = root / "fp" / "base"
-    folder.mkdir(parents=True)
+        def __getattribute__(self, name: str) -> Any:
+            real = super().__getattribute__(name)
+            if name != method:
+                return real
+
+            def call(*args: Any) -> Any:
+                Crashing.calls += 1
+                if Crashing.calls == nth and when == "before":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out = real(*args)
+                if Crashing.calls == nth and when == "after":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return out
+
+            return call
+
     tokens, caches = item(1)
-    with pytest.raises(Died):
-        spilld.save(folder / "x.spilld", tokens, caches, ops=Crashing(), direct=False)
-    names = os.listdir(folder)
-    assert "x.spilld" not in names or point == "open_dir"  # published only after the rename
-    if "x.spilld" in names:
-        assert [s.hash for s in spilld.verify_file(folder / "x.spilld").slots()]  # and whole
+    spilld.save(path, tokens, caches, identity=IDENT, ops=Crashing(), direct=False)
+    raise SystemExit(3)  # the chosen syscall never came: the test's list of points is wrong
+
+
+@pytest.mark.parametrize("method,nth,when", CRASH_POINTS, ids=[f"{w}-{m}-{n}" for m, n, w in CRASH_POINTS])
+def test_a_kill_at_each_syscall_of_a_save_leaves_the_old_file_or_the_new(
+    tmp_path: Any, method: str, nth: int, when: str
+) -> None:
+    """A real crash (SIGKILL: no cleanup, no finally) at each step of a save over an existing entry, then a scan."""
+    from spilld.store import Store
+
+    root = str(tmp_path / "store")
+    path = Store(root).new_path(IDENT, "")
+    os.makedirs(os.path.dirname(path))
+    spilld.save(path, *item(0), identity=IDENT)  # the old entry, as a daemon published it
+    code = f"from tests.test_crash import crashing_save; crashing_save({path!r}, {method!r}, {nth}, {when!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    published = (method, when) == ("rename", "after") or (method, nth) == ("fsync", 2)
+    temps = [f for _, _, fs in os.walk(root) for f in fs if fileio.is_temp_name(f)]
+    assert len(temps) == (0 if published or (method, when) == ("open_new", "before") else 1)  # the kill left it
+
+    store = Store(root)
+    store.scan()  # what a restarted daemon does first
+    assert [f for _, _, fs in os.walk(root) for f in fs if fileio.is_temp_name(f)] == []  # every orphan reaped
+    assert store.counters.reaped_temp == len(temps) and store.counters.quarantined == 0
+    assert [e.path for e in store.entries] == [path]  # one entry under the name, never a torn one
+    want_tokens, want_caches = item(1 if published else 0)
+    got = spilld.load(path)
+    assert got.tokens == want_tokens
+    assert all(same(live(a), live(b)) for a, b in zip(got.caches, want_caches, strict=True))
