@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -17,26 +18,56 @@ _UNITS = {
     "B": 1,
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+MAX_SIZE = 1 << 62  # larger than any disk; keeps every sum of sizes inside an int64
+MAX_DURATION_S = 100 * 365 * 86400  # a century: past this a number is a typo, and timers overflow
 
 
-def parse_size(text: str) -> int:
-    """'4GiB', '512MiB', '2G' (K/M/G/T and KiB.. are powers of 1024; KB/MB/GB/TB of 1000)."""
+def parse_size(text: str, *, minimum: int = 1) -> int:
+    """'4GiB', '512MiB', '2G' (K/M/G/T and KiB.. are powers of 1024; KB/MB/GB/TB of 1000).
+
+    Every size spilld takes is a cap, so 0 is refused unless ``minimum`` allows it.
+    """
+    if text.strip().startswith("-"):
+        raise ValueError(f"{text!r}: a size cannot be negative")
     m = _SIZE.match(text)
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2G, 10GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return check_size(int(float(m.group(1)) * _UNITS[m.group(2).upper()]), repr(text), minimum=minimum)
+
+
+def check_size(n: int, what: str | None = None, *, minimum: int = 1) -> int:
+    """``n`` if it is a usable size (``minimum`` <= n <= MAX_SIZE), else ValueError naming ``what``."""
+    shown = what or repr(n)
+    if n < minimum:
+        raise ValueError(f"{shown}: a size must be at least {minimum} byte{'' if minimum == 1 else 's'}")
+    if n > MAX_SIZE:
+        raise ValueError(f"{shown}: larger than any disk (at most {MAX_SIZE} bytes)")
+    return n
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_duration(text: str) -> float:
-    """'45s', '30m', '12h', '7d', '2w' (a bare number is seconds)."""
+def parse_duration(text: str, *, positive: bool = False) -> float:
+    """'45s', '30m', '12h', '7d', '2w' (a bare number is seconds): finite and not negative (> 0 if ``positive``)."""
+    if text.strip().startswith("-"):
+        raise ValueError(f"{text!r}: a duration cannot be negative")
     m = _DURATION.match(text)
     if not m:
-        raise ValueError(f"not a duration: {text!r} (examples: 30m, 12h, 7d)")
-    return float(m.group(1)) * _SECONDS[m.group(2)]
+        raise ValueError(f"not a duration: {text!r} (a finite number of seconds, or e.g. 45s, 30m, 12h, 7d)")
+    return check_duration(float(m.group(1)) * _SECONDS[m.group(2)], repr(text), positive=positive)
+
+
+def check_duration(seconds: float, what: str | None = None, *, positive: bool = False) -> float:
+    """``seconds`` if it is a usable duration (finite, >= 0, > 0 if ``positive``, at most a century), else
+    ValueError naming ``what``."""
+    shown = what or repr(seconds)
+    if not math.isfinite(seconds) or seconds < 0 or seconds > MAX_DURATION_S:
+        raise ValueError(f"{shown}: a duration must be a finite number of seconds from 0 to {MAX_DURATION_S}")
+    if positive and seconds == 0:
+        raise ValueError(f"{shown}: must be longer than 0 s")
+    return seconds
 
 
 def format_size(n: float) -> str:
@@ -68,8 +99,28 @@ def default_socket() -> str:
     return os.path.join(folder, "spilld.sock")
 
 
+# sun_path is 108 bytes on Linux and 104 on macOS, its terminating NUL included
+SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+
+
+def check_socket_path(path: str) -> str:
+    """An absolute socket path that fits ``sun_path`` (a relative one is taken from the current folder)."""
+    if not path:
+        raise ValueError("the socket path is empty")
+    if "\0" in path:
+        raise ValueError(f"{path!r}: a socket path cannot hold a NUL byte")
+    full = os.path.abspath(os.path.expanduser(path))
+    n = len(os.fsencode(full))
+    if n > SOCKET_PATH_MAX:
+        raise ValueError(f"socket path {full!r} is {n} bytes; a Unix socket path holds at most {SOCKET_PATH_MAX}")
+    return full
+
+
 @dataclass
 class Config:
+    """The daemon's settings, checked when built (ValueError names the bad one): caps > 0, durations finite and
+    > 0, a socket path that fits; ``dir`` and ``socket`` are made absolute."""
+
     cap: int = 4 * 1024**3
     disk_cap: int | None = None
     dir: str = ""
@@ -82,5 +133,12 @@ class Config:
     max_clients: int = 512
 
     def __post_init__(self) -> None:
-        self.dir = self.dir or default_dir()
-        self.socket = self.socket or default_socket()
+        self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
+        self.socket = check_socket_path(self.socket or default_socket())
+        check_size(self.cap, "cap")
+        if self.disk_cap is not None:
+            check_size(self.disk_cap, "disk cap")
+        for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline"):
+            check_duration(getattr(self, name), name.replace("_", " "), positive=True)
+        if self.max_clients < 1:
+            raise ValueError(f"max clients must be at least 1, not {self.max_clients}")

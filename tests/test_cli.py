@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from spilld import cli
+from tests.daemons import Daemon, cleanup, new_root
 
 DATA = Path(__file__).parent / "data" / "v1"
 
@@ -47,3 +56,169 @@ def test_inspect_and_verify_refuse_a_corrupt_file(tmp_path: Any) -> None:
     r = spilld("verify", str(DATA / "kv.spilld"), str(bad))
     assert r.returncode == 1 and "ok   " in r.stdout and "BAD  " in r.stdout
     assert spilld("verify", *map(str, sorted(DATA.glob("*.spilld")))).returncode == 0
+
+
+# --- one parser, one line, no traceback (issue 12, item 7) -----------------------------------------------
+
+
+def place(root: Path, n: int = 1, src: Path = DATA / "kv.spilld") -> list[Path]:
+    """Copies of a golden file where a store keeps them (its identity's and namespace's folders)."""
+    from spilld.loader import read_header
+    from spilld.store import identity_fingerprint, namespace_hash
+
+    ident = read_header(src).identity
+    folder = root / identity_fingerprint(ident) / namespace_hash(ident.namespace)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        shutil.copy(src, folder / f"{i:024x}.spilld")
+        out.append(folder / f"{i:024x}.spilld")
+    return out
+
+
+def refusal_cases(tmp: Path) -> list[tuple[list[str], int]]:
+    """(argv, exit code): inputs that once gave a traceback, or were accepted and then misbehaved."""
+    f, sock = tmp / "file", str(tmp / "none.sock")
+    f.write_text("x")
+    long_sock = "/tmp/" + "s" * 110 + ".sock"
+    daemon = ["--socket", str(tmp / "d.sock")]
+    return [
+        (["--dir", str(f), *daemon], 2),  # --dir naming a file
+        (["--dir", str(f / "below"), *daemon], 2),  # a path below a file
+        (["--dir", "/proc/x/y", *daemon], 2),
+        (["--socket", str(f)], 2),  # a socket path that holds a file
+        (["--socket", str(f / "s.sock")], 2),  # a socket below a file
+        (["--socket", long_sock], 2),  # over sun_path
+        (["status", "--socket", long_sock], 2),
+        (["--drain-deadline", "-5", *daemon], 2),
+        (["--drain-deadline", "nan", *daemon], 2),
+        (["--drain-deadline", "inf", *daemon], 2),
+        (["--drain-deadline", "0", *daemon], 2),
+        (["--idle-timeout", "-1", *daemon], 2),
+        (["--cap", "0", *daemon], 2),
+        (["--cap", "0.5", *daemon], 2),
+        (["--cap", "-1G", *daemon], 2),
+        (["--disk-cap", "0", *daemon], 2),
+        (["--cap", "99999999TB", *daemon], 2),
+        (["service", "install", "--dry-run", "--manager", "systemd", "--drain-deadline", "-5"], 2),
+        (["service", "install", "--dry-run", "--manager", "systemd", "--cap", "0"], 2),
+        (["drain", "--socket", sock, "--timeout", "nan"], 2),
+        (["evict", "--socket", sock, "--older-than", "-1d"], 2),
+        (["evict", "--socket", sock, "--dir", str(tmp)], 2),  # no filter, no --all
+        (["evict", "--socket", sock, "--dir", str(f), "--all"], 2),
+        (["evict", "--socket", sock, "--dir", str(tmp / "missing"), "--all"], 2),  # never created
+        (["ls", "--dir", str(f)], 2),
+        (["inspect", str(tmp)], 2),  # a folder
+        (["inspect", str(tmp / "missing.spilld")], 2),
+        (["inspect", "/dev/null"], 2),  # not a regular file
+        (["verify", str(f / "x")], 2),
+        (["verify"], 2),
+        (["verify", "--dir", str(f)], 2),
+        (["status", "--socket", sock], 4),
+        (["drain", "--socket", sock], 4),
+        (["--socket", sock, "status"], 4),
+        (["bogus"], 2),
+        (["status", "--bogus"], 2),
+    ]
+
+
+def test_every_refusal_is_one_line_and_its_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, code in refusal_cases(tmp_path):
+        got = cli.main(argv)
+        err = capsys.readouterr().err
+        assert (got, len(err.strip().splitlines())) == (code, 1), (argv, got, err)
+        assert err.startswith("spilld"), (argv, err)
+    assert not (tmp_path / "missing").exists() and not os.path.exists("/proc/x")
+
+
+def test_no_traceback_from_a_process(tmp_path: Path) -> None:
+    """The same refusals as whole processes: one line on stderr, never a traceback."""
+    (tmp_path / "file").write_text("x")
+    for argv, code in [
+        (["--dir", str(tmp_path / "file"), "--socket", str(tmp_path / "d.sock")], 2),
+        (["inspect", str(tmp_path)], 2),
+        (["--socket", str(tmp_path / "none.sock"), "status", "--json"], 4),
+    ]:
+        r = spilld(*argv)
+        assert r.returncode == code and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+
+
+def test_a_relative_socket_is_served_from_the_current_folder(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spilld", "--socket", "s.sock", "--dir", "store", "--log-format", "json"],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "s.sock").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        r = spilld("status", "--json", "--socket", str(tmp_path / "s.sock"))
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert st["socket"] == str(tmp_path / "s.sock") and st["dir"] == str(tmp_path / "store")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root())
+    os.makedirs(d.dir)
+    place(Path(d.dir), 3)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_global_options_before_or_after_the_command(daemon: Daemon) -> None:
+    before = spilld("--socket", daemon.socket, "status", "--json")
+    after = spilld("status", "--json", "--socket", daemon.socket)
+    assert before.returncode == after.returncode == 0, before.stderr + after.stderr
+    assert json.loads(before.stdout)["pid"] == json.loads(after.stdout)["pid"]
+    assert spilld(f"--socket={daemon.socket}", "status").returncode == 0
+
+
+def test_status_json_without_a_daemon_is_an_object_and_exit_4(tmp_path: Path) -> None:
+    r = spilld("status", "--json", "--socket", str(tmp_path / "none.sock"))
+    d = json.loads(r.stdout)
+    assert r.returncode == 4 and d["ok"] is False and d["code"] == "connection_lost"
+
+
+def test_status_text_says_1_client_and_entries(daemon: Daemon) -> None:
+    r = spilld("status", "--socket", daemon.socket)
+    assert r.returncode == 0 and "1 client," in r.stdout and "3 entries" in r.stdout, r.stdout
+
+
+def test_evict_refuses_a_folder_the_daemon_does_not_serve(daemon: Daemon, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    kept = place(other, 2)
+    r = spilld("evict", "--all", "--socket", daemon.socket, "--dir", str(other))
+    assert r.returncode == 2 and daemon.dir in r.stderr and str(other) in r.stderr
+    assert all(p.exists() for p in kept)
+    st = json.loads(spilld("status", "--json", "--socket", daemon.socket).stdout)
+    assert st["store"]["entries"] == 3  # the daemon's folder was not touched either
+
+
+def test_evict_through_the_daemon_says_which_folder(daemon: Daemon) -> None:
+    r = spilld("evict", "--all", "--socket", daemon.socket)  # no --dir: the daemon's own
+    assert r.returncode == 0 and "evicted 3 entries" in r.stdout and daemon.dir in r.stdout, r.stdout + r.stderr
+    assert "through the daemon" in r.stdout
+    st = json.loads(spilld("status", "--json", "--socket", daemon.socket).stdout)
+    assert st["store"]["entries"] == 0
+
+
+def test_evict_from_a_folder_without_a_daemon(tmp_path: Path) -> None:
+    files = place(tmp_path / "store", 1)
+    sock = str(tmp_path / "none.sock")
+    r = spilld("evict", "--older-than", "1d", "--socket", sock, "--dir", str(tmp_path / "store"))
+    assert r.returncode == 0 and "evicted 0 entries" in r.stdout and files[0].exists()
+    r = spilld("evict", "--all", "--json", "--socket", sock, "--dir", str(tmp_path / "store"))
+    out = json.loads(r.stdout)
+    assert out["evicted"] == 1 and not out["through_daemon"] and out["dir"] == str(tmp_path / "store")
+    assert not files[0].exists() and os.listdir(tmp_path / "store") == []  # emptied model folders go too

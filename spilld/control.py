@@ -1,0 +1,109 @@
+"""The command line's connection to the daemon: a blocking socket, one request at a time.
+
+``status``, ``drain`` and ``evict`` need no engine machinery, so they do not import the engine client (which
+loads the codecs and with them mlx-lm: seconds before the first byte). The wire is the same protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import errors
+from . import protocol as P
+
+CONNECT_TIMEOUT_S = 10.0
+RECV_BYTES = 1 << 16
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (None where the OS cannot tell)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", raw)[1])
+    if sys.platform == "darwin":  # LOCAL_PEERCRED: struct xucred {u_int version; uid_t uid; ...}
+        raw = sock.getsockopt(0, 0x001, 76)
+        return int(struct.unpack_from("Ii", raw)[1])
+    return None
+
+
+class Control:
+    """A connection to the daemon for one command. Every failure to reach it is ``ConnectionLost``."""
+
+    def __init__(self, path: str, name: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.decoder = P.FrameDecoder()
+        self.inbox: list[P.Message] = []
+        self._ids = 0
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise P.ConnectionLost(f"cannot reach spilld at {path}: {exc.strerror or exc}") from None
+        uid = peer_uid(self.sock)
+        if uid is not None and uid != os.getuid():  # never talk to a socket another user put there
+            self.sock.close()
+            raise errors.error_from_code("foreign_daemon", f"{path} is served by uid {uid}, not by us")
+        self.server: dict[str, Any] = self.call(
+            "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}
+        )
+
+    def __enter__(self) -> Control:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def call(
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: float | None = CONNECT_TIMEOUT_S,
+        on_note: Callable[[P.Message], None] | None = None,
+    ) -> Any:
+        """Send one request and wait for its answer (``timeout`` None: as long as it takes); notifications that
+        arrive meanwhile go to ``on_note``."""
+        self._ids += 1
+        msgid = self._ids
+        try:
+            self.sock.sendall(b"".join(bytes(b) for b in P.request(msgid, method, params)))
+        except OSError as exc:
+            raise P.ConnectionLost(f"the daemon went away: {exc.strerror or exc}") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            msg = self._next(deadline, method)
+            if msg.kind == P.RESPONSE and msg.msgid == msgid:
+                P.raise_for(msg.error)
+                return msg.result
+            if msg.kind == P.NOTIFICATION and msg.method == "error":
+                P.raise_for({"code": str(msg.params.get("code", "error")), "message": str(msg.params.get("message"))})
+            if on_note is not None and msg.kind == P.NOTIFICATION:
+                on_note(msg)
+
+    def _next(self, deadline: float | None, method: str) -> P.Message:
+        while not self.inbox:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise P.Timeout(f"{method}: no answer from the daemon")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(RECV_BYTES)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                raise P.ConnectionLost(f"the daemon went away: {exc.strerror or exc}") from None
+            if not data:
+                raise P.ConnectionLost("the daemon closed the connection")
+            self.inbox.extend(self.decoder.feed(data))
+        return self.inbox.pop(0)
