@@ -352,7 +352,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_ALREADY_RUNNING
     except ActivationError as exc:  # a unit or plist that passes the wrong socket: a configuration error
         raise UsageError(str(exc)) from None
-    except OSError as exc:  # a folder or socket path the OS refuses (EACCES, EROFS, ENOENT under /proc...)
+    except errors.StorageError as exc:  # a folder the OS refuses at start (EACCES, EROFS, ENOENT under /proc...)
+        raise UsageError(f"cannot serve: {exc}") from None
+    except OSError as exc:
         raise UsageError(f"cannot serve: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}") from None
 
 
@@ -519,17 +521,25 @@ def _remove_files(rows: list[dict[str, Any]], label: str, quiet: bool) -> tuple[
 
 
 def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> tuple[int, int]:
+    """Evict from a folder no daemon answers for, under the folder's lock: a daemon serving it on another socket
+    holds it (AlreadyRunning names its pid), and none can start on it meanwhile."""
+    from .lockfile import LOCK_NAME, FileLock
     from .store import list_entries
 
-    cutoff = time.time() - older if older is not None else None
-    rows = [
-        r
-        for r in list_entries(root)
-        if (args.fingerprint is None or r["fingerprint"] == args.fingerprint)
-        and (cutoff is None or r["last_used"] < cutoff)
-    ]
-    got = _remove_files(rows, f"evicting from {root}", args.json)
-    remove_empty_folders(root)
+    lock = FileLock(os.path.join(root, LOCK_NAME), f"the folder {root}")
+    lock.acquire()
+    try:
+        cutoff = time.time() - older if older is not None else None
+        rows = [
+            r
+            for r in list_entries(root)
+            if (args.fingerprint is None or r["fingerprint"] == args.fingerprint)
+            and (cutoff is None or r["last_used"] < cutoff)
+        ]
+        got = _remove_files(rows, f"evicting from {root}", args.json)
+        remove_empty_folders(root)
+    finally:
+        lock.release()
     return got
 
 

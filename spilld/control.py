@@ -8,28 +8,16 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import errors
 from . import protocol as P
+from .daemon.listen import peer_uid
 
 CONNECT_TIMEOUT_S = 10.0
 RECV_BYTES = 1 << 16
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a Unix socket (None where the OS cannot tell)."""
-    if hasattr(socket, "SO_PEERCRED"):
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return int(struct.unpack("3i", raw)[1])
-    if sys.platform == "darwin":  # LOCAL_PEERCRED: struct xucred {u_int version; uid_t uid; ...}
-        raw = sock.getsockopt(0, 0x001, 76)
-        return int(struct.unpack_from("Ii", raw)[1])
-    return None
 
 
 class Control:
@@ -50,7 +38,7 @@ class Control:
         uid = peer_uid(self.sock)
         if uid is not None and uid != os.getuid():  # never talk to a socket another user put there
             self.sock.close()
-            raise errors.error_from_code("foreign_daemon", f"{path} is served by uid {uid}, not by us")
+            raise errors.ForeignDaemon(f"{path} is served by uid {uid}, not by us: nothing was sent")
         self.server: dict[str, Any] = self.call(
             "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}
         )
