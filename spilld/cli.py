@@ -742,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = add("status", "queue, disk, hits and misses, errors")
     with_socket(st)
-    st.add_argument("--format", default="text", choices=["text", "json", "prometheus"], help="default: text")
+    st.add_argument("--format", default="text", choices=["text", "json"], help="default: text")
     st.add_argument("--json", action="store_true", help="same as --format json")
     st.set_defaults(func=cmd_status)
 
