@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,29 +126,61 @@ def test_a_stale_socket_is_replaced() -> None:
         cleanup(d.root)
 
 
-def test_a_client_dying_mid_spill_leaves_no_partial_file(daemon: Daemon) -> None:
-    model = tiny_llama()
-    prompt = random_tokens(16)
-    cache, _ = prefill(model, prompt)
-    header, _ = spilld.saver.plan(prompt, cache, identity=spilld.Identity("m"))
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(daemon.socket)
-    dec = P.FrameDecoder()
+class Raw:
+    """A client speaking the wire protocol by hand, so it can stop anywhere in a spill."""
 
-    def call(bufs: list[Any]) -> P.Message:
-        s.sendall(b"".join(bytes(b) for b in bufs))
+    def __init__(self, path: str) -> None:
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(30)
+        self.s.connect(path)
+        self.dec = P.FrameDecoder()
+        self.ids = iter(range(1, 1 << 30))
+        assert self.call("hello", {"version": 1, "client": "raw"}).error is None
+
+    def call(self, method: str, params: dict[str, Any]) -> P.Message:
+        msgid = next(self.ids)
+        self.s.sendall(b"".join(bytes(b) for b in P.request(msgid, method, params)))
         while True:
-            if msgs := dec.feed(s.recv(65536)):
-                return msgs[0]
+            for m in self.dec.feed(self.s.recv(65536)):
+                if m.kind == P.RESPONSE and m.msgid == msgid:
+                    return m
 
-    assert call(P.request(1, "hello", {"version": 1, "client": "dies"})).error is None
-    sid = call(P.request(2, "spill", {"header": header.to_wire()})).result["spill"]
-    s.sendall(b"".join(bytes(b) for b in P.notification("put", {"spill": sid, "index": 0, "offset": 0}, b"\0" * 64)))
-    s.close()  # gone before commit
-    st = json.loads(daemon.cli("status", "--socket", daemon.socket, "--json").stdout)
-    assert st["queue"]["pending_items"] == 0 and st["store"]["entries"] == 0
-    files = [f for _, _, fs in os.walk(daemon.dir) for f in fs]
-    assert files == []
+
+def test_clients_dying_mid_spill_leave_no_file_and_hold_no_room() -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    d = Daemon(new_root(), ["--cap", "1MiB"]).start()
+    try:
+        cache = fill(C.KVCache(), 300, heads=4, dim=64)  # 600 KiB of tensors: two fit the cap only one at a time
+        header, _ = spilld.saver.plan(list(range(300)), [cache], identity=spilld.Identity("m"))
+        for droppable in (False, True, False, True):  # each dies with its spill's room held and bytes declared
+            dying = Raw(d.socket)
+            r = dying.call("spill", {"header": header.to_wire(), "droppable": droppable})
+            assert r.error is None, r.error
+            part = P.notification("put", {"spill": r.result["spill"], "index": 0, "offset": 0}, b"\0" * 64)
+            dying.s.sendall(b"".join(bytes(b) for b in part))
+            dying.s.close()  # gone before its commit
+        probe = Raw(d.socket)
+        deadline = time.monotonic() + 30
+        while (st := probe.call("status", {}).result)["clients"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the daemon has seen every dying client go
+        assert st["clients"] == 1 and st["queue"]["pending_items"] == 0 and st["store"]["entries"] == 0
+        # What they held is released: had it leaked, these would be refused as busy (the room of two
+        # non-droppable spills is more than the cap; the bytes of four declared spills more than twice the cap).
+        for droppable in (False, True):
+            r = probe.call("spill", {"header": header.to_wire(), "droppable": droppable})
+            assert r.error is None, (droppable, r.error)
+            assert probe.call("abort", {"spill": r.result["spill"]}).error is None
+        probe.s.close()
+        from spilld.fileio import is_temp_name
+
+        files = [f for _, _, fs in os.walk(d.dir) for f in fs if f.endswith(".spilld") or is_temp_name(f)]
+        assert files == []  # and no file, partial or temp
+    finally:
+        d.kill()
+        cleanup(d.root)
 
 
 def test_bad_clients_get_typed_errors_and_others_are_served(daemon: Daemon) -> None:
@@ -192,9 +225,10 @@ def test_bad_clients_get_typed_errors_and_others_are_served(daemon: Daemon) -> N
 
 def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
     d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "fsync"]).start()
+    items = 12  # 16 MiB each, droppable: the 64 MiB queue sheds the oldest while the disk falls behind
     try:
 
-        async def go() -> list[Any]:
+        async def go() -> tuple[list[Any], dict[str, int]]:
             client = await AsyncClient.connect(d.socket, identity=spilld.Identity("big"))
             from mlx_lm.models import cache as C
 
@@ -202,21 +236,28 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
 
             futs = [
                 client.spill([i, *range(1999)], [fill(C.KVCache(), 2000, heads=8, dim=128, seed=i) for _ in range(2)])
-                for i in range(12)
+                for i in range(items)
             ]
-            await client.queue.drain()  # every item handed to the daemon
+            await client.queue.drain()  # every item shipped; wait until the daemon has queued every commit
+            while True:
+                q = (await client.status())["queue"]
+                if q["pending_items"] + q["stored"] + q["dropped"] == items:
+                    break
+                await asyncio.sleep(0.01)
             assert d.proc is not None
-            d.proc.send_signal(signal.SIGTERM)
-            return [await f for f in futs]
+            d.proc.send_signal(signal.SIGTERM)  # nothing arrives after this: no item can be shed by a newer one
+            return [await f for f in futs], q
 
-        results = asyncio.run(go())
+        results, at_term = asyncio.run(go())
         assert d.proc is not None and d.proc.wait(60) == 0
-        outcomes = {r.outcome for r in results}
-        assert outcomes <= {spilld.Outcome.STORED, spilld.Outcome.DROPPED}  # each owner was told
-        stored = sum(r.stored for r in results)
-        assert stored >= 1
+        assert at_term["pending_items"] >= 1  # the queue was not empty at SIGTERM (else this tests nothing)
+        outcomes = [r.outcome for r in results]
+        assert set(outcomes) <= {spilld.Outcome.STORED, spilld.Outcome.DROPPED}  # each owner was told
+        # Everything queued at SIGTERM was written: the only drops are the ones made before it, by the cap.
+        assert outcomes.count(spilld.Outcome.DROPPED) == at_term["dropped"]
+        assert outcomes.count(spilld.Outcome.STORED) == at_term["stored"] + at_term["pending_items"]
         files = [f for _, _, fs in os.walk(d.dir) for f in fs if f.endswith(".spilld")]
-        assert len(files) == stored  # stored means on disk
+        assert len(files) == outcomes.count(spilld.Outcome.STORED)  # stored means on disk
     finally:
         d.kill()
         cleanup(d.root)
