@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -21,19 +22,34 @@ async def test_no_lease_runs_off_the_loop_thread() -> None:
 async def test_async_lock_lease_holds_the_lock_and_keeps_the_loop_free() -> None:
     lock = asyncio.Lock()
     lease = AsyncLockLease(lock)
-    ticks = 0
+    events: list[Any] = []
+    running, ticked = threading.Event(), threading.Event()
+    done = False
 
-    async def tick() -> None:
-        nonlocal ticks
-        for _ in range(20):
-            ticks += 1
-            await asyncio.sleep(0.001)
+    async def loop_turns() -> None:
+        while not done:
+            if running.is_set():
+                events.append(("turn", lock.locked()))
+                ticked.set()
+            await asyncio.sleep(0)
 
-    t = asyncio.create_task(tick())
-    held = await lease(lambda: (time.sleep(0.03), lock.locked())[1])
+    def step() -> bool:
+        running.set()
+        events.append("start")
+        turned = ticked.wait(5)  # returns at once if the loop turns while this runs; never if it runs on the loop
+        events.append("end")
+        running.clear()
+        return turned
+
+    t = asyncio.create_task(loop_turns())
+    turned = await lease(step)
+    done = True
     await t
-    assert held and not lock.locked() and ticks >= 5
-    assert lease.longest_hold_s >= 0.03
+    assert turned and not lock.locked()
+    # the loop turned while the step ran, with the engine's lock held throughout
+    assert events.index("start") < events.index(("turn", True)) < events.index("end")
+    assert ("turn", False) not in events
+    assert lease.longest_hold_s > 0
 
 
 async def test_thread_lock_lease_waits_for_the_engine_thread() -> None:
@@ -89,26 +105,51 @@ async def test_idle_gate_never_overlaps_engine_steps() -> None:
             assert a1 <= b0 or b1 <= a0, "a background step overlapped an engine step"
 
 
-async def test_idle_gate_engine_waits_only_for_the_running_step() -> None:
+async def _engine_arrives_during_a_step() -> list[str]:
+    """One background step runs, the engine arrives, a second step is queued: the order things happened in."""
     gate = IdleGate()
-    started = threading.Event()
-    waited: list[float] = []
+    events: list[str] = []
+    first_running = threading.Event()
 
-    def step() -> None:
-        started.set()
-        time.sleep(0.05)
+    def first() -> None:
+        first_running.set()
+        events.append("first start")
+        deadline = time.monotonic() + 10
+        while not gate._engine_waiting and time.monotonic() < deadline:  # until the engine is at the gate
+            time.sleep(0.001)
+        time.sleep(0.01)  # and the second step too
+        events.append("first end")
 
     def engine() -> None:
-        started.wait()
-        t0 = time.perf_counter()
+        first_running.wait()
+        events.append("engine arrives")
         with gate.busy():
-            waited.append(time.perf_counter() - t0)
+            events.append("engine in")
+            time.sleep(0.01)
+            events.append("engine out")
 
     th = threading.Thread(target=engine)
     th.start()
-    await gate(step)
+    one = asyncio.ensure_future(gate(first))
+    while not first_running.is_set():
+        await asyncio.sleep(0.001)
+    two = gate(lambda: events.append("second start"))  # queued behind the first, like the engine
+    await asyncio.gather(one, two)
     th.join()
-    assert 0.02 < waited[0] < 1.0
+    return events
+
+
+async def test_idle_gate_engine_waits_only_for_the_running_step() -> None:
+    for _ in range(5):  # a gate that let a queued step go first would lose the race only some of the time
+        # The engine waits for the running step, then goes before the step queued after it.
+        assert await _engine_arrives_during_a_step() == [
+            "first start",
+            "engine arrives",
+            "first end",
+            "engine in",
+            "engine out",
+            "second start",
+        ]
 
 
 async def test_a_step_that_raises_releases_the_lease() -> None:

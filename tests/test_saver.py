@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -190,22 +191,30 @@ class AsyncLockLease:
 
 @pytest.mark.asyncio
 async def test_save_async_runs_one_step_per_loop_turn(tmp_path: Any) -> None:
-    lease = AsyncLockLease()
-    ticks = 0
+    events: list[Any] = []
     stop = False
 
-    async def ticker() -> None:
-        nonlocal ticks
+    async def lease(fn: Callable[[], Any]) -> Any:  # runs the work at once, on the loop: the lease never yields
+        owner = getattr(fn, "func", fn).__self__  # the save step whose materialize or write this is
+        events.append(("step", owner))  # the object itself: kept alive, so no two steps share an id
+        return fn()
+
+    async def engine() -> None:  # one decode step per loop turn
         while not stop:
-            ticks += 1
+            events.append("turn")
             await asyncio.sleep(0)
 
-    t = asyncio.create_task(ticker())
-    res = await spilld.save_async(tmp_path / "f", list(range(17)), caches(3), run_step=lease)
+    t = asyncio.create_task(engine())
+    await asyncio.sleep(0)
+    res = await spilld.save_async(tmp_path / "f", list(range(17)), caches(3), run_step=lease, write_in_lease=True)
     stop = True
     await t
-    assert lease.calls == 6  # every tensor's materialize went through the lease
-    assert ticks >= 7  # the loop kept turning between steps
+    steps = [e for e in events if e != "turn"]
+    assert len(steps) == 2 * 6 + 1  # each tensor's materialize and write, then the publish, through the lease
+    assert len({id(owner) for _, owner in steps}) == 7
+    # Between the last work of one save step and the first of the next, the engine got a turn.
+    for a, b in itertools.pairwise(events):
+        assert "turn" in (a, b) or a[1] is b[1], "two save steps ran in one loop turn"
     assert res.header.data_bytes == sum(s.nbytes for s in spilld.read_header(tmp_path / "f").slots())
 
 
