@@ -106,13 +106,14 @@ def disk_after(journal: list[Op], cut: int, rng: random.Random, keep_unsynced_na
             if len(disk) < op.off + len(op.data):
                 disk.extend(bytes(op.off + len(op.data) - len(disk)))
             disk[op.off : op.off + len(op.data)] = op.data
-    if rng.random() < 0.3 and disk:
-        del disk[rng.randrange(len(disk)) :]  # and the size may not have reached it
+    durable = len(synced.get(src, b""))  # an fsync makes the size durable too
+    if rng.random() < 0.3 and len(disk) > durable:
+        del disk[rng.randrange(durable, len(disk)) :]  # and a size set after it may not have reached the disk
     return bytes(disk)
 
 
 def test_power_loss_never_returns_a_wrong_tensor(tmp_path: Any) -> None:
-    cases = wrong = hits = refused = 0
+    cases = wrong = hits = refused = durable_cases = durable_lost = 0
     for seed in range(SEEDS):
         rng = random.Random(seed)
         caches = [
@@ -126,12 +127,17 @@ def test_power_loss_never_returns_a_wrong_tensor(tmp_path: Any) -> None:
         spilld.save(
             folder / "entry.spilld", list(range(caches[0].offset)), caches, ops=rec, durability=durability, direct=False
         )
+        # Power lost after an fsync save returned (its last syscall done): every disk state must load.
+        done_at = len(rec.journal) if durability == "fsync" else None
         for cut in range(len(rec.journal) + 1):
             for keep_name in (False, True):
                 for variant in range(4):
                     data = disk_after(rec.journal, cut, random.Random(seed * 7919 + cut * 31 + variant), keep_name)
                     cases += 1
+                    durable = done_at is not None and cut >= done_at
+                    durable_cases += durable
                     if data is None:
+                        durable_lost += durable
                         continue
                     probe = tmp_path / "probe.spilld"
                     probe.write_bytes(data)
@@ -139,15 +145,19 @@ def test_power_loss_never_returns_a_wrong_tensor(tmp_path: Any) -> None:
                         got = spilld.load(probe)
                     except errors.SpillError:
                         refused += 1
-                        continue  # a miss is fine
+                        durable_lost += durable
+                        continue  # a miss is fine, unless the save had returned
                     hits += 1
                     if not all(same(live(a), b) for a, b in zip(got.caches, want, strict=True)):
                         wrong += 1
         os.unlink(folder / "entry.spilld")
-    print(f"cases {cases}: {hits} loads returned caches, {refused} refused, {wrong} wrong")
-    assert cases >= (100_000 if LONG else 10_000)
+    print(
+        f"cases {cases}: {hits} loads returned caches, {refused} refused, {wrong} wrong, {durable_cases} after a save"
+    )
     assert wrong == 0
-    assert hits > 0 and refused > 0  # durable saves come back; torn ones are refused
+    assert durable_cases > 0 and durable_lost == 0  # every completed fsync save loads, whatever else was lost
+    assert cases >= (100_000 if LONG else 10_000)
+    assert refused > 0  # torn ones are refused
 
 
 def folders_durable(journal: list[Op], created: list[str]) -> bool:
