@@ -53,16 +53,26 @@ def _perturb(cache: Any) -> None:
     return None
 
 
+def _differs(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.abs(a - b).max().item() > 1e-3)
+
+
 def test_clone_then_save_async_matches_live(tmp_path: Any) -> None:
     import asyncio
 
     model, tokens, cache = _run("llama")
     clones = spilld.clone_caches(cache)
-    # the engine keeps decoding after handing off its clones
-    live_next = next_logits(model, cache, 3)
+    want = next_logits(model, cache, 3)  # what the cache gave at the clone
+    # The engine goes on after handing off its clones: it drops its last 6 rows and decodes other tokens in their
+    # place, rewriting rows the clones hold, in the same buffers.
+    C.trim_prompt_cache(cache, 1 + 5)
+    for t in (11, 12, 13, 14, 15):
+        next_logits(model, cache, t)
     asyncio.run(spilld.save_async(tmp_path / "f", tokens, clones))
     got = spilld.load(tmp_path / "f").caches
-    assert mx.array_equal(next_logits(model, got, 3), live_next).item()
+    assert mx.array_equal(next_logits(model, got, 3), want).item()
+    # negative control: the rewritten rows change the logits, so a clone that shared them would have failed above
+    assert _differs(next_logits(model, cache, 3), want)
 
 
 def test_trimmed_load_matches_a_trimmed_live_cache(tmp_path: Any) -> None:
@@ -71,15 +81,25 @@ def test_trimmed_load_matches_a_trimmed_live_cache(tmp_path: Any) -> None:
     got = spilld.load(tmp_path / "f", upto=len(tokens) - 5)
     assert got.tokens == tokens[:-5]
     C.trim_prompt_cache(cache, 5)
-    assert mx.array_equal(next_logits(model, got.caches, 9), next_logits(model, cache, 9)).item()
+    want = next_logits(model, cache, 9)
+    assert mx.array_equal(next_logits(model, got.caches, 9), want).item()
+    # negative control: the uncut entry answers otherwise, so a cut that did nothing would have failed above
+    assert _differs(next_logits(model, spilld.load(tmp_path / "f").caches, 9), want)
 
 
 def test_rotated_ring_cannot_be_cut(tmp_path: Any) -> None:
-    _, tokens, cache = _run("gemma3")
+    _, tokens, cache = _run("gemma3")  # 52 tokens through a window of 8: the rings have wrapped
     spilld.save(tmp_path / "f", tokens, cache)
     assert spilld.read_header(tmp_path / "f").trimmable is False
     with pytest.raises(errors.NotReusable):
         spilld.load(tmp_path / "f", upto=len(tokens) - 1)
+    # negative control: rings that have not wrapped can be cut, and the cut entry answers like a cut live cache
+    model, tokens, cache = _run("gemma3", n_prompt=6, n_decode=0)
+    spilld.save(tmp_path / "g", tokens, cache)
+    assert spilld.read_header(tmp_path / "g").trimmable is True
+    got = spilld.load(tmp_path / "g", upto=len(tokens) - 2)
+    C.trim_prompt_cache(cache, 2)
+    assert mx.array_equal(next_logits(model, got.caches, 9), next_logits(model, cache, 9)).item()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -93,6 +113,9 @@ def test_quantized_cache_from_a_real_model(tmp_path: Any, bits: int) -> None:
     got = spilld.load(tmp_path / "f").caches
     assert isinstance(got[0], C.QuantizedKVCache) and got[0].bits == bits
     assert mx.array_equal(next_logits(model, got, 5), live).item()
+    # negative control: another prompt's quantized cache answers otherwise
+    other, _ = prefill(model, random_tokens(40, seed=2))
+    assert _differs(next_logits(model, [c.to_quantized(group_size=32, bits=bits) for c in other], 5), live)
 
 
 def test_identity_fields_follow_the_model() -> None:
