@@ -32,6 +32,7 @@ from tests.daemons import Daemon, cleanup, new_root
 
 SPEC = TinySpec(hidden=64, layers=2, intermediate=128)
 PROMPT = "The cold tier keeps long prompts warm across restarts. " * 12
+CONTROL = "A" + PROMPT[len("The") :]  # the same prompt but its first word
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,11 @@ def _cached(answer: dict[str, Any]) -> int:
     return int(answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
 
 
-def _request_restart_request(model: str, log: str, *spilld_args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+Answers = tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
+
+
+def _request_restart_request(model: str, log: str, *spilld_args: str) -> Answers:
+    """The prompt, a restart, the prompt again, then the control: the prompt with its first word changed."""
     first = Server(model, log, *spilld_args)
     try:
         a = first.complete(PROMPT)
@@ -101,30 +106,35 @@ def _request_restart_request(model: str, log: str, *spilld_args: str) -> tuple[d
     second = Server(model, log, *spilld_args)
     try:
         b = second.complete(PROMPT)
+        c = second.complete(CONTROL)
     finally:
         assert second.stop() == 0, _read(log)
-    return a, b
+    return a, b, c
 
 
-def _assert_identical_from_cold_tier(a: dict[str, Any], b: dict[str, Any]) -> None:
+def _assert_identical_from_cold_tier(a: dict[str, Any], b: dict[str, Any], c: dict[str, Any]) -> None:
     assert _cached(a) == 0  # the first request had nothing to reuse
     assert _cached(b) == a["usage"]["prompt_tokens"] - 1  # all but the last prompt token came from disk
     assert b["choices"][0]["text"] == a["choices"][0]["text"]
     assert b["choices"][0]["logprobs"] == a["choices"][0]["logprobs"]  # same floats: same K/V rows
+    # negative control: other K/V rows at the front alone (the same text after the first word) change the
+    # log-probabilities, so a restore that brought back wrong rows would have failed the line above
+    assert _cached(c) < 4
+    assert c["choices"][0]["logprobs"] != a["choices"][0]["logprobs"]
 
 
 def test_embedded_server_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
     store = str(tmp_path / "store")
-    a, b = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-dir", store)
-    _assert_identical_from_cold_tier(a, b)
+    a, b, c = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-dir", store)
+    _assert_identical_from_cold_tier(a, b, c)
     assert "cold tier: restored" in _read(tmp_path / "server.log")
 
 
 def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
     d = Daemon(new_root(), ["--cap", "256MiB"]).start()
     try:
-        a, b = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-socket", d.socket)
-        _assert_identical_from_cold_tier(a, b)
+        a, b, c = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-socket", d.socket)
+        _assert_identical_from_cold_tier(a, b, c)
         assert d.cli("status", "--json", "--socket", d.socket).returncode == 0
     finally:
         assert d.stop() == 0
@@ -253,13 +263,24 @@ def test_image_placeholder_ids_are_neither_stored_nor_looked_up(
 ) -> None:
     model, _ = tiny
     tier = make_tier()
+    calls: list[str] = []
+    for name in ("spill", "restore"):  # count what reaches the spiller (a failed lookup would be a miss too)
+        real = getattr(tier.spiller, name)
+        setattr(tier.spiller, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
     p = [1, -1, -1, 2, *range(10, 20)]  # mlx-lm keys image tokens with negative ids
     lru.insert_cache("m", p, _prefilled(model, [max(t, 0) for t in p]))
     cache, rest = lru.fetch_nearest_cache("m", [7, -1, 8])  # no error: a plain miss
     assert cache is None and rest == [7, -1, 8]
     tier._run(tier.spiller.drain(30))
-    assert tier.spiller.store.counters.stored == 0
+    assert calls == [] and tier.spiller.store.counters.stored == 0
+    # control: the same calls with plain ids reach the spiller, one spill and one lookup
+    q = [1, 0, 0, 2, *range(10, 20)]
+    lru.insert_cache("m", q, _prefilled(model, q))
+    cache, rest = lru.fetch_nearest_cache("m", [7, 0, 8])
+    assert cache is None and rest == [7, 0, 8]
+    tier._run(tier.spiller.drain(30))
+    assert calls == ["spill", "restore"] and tier.spiller.store.counters.stored == 1
 
 
 def test_unreachable_daemon_leaks_no_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
