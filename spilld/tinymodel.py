@@ -95,3 +95,29 @@ def write_tiny_model(folder: str, spec: TinySpec = TinySpec()) -> str:
         json.dump(config, f, indent=1)
     write_tokenizer(folder)
     return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m spilld.tinymodel DIR``: write the tiny model into DIR and print its path (exit 2 on a bad DIR)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m spilld.tinymodel",
+        description="Write a tiny random-weight llama and its byte-level tokenizer to a folder "
+        "(mlx_lm.load and mlx_lm.server read it like a model from the hub; nothing is downloaded).",
+    )
+    parser.add_argument("dir", help="the folder to write (created if missing)")
+    args = parser.parse_args(argv)
+    folder = os.path.abspath(os.path.expanduser(args.dir))
+    try:
+        write_tiny_model(folder)
+    except OSError as exc:
+        print(f"spilld.tinymodel: cannot write {folder}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

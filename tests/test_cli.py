@@ -223,3 +223,24 @@ def test_evict_from_a_folder_without_a_daemon(tmp_path: Path) -> None:
     out = json.loads(r.stdout)
     assert out["evicted"] == 1 and not out["through_daemon"] and out["dir"] == str(tmp_path / "store")
     assert not files[0].exists() and os.listdir(tmp_path / "store") == [LOCK_NAME]  # emptied model folders go too
+
+
+def test_tinymodel_module_writes_the_model_and_prints_its_path(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld.tinymodel", str(tmp_path / "tiny")], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip() == str(tmp_path / "tiny"), r.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "tiny"))
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld.tinymodel", str(tmp_path / "file")], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert subprocess.run([sys.executable, "-m", "spilld.tinymodel"], capture_output=True).returncode == 2
+
+
+def test_license_is_the_mit_license_pyproject_names() -> None:
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "spilld contributors" in text
+    assert 'license = { text = "MIT" }' in (root / "pyproject.toml").read_text()
