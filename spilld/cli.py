@@ -340,6 +340,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             durability=Durability(args.durability),
             drain_deadline=args.drain_deadline,
             idle_timeout=args.idle_timeout,
+            metrics_file=_metrics_file(args.metrics_file),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -356,6 +357,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot serve: {exc}") from None
     except OSError as exc:
         raise UsageError(f"cannot serve: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}") from None
+
+
+def _metrics_file(path: str | None) -> str | None:
+    """``--metrics-file``: its folder must exist (node_exporter's textfile folder is made by its owner)."""
+    if not path:
+        return None
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full) or not os.path.isdir(os.path.dirname(full)):
+        raise UsageError(f"--metrics-file {full}: names a folder, or its folder does not exist")
+    return full
 
 
 def _check_socket_target(path: str) -> None:
@@ -410,7 +421,8 @@ def _print_status(st: dict[str, Any]) -> None:
     )
     entries = plural(int(d["entries"]), "entry", "entries")
     print(f"disk    {entries}, {format_size(d['bytes'])} of {format_size(d['disk_cap'])} cap in {st['dir']}")
-    print(f"lookups hits {d['hits']}; misses: {misses}")
+    lookups = f"{st['lookups']}, " if "lookups" in st else ""
+    print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
     by_code = ", ".join(f"{k} {v}" for k, v in d.get("errors", {}).items() if v)
     print(
         f"errors  store {d['store_errors']}{f' ({by_code})' if by_code else ''}, "
@@ -718,6 +730,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="disconnect clients silent this long (default 300 s)",
     )
+    srv.add_argument(
+        "--metrics-file",
+        default=None,
+        help="write Prometheus metrics to this file every few seconds, atomically (for node_exporter's textfile "
+        "collector: a name ending in .prom in its --collector.textfile.directory)",
+    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument(
         "--log-format",
@@ -742,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = add("status", "queue, disk, hits and misses, errors")
     with_socket(st)
-    st.add_argument("--format", default="text", choices=["text", "json"], help="default: text")
+    st.add_argument("--format", default="text", choices=["text", "json", "prometheus"], help="default: text")
     st.add_argument("--json", action="store_true", help="same as --format json")
     st.set_defaults(func=cmd_status)
 

@@ -131,6 +131,7 @@ class Config:
     hello_timeout: float = 5.0
     drain_deadline: float = 60.0  # graceful stop: time to finish queued work
     max_clients: int = 512
+    metrics_file: str | None = None  # a Prometheus textfile rewritten every few seconds (node_exporter's collector)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -140,5 +141,7 @@ class Config:
             check_size(self.disk_cap, "disk cap")
         for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline"):
             check_duration(getattr(self, name), name.replace("_", " "), positive=True)
+        if self.metrics_file:
+            self.metrics_file = os.path.abspath(os.path.expanduser(self.metrics_file))
         if self.max_clients < 1:
             raise ValueError(f"max clients must be at least 1, not {self.max_clients}")

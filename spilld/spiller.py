@@ -130,10 +130,11 @@ class Spiller:
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
         return self.store.lookup(self.identity, check_namespace(namespace), tokens)
 
-    async def restore(self, tokens: Sequence[int], namespace: str = "") -> Loaded | None:
-        """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss."""
+    async def restore(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
+        """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the
+        prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit)."""
         hit = self.lookup(tokens, namespace)
-        if isinstance(hit, Miss):
+        if isinstance(hit, Miss) or hit.matched <= longer_than:
             return None
         ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": namespace})
         return await self._restore(hit, ident)

@@ -132,6 +132,11 @@ class Connection(asyncio.BufferedProtocol):
         self.shm.close()  # mappings still read by queued items stay until those are written
         if self._timer is not None:
             self._timer.cancel()
+        log.debug(
+            "client %d disconnected", self.id,
+            extra={"client": self.id, "client_name": self.client_name, "spills_dropped": len(self.spills),
+                   "error": repr(exc) if exc is not None else None},
+        )  # fmt: skip
         for sp in self.spills.values():
             self.daemon.ingest.forget(sp)
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
@@ -242,7 +247,10 @@ class Connection(asyncio.BufferedProtocol):
         self.hello = True
         self.client_name = str(params.get("client", "?"))[:64]
         self.lease_grantor = bool(params.get("lease_grantor", False))
-        log.info("client %d connected: %s", self.id, self.client_name)
+        log.info(
+            "client %d connected: %s", self.id, self.client_name,
+            extra={"client": self.id, "client_name": self.client_name, "pid": params.get("pid"), "grantor": self.lease_grantor},
+        )  # fmt: skip
         return {
             "version": P.PROTOCOL_VERSION,
             "server": f"spilld {__version__}",

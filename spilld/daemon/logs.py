@@ -37,26 +37,56 @@ class LogThrottle:
         return held
 
 
+# What every LogRecord has: anything else on a record came from ``extra={...}`` and is a field of the line.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+RESERVED_FIELDS = ("ts", "level", "logger", "msg", "exc")  # an extra with one of these names is prefixed with x_
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, object]:
+    """The fields a call passed with ``extra={...}``, as they will appear in the line."""
+    out: dict[str, object] = {}
+    for k, v in vars(record).items():
+        if k not in _RECORD_ATTRS and not k.startswith("_"):
+            out[f"x_{k}" if k in RESERVED_FIELDS else k] = v
+    return out
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ts, level, logger, msg, then each field of ``extra={...}`` as a key of its own."""
+
     def format(self, record: logging.LogRecord) -> str:
-        d = {
+        d: dict[str, object] = {
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        d |= record_fields(record)
         if record.exc_info:
             d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d)
+        return json.dumps(d, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """For a terminal: the message, then the fields as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = record_fields(record)
+        if not fields:
+            return line
+        head, sep, tail = line.partition("\n")  # a traceback stays below the fields
+        return head + " " + " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in fields.items()) + sep + tail
 
 
 def setup_logging(level: str = "info", json_logs: bool | None = None) -> None:
     """JSON lines when stderr is not a terminal (service managers, files); plain text on a terminal."""
     handler = logging.StreamHandler(sys.stderr)
     use_json = not sys.stderr.isatty() if json_logs is None else json_logs
-    handler.setFormatter(
-        JsonFormatter() if use_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
+    handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
     root = logging.getLogger("spilld")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -23,6 +23,7 @@ from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
 from ..lease import NoLease, off_loop
+from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
 from ..saver import BytesSource
 from ..service.activation import inherited_listener, socket_path
@@ -36,6 +37,9 @@ from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
 log = logging.getLogger("spilld.daemon")
 
 DRAIN_PROGRESS_S = 0.5
+# SIGHUP (a closed terminal, or `kill -HUP`) stops the daemon like SIGTERM: it drains; there is no config to reload
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SECOND_SIGNAL_EXIT = 3  # a stop that left work unfinished, as a drain past its deadline
 
 
 class Daemon:
@@ -56,8 +60,11 @@ class Daemon:
         self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
+        self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
+        self.restore_seconds = LatencyHistogram(RESTORE_BUCKETS_S)
         self._server: asyncio.AbstractServer | None = None
         self._signals = 0
+        self._metrics_failing = False
         names = [
             "barrier",
             "cancel",
@@ -94,19 +101,44 @@ class Daemon:
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         self.service.start_watchdog()  # before the scan: a long scan runs off the loop, which stays alive
         await self.start()
+        metrics = loop.create_task(self._write_metrics_every()) if self.cfg.metrics_file else None
         await self.stopping.wait()
-        return await self.stop()
+        code = await self.stop()
+        if metrics is not None:
+            metrics.cancel()
+            await self._write_metrics()  # the final counts
+        return code
+
+    async def _write_metrics(self) -> None:
+        """Render ``status`` on the loop (a snapshot), write the textfile on a worker thread."""
+        path, data = str(self.cfg.metrics_file), exposition(self.status())
+        try:
+            await off_loop(lambda: write_textfile(path, data))
+            self._metrics_failing = False
+        except OSError as exc:
+            if not self._metrics_failing:  # one line per run of failures, not one every few seconds
+                log.warning("cannot write the metrics file", extra={"path": path, "error": str(exc)})
+            self._metrics_failing = True
+
+    async def _write_metrics_every(self) -> None:
+        while True:
+            await self._write_metrics()
+            await asyncio.sleep(METRICS_EVERY_S)
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
-        if self._signals > 1:
-            log.warning("second signal: exiting now")
-            os._exit(1)
+        if self._signals > 1:  # the operator insists: what is still queued is lost (never a partial file)
+            log.warning(
+                "second signal: exiting now",
+                extra={"signal": signal.Signals(sig).name, "items_lost": self.queue.pending_items,
+                       "bytes_lost": self.queue.pending_bytes, "exit": SECOND_SIGNAL_EXIT},
+            )  # fmt: skip
+            os._exit(SECOND_SIGNAL_EXIT)
         log.info(
             "%s: stopping (finishing queued work within %.0f s)", signal.Signals(sig).name, self.cfg.drain_deadline
         )
@@ -125,9 +157,10 @@ class Daemon:
         if self.listener is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.socket)
-        log.info("stopped: %s", json.dumps(self.queue.counters()))
+        code = 0 if report.done else 3
+        log.info("stopped", extra={"queue": self.queue.counters(), "store": self.store.stats(), "exit": code})
         await self.service.close()
-        return 0 if report.done else 3
+        return code
 
     def client_error(self, level: int, msg: str, *args: Any) -> None:
         """Count a client's fault; log it unless too many came this second (then one summary line a second later)."""
@@ -160,10 +193,20 @@ class Daemon:
         grantor: Connection | None = item.meta.get("grantor")
         lease = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
         self.writing += 1
+        t0 = time.perf_counter()
         try:
-            return await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
+            result = await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
+        except Exception as exc:
+            log.debug("store failed", extra={"error": repr(exc)[:200], "tokens": len(header.tokens)})
+            raise
         finally:
             self.writing -= 1
+        log.debug(
+            "stored",
+            extra={"path": result.path, "bytes": result.file_bytes, "tokens": len(header.tokens),
+                   "namespace": header.identity.namespace, "ms": round(1e3 * (time.perf_counter() - t0), 2)},
+        )  # fmt: skip
+        return result
 
     # --- methods ---------------------------------------------------------------------------
 
@@ -188,16 +231,25 @@ class Daemon:
         ident = fmt.Identity(**{k: str(v) for k, v in p["identity"].items()})
         tokens = fmt.decode_tokens(p["tokens"])
         hit = self.store.lookup(ident, str(p.get("namespace", "")), tokens, codec_provider=p.get("codec_provider"))
+        self.lookups += 1
         if isinstance(hit, Hit):
             e = hit.entry
+            log.debug(
+                "lookup: hit", extra={"client": conn.id, "tokens": len(tokens), "matched": hit.matched, "path": e.path}
+            )
             return {"hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable}
+        log.debug("lookup: miss", extra={"client": conn.id, "tokens": len(tokens), "reason": hit.reason.value})
         return {"hit": False, "reason": hit.reason.value}
 
     async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         e = self.store.entry_at(str(p["path"]))
-        if e is not None:
+        if e is not None:  # a restore the client completed (and kept): the one place a hit is counted
             self.store.touch(e)
             self.store.counters.hits += 1
+            seconds = p.get("restore_s")
+            if isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0:
+                self.restore_seconds.observe(float(seconds))  # measured by the client: lookup to loaded caches
+            log.debug("restored", extra={"client": conn.id, "path": e.path, "restore_s": seconds})
         return {"found": e is not None}
 
     async def _delete(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
@@ -254,8 +306,10 @@ class Daemon:
             "cap": self.cfg.cap,
             "clients": len(self.connections),
             "client_errors": self.client_errors,
+            "lookups": self.lookups,
             "queue": self.queue.counters(),
             "store": self.store.stats(),
+            "restore_seconds": self.restore_seconds.to_wire(),
         }
 
 

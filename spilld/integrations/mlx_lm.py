@@ -95,7 +95,9 @@ class ColdTierPromptCache(LRUPromptCache):
         if tier is None or have >= len(tokens) - 1:  # a restore is capped at len - 1: memory cannot be beaten
             return cache, rest
         t0 = time.perf_counter()
-        loaded = tier.load(tokens)  # blocks this thread, as the prefill it replaces would, only shorter
+        # blocks this thread, as the prefill it replaces would, only shorter; a prefix no longer than what memory
+        # gave is neither read nor counted as a hit by the daemon
+        loaded = tier.load(tokens, longer_than=have)
         n = len(loaded.tokens) if loaded is not None else 0
         if loaded is None or n <= have:
             self.stats["cold_misses"] += 1

@@ -34,7 +34,7 @@ class ColdTier(Protocol):
         self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
     ) -> concurrent.futures.Future[Settled]: ...
 
-    def load(self, tokens: Sequence[int]) -> Loaded | None: ...
+    def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None: ...
 
     def close(self, timeout: float | None = None) -> None: ...
 
@@ -88,8 +88,8 @@ class EmbeddedTier:
     ) -> concurrent.futures.Future[Settled]:
         return guarded_spill(lambda: self.spiller.spill(tokens, caches, droppable=droppable), tokens)
 
-    def load(self, tokens: Sequence[int]) -> Loaded | None:
-        return guarded_load(lambda: self._run(self.spiller.restore(tokens)), tokens)
+    def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
+        return guarded_load(lambda: self._run(self.spiller.restore(tokens, longer_than=longer_than)), tokens)
 
     def stats(self) -> dict[str, Any]:
         return self.spiller.stats()
@@ -130,11 +130,13 @@ class DaemonTier:
             return settled_now(Outcome.FAILED, errors.SpillError("the daemon is unreachable"))
         return guarded_spill(lambda: client.spill(tokens, caches, droppable=droppable), tokens)
 
-    def load(self, tokens: Sequence[int]) -> Loaded | None:
+    def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
         client = self._connect()
         if client is None:
             return None
-        return guarded_load(lambda: client.load(tokens), tokens)  # a lost connection reconnects next time
+        return guarded_load(
+            lambda: client.load(tokens, longer_than=longer_than), tokens
+        )  # a lost connection reconnects next time
 
     def stats(self) -> dict[str, Any]:
         client = self._connect()

@@ -1,0 +1,141 @@
+"""Prometheus exposition of the daemon's ``status``, through ``prometheus_client``.
+
+One source of truth: the ``status`` answer (a dict). The daemon renders it into a textfile for node_exporter's
+textfile collector (``--metrics-file``, rewritten atomically every ``METRICS_EVERY_S``); ``spilld status --format
+prometheus`` renders the same dict fetched over the socket. The restore latency is measured by the client (from
+its lookup to the caches in hand) and reported with its ``touch``; the daemon keeps the histogram.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+METRICS_EVERY_S = 5.0  # the textfile is rewritten this often (node_exporter reads it on each scrape)
+# seconds from lookup to loaded caches: a small cache restores in a millisecond, a 4 GiB one in seconds
+RESTORE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PREFIX = "spilld"
+
+
+class LatencyHistogram:
+    """Counts per bucket (upper bounds ``buckets``, then +Inf), their sum and count; carried in ``status``."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))
+        self.counts[i] += 1
+        self.sum += seconds
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum, "count": sum(self.counts)}
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, Any]) -> CounterMetricFamily:
+    m = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=[label])
+    for k, v in sorted(values.items()):
+        m.add_metric([str(k)], float(v))
+    return m
+
+
+def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:
+    bounds = [*h.get("buckets", []), math.inf]
+    counts = list(h.get("counts", [0] * len(bounds)))
+    cumulative, running = [], 0
+    for b, c in zip(bounds, counts, strict=False):
+        running += int(c)
+        cumulative.append(("+Inf" if b == math.inf else repr(float(b)), running))
+    return HistogramMetricFamily(f"{PREFIX}_{name}", doc, buckets=cumulative, sum_value=float(h.get("sum", 0.0)))
+
+
+def families(st: dict[str, Any]) -> list[Metric]:
+    """Every metric of a ``status`` answer."""
+    q, d = st["queue"], st["store"]
+    info = GaugeMetricFamily(f"{PREFIX}_info", "spilld's version (always 1)", labels=["version"])
+    info.add_metric([str(st.get("version", ""))], 1)
+    out: list[Metric] = [
+        info,
+        _gauge("uptime_seconds", "seconds since the daemon started", st.get("uptime_s", 0)),
+        _gauge("clients", "connected clients", st.get("clients", 0)),
+        _counter("client_errors", "connections ended for a client's fault", st.get("client_errors", 0)),
+        _gauge("queue_items", "items queued in memory, not yet written", q["pending_items"]),
+        _gauge("queue_bytes", "bytes queued in memory, not yet written", q["pending_bytes"]),
+        _gauge("queue_peak_bytes", "the most bytes ever queued at once", q.get("peak_bytes", 0)),
+        _gauge("queue_cap_bytes", "the soft cap on queued bytes (--cap)", st.get("cap", 0)),
+        _labelled(
+            "queue_outcomes",
+            "queued items by how they ended",
+            "outcome",
+            {k: q.get(k, 0) for k in ("stored", "dropped", "cancelled", "failed")},
+        ),
+        _counter("written_bytes", "bytes of cache files written durably", q.get("bytes_written", 0)),
+        _gauge("disk_entries", "entries in the store", d["entries"]),
+        _gauge("disk_bytes", "bytes of the store's entries", d["bytes"]),
+        _gauge("disk_cap_bytes", "the cap on the store (--disk-cap)", d["disk_cap"]),
+        _counter("lookups", "lookup requests answered", st.get("lookups", 0)),
+        _counter("hits", "restores a client completed and kept (reported with touch)", d["hits"]),
+        _labelled("misses", "lookups that found nothing usable, by reason", "reason", d["misses"]),
+        _labelled("store_errors", "failed writes by error code", "code", d.get("errors", {})),
+        _labelled(
+            "store_events",
+            "entries that left the store, and temp files reaped",
+            "event",
+            {k: d.get(k, 0) for k in ("superseded", "evicted", "quarantined", "reaped_temp")},
+        ),
+    ]
+    if "quarantine_removed" in d:
+        out.append(_counter("quarantine_removed", "quarantined files removed to keep its cap", d["quarantine_removed"]))
+    if "restore_seconds" in st:
+        out.append(
+            _histogram("restore_seconds", "seconds from a client's lookup to its loaded caches", st["restore_seconds"])
+        )
+    return out
+
+
+class _Snapshot(Collector):
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        yield from families(self.status())
+
+
+def exposition(st: dict[str, Any]) -> bytes:
+    """The Prometheus text format of one ``status`` answer."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(lambda: st))
+    return bytes(generate_latest(registry))
+
+
+def write_textfile(path: str, data: bytes) -> None:
+    """Replace ``path`` atomically (a temp file beside it, then rename): the collector never reads half a file.
+
+    The temp name does not end in ``.prom``, so node_exporter never picks it up."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

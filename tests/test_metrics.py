@@ -1,0 +1,120 @@
+"""Metrics (Prometheus, through prometheus_client) and logs (JSON fields, debug lines) of a real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import spilld
+from spilld.client import AsyncClient
+from spilld.metrics import METRICS_EVERY_S, LatencyHistogram, exposition
+from tests.daemons import Daemon, cleanup, new_root
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root())
+    d.args = ["--cap", "64MiB", "--log-level", "debug", "--metrics-file", os.path.join(d.root, "spilld.prom")]
+    d.start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def log_lines(d: Daemon) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in d.read_log().splitlines() if line.startswith("{")]
+
+
+async def traffic(d: Daemon) -> None:
+    """One store, one miss, one restore kept, one restore not worth reading (memory had as much)."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("m"), name="metrics")
+    assert (await client.spill(list(range(16)), [fill(C.KVCache(), 16)])).stored
+    assert await client.load([99, 98, 97]) is None  # no_entry
+    assert await client.load([*range(16), 7]) is not None  # a hit
+    assert await client.load([*range(16), 7], longer_than=16) is None  # not read, not a hit
+    await client.close()
+
+
+def test_metrics_file_status_prometheus_and_debug_logs(daemon: Daemon) -> None:
+    asyncio.run(traffic(daemon))
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld", "status", "--format", "prometheus", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    got = samples(r.stdout)
+    assert got[("spilld_hits_total", ())] == 1 and got[("spilld_lookups_total", ())] == 3
+    assert got[("spilld_misses_total", (("reason", "no_entry"),))] == 1
+    assert got[("spilld_queue_outcomes_total", (("outcome", "stored"),))] == 1
+    assert got[("spilld_written_bytes_total", ())] > 0 and got[("spilld_disk_entries", ())] == 1
+    assert got[("spilld_restore_seconds_count", ())] == 1 and got[("spilld_restore_seconds_sum", ())] > 0
+    # the textfile catches up within a few seconds, and is never seen half written
+    prom = os.path.join(daemon.root, "spilld.prom")
+    deadline = time.monotonic() + 3 * METRICS_EVERY_S
+    while time.monotonic() < deadline:
+        text = Path(prom).read_text() if os.path.exists(prom) else ""
+        if text and samples(text).get(("spilld_hits_total", ())) == 1:
+            break
+        time.sleep(0.2)
+    assert samples(text)[("spilld_restore_seconds_count", ())] == 1
+    assert [n for n in os.listdir(daemon.root) if n.startswith("spilld.prom")] == ["spilld.prom"]  # no temp left
+    assert daemon.stop() == 0
+    lines = log_lines(daemon)
+    msgs = [ln["msg"] for ln in lines]
+    assert "stored" in msgs and "lookup: hit" in msgs and "restored" in msgs
+    miss = next(ln for ln in lines if ln["msg"] == "lookup: miss")
+    assert miss["reason"] == "no_entry" and miss["tokens"] == 3
+    assert any(ln["msg"].endswith("disconnected") and ln["client_name"] == "metrics" for ln in lines)
+    connected = next(ln for ln in lines if "connected: metrics" in ln["msg"])
+    assert connected["client_name"] == "metrics" and isinstance(connected["client"], int)
+    stopped = lines[-1]
+    assert stopped["msg"] == "stopped" and stopped["queue"]["stored"] == 1 and stopped["exit"] == 0  # fields, not text
+
+
+def test_histogram_buckets_are_cumulative_in_the_exposition() -> None:
+    h = LatencyHistogram((0.01, 0.1))
+    for s in (0.005, 0.05, 0.05, 3.0):
+        h.observe(s)
+    st = {
+        "queue": {"pending_items": 0, "pending_bytes": 0},
+        "store": {"entries": 0, "bytes": 0, "disk_cap": 1, "hits": 0, "misses": {}},
+        "restore_seconds": h.to_wire(),
+    }
+    got = samples(exposition(st).decode())
+    buckets = [got[("spilld_restore_seconds_bucket", (("le", le),))] for le in ("0.01", "0.1", "+Inf")]
+    assert buckets == [1, 3, 4] and got[("spilld_restore_seconds_count", ())] == 4
+
+
+def test_a_metrics_file_in_a_missing_folder_is_refused(tmp_path: Any) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld", "--metrics-file", str(tmp_path / "no" / "x.prom"), "--socket",
+         str(tmp_path / "s.sock"), "--dir", str(tmp_path / "d")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
