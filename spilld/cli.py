@@ -42,7 +42,7 @@ EPILOG = """exit codes:
   0  success (drain: everything acknowledged is durable)
   1  a file failed a check (corrupt, truncated, foreign, unreadable)
   2  usage or configuration error (a bad option, an unusable folder or socket path)
-  3  timeout: drain (or a stop) left work unfinished
+  3  timeout: drain (or a stop) left work unfinished; a daemon stopped by a second signal
   4  the daemon cannot be reached
   5  another daemon already serves this socket or folder
   6  service: launchctl or systemctl refused a command, or did not finish in time
@@ -722,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-deadline",
         type=positive_duration_arg,
         default=60.0,
-        help="time to finish queued work on SIGTERM or SIGINT (default 60 s; e.g. 90, 2m)",
+        help="time to finish queued work on SIGTERM, SIGINT or SIGHUP (default 60 s; e.g. 90, 2m)",
     )
     srv.add_argument(
         "--idle-timeout",

@@ -109,18 +109,41 @@ def families(st: dict[str, Any]) -> list[Metric]:
     return out
 
 
-class _Snapshot(Collector):
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
-        self.status = status
+ENGINE_COUNTERS = {
+    "restores": "prompts served in part from the cold tier",
+    "restored_tokens": "prompt tokens loaded from the cold tier instead of computed",
+    "cold_misses": "lookups the cold tier could not serve better than memory",
+    "spills": "caches handed to the cold tier",
+    "evictions_spilled": "entries the LRU evicted before their write-behind landed, spilled again",
+}
+
+
+def engine_families(stats: dict[str, Any], prefix: str = f"{PREFIX}_mlx_lm") -> list[Metric]:
+    """The mlx-lm integration's own counters (``ColdTierPromptCache.stats``)."""
+    return [
+        CounterMetricFamily(f"{prefix}_{k}", ENGINE_COUNTERS.get(k, k), value=float(v))
+        for k, v in sorted(stats.items())
+    ]
+
+
+def engine_exposition(stats: dict[str, Any]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(lambda: engine_families(stats)))
+    return bytes(generate_latest(registry))
+
+
+class _Families(Collector):
+    def __init__(self, make: Callable[[], list[Metric]]) -> None:
+        self.make = make
 
     def collect(self) -> Iterator[Metric]:
-        yield from families(self.status())
+        yield from self.make()
 
 
 def exposition(st: dict[str, Any]) -> bytes:
     """The Prometheus text format of one ``status`` answer."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(lambda: st))
+    registry.register(_Families(lambda: families(st)))
     return bytes(generate_latest(registry))
 
 

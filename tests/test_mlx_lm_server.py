@@ -125,7 +125,12 @@ def _assert_identical_from_cold_tier(a: dict[str, Any], b: dict[str, Any], c: di
 
 def test_embedded_server_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
     store = str(tmp_path / "store")
-    a, b, c = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-dir", store)
+    prom = str(tmp_path / "tier.prom")
+    a, b, c = _request_restart_request(
+        model_dir, str(tmp_path / "server.log"), "--spilld-dir", store, "--spilld-metrics-file", prom
+    )
+    assert "cold tier: embedded (no daemon)" in _read(tmp_path / "server.log")
+    assert "spilld_mlx_lm_restores_total 1.0" in _read(prom)  # the second server's counters, written at exit
     _assert_identical_from_cold_tier(a, b, c)
     assert "cold tier: restored" in _read(tmp_path / "server.log")
 
@@ -134,6 +139,7 @@ def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: 
     d = Daemon(new_root(), ["--cap", "256MiB"]).start()
     try:
         a, b, c = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-socket", d.socket)
+        assert f"cold tier: the spilld daemon at {d.socket} (answers)" in _read(tmp_path / "server.log")
         _assert_identical_from_cold_tier(a, b, c)
         assert d.cli("status", "--json", "--socket", d.socket).returncode == 0
     finally:
@@ -149,6 +155,7 @@ def test_server_without_daemon_still_serves(model_dir: str, tmp_path: Any) -> No
     finally:
         assert s.stop() == 0
     assert "unreachable" in _read(tmp_path / "server.log")
+    assert "(does not answer yet" in _read(tmp_path / "server.log")
 
 
 # --- in process ------------------------------------------------------------------------------
@@ -185,8 +192,8 @@ class DropsWriteBehinds:
     def spill(self, tokens: Any, caches: Any, *, droppable: bool = True) -> Any:
         return settled_now(Outcome.DROPPED) if droppable else self.inner.spill(tokens, caches, droppable=False)
 
-    def load(self, tokens: Any) -> Any:
-        return self.inner.load(tokens)
+    def load(self, tokens: Any, *, longer_than: int = 0) -> Any:
+        return self.inner.load(tokens, longer_than=longer_than)
 
     def close(self, timeout: float | None = None) -> None:
         self.inner.close(timeout)
@@ -296,6 +303,27 @@ def test_unreachable_daemon_leaks_no_thread(tmp_path: Any, monkeypatch: pytest.M
         assert t.load([1, 2, 3]) is None
         assert not t.spill([1, 2], []).result().stored
     assert threading.active_count() == before
+
+
+def test_a_disk_prefix_shorter_than_memory_is_neither_read_nor_a_hit(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    model, _ = tiny
+    tier = make_tier()
+    short, long = list(range(8)), list(range(16))
+    assert tier.spill(short, _prefilled(model, short), droppable=False).result(30).stored
+    lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: DropsWriteBehinds(tier))
+    lru.insert_cache("m", long, _prefilled(model, long))  # its write-behind is shed: disk keeps only `short`
+    cache, rest = lru.fetch_nearest_cache("m", [*long, 5, 6])
+    assert cache is not None and rest == [5, 6]  # memory's 16 tokens beat disk's 8
+    assert lru.stats["cold_misses"] == 1 and lru.stats["restores"] == 0
+    assert tier.stats()["store"]["hits"] == 0  # the store's hits count only restores the engine kept
+
+
+def test_both_spilld_dir_and_socket_are_refused(tmp_path: Any) -> None:
+    cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", "x", "--spilld-dir", str(tmp_path)]
+    r = subprocess.run([*cmd, "--spilld-socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "exclude" in r.stderr, r.stderr
 
 
 def test_a_model_without_a_tier_is_plain_lru(tiny: tuple[Any, Any]) -> None:

@@ -25,13 +25,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from mlx_lm.models.cache import LRUPromptCache, PromptTrie
 
 from .. import errors
 from .. import format as fmt
+from ..config import default_socket, parse_duration
+from ..daemon.listen import is_served
 from ..identity import identity
+from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
 from ..queue import Settled
 from .tier import ColdTier, DaemonTier, EmbeddedTier
 
@@ -215,11 +218,54 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--spilld-dir", help="no daemon: write the files from this process, into this folder")
     parser.add_argument(
         "--spilld-drain-timeout",
-        type=float,
+        type=_duration,
         default=30.0,
-        help="at exit, how long to wait for queued spills (seconds, default 30)",
+        help="at exit, how long to wait for queued spills (default 30 s; e.g. 90, 2m)",
+    )
+    parser.add_argument(
+        "--spilld-metrics-file",
+        default=None,
+        help="write the cold tier's counters (Prometheus text) to this file every few seconds, atomically",
     )
     return parser
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _refuse(message: str) -> NoReturn:
+    print(f"spilld.integrations.mlx_lm: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def describe_tier(socket: str | None, folder: str | None) -> str:
+    """What the start-up line says: the folder written in-process, or the daemon's socket and whether it answers."""
+    if folder is not None:
+        return f"cold tier: embedded (no daemon), files in {os.path.abspath(os.path.expanduser(folder))}"
+    path = socket or default_socket()
+    if is_served(path):
+        return f"cold tier: the spilld daemon at {path} (answers)"
+    return f"cold tier: the spilld daemon at {path} (does not answer yet: every lookup misses until it does)"
+
+
+def _write_counters_every(path: str, cache: ColdTierPromptCache, stop: threading.Event) -> None:
+    """The integration's counters as a Prometheus textfile, rewritten until ``stop`` (then once more)."""
+    failing = False
+    while True:
+        stopping = stop.wait(METRICS_EVERY_S)
+        try:
+            write_textfile(path, engine_exposition(dict(cache.stats)))
+            failing = False
+        except OSError as exc:
+            if not failing:
+                log.warning("cannot write %s: %s", path, exc)
+            failing = True
+        if stopping:
+            return
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -229,6 +275,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     parser = _parser()
     opts, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if opts.spilld_dir and opts.spilld_socket:
+        _refuse("--spilld-dir (no daemon) and --spilld-socket (a daemon) exclude each other: give one")
+    if opts.spilld_metrics_file and not os.path.isdir(os.path.dirname(os.path.abspath(opts.spilld_metrics_file))):
+        _refuse(f"--spilld-metrics-file {opts.spilld_metrics_file}: its folder does not exist")
     if {"-h", "--help"} & set(rest):
         parser.print_help()
         print("\nmlx_lm.server's options follow.\n")
@@ -236,8 +286,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def run(host: str, port: int, model_provider: Any, **kwargs: Any) -> None:
         group = mx.distributed.init()
+        log.info(describe_tier(opts.spilld_socket, opts.spilld_dir))  # mlx-lm's server has set up logging by now
         tiers = state["tiers"] = ServerTiers(model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir)
         prompt_cache = state["cache"] = ColdTierPromptCache(model_provider.cli_args.prompt_cache_size, tier_for=tiers)
+        if opts.spilld_metrics_file:
+            args = (
+                os.path.abspath(opts.spilld_metrics_file),
+                prompt_cache,
+                state.setdefault("stop", threading.Event()),
+            )
+            state["metrics"] = threading.Thread(target=_write_counters_every, args=args, name="spilld-metrics")
+            state["metrics"].start()
         generator = server.ResponseGenerator(model_provider, prompt_cache)
         if group.rank() == 0:
             server._run_http_server(host, port, generator, **kwargs)
@@ -264,6 +323,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             unstored = state["cache"].spill_unstored()
             log.info("draining the cold tier (%d more entries; up to %.0f s)", unstored, opts.spilld_drain_timeout)
             state["tiers"].close(opts.spilld_drain_timeout)
+            log.info("cold tier counters", extra=dict(state["cache"].stats))
+        if "metrics" in state:
+            state["stop"].set()
+            state["metrics"].join()
     # Everything is drained: skip the interpreter's teardown, where mlx-lm's server aborts about half the
     # time (std::terminate; plain `mlx_lm server` does it too on this version).
     logging.shutdown()
