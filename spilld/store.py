@@ -41,6 +41,7 @@ log = logging.getLogger("spilld.store")
 EXT = ".spilld"
 QUARANTINE = ".quarantine"
 QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
+QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the oldest go first (counted)
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
 DEFAULT_DISK_CAP = 64 * 1024**3
 CHECKPOINT_NS_PREFIX = "\0checkpoint:"
@@ -187,6 +188,7 @@ class StoreCounters:
     superseded: int = 0
     evicted: int = 0
     quarantined: int = 0
+    quarantine_removed: int = 0  # quarantined files removed to keep the quarantine within its caps
     reaped_temp: int = 0
     store_errors: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
@@ -221,6 +223,7 @@ class Store:
         self._busy: Counter[str] = Counter()  # folders a save writes into: never removed as empty
         self._folders = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
         self._error_run = 0  # writes failed in a row
+        self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
 
     @property
@@ -704,12 +707,12 @@ class Store:
     def quarantine(self, path: str, why: BaseException) -> None:
         """Move a bad file aside (never served again) and count it."""
         self._quarantine_index(path, why)
-        self._move_aside(path)
+        self.counters.quarantine_removed += self._move_aside(path)
 
     async def quarantine_async(self, path: str, why: BaseException) -> None:
         """``quarantine`` with the move on a worker thread; the index changes here."""
         self._quarantine_index(path, why)
-        await off_loop(lambda: self._move_aside(path))
+        self.counters.quarantine_removed += await off_loop(lambda: self._move_aside(path))
 
     def _quarantine_index(self, path: str, why: BaseException) -> None:
         e = self._by_path.get(path)
@@ -718,7 +721,8 @@ class Store:
         self.counters.quarantined += 1
         log.warning("quarantined %s: %s", path, why)
 
-    def _move_aside(self, path: str) -> None:
+    def _move_aside(self, path: str) -> int:
+        """Move the file into the quarantine and trim it to its caps: how many old files that removed."""
         qdir = os.path.join(self.root, QUARANTINE)
         with contextlib.suppress(OSError):
             os.makedirs(qdir, mode=0o700, exist_ok=True)
@@ -727,10 +731,7 @@ class Store:
             os.rename(path, dest)
         except OSError:
             fileio.remove_quietly(self.ops, path)
-        with contextlib.suppress(OSError):
-            kept = sorted(os.listdir(qdir))
-            for old in kept[:-QUARANTINE_KEEP]:
-                fileio.remove_quietly(self.ops, os.path.join(qdir, old))
+        return trim_quarantine(qdir, QUARANTINE_KEEP, self.quarantine_cap, self.ops)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
@@ -744,10 +745,34 @@ class Store:
             "superseded": c.superseded,
             "evicted": c.evicted,
             "quarantined": c.quarantined,
+            "quarantine_removed": c.quarantine_removed,
             "reaped_temp": c.reaped_temp,
             "store_errors": c.store_errors,
             "errors": dict(c.errors),
         }
+
+
+def trim_quarantine(qdir: str, keep: int, cap_bytes: int, ops: fileio.FileOps = fileio.DEFAULT_OPS) -> int:
+    """Remove the oldest quarantined files until at most ``keep`` remain, holding at most ``cap_bytes``: how many
+    went. Names start with the millisecond they were moved, so name order is age order."""
+    try:
+        names = sorted(os.listdir(qdir))
+    except OSError:
+        return 0
+    sizes = []
+    for name in names:
+        try:
+            sizes.append(os.lstat(os.path.join(qdir, name)).st_size)
+        except OSError:
+            sizes.append(0)
+    total, removed = sum(sizes), 0
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        if len(names) - i <= keep and total <= cap_bytes:
+            break
+        fileio.remove_quietly(ops, os.path.join(qdir, name))
+        total -= size
+        removed += 1
+    return removed
 
 
 def list_entries(root: str) -> list[dict[str, Any]]:

@@ -244,3 +244,79 @@ def test_license_is_the_mit_license_pyproject_names() -> None:
     text = (root / "LICENSE").read_text()
     assert text.startswith("MIT License") and "spilld contributors" in text
     assert 'license = { text = "MIT" }' in (root / "pyproject.toml").read_text()
+
+
+# --- the store as a whole: verify --dir, the quarantine, progress (issue 12, item 9) -----------------------
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_dir_checks_every_entry_of_a_store(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    files = place(root, 3)
+    assert spilld("verify", "--dir", str(root)).returncode == 0
+    corrupt(files[0])
+    other = root / "0123456789abcdef" / "base"  # a good file in the folder of another identity
+    other.mkdir(parents=True)
+    shutil.copy(files[1], other / "x.spilld")
+    r = spilld("verify", "--dir", str(root))
+    assert r.returncode == 1 and r.stdout.count("BAD  ") == 2, r.stdout
+    assert "tensor_hash_mismatch" in r.stdout and "another identity" in r.stdout
+    assert "4 entries" in r.stdout and "2 bad" in r.stdout
+    assert r.stderr == ""  # no progress line when stderr is not a terminal
+
+
+def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
+    import pty
+
+    place(tmp_path / "store", 2)
+    main, sub = pty.openpty()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "spilld", "verify", "--dir", str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            stderr=sub,
+            timeout=120,
+        )
+        os.close(sub)
+        shown = os.read(main, 65536).decode()
+    finally:
+        os.close(main)
+    assert r.returncode == 0 and "verifying" in shown and "2 items" in shown and "left" in shown, shown
+
+
+def test_quarantine_is_capped_listed_and_evicted(tmp_path: Path) -> None:
+    from spilld import errors
+    from spilld.store import QUARANTINE, Store
+
+    root = tmp_path / "store"
+    store = Store(str(root))
+    store.quarantine_cap = 2500
+    for name in ("a", "b", "c"):  # moved in this order: a is the oldest
+        (root / f"{name}.spilld").write_bytes(b"x" * 1000)
+        store.quarantine(str(root / f"{name}.spilld"), errors.HeaderMalformed("test"))
+    kept = sorted(os.listdir(root / QUARANTINE))
+    assert len(kept) == 2 and not any(k.endswith("-a.spilld") for k in kept)  # the oldest went
+    assert store.counters.quarantined == 3 and store.stats()["quarantine_removed"] == 1
+    r = spilld("ls", "--quarantine", "--dir", str(root))
+    assert r.returncode == 0 and "2 quarantined files" in r.stdout and kept[0] in r.stdout, r.stdout
+    rows = json.loads(spilld("ls", "--quarantine", "--json", "--dir", str(root)).stdout)
+    assert [row["bytes"] for row in rows] == [1000, 1000]
+    r = spilld("evict", "--quarantine", "--socket", str(tmp_path / "none.sock"), "--dir", str(root))
+    assert r.returncode == 0 and "removed 2 quarantined files" in r.stdout, r.stdout + r.stderr
+    assert os.listdir(root / QUARANTINE) == []
+
+
+def test_singular_and_plural() -> None:
+    assert cli.plural(1, "entry", "entries") == "1 entry" and cli.plural(2, "entry", "entries") == "2 entries"
+    assert cli.plural(1, "client") == "1 client" and cli.plural(0, "client") == "0 clients"
+
+
+def test_ls_says_1_entry(tmp_path: Path) -> None:
+    place(tmp_path / "store", 1)
+    r = spilld("ls", "--dir", str(tmp_path / "store"))
+    assert r.returncode == 0 and "1 entry," in r.stdout, r.stdout

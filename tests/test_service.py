@@ -654,6 +654,28 @@ def test_a_refused_command_and_bad_options(fake_home: tuple[Path, FakeRunner], m
     assert cli.main(["service", "install", "--manager", "systemd", "--drain-deadline", "0"]) == cli.EXIT_USAGE
 
 
+def test_a_refused_install_puts_the_files_back(
+    fake_home: tuple[Path, FakeRunner], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = fake_home[0]
+    service, sock = install.unit_dir(home) / units.SERVICE_NAME, install.unit_dir(home) / units.SOCKET_NAME
+    monkeypatch.setattr(install, "run_command", FakeRunner(codes={"daemon-reload": [1]}))  # no user manager
+    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_SERVICE
+    err = capsys.readouterr().err
+    assert not service.exists() and not sock.exists()  # a first install leaves nothing behind
+    assert f"rolled back: removed {service}" in err and "Traceback" not in err
+    monkeypatch.setattr(install, "run_command", FakeRunner())
+    assert cli.main(["service", "install", "--manager", "systemd", "--cap", "2GiB"]) == 0
+    before = service.read_text()
+    monkeypatch.setattr(install, "run_command", FakeRunner(codes={"enable": [1]}))
+    assert cli.main(["service", "install", "--manager", "systemd", "--cap", "8GiB"]) == cli.EXIT_SERVICE
+    assert service.read_text() == before and "--cap 2GiB" in before  # a reinstall: the old unit is back
+    assert f"restored {service}" in capsys.readouterr().err
+    monkeypatch.setattr(install, "run_command", FakeRunner(codes={"bootstrap": [1]}))
+    assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
+    assert not install.plist_path(home).exists()
+
+
 # --- the lifecycle, in-process ------------------------------------------------------------------
 
 

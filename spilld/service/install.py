@@ -74,6 +74,7 @@ class Plan:
     folders: list[Path] = field(default_factory=list)  # created 0700 before anything runs
     before: list[Step] = field(default_factory=list)  # run before the files change
     after: list[Step] = field(default_factory=list)  # run after
+    undo: list[Step] = field(default_factory=list)  # run after the files are put back (a command of `after` failed)
     stop_s: float = units.stop_timeout_s(units.DRAIN_DEADLINE_S)  # the longest a stop of the daemon may take
 
     @property
@@ -159,6 +160,7 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
             Step(["systemctl", "--user", "try-restart", units.SERVICE_NAME], may_fail=True),
             Step(["systemctl", "--user", "enable", "--now", *names]),
         ],
+        undo=[Step(["systemctl", "--user", "daemon-reload"], may_fail=True)],  # the manager sees the old files again
         stop_s=stop_s,
     )
 
@@ -245,6 +247,10 @@ def show(plan: Plan, out: TextIO) -> None:
         print(f"# remove {path}", file=out)
     for step in plan.after:
         _show_step(step, plan, out)
+    if plan.write:
+        print("# if one of these commands fails, the files are put back as they were, then:", file=out)
+        for step in plan.undo:
+            _show_step(step, plan, out)
     print(f"# each command may run {plan.command_timeout_s:g} s (a stop waits for the daemon's drain)", file=out)
 
 
@@ -255,11 +261,52 @@ def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None
         folder.chmod(0o700)  # an existing folder too: the socket's folder is what keeps other users out
     if not _run_steps(plan.before, plan, runner, err, sleep):
         return False
+    saved = _saved_files(plan)
     for path, text in plan.write.items():
         _write_atomic(path, text)
     for path in plan.remove:
         path.unlink(missing_ok=True)
-    return _run_steps(plan.after, plan, runner, err, sleep)
+    if _run_steps(plan.after, plan, runner, err, sleep):
+        return True
+    _roll_back(saved, plan, runner, err, sleep)
+    return False
+
+
+def _saved_files(plan: Plan) -> dict[Path, str | None]:
+    """What each file the plan writes or removes holds now (None: absent), to put back if the manager refuses."""
+    saved: dict[Path, str | None] = {}
+    for path in [*plan.write, *plan.remove]:
+        try:
+            saved[path] = path.read_text()
+        except FileNotFoundError:
+            saved[path] = None
+    return saved
+
+
+def _roll_back(
+    saved: dict[Path, str | None], plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None]
+) -> None:
+    """Put every file back as it was before the plan (the manager refused a command), and say so; a file that
+    cannot be put back is named with how to remove it."""
+    removed, restored, left = [], [], []
+    for path, text in saved.items():
+        try:
+            if text is None:
+                if path.exists():
+                    path.unlink()
+                    removed.append(path)
+            elif not path.exists() or path.read_text() != text:
+                _write_atomic(path, text)
+                restored.append(path)
+        except OSError:
+            left.append(path)
+    _run_steps(plan.undo, plan, runner, err, sleep)
+    if removed or restored:
+        done = [*(f"removed {p}" for p in removed), *(f"restored {p}" for p in restored)]
+        print(f"spilld: rolled back: {'; '.join(done)}", file=err)
+    if left:
+        names = " ".join(shlex.quote(str(p)) for p in left)
+        print(f"spilld: left in place: {names} (remove with `rm {names}`, or `spilld service uninstall`)", file=err)
 
 
 @dataclass
