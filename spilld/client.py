@@ -231,6 +231,7 @@ class AsyncClient:
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live,
+            leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
         return self._submit(lambda: self._enqueue(item))
 
@@ -276,8 +277,7 @@ class AsyncClient:
             for i, (slot, src) in enumerate(zip(header.slots(), sources, strict=True)):
                 tb = TensorBytes(i, slot, src, self._staging)
                 try:
-                    while not await self.lease(functools.partial(tb.take, LIVE_CHUNK_BYTES)):
-                        await asyncio.sleep(0)
+                    await tb.take_in_lease(self.lease, LIVE_CHUNK_BYTES)
                     await self._send_tensor(sid, i, tb.runs)
                 finally:
                     tb.release()

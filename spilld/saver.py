@@ -26,7 +26,7 @@ import xxhash
 from . import directio, dtypes, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
-from .codecs.base import LiveSource, Source, rows, slot_for
+from .codecs.base import LiveSource, Source, rows, slot_for, view
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 from .lease import NoLease, RunStep, off_loop
 
@@ -75,6 +75,16 @@ def token_list(tokens: Any) -> list[int]:
     return out
 
 
+def token_ids_now(tokens: Any) -> list[Any]:
+    """Token ids as a plain list, read now: an mlx or numpy array is converted here, on the caller's thread
+    (slicing an mlx array would leave lazy graphs that only this thread can evaluate); ``token_list``
+    checks them later, off the engine's thread."""
+    if isinstance(tokens, (mx.array, np.ndarray)):
+        out: list[Any] = tokens.tolist()
+        return out if isinstance(out, list) else [out]
+    return [] if tokens is None else list(tokens)
+
+
 def clone_caches(caches: Sequence[Any], provider: CodecProvider | None = None) -> list[Any]:
     """Zero-copy clones (views) of live caches, for handing off in microseconds.
 
@@ -93,6 +103,24 @@ def clone_and_size(caches: Sequence[Any], provider: CodecProvider | None = None)
     arrays = {id(a): a for a in _held_arrays(clones)}
     mx.eval(list(arrays.values()))
     return clones, sum(a.nbytes for a in arrays.values())
+
+
+def clone_attachments(attachments: Sequence[Attachment]) -> list[Attachment]:
+    """Attachments as they are now: evaluated views, taken on the caller's (engine's) thread.
+
+    A view is a new array node, so an engine that later updates a tensor in
+    place (which rebinds the very object it handed over) does not change what
+    is saved; the update copies the buffer instead.
+    """
+    out = [Attachment(a.schema, dict(a.metadata), [view(t) for t in a.tensors]) for a in attachments]
+    mx.eval([t for a in out for t in a.tensors])
+    return out
+
+
+def evaluated(caches: Sequence[Any]) -> list[Any]:
+    """The caches themselves, their pending work evaluated here (a no-op for evaluated caches)."""
+    mx.eval(_held_arrays(list(caches)))
+    return list(caches)
 
 
 def _held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
@@ -215,6 +243,29 @@ def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
 
 
 LIVE_CHUNK_BYTES = 2 * 1024 * 1024  # rows copied out of a live cache per lease hold (save_async)
+# A live snapshot whose engine leaves its buffer unevaluated at every lease hold for this long fails
+# (only the engine's thread can evaluate it; an engine that evaluates each step never gets near this).
+LIVE_LAZY_TIMEOUT_S = 30.0
+LIVE_RETRY_S = 0.002  # the pause before the next hold when the last one found the buffer unevaluated
+
+
+class _NotEvaluated(Exception):
+    """The engine's current buffer is a graph it has not evaluated yet (only its own thread can)."""
+
+
+def _evaluated_runs(a: mx.array, n: int) -> tuple[list[memoryview], mx.array]:
+    """``_byte_runs`` of an engine buffer read from another thread; ``_NotEvaluated`` if it is still lazy.
+
+    Reading a lazy array evaluates it, which fails off the thread that built it
+    and leaves the graph as it was: the next hold, after the engine's next
+    step, finds it evaluated.
+    """
+    try:
+        return _byte_runs(Source(a, n))
+    except RuntimeError as exc:
+        if "Stream" not in str(exc):
+            raise
+        raise _NotEvaluated(str(exc)) from None
 
 
 def _copy_live_rows(src: LiveSource, out: memoryview, start: int, limit: int | None) -> int:
@@ -227,7 +278,7 @@ def _copy_live_rows(src: LiveSource, out: memoryview, start: int, limit: int | N
     a = src.fetch()
     if tuple(a.shape[:-2]) != src.full_shape[:-2] or a.shape[-1] != src.full_shape[-1] or a.dtype != src.dtype:
         raise errors.PlanDrift(f"live buffer changed shape: planned {src.full_shape}, now {tuple(a.shape)}")
-    runs, held = _byte_runs(Source(a, src.rows))
+    runs, held = _evaluated_runs(a, src.rows)
     end = out.nbytes if limit is None else min(out.nbytes, start + limit)
     pos = 0
     for r in runs:
@@ -253,6 +304,7 @@ class TensorBytes:
         self.ready = False
         self._live_out: memoryview | None = None
         self._live_pos = 0
+        self.stalled_since: float | None = None  # the last hold found the live buffer unevaluated
 
     @property
     def released(self) -> bool:
@@ -276,6 +328,9 @@ class TensorBytes:
                 self._live_out = (self._staging or Staging()).take(self.slot.nbytes)
             try:
                 self._live_pos = _copy_live_rows(src, self._live_out, self._live_pos, limit)
+                self.stalled_since = None
+            except _NotEvaluated:
+                return self._stalled()
             except BaseException:
                 self.release()
                 raise
@@ -290,6 +345,24 @@ class TensorBytes:
             self.release()
             raise errors.PlanDrift(f"tensor {self.index}: planned {self.slot.nbytes} bytes, got {got}")
         return True
+
+    def _stalled(self) -> bool:
+        """No progress this hold; past ``LIVE_LAZY_TIMEOUT_S`` of none the snapshot fails."""
+        now = time.monotonic()
+        if self.stalled_since is None:
+            self.stalled_since = now
+        elif now - self.stalled_since > LIVE_LAZY_TIMEOUT_S:
+            self.release()
+            raise errors.PlanDrift(
+                f"tensor {self.index}: the engine left its live buffer unevaluated at every hold for"
+                f" {LIVE_LAZY_TIMEOUT_S:g} s; the snapshot cannot be read"
+            )
+        return False
+
+    async def take_in_lease(self, lease: RunStep, chunk: int = LIVE_CHUNK_BYTES) -> None:
+        """Take every byte through ``lease``, ``chunk`` bytes per hold, letting the engine run between holds."""
+        while not await lease(functools.partial(self.take, chunk)):
+            await asyncio.sleep(LIVE_RETRY_S if self.stalled_since is not None else 0)
 
     def runs_now(self) -> list[memoryview]:
         """Take every byte at once (no lease) and return the runs."""
@@ -408,8 +481,9 @@ def plan(
         att_entries.append(fmt.AttachmentEntry(a.schema, dict(a.metadata), [slot_for(s) for s in srcs]))
         sources.extend(srcs)
     # The engine's pending work, if any, runs here on the caller's thread (a no-op for
-    # evaluated caches and clones); the steps then only read finished buffers.
-    mx.eval(_arrays(sources))
+    # evaluated caches and clones): no other thread can evaluate it, and the steps then
+    # only read finished buffers. One call for all of them.
+    mx.eval(_arrays(sources), [s.fetch() for s in sources if isinstance(s, LiveSource)])
     header = fmt.Header(
         version=fmt.FORMAT_VERSION,
         created_at_ms=time.time_ns() // 1_000_000,
@@ -544,8 +618,7 @@ async def save_async(
             except StopIteration as stop:
                 return cast(SaveResult, stop.value)
             if isinstance(step, TensorStep):
-                while not await lease(functools.partial(step.materialize_part, live_chunk)):
-                    await asyncio.sleep(0)  # the engine gets its turn between two copies
+                await step.bytes.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
             if write_in_lease:
                 await lease(step.write)
             else:

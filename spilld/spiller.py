@@ -22,7 +22,7 @@ from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .queue import DrainReport, Settled, SpillItem, SpillQueue, held_bytes
-from .saver import AnySource, Attachment, Staging, clone_and_size, plan
+from .saver import AnySource, Attachment, Staging, clone_and_size, clone_attachments, evaluated, plan, token_ids_now
 from .store import Hit, Miss, Store, check_namespace, checkpoint_namespace
 
 log = logging.getLogger("spilld.spiller")
@@ -96,16 +96,23 @@ class Spiller:
         Call from the event loop thread (an ``asyncio.Future``) or from the
         engine's own thread (a ``concurrent.futures.Future``).
 
+        Whatever is saved is the state at this call: tokens, caches and
+        attachments are evaluated or copied here, on the caller's thread.
+
         ``live=True`` is for caches the engine keeps extending (a write-behind
         snapshot): instead of views (which make the engine's next in-place
-        update copy the whole buffer), append-only buffers are read at write
-        time, one tensor per lease step, and copied out inside the lease. The
-        engine must not cut such a cache below its current length until the
-        future settles (a cut is detected and fails the write).
+        update copy the whole buffer), append-only buffers (``KVCache``,
+        ``QuantizedKVCache``, ``ConcatenateKVCache``) are read at write time,
+        one piece per lease hold. Classes whose rows are overwritten in place
+        (rotating rings, chunked windows, recurrent state, batches) are cloned
+        here instead, and so is everything when there is no lease. A cut below
+        the snapshot's length before it is written (even one grown back since,
+        if made through ``trim``) fails the write.
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live,
+            leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
         return self._submit(lambda: self.queue.enqueue(item))
 
@@ -210,17 +217,23 @@ def new_item(
     checkpoint: fmt.GenerationCheckpoint | None = None,
     clone: bool = True,
     live: bool = False,
+    leased: bool = True,
 ) -> SpillItem:
     """A planned spill item, made on the caller's (engine's) thread at the snapshot point.
 
-    Clones are views evaluated here, cheaply; a ``live`` snapshot holds no
-    view at all (its rows are read inside the lease at write time).
+    Everything the engine handed over is evaluated or copied here, on its own
+    thread (mlx evaluates a graph only on the thread that built it): token ids
+    become ints, attachments and caches become evaluated views (cheap clones),
+    a ``live`` snapshot is planned now. ``live`` reads append-only buffers at
+    write time, inside the lease; without one (``leased=False``) nothing keeps
+    the engine out while they are read, so the caches are cloned instead.
     """
     ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
     ident = fmt.Identity(**{**identity.to_wire(), "namespace": ns})
+    live = live and leased
     item = SpillItem(
-        tokens=list(tokens),
-        attachments=list(attachments),
+        tokens=token_ids_now(tokens),
+        attachments=clone_attachments(attachments),
         namespace=ns,
         key=key or (checkpoint.key if checkpoint else ""),
         droppable=droppable,
@@ -230,11 +243,11 @@ def new_item(
         if clone:
             item.caches, held = clone_and_size(caches, provider)
         else:
-            item.caches, held = list(caches), held_bytes(caches, (), provider)
+            item.caches, held = evaluated(caches), held_bytes(caches, (), provider)
     item.meta["held"] = held
     make_plan = functools.partial(
-        plan, item.tokens, item.caches if not live else caches, meta=meta, identity=ident, attachments=attachments,
-        checkpoint=checkpoint, provider=provider, live=live,
+        plan, item.tokens, item.caches if not live else caches, meta=meta, identity=ident,
+        attachments=item.attachments, checkpoint=checkpoint, provider=provider, live=live,
     )  # fmt: skip
     # A live snapshot is planned now (its state is read here); clones are planned by the writer, off this thread.
     item.meta["planned" if live else "plan"] = make_plan() if live else make_plan

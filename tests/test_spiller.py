@@ -152,12 +152,14 @@ async def test_live_snapshot_does_not_make_the_engine_copy(tmp_path: Any) -> Non
 
     cache = fill(C.KVCache(), 40)
     before = live(fill(C.KVCache(), 40))  # the same data, from a twin (a view of ours would pin the buffer)
-    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m")).start()
+    lock = threading.Lock()  # the engine's: live rows are read only while it is free
+    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=spilld.ThreadLockLease(lock)).start()
     fut = sp.spill(list(range(40)), [cache], live=True)
     addr = _address(cache.keys)
     for i in range(5):  # the engine keeps extending its cache in place
-        cache.update_and_fetch(*kv(1, seed=50 + i))
-        mx.eval(cache.keys, cache.values)
+        with lock:
+            cache.update_and_fetch(*kv(1, seed=50 + i))
+            mx.eval(cache.keys, cache.values)
     assert _address(cache.keys) == addr  # no copy: nothing of ours pinned the buffer
     assert (await fut).stored
     got = await sp.restore([*range(40), 7])
@@ -173,7 +175,8 @@ async def test_live_snapshot_detects_a_cut_below_its_length(tmp_path: Any) -> No
     from tests.caches import fill
 
     cache = fill(C.KVCache(), 30)
-    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m")).start()
+    lease = spilld.ThreadLockLease(threading.Lock())
+    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=lease).start()
     fut = sp.spill(list(range(30)), [cache], live=True)
     cache.trim(10)
     res = await fut

@@ -9,6 +9,7 @@ change our files.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,7 +50,9 @@ class LiveSource:
     the engine's next in-place update copy the whole buffer); ``fetch`` reads
     the engine's current buffer inside the lease and the rows are copied out
     there. Valid only while the engine appends and never rewrites rows below
-    ``rows`` (a trim below it is detected and fails the save).
+    ``rows``: a cut below it (seen in the offset, or through the cache's
+    ``trim`` while the snapshot is pending, even if the engine grew back past
+    it since) is detected and fails the save.
     """
 
     fetch: Callable[[], mx.array]
@@ -62,18 +65,83 @@ class LiveSource:
         return (*self.full_shape[:-2], self.rows, self.full_shape[-1])
 
 
+# How a codec's cache class is snapshotted with ``live=True`` (``Codec.snapshot``).
+SNAPSHOT_ROWS = "rows"  # append-only buffers: rows below the offset are read at write time, inside the lease
+SNAPSHOT_CLONE = "clone"  # rows are overwritten in place (rings, windows, recurrent state): a clone at the call
+SNAPSHOT_NESTED = "nested"  # a container: each child decides for itself
+
+
+MAX_CUTS_REMEMBERED = 64  # cuts a cache's watch keeps; a snapshot older than all of them cannot rule out drift
+
+
+class CutWatch:
+    """Records the cuts (``trim`` calls that lowered the offset) of one cache.
+
+    Installed once per cache object as its ``trim`` (mlx-lm's ``trim_prompt_cache``
+    and ``CacheList.trim`` call that): a cut followed by regrowth past a live
+    snapshot's length rewrites rows the snapshot has yet to read, which the
+    offset alone cannot show. A snapshot keeps the count of cuts at its call
+    (``mark``) and asks for the lowest offset cut to since (``low_since``).
+    """
+
+    ATTR = "_spilld_cut_watch"
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache  # strong: a deep copy of the cache copies its watch, pointing at the copy
+        self.cuts = 0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=MAX_CUTS_REMEMBERED)  # (cut number, offset after)
+
+    @classmethod
+    def of(cls, cache: Any) -> CutWatch:
+        """The cache's watch, installed on first use."""
+        watch: CutWatch | None = getattr(cache, cls.ATTR, None)
+        if watch is None or watch._cache is not cache:
+            watch = cls(cache)
+            setattr(cache, cls.ATTR, watch)
+            cache.trim = watch.trim
+        return watch
+
+    def mark(self) -> int:
+        return self.cuts
+
+    def low_since(self, mark: int) -> int | None:
+        """The lowest offset cut to after ``mark``; None if none; -1 if too many cuts to tell."""
+        if self.cuts - mark > len(self._recent):
+            return -1
+        return min((off for k, off in self._recent if k > mark), default=None)
+
+    def trim(self, n: int) -> Any:
+        before = self._cache.offset
+        out = type(self._cache).trim(self._cache, n)
+        if self._cache.offset < before:
+            self.cuts += 1
+            self._recent.append((self.cuts, self._cache.offset))
+        return out
+
+
 def live_rows(cache: Any, attr: str, n: int, part: int | None = None) -> LiveSource:
-    """A LiveSource over ``cache.<attr>`` (or its ``part``-th array), first ``n`` rows."""
+    """A LiveSource over ``cache.<attr>`` (or its ``part``-th array), first ``n`` rows.
+
+    Call it on the engine's thread at the snapshot point, and evaluate what
+    ``fetch`` returns there (``saver.plan`` does): a graph the engine left lazy
+    can be evaluated by no other thread.
+    """
+
+    def current() -> mx.array:
+        arr = getattr(cache, attr)
+        return arr if part is None else arr[part]
+
+    watch = CutWatch.of(cache)
+    mark = watch.mark()
 
     def fetch() -> mx.array:
-        arr = getattr(cache, attr)
-        arr = arr if part is None else arr[part]
-        if cache.offset < n or arr.shape[-2] < n:
+        arr = current()
+        low = watch.low_since(mark)
+        if cache.offset < n or arr.shape[-2] < n or (low is not None and low < n):
             raise errors.PlanDrift(f"the engine cut its cache below {n} tokens before the snapshot was written")
         return arr
 
-    arr = getattr(cache, attr)
-    arr = arr if part is None else arr[part]
+    arr = current()
     return LiveSource(fetch, n, tuple(arr.shape), arr.dtype)
 
 
@@ -135,6 +203,9 @@ class Codec:
 
     kind: str = ""
     version: int = 1
+    # How ``live=True`` snapshots this class (SNAPSHOT_*). The safe default for a class
+    # we know nothing about: a clone at the call.
+    snapshot: str = SNAPSHOT_CLONE
     # versions this codec can read; a new version adds to this, never removes
     reads: frozenset[int] = frozenset({1})
 

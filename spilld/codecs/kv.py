@@ -8,6 +8,7 @@ from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
 from .base import (
+    SNAPSHOT_ROWS,
     Codec,
     DecodeContext,
     EncodeContext,
@@ -40,6 +41,7 @@ class KVCacheCodec(Codec):
 
     kind = "kv"
     grow = True
+    snapshot = SNAPSHOT_ROWS  # updates write rows at and past the offset; growth copies the rows below it
 
     def cache_type(self) -> type:
         return C.KVCache
@@ -93,6 +95,7 @@ class ChunkedKVCodec(Codec):
     """
 
     kind = "chunked"
+    # snapshot: a clone (the default): maybe_trim_front moves the rows a snapshot would read
 
     def cache_type(self) -> type:
         return C.ChunkedKVCache

@@ -8,11 +8,12 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, EncodeContext, Encoded
+from .base import SNAPSHOT_NESTED, Codec, DecodeContext, EncodeContext, Encoded
 
 
 class CacheListCodec(Codec):
     kind = "list"
+    snapshot = SNAPSHOT_NESTED
 
     def cache_type(self) -> type:
         return C.CacheList

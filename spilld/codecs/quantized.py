@@ -8,6 +8,7 @@ from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
 from .base import (
+    SNAPSHOT_ROWS,
     Codec,
     DecodeContext,
     EncodeContext,
@@ -28,6 +29,7 @@ def _rows(parts: tuple[Any, ...], n: int) -> list[Any]:
 
 class QuantizedKVCodec(Codec):
     kind = "quantized"
+    snapshot = SNAPSHOT_ROWS  # appends like KVCache: rows below the offset are never rewritten
 
     def cache_type(self) -> type:
         return C.QuantizedKVCache
@@ -36,7 +38,7 @@ class QuantizedKVCodec(Codec):
         fields = {"group_size": cache.group_size, "bits": cache.bits}
         arrays: list[Any] = []
         if cache.keys is not None and ctx.live:
-            arrays = [live_rows(cache, side, cache.offset, i) for side in ("keys", "values") for i in range(3)]
+            arrays = [live_rows(cache, s, cache.offset, i) for s in ("keys", "values") for i in range(3)]
         elif cache.keys is not None:
             arrays = [*_rows(cache.keys, cache.offset), *_rows(cache.values, cache.offset)]
         return self.entry(offset=cache.offset, trimmable=True, arrays=arrays, fields=fields)

@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, Encoded
+from .base import SNAPSHOT_CLONE, Codec, Encoded
 
 MLX_LM_PROVIDER_ID = "spilld/mlx-lm/1"
 
@@ -86,7 +86,12 @@ class _LiveContext:
         self.provider = provider
 
     def encode(self, cache: Any) -> Encoded:
-        return self.provider.for_cache(cache).encode(cache, self)
+        codec = self.provider.for_cache(cache)
+        if codec.snapshot == SNAPSHOT_CLONE:
+            # Rows this class overwrites in place cannot be read later: a clone taken now (views the
+            # caller evaluates on its thread, as ``clone_caches`` does).
+            return codec.encode(self.provider.clone(cache), self.provider)
+        return codec.encode(cache, self)
 
     def clone(self, cache: Any) -> Any:
         return self.provider.clone(cache)

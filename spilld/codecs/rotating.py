@@ -7,7 +7,18 @@ from typing import Any
 from mlx_lm.models import cache as C
 
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, EncodeContext, Encoded, expect_tensors, field, new_instance, rows, view
+from .base import (
+    SNAPSHOT_CLONE,
+    Codec,
+    DecodeContext,
+    EncodeContext,
+    Encoded,
+    expect_tensors,
+    field,
+    new_instance,
+    rows,
+    view,
+)
 
 
 def _stored_rows(cache: Any) -> int:
@@ -19,6 +30,9 @@ class RotatingKVCodec(Codec):
     """Trimmable only before the ring wraps (``offset < max_size``), as in mlx-lm."""
 
     kind = "rotating"
+    # A ring overwrites its oldest rows in place once it wraps (and a prefill reorders them), so a
+    # live snapshot can never read it later: it is cloned at the call.
+    snapshot = SNAPSHOT_CLONE
 
     def cache_type(self) -> type:
         return C.RotatingKVCache
