@@ -80,8 +80,8 @@ def token_ids_now(tokens: Any) -> list[Any]:
     (slicing an mlx array would leave lazy graphs that only this thread can evaluate); ``token_list``
     checks them later, off the engine's thread."""
     if isinstance(tokens, (mx.array, np.ndarray)):
-        out: list[Any] = tokens.tolist()
-        return out if isinstance(out, list) else [out]
+        out: Any = tokens.tolist()
+        return cast(list[Any], out) if isinstance(out, list) else [out]
     return [] if tokens is None else list(tokens)
 
 
@@ -310,6 +310,11 @@ class TensorBytes:
     def released(self) -> bool:
         return self._source is None
 
+    @property
+    def engine_free(self) -> bool:
+        """Plain bytes (what the daemon received): taking them touches nothing of an engine's."""
+        return isinstance(self._source, BytesSource)
+
     def take(self, limit: int | None = None) -> bool:
         """Do at most ``limit`` bytes of the engine-touching work; True once ``runs`` holds every byte.
 
@@ -409,6 +414,11 @@ class TensorStep:
     def materialize_part(self, limit: int | None) -> bool:
         """At most ``limit`` bytes of engine-touching work; True once the tensor can be written."""
         return self.bytes.take(limit)
+
+    async def take_in_lease(self, lease: RunStep, chunk: int = LIVE_CHUNK_BYTES) -> None:
+        """``materialize`` through ``lease``, ``chunk`` bytes per hold, letting the engine run between holds."""
+        while not await lease(functools.partial(self.materialize_part, chunk)):
+            await asyncio.sleep(LIVE_RETRY_S if self.bytes.stalled_since is not None else 0)
 
     def write(self) -> None:
         """Hash and write the bytes at their planned offset; touches no mlx state."""
@@ -618,7 +628,7 @@ async def save_async(
             except StopIteration as stop:
                 return cast(SaveResult, stop.value)
             if isinstance(step, TensorStep):
-                await step.bytes.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
+                await step.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
             if write_in_lease:
                 await lease(step.write)
             else:

@@ -21,8 +21,8 @@ from mlx_lm.models import cache as C
 
 import spilld
 from spilld import saver
-from spilld.codecs import base
 from spilld.client import Client
+from spilld.codecs import base
 from spilld.lease import NoLease, ThreadLockLease
 from spilld.loopthread import LoopThread
 from spilld.queue import Outcome, Settled
