@@ -111,6 +111,8 @@ class Daemon:
         code = await self.stop()
         if metrics is not None:
             metrics.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await metrics  # its write in flight ends first: the final one below is the last
             await self._write_metrics()  # the final counts
         return code
 
