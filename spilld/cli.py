@@ -384,7 +384,13 @@ def _check_socket_target(path: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.socket, args.dir, as_json=args.json)
+    try:
+        run_demo(args.socket, args.dir, as_json=args.json)
+    except errors.SpillError as exc:
+        if exc.code != errors.SpillError.code:
+            raise  # typed: mapped like any command's
+        print(f"spilld demo: {exc}", file=sys.stderr)  # no daemon could be started or reached
+        return EXIT_UNREACHABLE
     return EXIT_OK
 
 
