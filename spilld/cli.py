@@ -351,7 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AlreadyRunning as exc:
         print(f"spilld: {exc}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
-    except ActivationError as exc:  # a unit or plist that passes the wrong socket: a configuration error
+    except (ActivationError, errors.UnusableFolder) as exc:  # a wrong socket passed, or a folder we must not use
         raise UsageError(str(exc)) from None
     except errors.StorageError as exc:  # a folder the OS refuses at start (EACCES, EROFS, ENOENT under /proc...)
         raise UsageError(f"cannot serve: {exc}") from None

@@ -30,6 +30,7 @@ from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
 from .loopthread import LoopThread
+from .peer import peer_uid
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes
 from .shm import ShmPool
@@ -103,9 +104,22 @@ class AsyncClient:
                 )
             except (OSError, TimeoutError) as exc:
                 raise P.ConnectionLost(f"cannot reach spilld at {self.socket_path}: {exc}") from exc
+            self._check_peer()  # before a single byte goes out
             self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
             hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
             self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease})
+
+    def _check_peer(self) -> None:
+        """Refuse a daemon that runs as another user: our caches are not theirs to receive."""
+        assert self._writer is not None
+        sock = self._writer.get_extra_info("socket")
+        uid = peer_uid(sock) if sock is not None else None
+        if uid is not None and uid != os.getuid():
+            self._writer.close()
+            self._writer = None
+            raise errors.ForeignDaemon(
+                f"{self.socket_path} is served by uid {uid}, not by us (uid {os.getuid()}): nothing was sent"
+            )
 
     async def _read_loop(self) -> None:
         decoder = P.FrameDecoder()

@@ -45,6 +45,7 @@ QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the o
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
 DEFAULT_DISK_CAP = 64 * 1024**3
 CHECKPOINT_NS_PREFIX = "\0checkpoint:"
+EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of the event loop
 STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
 
 
@@ -643,8 +644,13 @@ class Store:
         return n, nbytes
 
     async def evict_async(self, fingerprint: str | None = None, older_than_s: float | None = None) -> tuple[int, int]:
-        """``evict_matching`` for the event loop: the index changes here, every unlink and the sweep on a worker."""
-        n, nbytes = self._evict_select(fingerprint, older_than_s)
+        """``evict_matching`` for the event loop: the index changes here (``EVICT_BATCH`` entries a turn of the
+        loop), every unlink and the sweep on a worker."""
+        gone = self._evict_match(fingerprint, older_than_s)
+        for i in range(0, len(gone), EVICT_BATCH):
+            self._evict_entries(gone[i : i + EVICT_BATCH])
+            await asyncio.sleep(0)  # other requests are answered between two batches
+        n, nbytes = len(gone), sum(e.nbytes for e in gone)
         doomed = self._take_doomed()
 
         def work() -> None:
@@ -655,16 +661,22 @@ class Store:
         return n, nbytes
 
     def _evict_select(self, fingerprint: str | None, older_than_s: float | None) -> tuple[int, int]:
+        gone = self._evict_match(fingerprint, older_than_s)
+        self._evict_entries(gone)
+        return len(gone), sum(e.nbytes for e in gone)
+
+    def _evict_match(self, fingerprint: str | None, older_than_s: float | None) -> list[Entry]:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
-        gone = [
+        return [
             e for e in self._by_path.values()
             if (fingerprint is None or e.fingerprint == fingerprint) and (cutoff is None or e.last_used < cutoff)
         ]  # fmt: skip
+
+    def _evict_entries(self, gone: Sequence[Entry]) -> None:
         for e in gone:
             self._remember_evicted(e)
             self._remove(e)
         self.counters.evicted += len(gone)
-        return len(gone), sum(e.nbytes for e in gone)
 
     def remove_empty_folders(self) -> None:
         """Folders of models no longer in use go when their last entry does (blocking: a worker thread).

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import struct
-import sys
+import stat
 from typing import Any
 
 from .. import errors
+from ..lockfile import SOCKET_LOCK_SUFFIX, FileLock
+from ..peer import peer_uid
 
-AlreadyRunning = errors.AlreadyRunning  # one class for the socket and the lock file: one code, one except clause
+AlreadyRunning = errors.AlreadyRunning  # kept here too: callers import it from spilld.daemon
+__all__ = ["AlreadyRunning", "PeerRefused", "bind", "is_served", "peer_uid", "socket_folder", "socket_lock"]
 
 
 class PeerRefused(errors.SpillError):
@@ -20,16 +22,7 @@ class PeerRefused(errors.SpillError):
 
 errors.ERRORS_BY_CODE[PeerRefused.code] = PeerRefused
 
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a Unix socket (None where the OS cannot tell)."""
-    if hasattr(socket, "SO_PEERCRED"):
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return int(struct.unpack("3i", raw)[1])
-    if sys.platform == "darwin":  # LOCAL_PEERCRED: struct xucred {u_int version; uid_t uid; ...}
-        raw = sock.getsockopt(0, 0x001, 76)
-        return int(struct.unpack_from("Ii", raw)[1])
-    return None
+OPEN_TO_OTHERS = stat.S_IWGRP | stat.S_IWOTH  # a folder others can write: they could take the socket's name
 
 
 def is_served(path: str, timeout: float = 1.0) -> bool:
@@ -45,15 +38,66 @@ def is_served(path: str, timeout: float = 1.0) -> bool:
         probe.close()
 
 
-async def bind(path: str, handler: Any) -> asyncio.AbstractServer:
-    """Bind the socket: 0700 folder, 0600 socket; refuse a live daemon, replace a stale socket."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
-    if os.path.exists(path):
+def socket_folder(path: str) -> list[str]:
+    """Make ready the folder that will hold the socket; return the folders made (0700: only those).
+
+    A folder that exists is left as it is: its mode is its owner's business. It must be ours (or root's)
+    and closed to other users' writes, unless it is sticky and ours; a folder such as /tmp (1777, root's)
+    is refused, since another user could create the socket's name there first. Raises ``UnusableFolder``.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    made: list[str] = []
+    d = folder
+    while not os.path.isdir(d) and d != os.path.dirname(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    for m in reversed(made):
+        try:
+            os.mkdir(m, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(m):
+                raise errors.UnusableFolder(f"cannot hold the socket: {m} is not a folder") from None
+        except OSError as exc:
+            raise errors.UnusableFolder(f"cannot create the socket's folder {m}: {exc.strerror}") from None
+    check_socket_folder(folder)
+    return made
+
+
+def check_socket_folder(folder: str) -> None:
+    """Refuse a socket folder that is not ours or that other users can write (see ``socket_folder``)."""
+    st = os.stat(folder)
+    me = os.getuid()
+    if st.st_uid not in (me, 0):
+        raise errors.UnusableFolder(f"the socket's folder {folder} belongs to uid {st.st_uid}, not to us (uid {me})")
+    sticky_ours = bool(st.st_mode & stat.S_ISVTX) and st.st_uid == me
+    if st.st_mode & OPEN_TO_OTHERS and not sticky_ours:
+        raise errors.UnusableFolder(
+            f"the socket's folder {folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+            "another user could put a socket of theirs at its name; use a folder only you can write "
+            "(the default, $XDG_RUNTIME_DIR/spilld/spilld.sock, is one)"
+        )
+
+
+def socket_lock(path: str) -> FileLock:
+    """The lock beside the socket: taken before the stale-socket probe, so two daemons starting at once
+    cannot both find the name free (or both unlink each other's socket)."""
+    return FileLock(path + SOCKET_LOCK_SUFFIX, f"the socket {path}")
+
+
+async def bind(path: str, handler: Any, lock: FileLock | None = None) -> asyncio.AbstractServer:
+    """Bind the socket (0600) under ``lock`` (taken here if given and not yet held); replace a stale socket.
+
+    The socket's folder is made (0700) only if missing; see ``socket_folder``.
+    """
+    socket_folder(path)
+    if lock is not None:
+        lock.acquire()  # AlreadyRunning: another spilld starts or serves on this path
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise errors.UnusableFolder(f"{path} exists and is not a socket: refusing to replace it")
         if is_served(path):
-            raise AlreadyRunning(f"a daemon already listens on {path}")
-        os.unlink(path)  # nobody listens: a stale socket from a crash
+            raise errors.AlreadyRunning(f"a daemon already listens on {path}")
+        os.unlink(path)  # nobody listens: a stale socket from a crash (ours to remove: we hold the lock)
     old = os.umask(0o177)
     try:
         server = await asyncio.get_running_loop().create_unix_server(handler, path=path)

@@ -18,11 +18,12 @@ import socket
 import time
 from typing import Any
 
-from .. import __version__, errors
+from .. import __version__, errors, fileio
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
 from ..lease import NoLease, off_loop
+from ..lockfile import FileLock
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
 from ..saver import BytesSource
@@ -31,7 +32,7 @@ from ..service.lifecycle import Lifecycle, Progress
 from ..store import Hit, MissReason, Store
 from .connection import Connection, GrantorLease, free_item_shm
 from .ingest import Ingest
-from .listen import bind
+from .listen import bind, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
 
 log = logging.getLogger("spilld.daemon")
@@ -42,6 +43,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SECOND_SIGNAL_EXIT = 3  # a stop that left work unfinished, as a drain past its deadline
 
 
+def open_store(cfg: Config) -> Store:
+    """The store on ``--dir``, its folder made (0700) if missing; a folder that cannot be is ``UnusableFolder``."""
+    try:
+        return Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
+    except (errors.StorageError, OSError) as exc:
+        why = exc.reason if isinstance(exc, errors.SpillError) else (exc.strerror or str(exc))
+        raise errors.UnusableFolder(f"--dir {cfg.dir} cannot be used: {why}") from None
+
+
 class Daemon:
     """The service state shared by every connection. ``listener``: a listening socket handed over by a service
     manager (socket activation), served instead of binding ``cfg.socket``."""
@@ -50,7 +60,7 @@ class Daemon:
         self.cfg = cfg
         self.listener = listener
         self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
-        self.store = Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
+        self.store = open_store(cfg)
         self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=free_item_shm)
         self.lease = NoLease()
         self.stopping = asyncio.Event()
@@ -63,6 +73,7 @@ class Daemon:
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
         self.restore_seconds = LatencyHistogram(RESTORE_BUCKETS_S)
         self._server: asyncio.AbstractServer | None = None
+        self._socket_lock: FileLock | None = None
         self._signals = 0
         self._metrics_failing = False
         names = [
@@ -83,15 +94,15 @@ class Daemon:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan: a big store needs time
-            await off_loop(self.store.scan)
-        if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
-            self._server = await asyncio.get_running_loop().create_unix_server(
-                lambda: Connection(self), sock=self.listener
-            )
-            self.cfg.socket = socket_path(self.listener) or self.cfg.socket
-        else:
-            self._server = await bind(self.cfg.socket, lambda: Connection(self))
+        """Own the folder, check it takes writes, scan it, then listen; a refusal releases what was taken."""
+        try:
+            await off_loop(self._own_folder)
+            async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan (a big store)
+                await off_loop(self.store.scan)
+            await self._listen()
+        except BaseException:
+            self._release_locks()
+            raise
         log.info(
             "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
             __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
@@ -132,6 +143,29 @@ class Daemon:
             await self._write_metrics()
             await asyncio.sleep(METRICS_EVERY_S)
 
+    def _own_folder(self) -> None:
+        """One daemon per folder (its lock, held for our life), and a folder that takes writes, or no start."""
+        self.store.acquire()
+        try:
+            fileio.probe_writable(self.store.ops, self.store.root)
+        except errors.StorageError as exc:
+            raise errors.UnusableFolder(f"--dir {self.store.root} does not take writes: {exc.reason}") from None
+
+    async def _listen(self) -> None:
+        if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: Connection(self), sock=self.listener
+            )
+            self.cfg.socket = socket_path(self.listener) or self.cfg.socket
+        else:
+            self._socket_lock = socket_lock(self.cfg.socket)
+            self._server = await bind(self.cfg.socket, lambda: Connection(self), self._socket_lock)
+
+    def _release_locks(self) -> None:
+        if self._socket_lock is not None:
+            self._socket_lock.release()
+        self.store.close()
+
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
         if self._signals > 1:  # the operator insists: what is still queued is lost (never a partial file)
@@ -159,6 +193,7 @@ class Daemon:
         if self.listener is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.socket)
+        self._release_locks()  # after the socket is gone: a successor never finds ours
         code = 0 if report.done else 3
         log.info("stopped", extra={"queue": self.queue.counters(), "store": self.store.stats(), "exit": code})
         await self.service.close()
@@ -184,7 +219,7 @@ class Daemon:
         return Progress((q.pending_items, q.pending_bytes), busy=self.writing > 0, status=self._drain_status())
 
     def _scan_progress(self) -> Progress:
-        found, c = len(self.store.entries), self.store.counters  # the scan appends from its thread
+        found, c = self.store.count, self.store.counters  # the scan appends from its thread
         return Progress((found, c.quarantined, c.reaped_temp), busy=False, status=f"scanning: {found} entries so far")
 
     # --- writing -------------------------------------------------------------------------
@@ -217,7 +252,7 @@ class Daemon:
         delete = bool(p.get("delete_checkpoints", False))
 
         async def action() -> int:
-            return self.store.remove_checkpoints(key) if delete else 0  # the index lives on this thread
+            return await self.store.remove_checkpoints_async(key) if delete else 0  # unlinks on a worker
 
         settled = await self.queue.enqueue(SpillItem(key=key, barrier=action, meta={"nbytes": 0}))
         return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
@@ -232,7 +267,8 @@ class Daemon:
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         ident = fmt.Identity(**{k: str(v) for k, v in p["identity"].items()})
         tokens = fmt.decode_tokens(p["tokens"])
-        hit = self.store.lookup(ident, str(p.get("namespace", "")), tokens, codec_provider=p.get("codec_provider"))
+        ns, provider = str(p.get("namespace", "")), p.get("codec_provider")
+        hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
         self.lookups += 1
         if isinstance(hit, Hit):
             e = hit.entry
@@ -246,8 +282,8 @@ class Daemon:
     async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         e = self.store.entry_at(str(p["path"]))
         if e is not None:  # a restore the client completed (and kept): the one place a hit is counted
-            self.store.touch(e)
             self.store.counters.hits += 1
+            await self.store.touch_async(e)  # the file's mtime set off the loop
             seconds = p.get("restore_s")
             if isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0:
                 self.restore_seconds.observe(float(seconds))  # measured by the client: lookup to loaded caches
@@ -256,9 +292,9 @@ class Daemon:
 
     async def _delete(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         if "path" in p:
-            n = self.store.remove_where(lambda e: e.path == str(p["path"]))
+            n = await self.store.remove_where_async(lambda e: e.path == str(p["path"]))
         elif "key" in p:
-            n = self.store.remove_checkpoints(str(p["key"]))
+            n = await self.store.remove_checkpoints_async(str(p["key"]))
         else:
             raise P.BadParams("delete needs a path or a key")
         return {"deleted": n}
@@ -268,8 +304,9 @@ class Daemon:
         e = self.store.entry_at(path)
         if e is None:
             return {"quarantined": False}
-        self.store.quarantine(path, errors.error_from_code(str(p.get("code", "bad_file")), "reported by a client"))
         self.store.counters.misses[MissReason.CORRUPT.value] += 1
+        why = errors.error_from_code(str(p.get("code", "bad_file")), "reported by a client")
+        await self.store.quarantine_async(path, why)
         return {"quarantined": True}
 
     async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
@@ -288,7 +325,7 @@ class Daemon:
 
     async def _evict(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         fp, older = p.get("fingerprint"), p.get("older_than_s")
-        n, nbytes = self.store.evict_matching(fp, None if older is None else float(older))  # index: loop thread only
+        n, nbytes = await self.store.evict_async(fp, None if older is None else float(older))  # unlinks: a worker
         return {"evicted": n, "bytes": nbytes}
 
     async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:

@@ -1,0 +1,18 @@
+"""Who is at the other end of a Unix socket: both ends check, the daemon its clients and a client its daemon."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (None where the OS cannot tell)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", raw)[1])
+    if sys.platform == "darwin":  # LOCAL_PEERCRED: struct xucred {u_int version; uid_t uid; ...}
+        raw = sock.getsockopt(0, 0x001, 76)
+        return int(struct.unpack_from("Ii", raw)[1])
+    return None
