@@ -791,3 +791,17 @@ async def test_the_daemon_asks_for_time_while_it_scans_and_while_it_drains(
     scanning, ready = first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=scanning: 0 entries"), first("READY=1")
     stopping, draining = first("STOPPING=1"), first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=stopping: 0 items")
     assert scanning < ready < stopping < draining, sent
+
+
+def test_install_never_plans_a_mode_change_on_a_folder_that_exists(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]
+) -> None:
+    home, _ = fake_home
+    home.chmod(0o755)
+    args = ["service", "install", "--manager", "launchd", "--socket", str(home / "spilld.sock")]
+    assert cli.main([*args, "--dry-run"]) == 0
+    planned = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("# create folder")]
+    assert planned == [f"# create folder {home / 'Library' / 'Logs' / 'spilld'} (0700)"], planned  # never the home
+    assert cli.main(args) == 0
+    assert home.stat().st_mode & 0o7777 == 0o755  # the socket's folder (the home) kept its mode
+    assert (home / "Library" / "Logs" / "spilld").stat().st_mode & 0o777 == 0o700  # the one we made

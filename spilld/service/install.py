@@ -71,7 +71,7 @@ class Step:
 class Plan:
     write: dict[Path, str] = field(default_factory=dict)
     remove: list[Path] = field(default_factory=list)
-    folders: list[Path] = field(default_factory=list)  # created 0700 before anything runs
+    folders: list[Path] = field(default_factory=list)  # missing folders, created 0700 before anything runs
     before: list[Step] = field(default_factory=list)  # run before the files change
     after: list[Step] = field(default_factory=list)  # run after
     undo: list[Step] = field(default_factory=list)  # run after the files are put back (a command of `after` failed)
@@ -122,6 +122,16 @@ def installed_stop_s(manager: Manager, home: Path) -> float:
     return units.stop_timeout_s(deadline)
 
 
+def missing_folders(folders: list[Path]) -> list[Path]:
+    """The folders that do not exist yet, each once: only those are ours to create (0700). One that exists,
+    such as the home folder that holds ``--socket ~/spilld.sock``, keeps its mode."""
+    out: list[Path] = []
+    for f in folders:
+        if not f.exists() and f not in out:
+            out.append(f)
+    return out
+
+
 def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     """Files and commands that install the service and start it."""
     stop_s = max(spec.stop_timeout_s, installed_stop_s(manager, home))  # a reinstall stops the old daemon
@@ -130,7 +140,7 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
         target = f"{_domain()}/{units.LABEL}"
         return Plan(
             write={plist: units.launchd_plist(spec, home)},
-            folders=[units.launchd_log(home).parent, Path(units.launchd_socket(spec, home)).parent],
+            folders=missing_folders([units.launchd_log(home).parent, Path(units.launchd_socket(spec, home)).parent]),
             before=[
                 Step(["launchctl", "bootout", target], may_fail=True),  # a reinstall replaces the old job
                 # the old job may still be unloading, and a bootstrap meanwhile fails with 5 (I/O error)
@@ -257,8 +267,7 @@ def show(plan: Plan, out: TextIO) -> None:
 def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None] = time.sleep) -> bool:
     """Carry the plan out; False (with a message) when a command that must succeed failed or timed out."""
     for folder in plan.folders:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        folder.chmod(0o700)  # an existing folder too: the socket's folder is what keeps other users out
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # one made meanwhile by someone else keeps its mode
     if not _run_steps(plan.before, plan, runner, err, sleep):
         return False
     saved = _saved_files(plan)
