@@ -106,9 +106,9 @@ class Daemon:
         log.info(
             "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
             __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
-            format_size(self.store.disk_cap), len(self.store.entries),
+            format_size(self.store.disk_cap), self.store.count,
         )  # fmt: skip
-        self.service.ready(f"serving on {self.cfg.socket}: {len(self.store.entries)} entries")
+        self.service.ready(f"serving on {self.cfg.socket}: {self.store.count} entries")
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
