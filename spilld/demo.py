@@ -47,14 +47,15 @@ class Engine:
 
     model: Any
     lock: threading.Lock = field(default_factory=threading.Lock)
+    last_logits: Any = None  # of the last step: compared across the two ways to answer
 
     def step(self, tokens: list[int], cache: list[Any]) -> int:
         import mlx.core as mx
 
         with self.lock:  # the generation lock: spilld's write steps run between these
-            logits = self.model(mx.array([tokens]), cache=cache)
-            nxt = mx.argmax(logits[0, -1])
-            mx.eval(nxt)
+            self.last_logits = self.model(mx.array([tokens]), cache=cache)[0, -1]
+            nxt = mx.argmax(self.last_logits)
+            mx.eval(nxt, self.last_logits)
         return cast(int, nxt.item())
 
     def prefill(self, tokens: list[int], cache: list[Any]) -> int:
@@ -140,13 +141,24 @@ def _chat(engine: Engine, tok: Any, client: Any) -> tuple[list[int], list[float]
     return history + unfed, idle_ms, busy_ms
 
 
+def _max_gap(a: Any, b: Any) -> float:
+    import mlx.core as mx
+
+    return cast(float, mx.abs(a - b).max().item())
+
+
 def _answer_twice(engine: Engine, client: Any, prompt: list[int]) -> dict[str, Any]:
-    """The first token of ``prompt`` from a full prefill, then from the cold tier plus the rest."""
+    """The first token of ``prompt`` from a full prefill, then from the cold tier plus the rest.
+
+    The two answers' logits are compared too (they differ only by rounding: the prefill runs in other chunks),
+    beside a control: the cold tier's answer with one restored value changed, which must move them much more.
+    """
     from mlx_lm.models.cache import make_prompt_cache
 
     t0 = time.perf_counter()
     cold_first = engine.prefill(prompt, make_prompt_cache(engine.model))
     ttft_prefill = time.perf_counter() - t0
+    cold_logits = engine.last_logits
 
     t0 = time.perf_counter()
     loaded = client.load(prompt)
@@ -154,12 +166,21 @@ def _answer_twice(engine: Engine, client: Any, prompt: list[int]) -> dict[str, A
     cache = loaded.caches if loaded is not None else make_prompt_cache(engine.model)
     warm_first = engine.prefill(prompt[restored:], cache)
     ttft_tier = time.perf_counter() - t0
+    warm_logits = engine.last_logits
+    control = float("nan")
+    if loaded is not None and (bad := client.load(prompt)) is not None:
+        first = bad.caches[0]  # the first restored token's values in the first layer, moved by 1.0
+        first.values[..., 0, :] = first.values[..., 0, :] + 1.0
+        engine.prefill(prompt[restored:], bad.caches)
+        control = _max_gap(engine.last_logits, cold_logits)
     return {
         "prompt_tokens": len(prompt),
         "restored_tokens": restored,
         "ttft_without_tier_ms": round(1e3 * ttft_prefill, 1),
         "ttft_with_tier_ms": round(1e3 * ttft_tier, 1),
         "same_first_token": cold_first == warm_first,
+        "logits_max_diff": _max_gap(warm_logits, cold_logits),
+        "control_logits_max_diff": control,
     }
 
 
@@ -220,6 +241,7 @@ def _print(f: dict[str, Any], as_json: bool) -> None:
         ("time to first token, full prefill", f"{f['ttft_without_tier_ms']:.1f} ms ({f['prompt_tokens']} tokens)"),
         ("time to first token, cold tier", f"{f['ttft_with_tier_ms']:.1f} ms ({f['restored_tokens']} restored), {speedup:.1f}x"),
         ("same first token", "yes" if f["same_first_token"] else "NO"),
+        ("next-token logits, largest gap", f"{f['logits_max_diff']:.1e} (one restored value moved: {f['control_logits_max_diff']:.1e})"),
         ("decode, idle", f"{f['decode_idle_ms_per_token']:.2f} ms/token"),
         ("decode, while spilling", f"{f['decode_spilling_ms_per_token']:.2f} ms/token"),
         ("files on disk (all models)", f"{f['files']} ({format_size(int(f['bytes_on_disk'] or 0))})"),

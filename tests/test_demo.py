@@ -22,6 +22,10 @@ def _check_cold_tier_path(f: dict[str, Any]) -> None:
     assert f["restored_tokens"] > 0  # the restart was served from disk
     assert f["restored_tokens"] < f["prompt_tokens"]
     assert f["same_first_token"] is True
+    # The whole next-token distribution, not one argmax: the two answers agree to rounding, and the control (one
+    # restored value moved) shows that a wrong row moves the logits far more than that.
+    assert f["control_logits_max_diff"] > 0
+    assert f["logits_max_diff"] <= f["control_logits_max_diff"] / 100
     assert f["files"] >= 1 and f["bytes_on_disk"] > 0
     print(json.dumps(f))  # the timings are shown, never asserted
 
