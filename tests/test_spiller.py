@@ -184,22 +184,55 @@ async def test_live_snapshot_detects_a_cut_below_its_length(tmp_path: Any) -> No
     assert sp.store.entries == [] and not any(f.endswith(".spilld") for _, _, fs in os.walk(tmp_path) for f in fs)
 
 
-async def test_live_snapshot_of_a_decoding_model(tmp_path: Any) -> None:
+async def test_live_snapshot_of_a_model_decoding_on_its_own_thread(tmp_path: Any) -> None:
+    """A real model decodes on its own thread under its generation lock, after the spill and while it is written."""
     model = tiny_llama()
     prompt = random_tokens(30, seed=5)
-    cache, _ = prefill(model, prompt)
-    sp = await spilld.Spiller(tmp_path, identity=ident(model), lease=spilld.ThreadLockLease(threading.Lock())).start()
-    fut = sp.spill(prompt, cache, live=True)
-    tokens = list(prompt)
-    for t in (3, 4, 5):  # decoding goes on while the snapshot is written
-        next_logits(model, cache, t)
-        tokens.append(t)
-    assert (await fut).stored
+    lock, decoded = threading.Lock(), threading.Event()
+    events: list[str] = []
+    held = spilld.ThreadLockLease(lock)
+
+    async def lease(fn: Any) -> Any:  # the engine's lock, taken only once the engine has decoded past the call
+        await asyncio.get_running_loop().run_in_executor(None, decoded.wait, 60)
+
+        def step() -> Any:
+            events.append("write")  # inside the engine's lock: no decode step may run until "written"
+            try:
+                return fn()
+            finally:
+                events.append("written")
+
+        return await held(step)
+
+    sp = await spilld.Spiller(tmp_path, identity=ident(model), lease=lease).start()
+    out: dict[str, Any] = {}
+
+    def engine() -> None:
+        with lock:
+            cache, _ = prefill(model, prompt)
+            fut = sp.spill(prompt, cache, live=True)
+        for step in range(200):
+            if step >= 3 and fut.done():
+                break
+            with lock:
+                events.append("decode")
+                next_logits(model, cache, 3 + step % 50)
+            if step == 2:
+                decoded.set()
+        out["settled"] = fut.result(timeout=60)
+
+    await asyncio.get_running_loop().run_in_executor(None, engine)
+    assert out["settled"].stored
+    assert events[:3] == ["decode"] * 3 and "write" in events  # the write ran after decode steps it had to survive
+    writing = False
+    for e in events:  # and never during one
+        assert not (writing and e == "decode"), events
+        writing = {"write": True, "written": False}.get(e, writing)
     got = await sp.restore([*prompt, 3])
     assert got is not None and got.tokens == prompt
-    want = next_logits(model, got.caches, 3)
     fresh, _ = prefill(model, prompt)
-    assert mx.array_equal(next_logits(model, fresh, 3), want).item()
+    assert mx.array_equal(next_logits(model, got.caches, 3), next_logits(model, fresh, 3)).item()
+    await sp.close()
 
 
 async def test_live_rows_are_copied_in_chunks_across_engine_steps(tmp_path: Any) -> None:
