@@ -18,6 +18,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ DEFAULT_CLIENT_CAP = 1024**3
 MAX_INFLIGHT_COMMITS = 8  # items shipped and awaiting the daemon's durable answer
 BUSY_RETRIES = 50
 BUSY_BACKOFF_S = 0.05
+LEASE_HOLD_MAX_S = 30.0  # the longest a grant holds the engine's lease, whatever the daemon asks
 
 
 class AsyncClient:
@@ -80,6 +82,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: set[asyncio.Future[Any]] = set()
         self._grants: set[asyncio.Task[None]] = set()
+        self._holds: dict[int, threading.Event] = {}  # grants being held, until the daemon's lease_done
         self.grant_lease = grant_lease
         self.use_shm = shm
         self._pool: ShmPool | None = None
@@ -146,11 +149,14 @@ class AsyncClient:
                 else:
                     fut.set_result(msg.result)
         elif msg.kind == P.REQUEST and msg.method == "lease":
-            task = asyncio.get_running_loop().create_task(self._grant(msg.msgid))
+            hold_s = min(float(msg.params.get("hold_s", LEASE_HOLD_MAX_S)), LEASE_HOLD_MAX_S)
+            task = asyncio.get_running_loop().create_task(self._grant(msg.msgid, hold_s))
             self._grants.add(task)
             task.add_done_callback(self._grants.discard)
         elif msg.kind == P.NOTIFICATION:
-            if msg.method == "drain_progress" and (cb := self._progress.get(int(msg.params.get("msgid", 0)))):
+            if msg.method == "lease_done" and (held := self._holds.get(int(msg.params.get("lease", 0)))):
+                held.set()
+            elif msg.method == "drain_progress" and (cb := self._progress.get(int(msg.params.get("msgid", 0)))):
                 cb(msg.params)
             elif msg.method == "shm_free" and self._pool is not None:
                 for name in msg.params.get("names", []):
@@ -158,17 +164,44 @@ class AsyncClient:
             elif msg.method == "error":
                 log.warning("daemon: %s", msg.params.get("message"))
 
-    async def _grant(self, msgid: int) -> None:
-        """The daemon asks for a turn: answer once our engine is between two of its steps."""
-        await self.lease(lambda: None)
-        with contextlib.suppress(errors.SpillError):
-            await self._send(P.response(msgid, {"granted": True}))
+    async def _grant(self, msgid: int, hold_s: float) -> None:
+        """The daemon asks for a turn: take our engine's lease, answer while holding it, and hold it until the
+        daemon says its step is done (``lease_done``), the connection is lost, or ``hold_s`` has passed."""
+        done = threading.Event()
+        self._holds[msgid] = done
+        loop = asyncio.get_running_loop()
+
+        loop_thread = threading.get_ident()
+
+        def hold() -> bool:
+            if threading.get_ident() == loop_thread:  # blocking here would stop the loop that hears lease_done
+                raise errors.SpillError("a lease grantor's lease must run its steps off the event loop's thread")
+            loop.call_soon_threadsafe(self._answer, msgid, {"granted": True})
+            return done.wait(hold_s)
+
+        try:
+            if not await self.lease(hold):
+                log.warning(
+                    "lease %d: the daemon's step outlasted %.1f s; the engine's lease was let go", msgid, hold_s
+                )
+        except Exception as exc:  # the engine's lease failed: the daemon must not write
+            self._answer(msgid, None, exc if isinstance(exc, errors.SpillError) else errors.SpillError(repr(exc)))
+        finally:
+            self._holds.pop(msgid, None)
+
+    def _answer(self, msgid: int, result: Any, error: errors.SpillError | None = None) -> None:
+        """Send an answer to one of the daemon's requests; a lost connection has already ended the ask."""
+        if self._writer is None or self._writer.is_closing():
+            return
+        self._writer.writelines(P.response(msgid, result, error))
 
     def _fail_all(self, err: errors.SpillError) -> None:
         # The daemon may still be writing from our segments: never reuse them; a new pool comes with the next connection.
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for held in list(self._holds.values()):
+            held.set()  # the daemon is gone: it writes nothing more of ours in our engine's turn
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():

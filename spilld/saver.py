@@ -627,8 +627,10 @@ async def save_async(
                 step = next(gen)
             except StopIteration as stop:
                 return cast(SaveResult, stop.value)
-            if isinstance(step, TensorStep):
+            if isinstance(step, TensorStep) and not step.bytes.engine_free:
                 await step.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
+            elif isinstance(step, TensorStep):
+                step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
             if write_in_lease:
                 await lease(step.write)
             else:

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__, errors
@@ -69,7 +70,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.lease_grantor = False
         self.shm = ShmAttachments()
-        self.asked: dict[int, asyncio.Future[bool]] = {}  # our requests to the client, by msgid
+        self.asked: dict[int, asyncio.Future[errors.SpillError | None]] = {}  # our requests to the client, by msgid
         self._ask_ids = itertools.count(1)
 
     # --- asyncio protocol -------------------------------------------------------------------
@@ -109,26 +110,38 @@ class Connection(asyncio.BufferedProtocol):
         self._finish_later()
         return True
 
-    async def ask_lease(self, timeout: float) -> bool:
-        """Ask the client (its engine) for a turn; False if it is gone or does not answer in time."""
+    async def ask_lease(self, timeout: float) -> int | None:
+        """Ask the client (its engine) for a turn: the grant's id once granted (the engine then holds its lease
+        until ``lease_done``), None if the client is gone. No grant within ``timeout`` raises ``Timeout``, and
+        one the engine refuses raises its error: the step must not run unheld."""
         if self._closing:
-            return False
+            return None
         msgid = next(self._ask_ids)
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[errors.SpillError | None] = asyncio.get_running_loop().create_future()
         self.asked[msgid] = fut
-        self.send(P.request(msgid, "lease", {}))
+        self.send(P.request(msgid, "lease", {"hold_s": timeout}))
         try:
-            return await asyncio.wait_for(fut, timeout)
+            refused = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            return False
+            raise P.Timeout(f"the engine did not grant its lease in {timeout:g} s; nothing written") from None
         finally:
             self.asked.pop(msgid, None)
+        if self._closing and refused is not None:
+            return None
+        if refused is not None:
+            raise refused
+        return msgid
+
+    def lease_done(self, msgid: int) -> None:
+        """The step a grant was asked for is over: the engine may go on."""
+        if not self._closing:
+            self.send(P.notification("lease_done", {"lease": msgid}))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         for fut in self.asked.values():
             if not fut.done():
-                fut.set_result(False)
+                fut.set_result(P.ConnectionLost("the lease grantor is gone"))
         self.shm.close()  # mappings still read by queued items stay until those are written
         if self._timer is not None:
             self._timer.cancel()
@@ -220,8 +233,11 @@ class Connection(asyncio.BufferedProtocol):
             task.add_done_callback(self._task_done)
         else:  # an answer to a request of ours (a lease grant)
             fut = self.asked.pop(msg.msgid, None)
+            refused = None if msg.error is None else errors.error_from_code(msg.error["code"], msg.error["message"])
             if fut is not None and not fut.done():
-                fut.set_result(msg.error is None)
+                fut.set_result(refused)
+            elif refused is None:  # granted after we stopped waiting: let the engine go at once
+                self.lease_done(msg.msgid)
 
     async def _call(self, handler: Any, msg: P.Message) -> None:
         try:
@@ -289,12 +305,45 @@ def free_item_shm(item: SpillItem) -> None:
 
 
 class GrantorLease:
-    """A lease granted by a client's engine: before each step the daemon asks, the engine answers between its
-    decode steps. A grantor that is gone or silent past the timeout no longer holds anything up (a free lease)."""
+    """A lease granted by a client's engine: before each step the daemon asks; the engine answers between two
+    of its decode steps and holds its lease until the daemon says the step is done. A grant that does not come
+    within the timeout fails the step (never run unheld); a grantor that is gone has no engine to keep out."""
 
     def __init__(self, conn: Connection, timeout: float) -> None:
         self.conn, self.timeout = conn, timeout
 
     async def __call__(self, fn: Any, /) -> Any:
-        await self.conn.ask_lease(self.timeout)
-        return await off_loop(fn)
+        grant = await self.conn.ask_lease(self.timeout)
+        if grant is None:
+            return await off_loop(fn, background=True)
+        t0 = time.monotonic()
+        try:
+            return await off_loop(fn, background=True)
+        finally:
+            self.conn.lease_done(grant)
+            if time.monotonic() - t0 > self.timeout:
+                log.warning("client %d: a write step outlasted its %g s grant", self.conn.id, self.timeout)
+
+
+class BackgroundLease:
+    """No engine to keep out: each step on a low-priority thread."""
+
+    def __call__(self, fn: Any, /) -> Any:
+        return off_loop(fn, background=True)
+
+
+class StepLog:
+    """Logs the span of each write step (CLOCK_MONOTONIC, at debug level): when it ran against engine steps."""
+
+    def __init__(self, lease: Any, client: str) -> None:
+        self.lease, self.client = lease, client.replace(" ", "_")
+
+    def __call__(self, fn: Any, /) -> Any:
+        def timed() -> Any:
+            t0 = time.monotonic()
+            try:
+                return fn()
+            finally:
+                log.debug("write step for %s: %.6f-%.6f", self.client, t0, time.monotonic())
+
+        return self.lease(timed)

@@ -22,15 +22,15 @@ from .. import __version__, errors, fileio
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
-from ..lease import NoLease, off_loop
+from ..lease import off_loop
 from ..lockfile import FileLock
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
-from ..saver import BytesSource
+from ..saver import AnySource, BytesSource
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
 from ..store import Hit, MissReason, Store
-from .connection import Connection, GrantorLease, free_item_shm
+from .connection import BackgroundLease, Connection, GrantorLease, StepLog, free_item_shm
 from .ingest import Ingest
 from .listen import bind, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
@@ -62,7 +62,7 @@ class Daemon:
         self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
         self.store = open_store(cfg)
         self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=free_item_shm)
-        self.lease = NoLease()
+        self.lease = BackgroundLease()
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
         self.ingest = Ingest(cfg, self.queue, self.stopping)
@@ -228,11 +228,16 @@ class Daemon:
         header: fmt.Header = item.meta["header"]
         sources = [BytesSource(c, s.shape) for c, s in zip(item.meta["chunks"], header.slots(), strict=True)]
         grantor: Connection | None = item.meta.get("grantor")
-        lease = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
+        lease: Any = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
+        if log.isEnabledFor(logging.DEBUG):
+            lease = StepLog(lease, item.meta["shm"][0].client_name)
         self.writing += 1
         t0 = time.perf_counter()
         try:
-            result = await self.store.put([], [], header.identity, planned=(header, list(sources)), run_step=lease)
+            # Each write step (hash, write; the publish's fsync) runs inside the lease: a granting engine is
+            # kept from decoding during the daemon's disk work, not only while bytes are taken.
+            planned: tuple[fmt.Header, list[AnySource]] = (header, list(sources))
+            result = await self.store.put([], [], header.identity, planned=planned, run_step=lease, write_in_lease=True)
         except Exception as exc:
             log.debug("store failed", extra={"error": repr(exc)[:200], "tokens": len(header.tokens)})
             raise

@@ -1,0 +1,145 @@
+"""The daemon's writes keep out of a granting engine's steps: the lease is held for the whole of each write step.
+
+A real engine thread in this process decodes under its lock and records each step's span; the real daemon (a
+subprocess, debug log) records the span of each of its write steps. Clocks: both are CLOCK_MONOTONIC on one host.
+With the grant there is no overlap at all; without it (the negative control) some daemon steps run during an
+engine step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld.client import Client
+from tests.caches import fill
+from tests.daemons import Daemon, cleanup, new_root
+
+LAYERS = 24  # 48 tensors per spill: 48 daemon write steps
+SPILLS = 3
+STEP_S = 0.004  # an engine step: the lock is held this long, then let go for a moment
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root(), ["--cap", "256MiB", "--log-level", "debug"]).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def daemon_steps(d: Daemon, name: str) -> list[tuple[float, float]]:
+    """The spans of the daemon's write steps for the client called ``name``, from its debug log."""
+    spans = []
+    pat = re.compile(r"write step for (\S+): ([0-9.]+)-([0-9.]+)")
+    for line in d.read_log().splitlines():
+        try:
+            msg = str(json.loads(line).get("msg", ""))
+        except ValueError:
+            continue
+        m = pat.search(msg)
+        if m and m.group(1) == name:
+            spans.append((float(m.group(2)), float(m.group(3))))
+    return spans
+
+
+def run(d: Daemon, grant: bool) -> tuple[int, int]:
+    """Spill while an engine thread decodes; the daemon steps that overlapped an engine step, and all of them."""
+    name = f"engine-{'grant' if grant else 'plain'}"
+    lock = threading.Lock()
+    caches = [fill(C.KVCache(), 256, heads=8, dim=64, seed=i) for i in range(LAYERS)]
+    client = Client(
+        d.socket, identity=spilld.Identity(name), name=name, lease=spilld.ThreadLockLease(lock), grant_lease=grant
+    )
+    engine_spans: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def engine() -> None:
+        x = mx.random.normal((256, 256))
+        while not stop.is_set():
+            with lock:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < STEP_S:
+                    mx.eval(x @ x)
+                engine_spans.append((t0, time.monotonic()))
+            time.sleep(0.0003)  # the gap between two decode steps
+
+    th = threading.Thread(target=engine)
+    th.start()
+    try:
+        futs = [client.spill(list(range(256 + i)), caches) for i in range(SPILLS)]
+        assert all(f.result(timeout=120).stored for f in futs)
+        assert client.drain(timeout=60)["done"]
+    finally:
+        stop.set()
+        th.join()
+        client.close()
+    time.sleep(0.2)  # the log is flushed line by line
+    steps = daemon_steps(d, name)
+    overlaps = sum(1 for a0, a1 in steps if any(a0 < b1 and b0 < a1 for b0, b1 in engine_spans))
+    return overlaps, len(steps)
+
+
+def test_the_daemon_never_writes_during_a_granting_engines_step(daemon: Daemon) -> None:
+    overlaps, steps = run(daemon, grant=True)
+    assert steps == SPILLS * 2 * LAYERS + SPILLS  # every tensor step and every publish step was recorded
+    assert overlaps == 0
+
+
+def test_without_the_grant_the_daemon_writes_during_engine_steps(daemon: Daemon) -> None:
+    overlaps, steps = run(daemon, grant=False)
+    assert steps == SPILLS * 2 * LAYERS + SPILLS
+    assert overlaps > 0  # the negative control: the same measurement does see overlaps
+
+
+class GrantsHeldBack:
+    """An engine lease (steps off the loop) that lets the first ``n`` turns through and holds back the rest."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls, self.open = n, 0, threading.Event()
+        self.holds: list[float] = []
+
+    async def __call__(self, fn: Any, /) -> Any:
+        import asyncio
+
+        self.calls += 1
+        if self.calls > self.n:
+            await asyncio.to_thread(self.open.wait)
+        t0 = time.monotonic()
+        try:
+            return await asyncio.to_thread(fn)
+        finally:
+            self.holds.append(time.monotonic() - t0)
+
+
+def test_no_grant_in_time_fails_the_write_and_a_late_grant_is_let_go_at_once(daemon: Daemon) -> None:
+    caches = [fill(C.KVCache(), 16, seed=i) for i in range(2)]
+    lease = GrantsHeldBack(4)  # the client's own 4 takes; the daemon's first ask is never answered in time
+    client = Client(daemon.socket, identity=spilld.Identity("late"), name="late", lease=lease, grant_lease=True)
+    try:
+        t0 = time.monotonic()
+        settled = client.spill(list(range(16)), caches).result(timeout=120)
+        waited = time.monotonic() - t0
+        assert settled.outcome.value == "failed" and settled.error is not None and settled.error.code == "timeout"
+        assert waited >= 29  # the daemon's request timeout (30 s): it waited, it did not write unheld
+        assert daemon_steps(daemon, "late") == []
+        lease.open.set()  # the engine grants, too late: the daemon lets it go at once
+        deadline = time.monotonic() + 10
+        while len(lease.holds) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lease.holds) == 5 and lease.holds[-1] < 5
+    finally:
+        client.close()
+    assert not [f for _, _, fs in os.walk(daemon.dir) for f in fs if f.endswith(".spilld")]
