@@ -595,7 +595,16 @@ def cmd_evict(args: argparse.Namespace) -> int:
     if args.all or args.fingerprint or args.older_than is not None:
         params = {"fingerprint": args.fingerprint, "older_than_s": args.older_than}
         if served is not None:
-            r = _ask(args, "evict", params, timeout=None)
+            progress = Progress(f"evicting from {root}", quiet=args.json)
+
+            def show(note: Any) -> None:
+                if note.method == "evict_progress":
+                    progress.show(int(note.params["pending_items"]), int(note.params["pending_bytes"]), force=True)
+
+            try:
+                r = _ask(args, "evict", params, timeout=None, on_note=show)
+            finally:
+                progress.done()
             out["evicted"], out["bytes"] = int(r["evicted"]), int(r["bytes"])
         else:
             out["evicted"], out["bytes"] = _evict_direct(root, args, args.older_than)

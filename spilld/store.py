@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -41,6 +42,7 @@ log = logging.getLogger("spilld.store")
 EXT = ".spilld"
 QUARANTINE = ".quarantine"
 QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
+EVICT_PROGRESS_S = 0.5  # an evict's unlinks report their progress at most this often
 QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the oldest go first (counted)
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
 DEFAULT_DISK_CAP = 64 * 1024**3
@@ -138,6 +140,19 @@ def _set_mtime(path: str, when: float) -> None:
 def _unlink_all(ops: fileio.FileOps, paths: Sequence[str]) -> None:
     for p in paths:
         fileio.remove_quietly(ops, p)
+
+
+def _unlink_reporting(
+    ops: fileio.FileOps, paths: Sequence[str], sizes: dict[str, int], progress: Callable[[int, int], None]
+) -> None:
+    """``_unlink_all``, telling ``progress`` the files and bytes left now and then (a long evict's progress line)."""
+    left, left_bytes, last = len(paths), sum(sizes.get(p, 0) for p in paths), -math.inf
+    for p in paths:
+        if time.monotonic() - last >= EVICT_PROGRESS_S:
+            progress(left, left_bytes)
+            last = time.monotonic()
+        fileio.remove_quietly(ops, p)
+        left, left_bytes = left - 1, left_bytes - sizes.get(p, 0)
 
 
 @dataclass
@@ -643,9 +658,15 @@ class Store:
         self.remove_empty_folders()
         return n, nbytes
 
-    async def evict_async(self, fingerprint: str | None = None, older_than_s: float | None = None) -> tuple[int, int]:
+    async def evict_async(
+        self,
+        fingerprint: str | None = None,
+        older_than_s: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[int, int]:
         """``evict_matching`` for the event loop: the index changes here (``EVICT_BATCH`` entries a turn of the
-        loop), every unlink and the sweep on a worker."""
+        loop), every unlink and the sweep on a worker. ``progress(files, bytes)`` left to unlink is called from
+        that worker, first before any unlink, then at most every ``EVICT_PROGRESS_S``."""
         gone = self._evict_match(fingerprint, older_than_s)
         for i in range(0, len(gone), EVICT_BATCH):
             self._evict_entries(gone[i : i + EVICT_BATCH])
@@ -654,7 +675,10 @@ class Store:
         doomed = self._take_doomed()
 
         def work() -> None:
-            _unlink_all(self.ops, doomed)
+            if progress is None:
+                _unlink_all(self.ops, doomed)
+            else:
+                _unlink_reporting(self.ops, doomed, {e.path: e.nbytes for e in gone}, progress)
             self.remove_empty_folders()
 
         await off_loop(work)

@@ -320,3 +320,29 @@ def test_ls_says_1_entry(tmp_path: Path) -> None:
     place(tmp_path / "store", 1)
     r = spilld("ls", "--dir", str(tmp_path / "store"))
     assert r.returncode == 0 and "1 entry," in r.stdout, r.stdout
+
+
+def test_evict_refuses_a_folder_a_daemon_on_another_socket_serves(daemon: Daemon, tmp_path: Path) -> None:
+    r = spilld("evict", "--all", "--socket", str(tmp_path / "other.sock"), "--dir", daemon.dir)
+    assert r.returncode == 5 and f"pid {daemon.proc.pid if daemon.proc else 0}" in r.stderr, r.stderr
+    st = json.loads(spilld("status", "--json", "--socket", daemon.socket).stdout)
+    assert st["store"]["entries"] == 3
+
+
+def test_evict_through_the_daemon_shows_progress_on_a_terminal(daemon: Daemon) -> None:
+    import pty
+
+    main, sub = pty.openpty()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "spilld", "evict", "--all", "--socket", daemon.socket],
+            stdout=subprocess.PIPE,
+            stderr=sub,
+            timeout=120,
+        )
+        os.close(sub)
+        shown = os.read(main, 65536).decode()
+    finally:
+        os.close(main)
+    assert r.returncode == 0 and b"evicted 3 entries" in r.stdout
+    assert f"evicting from {daemon.dir}: 3 items" in shown, shown

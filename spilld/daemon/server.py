@@ -330,7 +330,14 @@ class Daemon:
 
     async def _evict(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         fp, older = p.get("fingerprint"), p.get("older_than_s")
-        n, nbytes = await self.store.evict_async(fp, None if older is None else float(older))  # unlinks: a worker
+        loop = asyncio.get_running_loop()
+
+        def progress(items: int, nbytes: int) -> None:  # from the worker that unlinks: sent from the loop
+            note = {"msgid": msgid, "pending_items": items, "pending_bytes": nbytes}
+            loop.call_soon_threadsafe(conn.send, P.notification("evict_progress", note))
+
+        older_s = None if older is None else float(older)
+        n, nbytes = await self.store.evict_async(fp, older_s, progress=progress)  # unlinks: a worker
         return {"evicted": n, "bytes": nbytes}
 
     async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
