@@ -344,6 +344,8 @@ def test_busy_for_non_droppable_items_over_the_cap() -> None:
 
 @pytest.mark.asyncio
 async def test_a_lease_grantor_is_asked_before_each_write_step(daemon: Daemon) -> None:
+    """How many grants are asked for; that a grant keeps the daemon's writes out of the engine's steps (and that
+    without one they overlap) is tests/test_lease_grant.py's."""
     asked = 0
     engine_busy = asyncio.Lock()
 
