@@ -154,9 +154,13 @@ def regular_file(path: str) -> str:
 
 
 def _socket(args: argparse.Namespace) -> str:
+    """``--socket``, else the default (``$SPILLD_SOCKET`` included), checked like the option."""
     from .config import default_socket
 
-    return str(args.socket or default_socket())
+    try:
+        return check_socket_path(args.socket or default_socket())
+    except ValueError as exc:
+        raise UsageError(f"{exc} (from SPILLD_SOCKET or the default)") from None
 
 
 # --- inspect, verify ---------------------------------------------------------------------------------

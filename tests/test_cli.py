@@ -132,6 +132,13 @@ def test_every_refusal_is_one_line_and_its_exit_code(tmp_path: Path, capsys: pyt
     assert not (tmp_path / "missing").exists() and not os.path.exists("/proc/x")
 
 
+def test_a_bad_spilld_socket_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPILLD_SOCKET", "/tmp/" + "s" * 120)
+    assert cli.main(["status"]) == 2 and "SPILLD_SOCKET" in capsys.readouterr().err
+
+
 def test_no_traceback_from_a_process(tmp_path: Path) -> None:
     """The same refusals as whole processes: one line on stderr, never a traceback."""
     (tmp_path / "file").write_text("x")
