@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 
 from spilld.config import default_dir, default_socket, format_size, parse_duration, parse_size
@@ -49,3 +52,40 @@ def test_default_paths(monkeypatch: pytest.MonkeyPatch) -> None:
         assert default_socket().startswith("/tmp/spilld-")
     monkeypatch.setenv("SPILLD_SOCKET", "/x.sock")
     assert default_socket() == "/x.sock"
+
+
+@pytest.mark.parametrize("text", ["-5", "nan", "inf", "-1s", "1e3", "5 parsecs"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_zero_is_a_duration_but_not_a_positive_one_nor_a_cap() -> None:
+    assert parse_duration("0") == 0
+    with pytest.raises(ValueError):
+        parse_duration("0", positive=True)
+    with pytest.raises(ValueError):
+        parse_size("0")
+    with pytest.raises(ValueError):
+        parse_size("0.5")  # rounds to 0 bytes
+
+
+def test_config_checks_every_value(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spilld.config import SOCKET_PATH_MAX, Config
+
+    sock = str(tmp_path / "s.sock")
+    for bad in (
+        {"cap": 0},
+        {"disk_cap": 0},
+        {"drain_deadline": -5.0},
+        {"drain_deadline": math.nan},
+        {"idle_timeout": -1.0},
+        {"idle_timeout": math.inf},
+        {"max_clients": 0},
+        {"socket": "/tmp/" + "s" * SOCKET_PATH_MAX},
+    ):
+        with pytest.raises(ValueError):
+            Config(**{"socket": sock, "dir": str(tmp_path), **bad})
+    monkeypatch.chdir(tmp_path)
+    cfg = Config(socket="s.sock", dir="store")  # relative: taken from the current folder
+    assert cfg.socket == sock and cfg.dir == str(tmp_path / "store")
