@@ -95,6 +95,76 @@ class CheckpointInconsistent(FileFormatError):
     code = "checkpoint_inconsistent"
 
 
+# --- header rules (spilld/validate.py): the header contradicts itself or its codec ---
+# Each one is a HeaderMalformed, so code that catches that keeps working.
+
+
+class VersionMismatch(HeaderMalformed):
+    """The header's ``format`` differs from the prefix's version (or, for a spill, the daemon's)."""
+
+    code = "version_mismatch"
+
+
+class SlotSizeMismatch(LayoutError):
+    """A slot's ``bytes`` differs from item size x product of its shape."""
+
+    code = "slot_size_mismatch"
+
+
+class TensorCountMismatch(HeaderMalformed):
+    code = "tensor_count_mismatch"
+
+
+class TensorRankMismatch(HeaderMalformed):
+    code = "tensor_rank_mismatch"
+
+
+class DtypeNotAllowed(HeaderMalformed):
+    code = "dtype_not_allowed"
+
+
+class ShapeMismatch(HeaderMalformed):
+    """Tensors of one entry disagree (batch, heads, rows, or a packed width with its scales)."""
+
+    code = "shape_mismatch"
+
+
+class FieldInvalid(HeaderMalformed):
+    """A codec field is missing, of the wrong type or out of its range."""
+
+    code = "field_invalid"
+
+
+class QuantizationInvalid(HeaderMalformed):
+    """``bits`` or ``group_size`` is not one mlx supports."""
+
+    code = "quantization_invalid"
+
+
+class OffsetMismatch(HeaderMalformed):
+    """An entry's ``offset`` (or ``min_reusable``, ``trimmable``) disagrees with its live rows or children."""
+
+    code = "offset_mismatch"
+
+
+class OffsetBeyondTokens(HeaderMalformed):
+    """An entry encodes more tokens than the file records."""
+
+    code = "offset_beyond_tokens"
+
+
+class IndexOutOfRange(HeaderMalformed):
+    """A ring or batch write index (``idx``) points past the rows stored."""
+
+    code = "index_out_of_range"
+
+
+class CapacityTooLarge(HeaderMalformed):
+    """A load would grow a tensor by more than one capacity step (a codec bug; never a file's choice)."""
+
+    code = "capacity_too_large"
+
+
 # --- compatibility: a valid file that this reader must not use -----------------
 
 
@@ -110,6 +180,12 @@ class CodecProviderMismatch(SpillError):
 
 class UnknownCacheKind(SpillError):
     code = "unknown_cache_kind"
+
+
+class KindNotInProvider(HeaderMalformed, UnknownCacheKind):
+    """The file names a provider whose fixed table has no such kind: a bad file, not a newer one."""
+
+    code = "kind_not_in_provider"
 
 
 class CodecVersionUnsupported(SpillError):

@@ -290,14 +290,16 @@ def check_nesting(entries: list[CacheEntry], path: str | None = None, depth: int
 
 
 def check_layout(slots: list[Slot], data_start: int, file_size: int, path: str | None = None) -> None:
-    """Slots must sit exactly where ``plan_offsets`` puts them; the file ends at the last byte."""
-    check_limits(slots, path)
+    """Slots must sit exactly where ``plan_offsets`` puts them; the file ends at the last byte.
+
+    Sizes and limits are ``spilld.validate``'s to check first (it calls this with a file size).
+    """
     cursor = 0
     end = 0
     for i, s in enumerate(slots):
         n = DTYPE_SIZES[s.dtype] * math.prod(s.shape)
         if s.nbytes != n:
-            raise errors.LayoutError(f"tensor {i}: {s.nbytes} bytes for shape {s.shape} {s.dtype}", path=path)
+            raise errors.SlotSizeMismatch(f"tensor {i}: {s.nbytes} bytes for shape {s.shape} {s.dtype}", path=path)
         if s.off != align_up(cursor):
             raise errors.LayoutError(f"tensor {i} at offset {s.off}, expected {align_up(cursor)}", path=path)
         cursor = s.off + s.nbytes
@@ -363,7 +365,11 @@ def check_padding(pad: bytes, path: str | None = None) -> None:
 
 
 def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str | None = None) -> Header:
-    """Verify the header hash, unpack msgpack and type-check every field."""
+    """Verify the header hash, unpack msgpack and type-check every field.
+
+    Only the wire types: what the fields say (versions, layout, codec rules) is checked
+    next by ``spilld.validate.validate_header``, which every reader runs.
+    """
     if xxh3(header_bytes) != prefix.header_hash:
         raise errors.HeaderHashMismatch("header hash mismatch (corrupt or truncated)", path=path)
     try:
@@ -383,11 +389,8 @@ def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str
         if exc.path is None and path is not None:
             raise type(exc)(exc.reason, path=path) from exc
         raise
-    if header.version != prefix.version:
-        raise errors.HeaderMalformed(f"header version {header.version} != prefix version {prefix.version}", path=path)
     header.data_start = prefix.data_start
     header.file_size = file_size
-    check_layout(header.slots(), prefix.data_start, file_size, path)
     return header
 
 

@@ -16,8 +16,10 @@ import xxhash
 from . import dtypes, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
+from .codecs.rules import CAPACITY_STEP
 from .fileio import DEFAULT_OPS, FileOps
 from .saver import Attachment
+from .validate import validate_header
 
 
 def _read_exact(fd: int, n: int, off: int) -> bytes:
@@ -38,6 +40,7 @@ def _read_header_fd(fd: int, path: str) -> fmt.Header:
         raise errors.TruncatedFile("file ended inside the header", path=path)
     header_bytes, pad = region[: prefix.header_len], region[prefix.header_len :]
     header = fmt.decode_header(header_bytes, prefix, size, path)
+    validate_header(header, size, prefix_version=prefix.version, path=path)
     fmt.check_padding(pad, path)
     return header
 
@@ -110,6 +113,21 @@ def check_identity(header: fmt.Header, expect: fmt.Identity | Mapping[str, str] 
             raise errors.IdentityMismatch(f"{key} mismatch (file {have[key]!r}, expected {value!r})", path=path)
 
 
+def alloc_shape(slot: fmt.Slot, capacity: int | None, path: str) -> list[int]:
+    """The shape to allocate for a slot: its own, or grown along axis -2 to ``capacity`` rows.
+
+    A load never allocates more than a tensor's bytes plus one capacity step of the rows it
+    holds: codecs compute capacity from stored rows, and this is the guard if one did not.
+    """
+    shape = list(slot.shape)
+    if capacity is None or len(shape) < 2 or capacity <= shape[-2]:
+        return shape
+    if shape[-2] == 0 or capacity > shape[-2] + CAPACITY_STEP:
+        raise errors.CapacityTooLarge(f"{capacity} rows asked for a tensor of {shape[-2]} rows", path=path)
+    shape[-2] = capacity
+    return shape
+
+
 class _Decoding:
     """What the codecs call back into: ``read`` (per subclass) and ``decode`` for nested entries."""
 
@@ -132,9 +150,7 @@ class _Reader(_Decoding):
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         shape = list(slot.shape)
-        alloc = list(shape)
-        if capacity is not None and len(shape) >= 2 and capacity > shape[-2]:
-            alloc[-2] = capacity
+        alloc = alloc_shape(slot, capacity, self.path)
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
         mx.eval(arr)
         if arr.nbytes == 0:
@@ -168,10 +184,7 @@ class _Recorder(_Decoding):
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         self.wants[id(slot)] = (slot, capacity)
-        shape = list(slot.shape)
-        if capacity is not None and len(shape) >= 2 and capacity > shape[-2]:
-            shape[-2] = capacity
-        return mx.zeros(shape, dtype=dtypes.dtype_of(slot.dtype))  # lazy: never evaluated, never allocated
+        return mx.zeros(alloc_shape(slot, capacity, self.path), dtype=dtypes.dtype_of(slot.dtype))  # lazy: never evaluated, never allocated
 
 
 class _Prefetched(_Decoding):

@@ -29,6 +29,7 @@ from .codecs import CodecProvider, default_provider
 from .codecs.base import LiveSource, Source, rows, slot_for, view
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 from .lease import NoLease, RunStep, off_loop
+from .validate import validate_header
 
 
 @dataclass
@@ -507,11 +508,9 @@ def plan(
     )
     if checkpoint is not None and checkpoint.original_prompt_tokens + checkpoint.generated_tokens != len(header.tokens):
         raise errors.CheckpointInconsistent("checkpoint prompt + generated tokens must equal the saved tokens")
-    # Never publish a file our own reader would refuse.
-    slots = header.slots()
-    fmt.check_limits(slots)
-    fmt.check_nesting(header.caches)
-    fmt.plan_offsets(slots)
+    # Never publish a file our own reader would refuse: the readers' own validator, before any byte.
+    validate_header(header)
+    fmt.plan_offsets(header.slots())
     return header, sources
 
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .. import dtypes, errors
 from ..format import DTYPE_SIZES, CacheEntry, Slot
+from .rules import MLX_LM_RULES, KindRule
 
 
 @dataclass
@@ -198,6 +199,15 @@ def step_capacity(n: int, step: int) -> int:
     return (n // step + 1) * step
 
 
+def grown(slot: Slot, step: int) -> int | None:
+    """The rows to load a growing tensor with: its stored rows (never a header's offset or
+    index) rounded up past the next step. None for an empty tensor: a file pays for the rows
+    it holds, so zero rows never buy a step of the other dimensions (mlx-lm grows it on use).
+    """
+    rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
+    return step_capacity(rows, step) if rows else None
+
+
 class Codec:
     """Base class. Subclasses set ``kind``, ``version``, ``cache_type`` and override the hooks."""
 
@@ -208,6 +218,11 @@ class Codec:
     snapshot: str = SNAPSHOT_CLONE
     # versions this codec can read; a new version adds to this, never removes
     reads: frozenset[int] = frozenset({1})
+
+    @property
+    def rule(self) -> KindRule | None:
+        """What this codec's entries promise, as data (``spilld.codecs.rules``); None: unchecked."""
+        return MLX_LM_RULES.get(self.kind)
 
     def cache_type(self) -> type:
         raise NotImplementedError

@@ -13,7 +13,7 @@ from mlx_lm.models import cache as C
 
 from .. import errors
 from ..format import CacheEntry
-from .base import Codec, DecodeContext, EncodeContext, Encoded, field, new_instance, rows, step_capacity, view
+from .base import Codec, DecodeContext, EncodeContext, Encoded, field, grown, new_instance, rows, view
 
 
 def _optional(entry: CacheEntry, it: Any, name: str, ctx: DecodeContext) -> Any:
@@ -49,8 +49,8 @@ class BatchKVCodec(Codec):
         idx = field(entry, "idx")
         keys = values = None
         if field(entry, "has_kv", bool):
-            cap = step_capacity(idx, C.BatchKVCache.step)
-            keys, values = ctx.read(next(it), cap), ctx.read(next(it), cap)
+            k, v = next(it), next(it)
+            keys, values = ctx.read(k, grown(k, C.BatchKVCache.step)), ctx.read(v, grown(v, C.BatchKVCache.step))
         right = _optional(entry, it, "right_padding", ctx)
 
         def init(c: Any) -> None:

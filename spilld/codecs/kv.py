@@ -17,10 +17,10 @@ from .base import (
     Source,
     expect_tensors,
     field,
+    grown,
     live_rows,
     new_instance,
     rows,
-    step_capacity,
     view,
 )
 
@@ -63,7 +63,7 @@ class KVCacheCodec(Codec):
         if entry.tensors:
             n = entry.offset or 0
             _check_rows(entry, n)
-            cap = step_capacity(n, C.KVCache.step) if self.grow else None
+            cap = grown(entry.tensors[0], C.KVCache.step) if self.grow else None
             cache.keys = ctx.read(entry.tensors[0], cap)
             cache.values = ctx.read(entry.tensors[1], cap)
             cache.offset = n
@@ -118,7 +118,7 @@ class ChunkedKVCodec(Codec):
         if entry.tensors:
             n = cache.offset - cache.start_position
             _check_rows(entry, n)
-            cap = step_capacity(n, C.ChunkedKVCache.step)
+            cap = grown(entry.tensors[0], C.ChunkedKVCache.step)
             cache.keys = ctx.read(entry.tensors[0], cap)
             cache.values = ctx.read(entry.tensors[1], cap)
         return cache

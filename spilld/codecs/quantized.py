@@ -15,9 +15,9 @@ from .base import (
     Encoded,
     expect_tensors,
     field,
+    grown,
     live_rows,
     rows,
-    step_capacity,
     view,
 )
 
@@ -48,8 +48,7 @@ class QuantizedKVCodec(Codec):
         cache: Any = C.QuantizedKVCache(group_size=field(entry, "group_size"), bits=field(entry, "bits"))
         if entry.tensors:
             cache.offset = entry.offset or 0
-            cap = step_capacity(cache.offset, C.QuantizedKVCache.step)
-            parts = [ctx.read(s, cap) for s in entry.tensors]
+            parts = [ctx.read(s, grown(s, C.QuantizedKVCache.step)) for s in entry.tensors]
             cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
         return cache
 

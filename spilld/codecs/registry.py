@@ -13,8 +13,7 @@ from typing import Any
 from .. import errors
 from ..format import CacheEntry
 from .base import SNAPSHOT_CLONE, Codec, Encoded
-
-MLX_LM_PROVIDER_ID = "spilld/mlx-lm/1"
+from .rules import MLX_LM_PROVIDER_ID
 
 
 class CodecProvider:

@@ -1,0 +1,223 @@
+"""What every codec of a provider promises about its entries, stated as data.
+
+Pure: no mlx, no mlx-lm, no I/O, so the daemon can check a spill's header
+without importing an engine. ``spilld.validate`` reads these tables; each
+codec points at its own rule (``Codec.rules``) and a test checks that the
+two agree with mlx-lm (step sizes, classes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+MLX_LM_PROVIDER_ID = "spilld/mlx-lm/1"
+
+# mlx-lm's KVCache.step (and that of every cache class that grows): the rows a
+# load may add past the stored ones so the next decode step appends in place.
+CAPACITY_STEP = 256
+
+FLOATS = frozenset({"float16", "bfloat16", "float32"})
+INDEX = frozenset({"int32"})  # per-sequence offsets and paddings (mx.array of Python ints)
+PACKED = frozenset({"uint32"})  # quantized weights
+QUANT_BITS = frozenset({2, 3, 4, 5, 6, 8})
+QUANT_GROUP_SIZES = frozenset({32, 64, 128})
+MAX_ARRAY_SLOTS = 65_536  # ArraysCache slots (present or not): the list is allocated as given
+
+
+class Rows(StrEnum):
+    """How the rows (axis -2) of an entry's token tensors relate to its offset and fields."""
+
+    OFFSET = "offset"  # rows == offset
+    SINCE_START = "since_start"  # rows == offset - start_position
+    RING = "ring"  # min(offset, max_size) <= rows <= offset, idx <= rows
+    BATCH = "batch"  # rows == idx == offset
+    BATCH_RING = "batch_ring"  # as RING with pos as the offset
+    NONE = "none"  # no token axis (recurrent state)
+
+
+class Offset(StrEnum):
+    TOKENS = "tokens"  # an int: tokens this cache encodes
+    NONE = "none"  # always nil
+    CHILDREN = "children"  # max of the children's non-nil offsets, else nil
+
+
+class Trim(StrEnum):
+    ALWAYS = "always"
+    NEVER = "never"
+    BELOW_MAX = "below_max"  # offset < max_size (a ring that has not wrapped)
+    CHILDREN = "children"  # every child trimmable
+
+
+class MinReusable(StrEnum):
+    ZERO = "zero"
+    START = "start"  # == start_position
+    CHILDREN = "children"  # max over the children
+
+
+class FieldType(StrEnum):
+    INT = "int"  # 0 <= v <= MAX_DIM
+    POSITIVE = "positive"  # 1 <= v <= MAX_DIM
+    BOOL = "bool"
+    BOOL_LIST = "bool_list"  # at most MAX_ARRAY_SLOTS
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of an entry: its role, rank (None: any), dtypes (None: any) and presence flag."""
+
+    role: str
+    rank: int | None
+    dtypes: frozenset[str] | None
+    flag: str | None = None  # present only when this bool field is true
+    token_axis: bool = False  # axis -2 holds the entry's rows
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """The rules of one codec kind. ``tensors`` is None where a slot map field decides (``arrays``)."""
+
+    kind: str
+    reads: frozenset[int]
+    fields: Mapping[str, FieldType]
+    tensors: tuple[Tensor, ...] | None
+    optional: bool  # the unflagged tensors are all-or-none (an empty cache stores none)
+    rows: Rows
+    offset: Offset
+    trim: Trim
+    min_reusable: MinReusable
+    quantized: bool = False  # (weights, scales, biases) triples, consistent with bits and group_size
+    children: bool = False
+    batch: bool = False  # every tensor's axis 0 is the batch size
+    step: int | None = None  # capacity step on load (None: loaded at its stored size)
+
+
+def _kv(role: str, flag: str | None = None) -> Tensor:
+    return Tensor(role, 4, FLOATS, flag, token_axis=True)
+
+
+def _vec(role: str, flag: str | None = None) -> Tensor:
+    return Tensor(role, 1, INDEX, flag)
+
+
+_KV = (_kv("keys"), _kv("values"))
+_QUANT = tuple(
+    Tensor(f"{side}.{part}", 4, PACKED if part == "weights" else FLOATS, token_axis=True)
+    for side in ("keys", "values")
+    for part in ("weights", "scales", "biases")
+)
+_ONE = frozenset({1})
+
+MLX_LM_RULES: Mapping[str, KindRule] = {
+    r.kind: r
+    for r in [
+        KindRule(
+            "kv", _ONE, {}, _KV, True, Rows.OFFSET, Offset.TOKENS, Trim.ALWAYS, MinReusable.ZERO, step=CAPACITY_STEP
+        ),
+        KindRule("concat", _ONE, {}, _KV, True, Rows.OFFSET, Offset.TOKENS, Trim.ALWAYS, MinReusable.ZERO),
+        KindRule(
+            "chunked",
+            _ONE,
+            {"chunk_size": FieldType.POSITIVE, "start_position": FieldType.INT},
+            _KV,
+            True,
+            Rows.SINCE_START,
+            Offset.TOKENS,
+            Trim.ALWAYS,
+            MinReusable.START,
+            step=CAPACITY_STEP,
+        ),
+        KindRule(
+            "rotating",
+            _ONE,
+            {"keep": FieldType.INT, "max_size": FieldType.POSITIVE, "idx": FieldType.INT},
+            _KV,
+            True,
+            Rows.RING,
+            Offset.TOKENS,
+            Trim.BELOW_MAX,
+            MinReusable.ZERO,
+        ),
+        KindRule(
+            "quantized",
+            _ONE,
+            {"group_size": FieldType.POSITIVE, "bits": FieldType.POSITIVE},
+            _QUANT,
+            True,
+            Rows.OFFSET,
+            Offset.TOKENS,
+            Trim.ALWAYS,
+            MinReusable.ZERO,
+            quantized=True,
+            step=CAPACITY_STEP,
+        ),
+        KindRule(
+            "arrays",
+            _ONE,
+            {"slots": FieldType.BOOL_LIST, "left_padding": FieldType.BOOL, "lengths": FieldType.BOOL},
+            None,
+            False,
+            Rows.NONE,
+            Offset.NONE,
+            Trim.NEVER,
+            MinReusable.ZERO,
+        ),
+        KindRule(
+            "list", _ONE, {}, (), False, Rows.NONE, Offset.CHILDREN, Trim.CHILDREN, MinReusable.CHILDREN, children=True
+        ),
+        KindRule(
+            "batch_kv",
+            _ONE,
+            {"idx": FieldType.INT, "has_kv": FieldType.BOOL, "right_padding": FieldType.BOOL},
+            (
+                _vec("offset"),
+                _vec("left_padding"),
+                _kv("keys", "has_kv"),
+                _kv("values", "has_kv"),
+                _vec("right_padding", "right_padding"),
+            ),
+            False,
+            Rows.BATCH,
+            Offset.TOKENS,
+            Trim.ALWAYS,
+            MinReusable.ZERO,
+            batch=True,
+            step=CAPACITY_STEP,
+        ),
+        KindRule(
+            "batch_rotating",
+            _ONE,
+            {
+                "max_size": FieldType.POSITIVE,
+                "pos": FieldType.INT,
+                "idx": FieldType.INT,
+                "rotated": FieldType.BOOL,
+                "has_kv": FieldType.BOOL,
+                "lengths": FieldType.BOOL,
+            },
+            (
+                _vec("offset"),
+                _vec("left_padding"),
+                _kv("keys", "has_kv"),
+                _kv("values", "has_kv"),
+                _vec("lengths", "lengths"),
+            ),
+            False,
+            Rows.BATCH_RING,
+            Offset.TOKENS,
+            Trim.BELOW_MAX,
+            MinReusable.ZERO,
+            batch=True,
+        ),
+    ]
+}
+
+# Rule tables by codec provider id. A provider's id names a fixed set of kinds:
+# a kind outside its table makes the file bad, not newer (new kinds need a new id).
+PROVIDER_RULES: dict[str, Mapping[str, KindRule]] = {MLX_LM_PROVIDER_ID: MLX_LM_RULES}
+
+
+def rules_for(provider_id: str) -> Mapping[str, KindRule] | None:
+    """The rule table of a provider id, or None for a provider this build does not know."""
+    return PROVIDER_RULES.get(provider_id)

@@ -1,0 +1,243 @@
+"""One validator for every header, whoever holds it: the loader, ``spilld verify``,
+the index scan and the daemon (a spill's header, before it is accepted).
+
+Pure: no mlx, no I/O. It checks what a header says against itself, against the
+file's size and against the rules its codec provider states as data
+(``spilld.codecs.rules``). Nothing a header declares is trusted: slot sizes are
+computed from shapes, offsets from rows, capacities from rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from . import errors
+from . import format as fmt
+from .codecs.rules import (
+    MAX_ARRAY_SLOTS,
+    QUANT_BITS,
+    QUANT_GROUP_SIZES,
+    FieldType,
+    KindRule,
+    MinReusable,
+    Offset,
+    Rows,
+    Tensor,
+    Trim,
+    rules_for,
+)
+
+_ANY = Tensor("state", None, None)
+
+
+def validate_header(
+    header: fmt.Header,
+    file_size: int | None = None,
+    *,
+    prefix_version: int = fmt.FORMAT_VERSION,
+    path: str | None = None,
+) -> None:
+    """Refuse, with a typed ``FileFormatError`` (or a codec compatibility error), any header
+    that no writer of its codec provider produces.
+
+    ``file_size`` given: the layout must also match the file byte for byte. ``prefix_version``
+    is the version of the prefix the header sits under (for a spill: the one the daemon writes).
+    """
+    try:
+        _validate(header, file_size, prefix_version)
+    except errors.SpillError as exc:
+        if exc.path is None and path is not None:
+            raise type(exc)(exc.reason, path=path) from exc
+        raise
+
+
+def _validate(header: fmt.Header, file_size: int | None, prefix_version: int) -> None:
+    if header.version != prefix_version:
+        raise errors.VersionMismatch(f"header format {header.version} under a prefix of version {prefix_version}")
+    fmt.check_nesting(header.caches)
+    slots = header.slots()
+    fmt.check_limits(slots)
+    for i, s in enumerate(slots):
+        want = fmt.DTYPE_SIZES[s.dtype] * math.prod(s.shape)
+        if s.nbytes != want:
+            raise errors.SlotSizeMismatch(
+                f"tensor {i} declares {s.nbytes} bytes; shape {list(s.shape)} {s.dtype} is {want}"
+            )
+    if file_size is not None:
+        fmt.check_layout(slots, header.data_start, file_size)
+    table = rules_for(header.codec_provider)
+    for i, e in enumerate(header.caches):
+        _entry(e, table, len(header.tokens), f"cache {i}")
+
+
+def _entry(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str) -> None:
+    if e.offset is not None and ntokens and e.offset > ntokens:
+        # A file saved without tokens (the mlx-lm prompt-cache drop-in) records none to compare with.
+        raise errors.OffsetBeyondTokens(f"{where} ({e.kind}) encodes {e.offset} tokens, the file records {ntokens}")
+    if table is not None:
+        rule = table.get(e.kind)
+        if rule is None:
+            raise errors.KindNotInProvider(f"{where}: kind {e.kind!r} is not one of {sorted(table)}")
+        _check_rule(e, rule, where)
+    for j, c in enumerate(e.children):
+        _entry(c, table, ntokens, f"{where}.{j}")
+
+
+# --- one entry against its kind's rule --------------------------------------------
+
+
+def _check_rule(e: fmt.CacheEntry, rule: KindRule, where: str) -> None:
+    where = f"{where} ({e.kind})"
+    if e.version not in rule.reads:
+        raise errors.CodecVersionUnsupported(f"{where}: codec version {e.version} (readable: {sorted(rule.reads)})")
+    if e.children and not rule.children:
+        raise errors.FieldInvalid(f"{where}: a {e.kind} entry has no children")
+    f = _fields(e, rule, where)
+    present = _tensors(e, rule, f, where)
+    rows = _token_rows(present, where)
+    if rule.quantized and present:
+        _quantization(present, f, where)
+    if rule.batch:
+        _batch(present, where)
+    _relations(e, rule, f, rows, where)
+
+
+def _fields(e: fmt.CacheEntry, rule: KindRule, where: str) -> dict[str, Any]:
+    extra = sorted(set(e.fields) - set(rule.fields))
+    if extra:
+        raise errors.FieldInvalid(f"{where}: unknown fields {extra}")
+    out = {}
+    for name, kind in rule.fields.items():
+        if name not in e.fields:
+            raise errors.FieldInvalid(f"{where}: field {name!r} missing")
+        out[name] = _field_value(e.fields[name], kind, f"{where}.{name}")
+    return out
+
+
+def _field_value(v: Any, kind: FieldType, what: str) -> Any:
+    if kind is FieldType.BOOL:
+        if not isinstance(v, bool):
+            raise errors.FieldInvalid(f"{what} must be a bool")
+        return v
+    if kind is FieldType.BOOL_LIST:
+        if not isinstance(v, list) or len(v) > MAX_ARRAY_SLOTS or not all(isinstance(x, bool) for x in v):
+            raise errors.FieldInvalid(f"{what} must be a list of at most {MAX_ARRAY_SLOTS} bools")
+        return v
+    lo = 1 if kind is FieldType.POSITIVE else 0
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= fmt.MAX_DIM:
+        raise errors.FieldInvalid(f"{what} must be an int in [{lo}, {fmt.MAX_DIM}]")
+    return v
+
+
+def _tensors(e: fmt.CacheEntry, rule: KindRule, f: dict[str, Any], where: str) -> list[tuple[Tensor, fmt.Slot]]:
+    if rule.tensors is None:  # a slot map decides (arrays): any rank, any dtype
+        wanted = [_ANY] * (sum(f["slots"]) + f["left_padding"] + f["lengths"])
+    else:
+        wanted = [t for t in rule.tensors if t.flag is None or f[t.flag]]
+        if rule.optional and not e.tensors:
+            wanted = []
+    if len(e.tensors) != len(wanted):
+        raise errors.TensorCountMismatch(f"{where}: {len(e.tensors)} tensors, expected {len(wanted)}")
+    for t, s in zip(wanted, e.tensors, strict=True):
+        if t.rank is not None and len(s.shape) != t.rank:
+            raise errors.TensorRankMismatch(f"{where}: {t.role} has rank {len(s.shape)}, expected {t.rank}")
+        if t.dtypes is not None and s.dtype not in t.dtypes:
+            raise errors.DtypeNotAllowed(f"{where}: {t.role} is {s.dtype}, expected one of {sorted(t.dtypes)}")
+    return list(zip(wanted, e.tensors, strict=True))
+
+
+def _token_rows(present: list[tuple[Tensor, fmt.Slot]], where: str) -> int:
+    """The rows every token tensor holds (0 for none); batch, heads and rows must agree."""
+    shapes = [s.shape for t, s in present if t.token_axis]
+    if not shapes:
+        return 0
+    if any(sh[:3] != shapes[0][:3] for sh in shapes):
+        raise errors.ShapeMismatch(
+            f"{where}: token tensors disagree on batch, heads or rows: {[list(s) for s in shapes]}"
+        )
+    return shapes[0][2]
+
+
+def _quantization(present: list[tuple[Tensor, fmt.Slot]], f: dict[str, Any], where: str) -> None:
+    bits, group = f["bits"], f["group_size"]
+    if bits not in QUANT_BITS or group not in QUANT_GROUP_SIZES:
+        raise errors.QuantizationInvalid(f"{where}: bits {bits}, group size {group}")
+    slots = [s for _, s in present]
+    for w, scales, biases in (slots[0:3], slots[3:6]):
+        if scales.shape != biases.shape or scales.dtype != biases.dtype:
+            raise errors.ShapeMismatch(f"{where}: scales {list(scales.shape)} and biases {list(biases.shape)} differ")
+        # weights pack head_dim values of `bits` bits into u32 words; one scale per group
+        if w.shape[-1] * 32 != scales.shape[-1] * group * bits:
+            raise errors.ShapeMismatch(
+                f"{where}: packed width {w.shape[-1]} does not hold {scales.shape[-1]} groups of {group} at {bits} bits"
+            )
+
+
+def _batch(present: list[tuple[Tensor, fmt.Slot]], where: str) -> None:
+    sizes = {s.shape[0] for _, s in present}
+    if len(sizes) > 1:
+        raise errors.ShapeMismatch(f"{where}: tensors disagree on the batch size: {sorted(sizes)}")
+
+
+def _relations(e: fmt.CacheEntry, rule: KindRule, f: dict[str, Any], rows: int, where: str) -> None:
+    _offset_rule(e, rule, where)
+    if rule.rows is not Rows.NONE:
+        _rows_rule(e.offset or 0, rule.rows, f, rows, where)
+    want_trim = {
+        Trim.ALWAYS: True,
+        Trim.NEVER: False,
+        Trim.BELOW_MAX: (e.offset or 0) < f.get("max_size", 0),
+        Trim.CHILDREN: all(c.trimmable for c in e.children),
+    }[rule.trim]
+    if e.trimmable != want_trim:
+        raise errors.OffsetMismatch(f"{where}: trimmable is {e.trimmable}, its state says {want_trim}")
+    want_min = {
+        MinReusable.ZERO: 0,
+        MinReusable.START: f.get("start_position", 0),
+        MinReusable.CHILDREN: max((c.min_reusable for c in e.children), default=0),
+    }[rule.min_reusable]
+    if e.min_reusable != want_min:
+        raise errors.OffsetMismatch(f"{where}: min_reusable {e.min_reusable}, its state says {want_min}")
+
+
+def _offset_rule(e: fmt.CacheEntry, rule: KindRule, where: str) -> None:
+    if rule.offset is Offset.TOKENS:
+        ok = e.offset is not None
+    elif rule.offset is Offset.NONE:
+        ok = e.offset is None
+    else:
+        offsets = [c.offset for c in e.children if c.offset is not None]
+        ok = e.offset == (max(offsets) if offsets else None)
+    if not ok:
+        raise errors.OffsetMismatch(f"{where}: offset {e.offset} breaks the {rule.offset.value} rule")
+
+
+def _rows_rule(offset: int, how: Rows, f: dict[str, Any], rows: int, where: str) -> None:
+    if how is Rows.OFFSET and rows != offset:
+        raise errors.OffsetMismatch(f"{where}: offset {offset} but {rows} rows stored")
+    if how is Rows.SINCE_START:
+        start = f["start_position"]
+        if start > offset or rows != offset - start:
+            raise errors.OffsetMismatch(f"{where}: offset {offset}, start {start}, but {rows} rows stored")
+    if how is Rows.BATCH:
+        if offset != f["idx"]:
+            raise errors.OffsetMismatch(f"{where}: offset {offset} but idx {f['idx']}")
+        if rows != f["idx"]:
+            raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} but {rows} rows stored")
+    if how in (Rows.RING, Rows.BATCH_RING):
+        _ring(offset, how, f, rows, where)
+
+
+def _ring(offset: int, how: Rows, f: dict[str, Any], rows: int, where: str) -> None:
+    size = f["max_size"]
+    if how is Rows.BATCH_RING and offset != f["pos"]:
+        raise errors.OffsetMismatch(f"{where}: offset {offset} but pos {f['pos']}")
+    if how is Rows.RING and f["keep"] > size:
+        raise errors.FieldInvalid(f"{where}: keep {f['keep']} > max_size {size}")
+    # the ring holds every token up to max_size, and never more rows than tokens
+    if not min(offset, size) <= rows <= offset:
+        raise errors.OffsetMismatch(f"{where}: offset {offset}, max_size {size}, but {rows} rows stored")
+    if f["idx"] > rows:
+        raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} past the {rows} rows stored")
