@@ -16,6 +16,7 @@ from .. import protocol as P
 from ..config import Config, format_size
 from ..queue import Outcome, SpillItem, SpillQueue
 from ..store import checkpoint_namespace
+from ..validate import validate_header
 from .connection import Connection, Incoming
 
 MAX_OPEN_SPILLS = 16  # spills being received on one connection
@@ -36,9 +37,8 @@ class Ingest:
         header.created_at_ms = time.time_ns() // 1_000_000
         for s in header.slots():
             s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted
-        fmt.check_nesting(header.caches)
+        validate_header(header)  # the readers' own checks: a spill a loader would refuse is never stored
         slots = header.slots()
-        fmt.check_limits(slots)
         fmt.plan_offsets(slots)  # the daemon decides the layout
         if header.checkpoint is not None:
             header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
