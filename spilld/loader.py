@@ -184,7 +184,9 @@ class _Recorder(_Decoding):
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         self.wants[id(slot)] = (slot, capacity)
-        return mx.zeros(alloc_shape(slot, capacity, self.path), dtype=dtypes.dtype_of(slot.dtype))  # lazy: never evaluated, never allocated
+        return mx.zeros(
+            alloc_shape(slot, capacity, self.path), dtype=dtypes.dtype_of(slot.dtype)
+        )  # lazy: never evaluated, never allocated
 
 
 class _Prefetched(_Decoding):

@@ -65,11 +65,12 @@ def _validate(header: fmt.Header, file_size: int | None, prefix_version: int) ->
             raise errors.SlotSizeMismatch(
                 f"tensor {i} declares {s.nbytes} bytes; shape {list(s.shape)} {s.dtype} is {want}"
             )
-    if file_size is not None:
-        fmt.check_layout(slots, header.data_start, file_size)
     table = rules_for(header.codec_provider)
     for i, e in enumerate(header.caches):
         _entry(e, table, len(header.tokens), f"cache {i}")
+    # last, so a header refused for what it says gets the same code from a file and from a spill
+    if file_size is not None:
+        fmt.check_layout(slots, header.data_start, file_size)
 
 
 def _entry(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str) -> None:
@@ -157,6 +158,8 @@ def _token_rows(present: list[tuple[Tensor, fmt.Slot]], where: str) -> int:
         raise errors.ShapeMismatch(
             f"{where}: token tensors disagree on batch, heads or rows: {[list(s) for s in shapes]}"
         )
+    if shapes[0][2] == 0:  # writers store an empty cache as no tensors; zero rows would size nothing they paid for
+        raise errors.ShapeMismatch(f"{where}: token tensors of shape {list(shapes[0])} hold no rows")
     return shapes[0][2]
 
 

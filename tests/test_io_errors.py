@@ -406,7 +406,7 @@ async def sweep(path: str, op: str, ingest: str) -> int:
 
 async def warm_up(path: str, ingest: str) -> int:
     async with serving(path, ingest) as env:
-        assert (await env.client.spill(list(range(100)), env.item)).stored
+        assert (await env.client.spill(list(range(5000)), env.item)).stored  # as many tokens as the item holds
         return 0
 
 

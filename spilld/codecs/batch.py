@@ -35,11 +35,12 @@ class BatchKVCodec(Codec):
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         n = cache._idx
         arrays = [rows(cache.offset), rows(cache.left_padding)]
-        if cache.keys is not None:
+        has_kv = cache.keys is not None and n > 0  # zero rows are never stored
+        if has_kv:
             arrays += [rows(cache.keys, n), rows(cache.values, n)]
         if cache._right_padding is not None:
             arrays.append(rows(cache._right_padding))
-        fields = {"idx": n, "has_kv": cache.keys is not None, "right_padding": cache._right_padding is not None}
+        fields = {"idx": n, "has_kv": has_kv, "right_padding": cache._right_padding is not None}
         return self.entry(offset=n, trimmable=True, arrays=arrays, fields=fields)
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
@@ -88,7 +89,8 @@ class BatchRotatingKVCodec(Codec):
 
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         arrays = [rows(cache.offset), rows(cache.left_padding)]
-        if cache.keys is not None:
+        has_kv = cache.keys is not None and _rot_rows(cache) > 0  # zero rows are never stored
+        if has_kv:
             n = _rot_rows(cache)
             arrays += [rows(cache.keys, n), rows(cache.values, n)]
         if cache._lengths is not None:
@@ -98,7 +100,7 @@ class BatchRotatingKVCodec(Codec):
             "pos": cache._offset,
             "idx": cache._idx,
             "rotated": bool(cache.rotated),
-            "has_kv": cache.keys is not None,
+            "has_kv": has_kv,
             "lengths": cache._lengths is not None,
         }
         trimmable = cache._offset < cache.max_size

@@ -47,7 +47,7 @@ class KVCacheCodec(Codec):
         return C.KVCache
 
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
-        if cache.keys is None:
+        if cache.keys is None or cache.offset == 0:  # empty: no tensors (zero rows are never stored)
             return self.entry(offset=0, trimmable=True, arrays=[])
         n = cache.offset
         arrays: list[Source | LiveSource]
@@ -103,8 +103,8 @@ class ChunkedKVCodec(Codec):
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         fields = {"chunk_size": cache.chunk_size, "start_position": cache.start_position}
         arrays = []
-        if cache.keys is not None:
-            n = cache.offset - cache.start_position
+        n = cache.offset - cache.start_position
+        if cache.keys is not None and n:
             arrays = [rows(cache.keys, n), rows(cache.values, n)]
         return self.entry(
             offset=cache.offset, trimmable=True, arrays=arrays, fields=fields, min_reusable=cache.start_position

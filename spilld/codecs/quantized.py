@@ -37,9 +37,11 @@ class QuantizedKVCodec(Codec):
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         fields = {"group_size": cache.group_size, "bits": cache.bits}
         arrays: list[Any] = []
-        if cache.keys is not None and ctx.live:
+        if cache.keys is None or cache.offset == 0:  # empty: no tensors (zero rows are never stored)
+            pass
+        elif ctx.live:
             arrays = [live_rows(cache, s, cache.offset, i) for s in ("keys", "values") for i in range(3)]
-        elif cache.keys is not None:
+        else:
             arrays = [*_rows(cache.keys, cache.offset), *_rows(cache.values, cache.offset)]
         return self.entry(offset=cache.offset, trimmable=True, arrays=arrays, fields=fields)
 

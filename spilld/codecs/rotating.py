@@ -40,7 +40,7 @@ class RotatingKVCodec(Codec):
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         fields = {"keep": cache.keep, "max_size": cache.max_size, "idx": cache._idx}
         arrays = []
-        if cache.keys is not None:
+        if cache.keys is not None and _stored_rows(cache):
             n = _stored_rows(cache)
             arrays = [rows(cache.keys, n), rows(cache.values, n)]
         return self.entry(offset=cache.offset, trimmable=cache.offset < cache.max_size, arrays=arrays, fields=fields)

@@ -1,0 +1,219 @@
+"""The headers observed to get through (issue 11), each refused by every user of the validator alike:
+the loader, ``spilld verify``, the index scan (quarantined) and the daemon (at spill time, before a byte)."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import msgpack
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors
+from spilld import format as fmt
+from spilld import protocol as P
+from spilld.codecs import default_provider
+from spilld.codecs.rules import CAPACITY_STEP, MLX_LM_RULES
+from spilld.store import Store
+from spilld.validate import validate_header
+from tests.caches import fill
+from tests.daemons import Daemon, cleanup, new_root
+
+IDENT = spilld.Identity("m", "fp", "tok", "ns")
+TOKENS = list(range(100, 108))
+Wire = dict[str, Any]
+
+
+def sample_file(path: str) -> bytes:
+    """One kv cache of [1, 4, 8, 64] float16 (8 rows) and one quantized cache of 5 rows, 8 tokens."""
+    kv = fill(C.KVCache(), 8, heads=4, dim=64, dtype=mx.float16)
+    q = fill(C.QuantizedKVCache(group_size=32, bits=4), 5, dim=32)
+    spilld.save(path, TOKENS, [kv, q], identity=IDENT)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def split(data: bytes) -> tuple[Wire, bytes]:
+    """A file's header as msgpack decodes it, and its data region."""
+    prefix = fmt.decode_prefix(data[: fmt.PREFIX_LEN], len(data))
+    wire = msgpack.unpackb(data[fmt.PREFIX_LEN : fmt.PREFIX_LEN + prefix.header_len], raw=False)
+    return wire, data[prefix.data_start :]
+
+
+def join(wire: Wire, body: bytes, version: int = fmt.FORMAT_VERSION) -> bytes:
+    """A file with this header (its hash right: only what it says is wrong) over this data region."""
+    hb = msgpack.packb(wire, use_bin_type=True)
+    head, _ = fmt.encode_prefix(hb)
+    head = bytearray(head)
+    fmt.PREFIX.pack_into(head, 0, fmt.MAGIC, version, len(hb), len(head), int.from_bytes(fmt.xxh3(hb), "big"))
+    return bytes(head) + body
+
+
+@dataclass
+class Case:
+    """One observed hostile header: how to make it from the sample, and the refusal every user gives."""
+
+    name: str
+    mutate: Callable[[Wire], None]
+    err: type[errors.SpillError]
+    keep_data: bool = True
+
+
+def _zero_rows(w: Wire) -> None:
+    kv = w["caches"][0]
+    kv["offset"] = 0
+    for s in kv["tensors"]:
+        s.update(shape=[1, 64, 0, 16384], bytes=0, off=0)
+    w["caches"] = [kv]  # a 16 KiB file: prefix, header, padding and no tensor bytes
+
+
+def _rank3(w: Wire) -> None:
+    w["caches"][0]["tensors"][0]["shape"] = [4, 8, 64]  # same bytes, one dimension less
+
+
+CASES = [
+    Case("kv_shape_1x64x0x16384_in_16KiB", _zero_rows, errors.ShapeMismatch, keep_data=False),
+    Case("quantized_offset_4194304", lambda w: w["caches"][1].update(offset=4_194_304), errors.OffsetBeyondTokens),
+    Case(
+        "quantized_offset_4194304_no_tokens",
+        lambda w: (w["caches"][1].update(offset=4_194_304), w.update(tokens=b"")),
+        errors.OffsetMismatch,
+    ),
+    Case("format_2_under_prefix_1", lambda w: w.update(format=2), errors.VersionMismatch),
+    Case(
+        "slot_bytes_999_for_1x4x8x64_f16",
+        lambda w: w["caches"][0]["tensors"][0].update(bytes=999),
+        errors.SlotSizeMismatch,
+    ),
+    Case("kind_nonsense", lambda w: w["caches"][0].update(kind="nonsense"), errors.KindNotInProvider),
+    Case("kv_one_tensor", lambda w: w["caches"][0]["tensors"].pop(), errors.TensorCountMismatch),
+    Case("kv_rank3_tensor", _rank3, errors.TensorRankMismatch),
+    Case("kv_offset_5_with_8_rows", lambda w: w["caches"][0].update(offset=5), errors.OffsetMismatch),
+]
+IDS = [c.name for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: Any) -> bytes:
+    return sample_file(str(tmp_path_factory.mktemp("sample") / "good.spilld"))
+
+
+def hostile(sample: bytes, case: Case) -> tuple[Wire, bytes]:
+    wire, body = split(sample)
+    wire = copy.deepcopy(wire)
+    case.mutate(wire)
+    return wire, join(wire, body if case.keep_data else b"")
+
+
+def write(path: str, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def test_the_sample_is_valid_for_every_user(sample: bytes, tmp_path: Any) -> None:
+    path = write(str(tmp_path / "x.spilld"), sample)
+    assert spilld.load(path).tokens == TOKENS and spilld.verify_file(path).tokens == TOKENS
+    validate_header(fmt.header_from_wire(split(sample)[0]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_refused_by_the_loader_and_verify(sample: bytes, case: Case, tmp_path: Any) -> None:
+    _, data = hostile(sample, case)
+    path = write(str(tmp_path / "x.spilld"), data)
+    for user in (spilld.load, spilld.verify_file, spilld.read_header):
+        with pytest.raises(case.err) as info:
+            user(path)
+        assert info.value.code == case.err.code and "x.spilld" in str(info.value)
+        assert isinstance(info.value, errors.FileFormatError)  # so a scan quarantines it
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_quarantined_by_a_scan(sample: bytes, case: Case, tmp_path: Any) -> None:
+    _, data = hostile(sample, case)
+    store = Store(tmp_path / "store")
+    path = store.new_path(IDENT, IDENT.namespace)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write(path, data)
+    assert store.scan() == 0
+    assert store.counters.quarantined == 1 and not os.path.exists(path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_refused_by_the_daemons_check(sample: bytes, case: Case) -> None:
+    wire, _ = hostile(sample, case)
+    with pytest.raises(case.err):
+        validate_header(fmt.header_from_wire(wire))
+
+
+# --- end to end: a real daemon answers the spill with the code, stores nothing, serves others ------
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root()).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def _call(sock: socket.socket, dec: P.FrameDecoder, bufs: list[Any]) -> P.Message:
+    sock.sendall(b"".join(bytes(b) for b in bufs))
+    while True:
+        data = sock.recv(65536)
+        assert data, "the daemon closed the connection"
+        if msgs := dec.feed(data):
+            return msgs[0]
+
+
+def test_a_real_daemon_refuses_each_at_spill_time(sample: bytes, daemon: Daemon) -> None:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(30)
+    sock.connect(daemon.socket)
+    dec = P.FrameDecoder()
+    try:
+        assert _call(sock, dec, P.request(1, "hello", {"version": 1, "client": "hostile"})).error is None
+        for i, case in enumerate(CASES):
+            wire, _ = hostile(sample, case)
+            got = _call(sock, dec, P.request(2 + i, "spill", {"header": wire}))
+            assert got.error is not None and got.error["code"] == case.err.code, (case.name, got.error)
+        # the same connection still spills a good header
+        good = _call(sock, dec, P.request(99, "spill", {"header": split(sample)[0]}))
+        assert good.error is None and good.result["bytes"] == fmt.header_from_wire(split(sample)[0]).data_bytes
+    finally:
+        sock.close()
+
+
+# --- the validator and the rules stay pure, and agree with mlx-lm -----------------------------------
+
+PURE = ["spilld/validate.py", "spilld/codecs/rules.py", "spilld/format.py", "spilld/errors.py"]
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_the_validator_imports_no_engine(name: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, name)) as f:
+        tree = ast.parse(f.read())
+    mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    assert not {m for m in mods if m.split(".")[0] in ("mlx", "mlx_lm", "numpy", "torch")}
+
+
+def test_rules_cover_every_codec_and_match_mlx_lm() -> None:
+    prov = default_provider()
+    assert sorted(MLX_LM_RULES) == prov.kinds
+    for kind in prov.kinds:
+        codec = prov.for_entry(fmt.CacheEntry(kind, 1, None, 0, False))
+        assert codec.rule is MLX_LM_RULES[kind] and codec.reads == codec.rule.reads
+        if codec.rule.step is not None:
+            assert codec.cache_type().step == codec.rule.step == CAPACITY_STEP
