@@ -85,6 +85,8 @@ def apply(wire: dict[str, Any], edits: list[tuple[Path, Any]]) -> tuple[dict[str
             _ = parent[path[-1]]
         except (KeyError, IndexError, TypeError):
             continue
+        if not isinstance(parent, (dict, list)):  # an earlier edit replaced a container by a scalar
+            continue
         node = parent[path[-1]]
         if value is DROP:
             del parent[path[-1]]

@@ -234,15 +234,11 @@ def test_corpus_through_a_real_daemon(daemon: Daemon) -> None:
 
 
 def _values(v: Any) -> st.SearchStrategy[Any]:
+    # the fixed hostile values of the corpus, any integer, or a short string (few branches: drawing is the cost)
     return st.one_of(
         st.sampled_from(values_for(v)),
         st.integers(min_value=-(2**64), max_value=2**64),
-        st.integers(min_value=0, max_value=600),
-        st.booleans(),
-        st.none(),
-        st.text(max_size=12),
-        st.binary(max_size=24),
-        st.lists(st.integers(min_value=0, max_value=64), max_size=5),
+        st.text(max_size=8),
     )
 
 
