@@ -166,6 +166,11 @@ def direct_item(seed: int) -> list[Any]:
 ITEMS: dict[str, Callable[[int], list[Any]]] = {"buffered": buffered_item, "direct": direct_item}
 
 
+def ntok(caches: list[Any], at_least: int = 0) -> int:
+    """Tokens to spill with these caches: a spill never encodes more tokens than it records."""
+    return max(at_least, *(c.offset for c in caches))
+
+
 def data_bytes(caches: list[Any]) -> int:
     header, _ = spilld.saver.plan([], caches, identity=IDENT)
     return header.data_bytes
@@ -254,9 +259,11 @@ def check_fds(ops: FaultyOps) -> None:
 
 async def count_calls(env: Env) -> Counter[str]:
     """Record one clean spill of the item: how many of each call a save makes (into folders that exist)."""
-    assert (await env.client.spill(list(range(900_000, 900_010)), env.good)).stored  # makes the folders
+    assert (
+        await env.client.spill(list(range(900_000, 900_000 + ntok(env.good))), env.good)
+    ).stored  # makes the folders
     env.ops.arm()
-    tokens = list(range(1, 1 + 100))
+    tokens = list(range(1, 1 + ntok(env.item, 100)))
     assert (await env.client.spill(tokens, env.item)).stored
     calls = Counter(env.ops.calls)
     assert calls["fsync"] == 2 and calls["rename"] == 1 and calls["fallocate"] == 1, calls  # file, folder
@@ -318,7 +325,7 @@ async def run_case(env: Env, case: Case, base: int) -> None:
     olds: list[tuple[list[int], int]] = []
     if case.old:
         for k in range(2):
-            tokens = list(range(base + 1000 * k, base + 1000 * k + 48))
+            tokens = list(range(base + 1000 * k, base + 1000 * k + ntok(env.old)))
             got = await client.spill(tokens, env.old)
             assert got.stored
             olds.append((tokens, int(got.value["file_bytes"])))
@@ -328,7 +335,7 @@ async def run_case(env: Env, case: Case, base: int) -> None:
     fds0 = fd_targets()
 
     ops.arm(case.op, case.nth, case.err, case.persistent)
-    tokens = list(range(base + 5000, base + 5100))
+    tokens = list(range(base + 5000, base + 5000 + ntok(env.item, 100)))
     settled: Settled = await client.spill(tokens, env.item)
     ops.lift()
     st1 = await client.status()
@@ -379,7 +386,7 @@ async def run_case(env: Env, case: Case, base: int) -> None:
 
     # the daemon serves the next spill, on the same write path, and it loads exactly
     ops.arm()
-    good = list(range(base + 7000, base + 7100))
+    good = list(range(base + 7000, base + 7000 + ntok(env.good, 100)))
     assert (await client.spill(good, env.good)).stored
     assert any(rec.flags & directio.O_DIRECT for rec in ops.log) == (env.path == "direct")
     assert await loads_exactly(client, good, env.good)
@@ -406,7 +413,7 @@ async def sweep(path: str, op: str, ingest: str) -> int:
 
 async def warm_up(path: str, ingest: str) -> int:
     async with serving(path, ingest) as env:
-        assert (await env.client.spill(list(range(5000)), env.item)).stored  # as many tokens as the item holds
+        assert (await env.client.spill(list(range(ntok(env.item, 100))), env.item)).stored
         return 0
 
 
