@@ -71,7 +71,7 @@ def _zero_rows(w: Wire) -> None:
     kv = w["caches"][0]
     kv["offset"] = 0
     for s in kv["tensors"]:
-        s.update(shape=[1, 64, 0, 16384], bytes=0, off=0)
+        s.update(shape=[1, 64, 0, 16384], bytes=0, off=0, hash=fmt.xxh3(b""))
     w["caches"] = [kv]  # a 16 KiB file: prefix, header, padding and no tensor bytes
 
 
