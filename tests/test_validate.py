@@ -21,7 +21,8 @@ from spilld import errors
 from spilld import format as fmt
 from spilld import protocol as P
 from spilld.codecs import default_provider
-from spilld.codecs.rules import CAPACITY_STEP, MLX_LM_RULES
+from spilld.codecs.rules import CAPACITY_STEP, MAX_ARRAY_SLOTS, MLX_LM_RULES
+from spilld.loader import alloc_shape
 from spilld.store import Store
 from spilld.validate import validate_header
 from tests.caches import fill
@@ -217,3 +218,35 @@ def test_rules_cover_every_codec_and_match_mlx_lm() -> None:
         assert codec.rule is MLX_LM_RULES[kind] and codec.reads == codec.rule.reads
         if codec.rule.step is not None:
             assert codec.cache_type().step == codec.rule.step == CAPACITY_STEP
+
+
+# --- the two limits the validator adds ----------------------------------------------------------------
+
+
+def test_capacity_step_is_the_most_a_load_grows() -> None:
+    slot = fmt.Slot(0, 2 * 9 * 4 * 4, (1, 2, 9, 4), "float32")
+    assert alloc_shape(slot, 9 + CAPACITY_STEP, "f")[2] == 9 + CAPACITY_STEP
+    assert alloc_shape(slot, None, "f") == [1, 2, 9, 4]
+    with pytest.raises(errors.CapacityTooLarge):
+        alloc_shape(slot, 9 + CAPACITY_STEP + 1, "f")
+    with pytest.raises(errors.CapacityTooLarge):  # zero rows never buy a step of the other dimensions
+        alloc_shape(fmt.Slot(0, 0, (1, 64, 0, 16384), "float16"), CAPACITY_STEP, "f")
+
+
+def test_max_array_slots(sample: bytes) -> None:
+    wire, _ = split(sample)
+    arrays = {
+        "kind": "arrays",
+        "v": 1,
+        "offset": None,
+        "min_reusable": 0,
+        "trimmable": False,
+        "fields": {"slots": [False] * MAX_ARRAY_SLOTS, "left_padding": False, "lengths": False},
+        "tensors": [],
+        "children": [],
+    }
+    wire["caches"] = [arrays]
+    validate_header(fmt.header_from_wire(wire))
+    arrays["fields"]["slots"].append(False)
+    with pytest.raises(errors.FieldInvalid):
+        validate_header(fmt.header_from_wire(wire))
