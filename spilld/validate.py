@@ -106,7 +106,7 @@ def _check_rule(e: fmt.CacheEntry, rule: KindRule, where: str) -> None:
 
 
 def _fields(e: fmt.CacheEntry, rule: KindRule, where: str) -> dict[str, Any]:
-    extra = sorted(set(e.fields) - set(rule.fields))
+    extra = sorted(map(repr, set(e.fields) - set(rule.fields)))  # keys may be str or bytes
     if extra:
         raise errors.FieldInvalid(f"{where}: unknown fields {extra}")
     out = {}

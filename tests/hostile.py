@@ -119,7 +119,7 @@ def values_for(v: Any) -> list[Any]:
         extra = [[], [*v[:-1]], DUP] if v else [[0], [True]]
         return [*extra, {}, *common]
     if isinstance(v, dict):
-        return [{}, [], *common]
+        return [{}, [], {**v, "extra": 1}, {**v, b"raw": 1}, *common]
     return [0, "", [], {}, DROP]  # None
 
 
