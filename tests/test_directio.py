@@ -25,8 +25,9 @@ def caches() -> list[Any]:
 
 def test_direct_and_buffered_write_the_same_file(tmp_path: Any) -> None:
     cs = caches()
-    a = spilld.save(tmp_path / "direct", [1, 2], cs, direct=True)
-    b = spilld.save(tmp_path / "buffered", [1, 2], cs, direct=False)
+    toks = list(range(3000))  # as many tokens as the longest cache holds
+    a = spilld.save(tmp_path / "direct", toks, cs, direct=True)
+    b = spilld.save(tmp_path / "buffered", toks, cs, direct=False)
     assert [s.hash for s in a.header.slots()] == [s.hash for s in b.header.slots()]
     da, db = (tmp_path / "direct").read_bytes(), (tmp_path / "buffered").read_bytes()
     assert len(da) == len(db) == a.file_bytes
