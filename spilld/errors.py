@@ -159,6 +159,12 @@ class IndexOutOfRange(HeaderMalformed):
     code = "index_out_of_range"
 
 
+class KindNotInProvider(HeaderMalformed):
+    """The file names a provider whose fixed table has no such kind: a bad file, not a newer one."""
+
+    code = "kind_not_in_provider"
+
+
 class CapacityTooLarge(HeaderMalformed):
     """A load would grow a tensor by more than one capacity step (a codec bug; never a file's choice)."""
 
@@ -180,12 +186,6 @@ class CodecProviderMismatch(SpillError):
 
 class UnknownCacheKind(SpillError):
     code = "unknown_cache_kind"
-
-
-class KindNotInProvider(HeaderMalformed, UnknownCacheKind):
-    """The file names a provider whose fixed table has no such kind: a bad file, not a newer one."""
-
-    code = "kind_not_in_provider"
 
 
 class CodecVersionUnsupported(SpillError):

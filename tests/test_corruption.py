@@ -172,7 +172,7 @@ def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tup
             errors.CheckpointInconsistent,
         ),
         (lambda h: h["caches"][0].update(children=[_nest(fmt.MAX_NESTING + 1)]), errors.NestingTooDeep),
-        (lambda h: h["caches"][0].update(kind="mystery"), errors.UnknownCacheKind),
+        (lambda h: h["caches"][0].update(kind="mystery"), errors.KindNotInProvider),
         (lambda h: h["caches"][0].update(v=9), errors.CodecVersionUnsupported),
         (lambda h: h["caches"][0]["tensors"].pop(), errors.FileFormatError),
     ],
