@@ -233,6 +233,7 @@ class AsyncClient:
         finally:
             self._pending.pop(msgid, None)
             self._progress.pop(msgid, None)
+            _drop(fut)
 
     async def call(self, method: str, params: dict[str, Any] | None = None, **kw: Any) -> Any:
         """One request; reconnects first if the connection was lost."""
@@ -364,7 +365,11 @@ class AsyncClient:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msgid] = fut
         fut.add_done_callback(lambda _: self._pending.pop(msgid, None))
-        await self._send(P.request(msgid, method, params))
+        try:
+            await self._send(P.request(msgid, method, params))
+        except BaseException:
+            _drop(fut)  # nobody will wait for its answer now
+            raise
         return fut
 
     async def _send_tensor(self, sid: int, index: int, runs: list[memoryview]) -> None:
@@ -467,6 +472,15 @@ class AsyncClient:
 
     async def status(self) -> dict[str, Any]:
         return dict(await self.call("status"))
+
+
+def _drop(fut: asyncio.Future[Any]) -> None:
+    """Give up on a request's future: cancel it, or take the error a lost connection left in it (else asyncio
+    logs 'Future exception was never retrieved' for a request its caller had already given up on)."""
+    if not fut.done():
+        fut.cancel()
+    elif not fut.cancelled():
+        fut.exception()
 
 
 def _fill(seg: memoryview, runs: list[memoryview]) -> tuple[int, list[memoryview]]:

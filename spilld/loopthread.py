@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+STOP_TASKS_TIMEOUT_S = 5.0  # how long ``stop`` lets cancelled tasks unwind before closing the loop
+
+
+async def _cancel_the_rest(timeout: float) -> None:
+    """Cancel every other task on this loop and let them unwind (no 'Task was destroyed' at close)."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
 
 
 class LoopThread:
@@ -17,15 +31,26 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
+        # A caller that exits without ``stop`` must not leave a thread that ran mlx work alive at interpreter
+        # shutdown (mlx aborts the process: 'terminate called without an active exception').
+        atexit.register(self.stop)
 
     def run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (letting it unwind), end the thread, close the loop."""
         if self.loop.is_closed():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
+        atexit.unregister(self.stop)
+        if self._thread.is_alive():
+            unwound = asyncio.run_coroutine_threadsafe(_cancel_the_rest(STOP_TASKS_TIMEOUT_S), self.loop)
+            with contextlib.suppress(Exception):
+                unwound.result(STOP_TASKS_TIMEOUT_S + 1)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+        with contextlib.suppress(RuntimeError):  # at interpreter exit no thread may be started for this
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
 
     @classmethod
