@@ -31,6 +31,7 @@ EXIT_UNREACHABLE = 4
 EXIT_ALREADY_RUNNING = 5
 EXIT_SERVICE = 6
 EXIT_DAEMON_ERROR = 7
+EXIT_NOT_INSTALLED = 8  # `service status`: not installed or not loaded (4 stays 'cannot reach the daemon')
 EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug of ours
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: whoever read our output went away
@@ -47,6 +48,7 @@ EPILOG = """exit codes:
   5  another daemon already serves this socket or folder
   6  service: launchctl or systemctl refused a command, or did not finish in time
   7  the daemon refused the request (its error code is printed)
+  8  service status: the service is not installed, or not loaded
   70 internal error (a bug: SPILLD_DEBUG=1 shows the traceback)
 """
 
@@ -655,7 +657,7 @@ def _service_status(manager: Any, home: Path) -> int:
         print(f"{'installed' if present else 'missing  '}  {path}")
     for line in st.detail:
         print(line)
-    return EXIT_OK if st.installed and st.loaded else EXIT_UNREACHABLE
+    return EXIT_OK if st.installed and st.loaded else EXIT_NOT_INSTALLED
 
 
 def cmd_service(args: argparse.Namespace) -> int:

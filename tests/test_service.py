@@ -540,7 +540,7 @@ def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsy
         ["systemctl", "--user", "daemon-reload"],
     ]
     capsys.readouterr()
-    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_UNREACHABLE  # files gone, stopped
+    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_NOT_INSTALLED  # files gone, stopped
     assert "spilld.service: disabled, inactive" in capsys.readouterr().out
 
 
@@ -577,7 +577,7 @@ def test_launchd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsy
     runner.calls.clear()
     assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
     assert not plist.exists() and runner.calls == [["launchctl", "bootout", target]]
-    assert cli.main(["service", "status", "--manager", "launchd"]) == cli.EXIT_UNREACHABLE
+    assert cli.main(["service", "status", "--manager", "launchd"]) == cli.EXIT_NOT_INSTALLED
 
 
 def launchd_reinstall(home: Path, runner: FakeRunner, deadline: float = 20) -> tuple[bool, list[float], str]:
@@ -644,7 +644,7 @@ def test_a_command_that_hangs_is_a_clean_failure(
     assert "`systemctl --user try-restart spilld.service` did not finish within 180 s" in err
     assert "Traceback" not in err
     monkeypatch.setattr(install, "run_command", FakeRunner(hang="is-active"))
-    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_UNREACHABLE  # no answer: not active
+    assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_NOT_INSTALLED  # no answer: not active
 
 
 def test_a_refused_command_and_bad_options(fake_home: tuple[Path, FakeRunner], monkeypatch: pytest.MonkeyPatch) -> None:
