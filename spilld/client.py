@@ -1,10 +1,11 @@
 """What an engine imports to talk to the daemon.
 
-    client = await AsyncClient.connect(identity=spilld.identity(model, tokenizer), lease=ThreadLockLease(lock))
-    client.spill(tokens, cache)                     # clones now; ships one tensor per loop turn, in the lease
-    loaded = await client.load(new_tokens)          # the engine reads the file itself; None on a miss
+    async with AsyncClient(identity=spilld.model_identity(model, tokenizer), lease=ThreadLockLease(lock)) as client:
+        client.spill(tokens, cache)                 # clones now; ships one tensor per loop turn, in the lease
+        loaded = await client.load(new_tokens)      # the engine reads the file itself; None on a miss
 
-``Client`` is the same API for engines that decode in a thread of their own.
+``await AsyncClient.open(...)`` connects without ``async with``. ``Client`` is the same API (``spilld.api``) for
+engines that decode in a thread of their own.
 A lost connection fails every waiting call with ``ConnectionLost``; the next
 call reconnects.
 """
@@ -14,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from . import errors
 from . import format as fmt
 from . import protocol as P
+from .api import Deadline, Hit
 from .codecs import CodecProvider, default_provider
 from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
@@ -33,18 +36,22 @@ from .loader import Loaded, load
 from .loopthread import LoopThread
 from .peer import peer_uid
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
-from .saver import LIVE_CHUNK_BYTES, Attachment, Staging, TensorBytes
+from .saver import LIVE_CHUNK_BYTES, Attachment, SaveResult, Staging, TensorBytes
 from .shm import ShmPool
-from .spiller import item_bytes, new_item, planned, submit
-from .store import check_namespace
+from .snapshot import item_bytes, new_item, on_loop, planned, snapshot_of, threadsafe
+from .store import Miss, MissReason, check_namespace
 
 log = logging.getLogger("spilld.client")
+T = TypeVar("T")
 
 DEFAULT_CLIENT_CAP = 1024**3
 MAX_INFLIGHT_COMMITS = 8  # items shipped and awaiting the daemon's durable answer
 BUSY_RETRIES = 50
 BUSY_BACKOFF_S = 0.05
 LEASE_HOLD_MAX_S = 30.0  # the longest a grant holds the engine's lease, whatever the daemon asks
+CLOSE_REASON_WAIT_S = 1.0  # a failed write waits this long for the daemon's reason to arrive
+ANSWER_GRACE_S = 1.0  # a drain waits this long past its deadline for the daemon's answer to travel back
+DRAIN_FOREVER_S = 3600.0  # the daemon's drain timeout when the caller gave none
 
 
 class AsyncClient:
@@ -52,7 +59,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        socket_path: str,
+        socket_path: str | None = None,
         *,
         identity: fmt.Identity,
         name: str = "",
@@ -63,13 +70,15 @@ class AsyncClient:
         grant_lease: bool = False,
         shm: bool = True,
     ) -> None:
-        self.socket_path = socket_path
+        self.socket_path = socket_path or default_socket()
         self.identity = identity
         self.name = name or f"pid {os.getpid()}"
         self.lease: RunStep = lease or NoLease()
         self.provider = provider or default_provider()
         self.timeout = timeout
-        self.queue = SpillQueue(queue_cap, self._ship, bytes_of=lambda it: item_bytes(it, self.provider))
+        self.queue = SpillQueue(
+            queue_cap, self._ship, bytes_of=lambda it: item_bytes(it, self.provider), done=Outcome.SHIPPED
+        )
         self._staging = Staging()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -87,12 +96,21 @@ class AsyncClient:
         self.use_shm = shm
         self._pool: ShmPool | None = None
         self.server: dict[str, Any] = {}
+        self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
 
     @classmethod
-    async def connect(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
-        client = cls(socket_path or default_socket(), **kwargs)
+    async def open(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
+        """Connect to the daemon (``ConnectionLost`` if none answers); ``async with AsyncClient(...)`` does the same."""
+        client = cls(socket_path, **kwargs)
         await client._ensure()
         return client
+
+    async def __aenter__(self) -> AsyncClient:
+        await self._ensure()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     # --- connection ----------------------------------------------------------------------
 
@@ -101,6 +119,7 @@ class AsyncClient:
             if self._writer is not None and not self._writer.is_closing():
                 return
             self._loop = asyncio.get_running_loop()
+            self._told = None
             try:
                 self._reader, self._writer = await asyncio.wait_for(
                     asyncio.open_unix_connection(self.socket_path, limit=4 * 1024 * 1024), self.timeout
@@ -135,7 +154,8 @@ class AsyncClient:
         except (OSError, errors.SpillError) as exc:
             err = exc if isinstance(exc, errors.SpillError) else P.ConnectionLost(str(exc))
         finally:
-            self._fail_all(err)
+            # A daemon that closes with a reason (busy, peer_refused, ...) sent it first: waiting calls get that.
+            self._fail_all(self._told or err)
 
     def _on_message(self, msg: P.Message) -> None:
         if msg.kind == P.RESPONSE:
@@ -162,7 +182,9 @@ class AsyncClient:
                 for name in msg.params.get("names", []):
                     self._pool.give(str(name))
             elif msg.method == "error":
-                log.warning("daemon: %s", msg.params.get("message"))
+                code, message = str(msg.params.get("code", "error")), str(msg.params.get("message", ""))
+                self._told = errors.error_from_code(code, message)
+                log.warning("daemon: %s", message)
 
     async def _grant(self, msgid: int, hold_s: float) -> None:
         """The daemon asks for a turn: take our engine's lease, answer while holding it, and hold it until the
@@ -211,13 +233,23 @@ class AsyncClient:
 
     async def _send(self, bufs: list[bytes | memoryview]) -> None:
         if self._writer is None or self._writer.is_closing():
-            raise P.ConnectionLost("not connected")
+            raise await self._why_closed(P.ConnectionLost("not connected"))
         async with self._send_lock:
             self._writer.writelines(bufs)
             try:
                 await self._writer.drain()
             except (OSError, RuntimeError) as exc:
-                raise P.ConnectionLost(str(exc)) from exc
+                raise await self._why_closed(P.ConnectionLost(str(exc))) from exc
+
+    async def _why_closed(self, lost: errors.SpillError) -> errors.SpillError:
+        """The reason the daemon gave for closing (busy, peer_refused, ...), else ``lost``.
+
+        A write can fail before the reader has seen the daemon's last words: let the reader finish first.
+        """
+        task = self._read_task
+        if self._told is None and task is not None and not task.done() and task is not asyncio.current_task():
+            await asyncio.wait([task], timeout=CLOSE_REASON_WAIT_S)
+        return self._told or lost
 
     async def _call(self, method: str, params: dict[str, Any], *, timeout: float | None = -1.0, **kw: Any) -> Any:
         msgid = next(self._ids)
@@ -228,7 +260,9 @@ class AsyncClient:
         try:
             await self._send(P.request(msgid, method, params))
             return await asyncio.wait_for(fut, self.timeout if timeout == -1.0 else timeout)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if isinstance(exc, errors.SpillError):
+                raise  # the daemon's own timeout, already typed
             raise P.Timeout(f"{method}: no answer from the daemon") from None
         finally:
             self._pending.pop(msgid, None)
@@ -240,11 +274,18 @@ class AsyncClient:
         await self._ensure()
         return await self._call(method, params or {}, **kw)
 
+    async def _wait_commits(self, timeout: float | None) -> int:
+        """Wait for the daemon's answers to the commits sent; how many are still unanswered."""
+        if not self._commits:
+            return 0
+        _, pending = await asyncio.wait(list(self._commits), timeout=timeout)
+        return len(pending)
+
     async def close(self, timeout: float | None = None) -> DrainReport:
-        """Ship what is queued and hear back about it (up to ``timeout``), then close the connection."""
-        report = await self.queue.close(timeout)
-        if self._commits:
-            await asyncio.wait(list(self._commits), timeout=timeout)
+        """Ship what is queued and hear back about it, then close the connection; ``timeout`` bounds the call."""
+        deadline = Deadline(timeout)
+        local = await self.queue.close(deadline.left())
+        unanswered = await self._wait_commits(deadline.left())
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(Exception):
@@ -254,7 +295,7 @@ class AsyncClient:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        return report
+        return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes)
 
     # --- spilling -----------------------------------------------------------------------
 
@@ -270,36 +311,44 @@ class AsyncClient:
         attachments: Sequence[Attachment] = (),
         checkpoint: fmt.GenerationCheckpoint | None = None,
         live: bool = False,
-    ) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
-        """Clone now (on the caller's thread), ship behind; a future of the daemon's outcome.
+    ) -> asyncio.Future[Settled]:
+        """Clone now, ship behind; a future of the daemon's outcome (its ``value`` a ``SaveResult``).
 
-        From the loop's thread an ``asyncio.Future``; from another thread (an
-        engine decoding in its own thread) a ``concurrent.futures.Future``.
+        Call it on the event loop's thread; an engine decoding in a thread of its own calls
+        ``spill_threadsafe`` (same arguments, a ``concurrent.futures.Future``).
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
-        return self._submit(lambda: self._enqueue(item))
+        return on_loop(self._bound(), lambda: self._enqueue(item))
+
+    def spill_threadsafe(
+        self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
+    ) -> concurrent.futures.Future[Settled]:
+        """``spill`` from any thread (the engine's own): clones here, queued and shipped on the loop."""
+        leased = not isinstance(self.lease, NoLease)
+        item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
+        return threadsafe(self._bound(), lambda: self._enqueue(item))
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""
         outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
-        item.meta["outcome"] = outcome
+        snapshot_of(item).outcome = outcome
 
         def shipped(f: asyncio.Future[Settled]) -> None:
-            s = f.result()  # STORED here only means shipped; the commit answer settles ``outcome``
-            if s.outcome is not Outcome.STORED and not outcome.done():
+            s = f.result()  # once shipped, the daemon's answer to the commit settles ``outcome``
+            if s.outcome is not Outcome.SHIPPED and not outcome.done():
                 outcome.set_result(s)
 
         self.queue.enqueue(item).add_done_callback(shipped)
         return outcome
 
-    def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
+    def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise P.ConnectionLost("connect() has not run")
-        return submit(self._loop, enqueue)
+            raise P.ConnectionLost("not connected: use 'await AsyncClient.open(...)' or 'async with'")
+        return self._loop
 
     async def _ship(self, item: SpillItem) -> Any:
         """Send one planned item: header, each tensor's bytes (taken inside the lease), then commit.
@@ -337,12 +386,13 @@ class AsyncClient:
                     await self._send(P.request(next(self._ids), "abort", {"spill": sid}))
             raise
         finally:
-            item.meta.pop("planned", None)
-        outcome: asyncio.Future[Settled] = item.meta["outcome"]
+            snapshot_of(item).planned = None  # shipped: the sources' references go now
+        outcome = snapshot_of(item).outcome
+        assert outcome is not None  # set by _enqueue before the item was queued
         self._commits.add(commit)
-        commit.add_done_callback(lambda f: self._settle(f, outcome))
+        commit.add_done_callback(lambda f: self._settle(f, outcome, header))
 
-    def _settle(self, commit: asyncio.Future[Any], outcome: asyncio.Future[Settled]) -> None:
+    def _settle(self, commit: asyncio.Future[Any], outcome: asyncio.Future[Settled], header: fmt.Header) -> None:
         self._commits.discard(commit)
         if outcome.done():
             return
@@ -352,7 +402,7 @@ class AsyncClient:
             return
         r = commit.result()
         if r["outcome"] == "stored":
-            outcome.set_result(Settled(Outcome.STORED, value=r))
+            outcome.set_result(Settled(Outcome.STORED, value=SaveResult(str(r["path"]), header, int(r["file_bytes"]))))
         elif r["outcome"] in ("dropped", "cancelled"):
             outcome.set_result(Settled(Outcome(r["outcome"])))
         else:
@@ -410,9 +460,9 @@ class AsyncClient:
 
     # --- other requests --------------------------------------------------------------------
 
-    async def lookup(self, tokens: Sequence[int], namespace: str = "") -> dict[str, Any]:
-        """The daemon's longest usable prefix for ``tokens``: {hit, path, matched, ...} or {hit: False, reason}."""
-        return dict(
+    async def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
+        """The daemon's longest usable prefix for ``tokens`` (the file is not read)."""
+        r = dict(
             await self.call(
                 "lookup",
                 {
@@ -423,6 +473,9 @@ class AsyncClient:
                 },
             )
         )
+        if not r["hit"]:
+            return Miss(MissReason(str(r["reason"])))
+        return Hit(str(r["path"]), int(r["matched"]), int(r["tokens"]), bool(r["trimmable"]))
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss.
@@ -431,10 +484,10 @@ class AsyncClient:
         memory): None, and the daemon does not count it as a hit."""
         t0 = time.perf_counter()
         found = await self.lookup(tokens, namespace)
-        if not found["hit"] or int(found["matched"]) <= longer_than:
+        if isinstance(found, Miss) or found.matched <= longer_than:
             return None
-        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": namespace})
-        path, matched = found["path"], int(found["matched"])
+        ident = dataclasses.replace(self.identity, namespace=namespace)
+        path, matched = found.path, found.matched
         try:
             loaded = await off_loop(lambda: load(path, expect=ident, upto=matched, provider=self.provider))
         except errors.FileFormatError as exc:
@@ -458,17 +511,24 @@ class AsyncClient:
         remote = await self.call("cancel", params)
         return local + int(remote["cancelled"])
 
-    async def drain(
-        self, timeout: float | None = None, progress: Callable[[dict[str, Any]], None] | None = None
-    ) -> dict[str, Any]:
-        """Ship everything queued here, then wait for the daemon's queue to be durable."""
-        rep = await self.queue.drain(timeout)
-        if self._commits:
-            await asyncio.wait(list(self._commits), timeout=timeout)
-        params = {"timeout": 3600.0 if timeout is None else float(timeout)}
-        result = dict(await self.call("drain", params, timeout=None, progress=progress or (lambda _: None)))
-        result["client_done"] = rep.done
-        return result
+    async def drain(self, timeout: float | None = None) -> DrainReport:
+        """Ship everything queued here, then wait for the daemon's queue to be durable; ``timeout`` bounds the call.
+
+        ``pending_*`` count what is left here and at the daemon (every client's items there).
+        """
+        deadline = Deadline(timeout)
+        local = await self.queue.drain(deadline.left())
+        unanswered = await self._wait_commits(deadline.left())
+        left = deadline.left()
+        params = {"timeout": DRAIN_FOREVER_S if left is None else left}
+        wait = None if left is None else left + ANSWER_GRACE_S  # the daemon answers at its deadline
+        try:
+            r = await self.call("drain", params, timeout=wait, progress=lambda _: None)
+        except errors.Timeout:
+            r = {"done": False, "pending_items": 0, "pending_bytes": 0}
+        done = local.done and not unanswered and bool(r["done"])
+        items = local.pending_items + unanswered + int(r["pending_items"])
+        return DrainReport(done, items, local.pending_bytes + int(r["pending_bytes"]))
 
     async def status(self) -> dict[str, Any]:
         return dict(await self.call("status"))
@@ -497,42 +557,65 @@ def _fill(seg: memoryview, runs: list[memoryview]) -> tuple[int, list[memoryview
 
 
 class Client:
-    """The same API, synchronous, for engines that decode in a thread of their own."""
+    """The same API, synchronous, for engines that decode in a thread of their own.
+
+    The constructor connects (on a private event-loop thread) and raises ``ConnectionLost`` if no daemon
+    answers; ``with Client(...) as c:`` closes it at the end. Every other call may come from any thread.
+    """
 
     def __init__(self, socket_path: str | None = None, **kwargs: Any) -> None:
         self._lt, self._async = LoopThread.start_with(
-            "spilld-client", lambda lt: lt.run(AsyncClient.connect(socket_path, **kwargs))
+            "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
 
-    def _run(self, coro: Any) -> Any:
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._lt.run(coro)
 
     def spill(
-        self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        meta: dict[str, str] | None = None,
+        *,
+        namespace: str = "",
+        key: str = "",
+        droppable: bool = True,
+        attachments: Sequence[Attachment] = (),
+        checkpoint: fmt.GenerationCheckpoint | None = None,
+        live: bool = False,
     ) -> concurrent.futures.Future[Settled]:
-        return self._async.spill(tokens, caches, meta, **kw)  # type: ignore[return-value]
+        """Clone now, on the calling (engine's) thread; a future of the daemon's outcome."""
+        return self._async.spill_threadsafe(
+            tokens, caches, meta, namespace=namespace, key=key, droppable=droppable, attachments=attachments,
+            checkpoint=checkpoint, live=live,
+        )  # fmt: skip
 
-    def lookup(self, tokens: Sequence[int], namespace: str = "") -> dict[str, Any]:
-        return dict(self._run(self._async.lookup(tokens, namespace)))
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
+        return self._run(self._async.lookup(tokens, namespace))
 
     def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
-        result: Loaded | None = self._run(self._async.load(tokens, namespace, longer_than=longer_than))
-        return result
+        return self._run(self._async.load(tokens, namespace, longer_than=longer_than))
 
-    def barrier(self, key: str, **kw: Any) -> dict[str, Any]:
-        return dict(self._run(self._async.barrier(key, **kw)))
+    def barrier(self, key: str, *, delete_checkpoints: bool = False) -> dict[str, Any]:
+        return self._run(self._async.barrier(key, delete_checkpoints=delete_checkpoints))
 
-    def cancel(self, **kw: Any) -> int:
-        return int(self._run(self._async.cancel(**kw)))
+    def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int:
+        return self._run(self._async.cancel(namespace=namespace, key=key))
 
-    def drain(self, timeout: float | None = None) -> dict[str, Any]:
-        return dict(self._run(self._async.drain(timeout)))
+    def drain(self, timeout: float | None = None) -> DrainReport:
+        return self._run(self._async.drain(timeout))
 
     def status(self) -> dict[str, Any]:
-        return dict(self._run(self._async.status()))
+        return self._run(self._async.status())
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> DrainReport:
         try:
-            self._run(self._async.close(timeout))
+            return self._run(self._async.close(timeout))
         finally:
             self._lt.stop()

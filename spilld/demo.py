@@ -187,7 +187,7 @@ def _answer_twice(engine: Engine, client: Any, prompt: list[int]) -> dict[str, A
 def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: bool = False) -> dict[str, Any]:
     """Run the demo; returns the figures it printed."""
     from .client import Client
-    from .identity import identity
+    from .identity import model_identity
     from .lease import ThreadLockLease
     from .tinymodel import write_tiny_model
 
@@ -205,7 +205,9 @@ def run_demo(sock: str | None = None, folder: str | None = None, *, as_json: boo
         model_dir = write_tiny_model(os.path.join(workdir, "model"))
         model, tok = _load(model_dir)
         engine = Engine(model)
-        client = Client(sock, identity=identity(model, tok, model_id="spilld-demo"), lease=ThreadLockLease(engine.lock))
+        client = Client(
+            sock, identity=model_identity(model, tok, model_id="spilld-demo"), lease=ThreadLockLease(engine.lock)
+        )
         try:
             _say(f"chatting: {len(TURNS)} turns, each spilled write-behind")
             history, idle_ms, busy_ms = _chat(engine, tok, client)

@@ -254,6 +254,68 @@ class ForeignDaemon(SpillError):
     code = "foreign_daemon"
 
 
+# --- the wire and the daemon: codes a client process must rebuild as their own classes ----------
+
+
+class ProtocolError(SpillError):
+    """The peer broke the protocol (a malformed or oversized frame); the connection is closed."""
+
+    code = "protocol_error"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
+
+
+class Busy(SpillError):
+    """The daemon cannot take this now (its queue is full of items it may not drop, too many clients, or it is
+    stopping); wait and retry. Not a lost connection: the daemon is there and said no."""
+
+    code = "busy"
+
+
+class UnknownMethod(SpillError):
+    code = "unknown_method"
+
+
+class BadParams(SpillError, ValueError):
+    code = "bad_params"
+
+
+class UnsupportedProtocol(SpillError):
+    code = "unsupported_protocol"
+
+
+class ConnectionLost(SpillError, ConnectionError):
+    """The daemon cannot be reached, or the connection ended before an answer came."""
+
+    code = "connection_lost"
+
+
+class Timeout(SpillError, TimeoutError):
+    """No answer within the call's deadline."""
+
+    code = "timeout"
+
+
+class PeerRefused(SpillError, PermissionError):
+    """The daemon serves only its own user: the peer's uid is not the daemon's."""
+
+    code = "peer_refused"
+
+
+class ActivationError(SpillError):
+    """A service manager handed us something that is not a listening Unix stream socket."""
+
+    code = "activation_error"
+
+
+class ShmRefused(SpillError):
+    """A shared-memory segment named by a client cannot be used."""
+
+    code = "shm_refused"
+
+
 def _all_subclasses(cls: type[SpillError]) -> list[type[SpillError]]:
     out: list[type[SpillError]] = [cls]
     for sub in cls.__subclasses__():
@@ -261,7 +323,17 @@ def _all_subclasses(cls: type[SpillError]) -> list[type[SpillError]]:
     return out
 
 
-ERRORS_BY_CODE: dict[str, type[SpillError]] = {c.code: c for c in _all_subclasses(SpillError)}
+def _by_code(classes: list[type[SpillError]]) -> dict[str, type[SpillError]]:
+    out: dict[str, type[SpillError]] = {}
+    for c in classes:
+        if out.setdefault(c.code, c) is not c:
+            raise RuntimeError(f"error code {c.code!r} names both {out[c.code].__name__} and {c.__name__}")
+    return out
+
+
+# Every code is defined in this module, so a process that imports only this one rebuilds every error a daemon sends.
+# A subclass defined elsewhere is not added here: its code would map differently depending on what was imported.
+ERRORS_BY_CODE: dict[str, type[SpillError]] = _by_code(_all_subclasses(SpillError))
 
 
 def error_from_code(code: str, message: str) -> SpillError:

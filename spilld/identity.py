@@ -1,8 +1,16 @@
 """Identity fields for a model: which files it may load.
 
-The config fingerprint covers everything that shapes the KV tensors (the
-model's arguments, its dtype and the KV quantization); the tokenizer hash
-covers the vocabulary, so identical ids mean identical text.
+The model fingerprint (the ``config_fingerprint`` field) covers everything that decides what a KV cache means:
+the model's class and arguments, its dtype, the KV quantization, and its weights, adapters included. Two
+fine-tunes of one base model, a LoRA adapter, or a model repo updated in place get other fingerprints, so they
+never restore each other's caches; ``model_id`` is a label for people, not the guard. The tokenizer hash covers
+the vocabulary, so identical ids mean identical text.
+
+Weights are fingerprinted from their files when a path is given (each safetensors header: names, shapes,
+dtypes and offsets; plus the bytes of ``SAMPLE_WINDOWS`` windows spread over the data; computed once and cached
+by path, size and mtime), else from the model's parameters in memory (names, shapes, dtypes, small tensors
+whole and a few windows of each large one). A change confined to bytes no window covers is not seen; a
+fine-tune, an adapter or a new revision changes far more than that.
 """
 
 from __future__ import annotations
@@ -10,11 +18,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
+import os
+import struct
+from collections.abc import Iterable
+from typing import Any, cast
 
 import xxhash
 
+from . import errors
 from .format import Identity
+
+SAMPLE_WINDOW_BYTES = 4096  # one sampled window of weight bytes
+SAMPLE_WINDOWS = 64  # windows per weights file
+PARAM_WINDOWS = 4  # windows per large in-memory parameter
+PARAM_WHOLE_BYTES = 64 * 1024  # in-memory parameters up to this size are hashed whole
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # a header declaring more is not a safetensors file
+WEIGHT_FILES = ("*.safetensors",)  # in a model folder: every one of these, plus the JSON configs below
+CONFIG_FILES = ("config.json", "adapter_config.json")
+
+# (real path, size, mtime_ns) -> digest: a model folder is read once per process, again only if a file changes
+_file_digests: dict[tuple[str, int, int], str] = {}
 
 
 def _jsonable(v: Any) -> Any:
@@ -29,20 +52,129 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-def _model_dtype(model: Any) -> str:
-    try:
-        from mlx.utils import tree_flatten
+def _parameters(model: Any) -> list[tuple[str, Any]]:
+    """The model's parameters as (dotted name, array), sorted; empty for an object without ``parameters()``."""
+    if not hasattr(model, "parameters"):
+        return []
+    from mlx.utils import tree_flatten  # engine side only: the daemon never fingerprints a model
 
-        leaves: Any = tree_flatten(model.parameters())
-        for _, p in leaves:
-            return str(p.dtype).removeprefix("mlx.core.")
-    except Exception:  # a model without parameters() still gets a fingerprint
-        pass
+    flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sorted(flat, key=lambda kv: kv[0])
+
+
+def _model_dtype(model: Any) -> str:
+    for _, p in _parameters(model):
+        return str(p.dtype).removeprefix("mlx.core.")
     return "unknown"
 
 
-def config_fingerprint(model: Any, *, kv_bits: int | None = None, kv_group_size: int | None = None) -> str:
-    """First 16 hex digits of sha256 over the model's arguments, dtype and KV quantization."""
+def _windows(size: int, count: int) -> list[tuple[int, int]]:
+    """``count`` windows of at most SAMPLE_WINDOW_BYTES spread evenly over ``size`` bytes (first and last included)."""
+    if size <= count * SAMPLE_WINDOW_BYTES:
+        return [(0, size)]
+    step = (size - SAMPLE_WINDOW_BYTES) / (count - 1)
+    return [(round(i * step), SAMPLE_WINDOW_BYTES) for i in range(count)]
+
+
+def parameters_fingerprint(model: Any) -> str:
+    """xxh3-128 hex over the in-memory parameters: names, shapes, dtypes and sampled bytes."""
+    import mlx.core as mx
+
+    h = xxhash.xxh3_128()
+    for name, p in _parameters(model):
+        h.update(json.dumps([name, list(p.shape), str(p.dtype), p.nbytes]).encode())
+        mv = memoryview(cast(Any, p))  # evaluates a lazy parameter on this (the engine's) thread
+        if not mv.c_contiguous:
+            p = mx.contiguous(p)
+            mx.eval(p)
+            mv = memoryview(cast(Any, p))
+        raw = mv.cast("B")
+        spans = [(0, raw.nbytes)] if raw.nbytes <= PARAM_WHOLE_BYTES else _windows(raw.nbytes, PARAM_WINDOWS)
+        for start, n in spans:
+            h.update(raw[start : start + n])
+    return h.hexdigest()
+
+
+def _safetensors_header(fd: int, size: int, path: str) -> tuple[bytes, int]:
+    """A safetensors file's JSON header and where its data starts."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise errors.FileFormatError("not a safetensors file (shorter than its length field)", path=path)
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+        raise errors.FileFormatError(f"not a safetensors file (header length {n})", path=path)
+    return os.pread(fd, n, 8), 8 + n
+
+
+def file_fingerprint(path: str | os.PathLike[str]) -> str:
+    """xxh3-128 hex of one weights or config file (a safetensors file: its header and sampled data windows).
+
+    Cached by real path, size and mtime: a model's files are read once per process.
+    """
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    if key in _file_digests:
+        return _file_digests[key]
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<Q", st.st_size))
+    fd = os.open(real, os.O_RDONLY)
+    try:
+        if real.endswith(".safetensors"):
+            header, start = _safetensors_header(fd, st.st_size, real)
+            h.update(header)
+            for off, n in _windows(st.st_size - start, SAMPLE_WINDOWS):
+                h.update(os.pread(fd, n, start + off))
+        else:  # a config: small, read whole
+            h.update(os.pread(fd, st.st_size, 0))
+    finally:
+        os.close(fd)
+    digest = h.hexdigest()
+    _file_digests[key] = digest
+    return digest
+
+
+def _weight_files(path: str | os.PathLike[str]) -> list[str]:
+    p = os.fspath(path)
+    if not os.path.isdir(p):
+        return [p]
+    names = sorted(n for n in os.listdir(p) if n.endswith(".safetensors") or n in CONFIG_FILES)
+    if not any(n.endswith(".safetensors") for n in names):
+        raise errors.FileFormatError("no .safetensors file in the model folder", path=p)
+    return [os.path.join(p, n) for n in names]
+
+
+def files_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
+    """xxh3-128 hex over model or adapter folders (or files): each file's name and fingerprint."""
+    h = xxhash.xxh3_128()
+    for path in paths:
+        for f in _weight_files(path):
+            h.update(json.dumps([os.path.basename(f), file_fingerprint(f)]).encode())
+    return h.hexdigest()
+
+
+def weights_fingerprint(
+    model: Any, *, weights: str | os.PathLike[str] | None = None, adapter: str | os.PathLike[str] | None = None
+) -> str:
+    """The weights part of the fingerprint: from files when ``weights`` is given, else from memory.
+
+    In memory, an adapter applied to the model (LoRA layers) is among its parameters; ``adapter`` adds its files.
+    """
+    parts = [files_fingerprint([weights]) if weights is not None else parameters_fingerprint(model)]
+    if adapter is not None:
+        parts.append(files_fingerprint([adapter]))
+    return ":".join(parts)
+
+
+def config_fingerprint(
+    model: Any,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    weights: str | os.PathLike[str] | None = None,
+    adapter: str | os.PathLike[str] | None = None,
+) -> str:
+    """First 16 hex digits of sha256 over the model's class, arguments, dtype, KV quantization and weights."""
     args = getattr(model, "args", None)
     payload = {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
@@ -50,6 +182,7 @@ def config_fingerprint(model: Any, *, kv_bits: int | None = None, kv_group_size:
         "dtype": _model_dtype(model),
         "kv_bits": kv_bits,
         "kv_group_size": kv_group_size if kv_bits else None,
+        "weights": weights_fingerprint(model, weights=weights, adapter=adapter),
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -63,7 +196,7 @@ def tokenizer_hash(tokenizer: Any) -> str:
     return xxhash.xxh3_128_hexdigest(blob)
 
 
-def identity(
+def model_identity(
     model: Any,
     tokenizer: Any = None,
     *,
@@ -71,11 +204,20 @@ def identity(
     namespace: str = "",
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
+    weights: str | os.PathLike[str] | None = None,
+    adapter: str | os.PathLike[str] | None = None,
 ) -> Identity:
-    """The identity fields for an mlx-lm model (and tokenizer, when given)."""
+    """The identity of an mlx-lm model (and tokenizer, when given), weights and adapter included.
+
+    ``weights`` (a model folder or a .safetensors file) fingerprints the weights from their files, once per
+    file version; without it the parameters in memory are sampled. ``adapter`` (an adapter folder or file) is
+    added to either. Call it on the engine's thread: a lazily loaded model's parameters are evaluated here.
+    """
     return Identity(
         model_id=model_id,
-        config_fingerprint=config_fingerprint(model, kv_bits=kv_bits, kv_group_size=kv_group_size),
+        config_fingerprint=config_fingerprint(
+            model, kv_bits=kv_bits, kv_group_size=kv_group_size, weights=weights, adapter=adapter
+        ),
         tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else "",
         namespace=namespace,
     )

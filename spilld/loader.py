@@ -8,18 +8,21 @@ import concurrent.futures
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import xxhash
 
-from . import dtypes, errors, fileio
+from . import errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
 from .fileio import DEFAULT_OPS, FileOps
 from .saver import Attachment
 from .validate import validate_header
+
+# Reading headers (the daemon's index scan, ``spilld verify``) needs no mlx; building arrays imports it then.
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 
 def _read_exact(fd: int, n: int, off: int) -> bytes:
@@ -149,6 +152,10 @@ class _Reader(_Decoding):
         self.verify, self.ops, self.path = verify, ops, path
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        import mlx.core as mx
+
+        from . import dtypes
+
         shape = list(slot.shape)
         alloc = alloc_shape(slot, capacity, self.path)
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
@@ -183,6 +190,10 @@ class _Recorder(_Decoding):
         self.wants: dict[int, tuple[fmt.Slot, int | None]] = {}
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        import mlx.core as mx
+
+        from . import dtypes
+
         self.wants[id(slot)] = (slot, capacity)
         return mx.zeros(
             alloc_shape(slot, capacity, self.path), dtype=dtypes.dtype_of(slot.dtype)

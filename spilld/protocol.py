@@ -39,58 +39,15 @@ MAX_ERROR_MESSAGE = (
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 
 
-class ProtocolError(errors.SpillError):
-    """The peer broke the protocol (a malformed or oversized frame); the connection is closed."""
-
-    code = "protocol_error"
-
-
-class FrameTooLarge(ProtocolError):
-    code = "frame_too_large"
-
-
-class Busy(errors.SpillError):
-    """The daemon's queue is full of items it may not drop; wait and retry."""
-
-    code = "busy"
-
-
-class UnknownMethod(errors.SpillError):
-    code = "unknown_method"
-
-
-class BadParams(errors.SpillError):
-    code = "bad_params"
-
-
-class UnsupportedProtocol(errors.SpillError):
-    code = "unsupported_protocol"
-
-
-class ConnectionLost(errors.SpillError):
-    code = "connection_lost"
-
-
-class Timeout(errors.SpillError):
-    code = "timeout"
-
-
-# error_from_code must know the codes defined here too
-errors.ERRORS_BY_CODE.update(
-    {
-        c.code: c
-        for c in (
-            ProtocolError,
-            FrameTooLarge,
-            Busy,
-            UnknownMethod,
-            BadParams,
-            UnsupportedProtocol,
-            ConnectionLost,
-            Timeout,
-        )
-    }
-)
+# The error classes live in errors.py (one table maps every code); these names are the protocol's own view of them.
+ProtocolError = errors.ProtocolError
+FrameTooLarge = errors.FrameTooLarge
+Busy = errors.Busy
+UnknownMethod = errors.UnknownMethod
+BadParams = errors.BadParams
+UnsupportedProtocol = errors.UnsupportedProtocol
+ConnectionLost = errors.ConnectionLost
+Timeout = errors.Timeout
 
 
 @dataclass

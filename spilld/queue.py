@@ -17,21 +17,20 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
-from .codecs import CodecProvider, default_provider
-from .codecs.base import Source
+if TYPE_CHECKING:
+    from .codecs import CodecProvider
 
 log = logging.getLogger("spilld.queue")
 
 
 class Outcome(enum.Enum):
-    STORED = "stored"
+    STORED = "stored"  # durable: the file is on disk and indexed
     DROPPED = "dropped"
     CANCELLED = "cancelled"
     FAILED = "failed"
+    SHIPPED = "shipped"  # a client's local queue only: handed to the daemon, whose answer settles the spill
 
 
 @dataclass
@@ -58,7 +57,7 @@ class SpillItem:
     key: str = ""
     droppable: bool = True
     barrier: Callable[[], Awaitable[Any]] | None = None  # runs instead of a store
-    meta: dict[str, Any] = field(default_factory=dict)
+    payload: Any = None  # the writer's own: a snapshot.Snapshot engine-side, a daemon.connection.Received there
     nbytes: int = 0
     seq: int = 0
 
@@ -69,6 +68,11 @@ class SpillItem:
 
 def held_bytes(caches: Sequence[Any], attachments: Sequence[Any] = (), provider: CodecProvider | None = None) -> int:
     """Memory an item pins: every distinct buffer its clones and attachments hold."""
+    import mlx.core as mx  # engine side: the daemon's queue counts bytes it received, never mlx arrays
+
+    from .codecs import default_provider
+    from .codecs.base import Source
+
     p = provider or default_provider()
     seen: dict[int, int] = {}
     for c in caches:
@@ -125,11 +129,14 @@ class SpillQueue:
         *,
         release: Callable[[SpillItem], None] | None = None,
         bytes_of: Callable[[SpillItem], int] | None = None,
+        done: Outcome = Outcome.STORED,
     ) -> None:
+        """``done``: the outcome of an item its store function finished (``SHIPPED`` for a client's queue)."""
         if cap_bytes < 0:
             raise ValueError("cap_bytes must be >= 0")
         self.cap_bytes = cap_bytes
         self._store = store
+        self._done = done
         self._release_hook = release
         self._bytes_of = bytes_of or (lambda it: held_bytes(it.caches, it.attachments))
         self._queue: deque[_Rec] = deque()
@@ -256,7 +263,7 @@ class SpillQueue:
             else:
                 self.stored += 1
                 self.bytes_written += int(getattr(value, "file_bytes", 0) or 0)
-                self._finish(rec, Settled(Outcome.STORED, value=value))
+                self._finish(rec, Settled(self._done, value=value))
             finally:
                 self._in_flight = None
 
@@ -276,7 +283,7 @@ class SpillQueue:
         finally:
             rec.item.caches = []
             rec.item.attachments = []
-            rec.item.meta.clear()  # planned sources and received bytes go with the clones
+            rec.item.payload = None  # planned sources and received bytes go with the clones
         if not rec.future.done():
             rec.future.set_result(result)
 

@@ -17,19 +17,24 @@ import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, cast
 
-import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import directio, dtypes, errors, fileio
+from . import directio, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
-from .codecs.base import LiveSource, Source, rows, slot_for, view
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 from .lease import NoLease, RunStep, off_loop
 from .validate import validate_header
+
+# mlx is imported inside the functions that touch the engine's arrays: the daemon writes the same steps from
+# plain bytes (``BytesSource``) and never loads mlx.
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from .codecs.base import LiveSource, Source
 
 
 @dataclass
@@ -40,7 +45,13 @@ class BytesSource:
     shape: tuple[int, ...]
 
 
-AnySource = Source | LiveSource | BytesSource
+AnySource: TypeAlias = "Source | LiveSource | BytesSource"
+
+
+def _is_live(src: AnySource) -> TypeGuard[LiveSource]:
+    from .codecs.base import LiveSource
+
+    return isinstance(src, LiveSource)
 
 
 @dataclass
@@ -63,6 +74,8 @@ def token_list(tokens: Any) -> list[int]:
     """Token ids from a list, numpy array or mlx array, checked to fit in u32 (vectorized: it runs on the engine thread)."""
     if tokens is None:
         return []
+    import mlx.core as mx
+
     arr = np.asarray(tokens.tolist() if isinstance(tokens, mx.array) else tokens)
     if arr.size == 0:
         return []
@@ -80,6 +93,8 @@ def token_ids_now(tokens: Any) -> list[Any]:
     """Token ids as a plain list, read now: an mlx or numpy array is converted here, on the caller's thread
     (slicing an mlx array would leave lazy graphs that only this thread can evaluate); ``token_list``
     checks them later, off the engine's thread."""
+    import mlx.core as mx
+
     if isinstance(tokens, (mx.array, np.ndarray)):
         out: Any = tokens.tolist()
         return cast(list[Any], out) if isinstance(out, list) else [out]
@@ -99,6 +114,8 @@ def clone_caches(caches: Sequence[Any], provider: CodecProvider | None = None) -
 
 def clone_and_size(caches: Sequence[Any], provider: CodecProvider | None = None) -> tuple[list[Any], int]:
     """``clone_caches`` plus the bytes the clones pin (each distinct buffer once)."""
+    import mlx.core as mx
+
     p = provider or default_provider()
     clones = [p.clone(c) for c in caches]
     arrays = {id(a): a for a in _held_arrays(clones)}
@@ -113,6 +130,10 @@ def clone_attachments(attachments: Sequence[Attachment]) -> list[Attachment]:
     place (which rebinds the very object it handed over) does not change what
     is saved; the update copies the buffer instead.
     """
+    import mlx.core as mx
+
+    from .codecs.base import view
+
     out = [Attachment(a.schema, dict(a.metadata), [view(t) for t in a.tensors]) for a in attachments]
     mx.eval([t for a in out for t in a.tensors])
     return out
@@ -120,12 +141,16 @@ def clone_attachments(attachments: Sequence[Attachment]) -> list[Attachment]:
 
 def evaluated(caches: Sequence[Any]) -> list[Any]:
     """The caches themselves, their pending work evaluated here (a no-op for evaluated caches)."""
+    import mlx.core as mx
+
     mx.eval(_held_arrays(list(caches)))
     return list(caches)
 
 
 def _held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
     """Every mlx array a cache object holds (attributes, lists, tuples, nested caches)."""
+    import mlx.core as mx
+
     if isinstance(obj, mx.array):
         return [obj]
     if depth > fmt.MAX_NESTING + 2:
@@ -138,6 +163,8 @@ def _held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
 
 
 def _arrays(sources: Sequence[AnySource]) -> list[mx.array]:
+    from .codecs.base import Source
+
     return [s.array for s in sources if isinstance(s, Source)]
 
 
@@ -226,6 +253,10 @@ class _File:
 
 def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
     """Zero-copy byte runs of the rows to store, in C order, plus the array they borrow."""
+    import mlx.core as mx
+
+    from . import dtypes
+
     a = src.array
     if a.nbytes == 0:
         return [], a
@@ -261,6 +292,8 @@ def _evaluated_runs(a: mx.array, n: int) -> tuple[list[memoryview], mx.array]:
     and leaves the graph as it was: the next hold, after the engine's next
     step, finds it evaluated.
     """
+    from .codecs.base import Source
+
     try:
         return _byte_runs(Source(a, n))
     except RuntimeError as exc:
@@ -329,7 +362,7 @@ class TensorBytes:
             raise errors.PlanDrift(f"tensor {self.index}: planned shape {self.slot.shape}, got {src.shape}")
         if isinstance(src, BytesSource):
             self.runs = [memoryview(c).cast("B") for c in src.chunks if len(c)]
-        elif isinstance(src, LiveSource):
+        elif _is_live(src):
             if self._live_out is None:
                 self._live_out = (self._staging or Staging()).take(self.slot.nbytes)
             try:
@@ -344,7 +377,7 @@ class TensorBytes:
                 return False
             self.runs = [self._live_out] if self._live_out.nbytes else []
         else:
-            self.runs, self._held = _byte_runs(src)
+            self.runs, self._held = _byte_runs(cast("Source", src))
         self.ready = True
         got = sum(r.nbytes for r in self.runs)
         if got != self.slot.nbytes:
@@ -463,7 +496,7 @@ class PublishStep:
 SaveStep = TensorStep | PublishStep
 
 
-_RELEASED = Source(mx.array(0))
+_RELEASED = BytesSource([], (0,))  # what a step's slot holds once the step owns its source
 
 
 def plan(
@@ -483,6 +516,10 @@ def plan(
     the engine's thread at the snapshot point; append-only buffers are then
     read inside the lease at write time (see ``LiveSource``).
     """
+    import mlx.core as mx
+
+    from .codecs.base import LiveSource, rows, slot_for
+
     p = provider or default_provider()
     encoded = [p.encode_live(c) if live else p.encode(c) for c in caches]
     sources: list[AnySource] = [a for e in encoded for a in e.sources]

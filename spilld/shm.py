@@ -24,11 +24,7 @@ POOL_SEGMENTS = 8
 NAME = re.compile(r"^spilld-[0-9a-f]{8}-\d{1,4}$")  # short: macOS limits names to 31 bytes
 
 
-class ShmRefused(errors.SpillError):
-    code = "shm_refused"
-
-
-errors.ERRORS_BY_CODE[ShmRefused.code] = ShmRefused
+ShmRefused = errors.ShmRefused  # defined in errors.py, where every code is mapped
 
 
 def _untrack(seg: shared_memory.SharedMemory) -> None:

@@ -1,28 +1,30 @@
 """Embedded mode: a queue, a store and a lease for one engine in one process.
 
-spiller = Spiller(folder, identity=spilld.identity(model, tokenizer), lease=ThreadLockLease(gen_lock))
-await spiller.start()
-spiller.spill(tokens, cache)                 # returns at once; written behind
-loaded = await spiller.restore(tokens)       # longest usable prefix, or None
+async with Spiller(folder, identity=spilld.model_identity(model, tokenizer), lease=ThreadLockLease(lock)) as sp:
+    sp.spill(tokens, cache)                  # returns at once; written behind
+    loaded = await sp.load(tokens)           # longest usable prefix, or None
+
+The same API as the daemon's clients (``spilld.api``); ``await Spiller.open(folder, ...)`` without ``async with``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
+import dataclasses
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from . import errors, fileio
+from . import api, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
-from .queue import DrainReport, Settled, SpillItem, SpillQueue, held_bytes
-from .saver import AnySource, Attachment, Staging, clone_and_size, clone_attachments, evaluated, plan, token_ids_now
+from .queue import DrainReport, Settled, SpillItem, SpillQueue
+from .saver import Attachment, Staging
+from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
 from .store import Hit, Miss, Store, check_namespace, checkpoint_namespace
 
 log = logging.getLogger("spilld.spiller")
@@ -55,7 +57,18 @@ class Spiller:
         self._staging = Staging()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def start(self) -> Spiller:
+    @classmethod
+    async def open(cls, folder: str | os.PathLike[str], **kwargs: Any) -> Spiller:
+        """Make a Spiller and start it: scan the folder (off the event loop), bind to the running loop."""
+        return await cls(folder, **kwargs)._start()
+
+    async def __aenter__(self) -> Spiller:
+        return await self._start() if self._loop is None else self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _start(self) -> Spiller:
         """Scan the folder (off the event loop), then bind to the running loop (spills wait for the scan)."""
         await off_loop(self.store.scan)
         self._loop = asyncio.get_running_loop()
@@ -90,11 +103,11 @@ class Spiller:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         clone: bool = True,
         live: bool = False,
-    ) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
+    ) -> asyncio.Future[Settled]:
         """Clone the caches, queue them and return at once with a future of the outcome.
 
-        Call from the event loop thread (an ``asyncio.Future``) or from the
-        engine's own thread (a ``concurrent.futures.Future``).
+        Call it on the event loop's thread; an engine decoding in a thread of its own calls
+        ``spill_threadsafe`` (same arguments, a ``concurrent.futures.Future``).
 
         Whatever is saved is the state at this call: tokens, caches and
         attachments are evaluated or copied here, on the caller's thread.
@@ -114,11 +127,17 @@ class Spiller:
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
-        return self._submit(lambda: self.queue.enqueue(item))
+        return on_loop(self._bound(), lambda: self.queue.enqueue(item))
 
-    def barrier(
-        self, key: str, action: Callable[[], Any]
-    ) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
+    def spill_threadsafe(
+        self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
+    ) -> concurrent.futures.Future[Settled]:
+        """``spill`` from any thread (the engine's own): the clones are made here, the item is queued on the loop."""
+        leased = not isinstance(self.lease, NoLease)
+        item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
+        return threadsafe(self._bound(), lambda: self.queue.enqueue(item))
+
+    def barrier(self, key: str, action: Callable[[], Any]) -> asyncio.Future[Settled]:
         """Run ``action`` after every write queued before it (e.g. delete a finished generation's checkpoint)."""
 
         async def run() -> Any:
@@ -127,23 +146,31 @@ class Spiller:
 
         return self._submit(lambda: self.queue.enqueue(SpillItem(key=key, barrier=run)))
 
-    def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
+    def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise RuntimeError("Spiller.start() has not run")
-        return submit(self._loop, enqueue)
+            raise RuntimeError("the Spiller is not started: use 'await Spiller.open(...)' or 'async with'")
+        return self._loop
+
+    def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> asyncio.Future[Settled]:
+        return on_loop(self._bound(), enqueue)
 
     # --- reading ----------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
-        return self.store.lookup(self.identity, check_namespace(namespace), tokens)
+    async def lookup(self, tokens: Sequence[int], namespace: str = "") -> api.Hit | Miss:
+        """The longest usable prefix of ``tokens`` in the store (the file is not read)."""
+        found = self.store.lookup(self.identity, check_namespace(namespace), tokens)
+        if isinstance(found, Miss):
+            return found
+        e = found.entry
+        return api.Hit(e.path, found.matched, e.ntokens, e.trimmable)
 
-    async def restore(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
+    async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the
         prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit)."""
-        hit = self.lookup(tokens, namespace)
+        hit = self.store.lookup(self.identity, check_namespace(namespace), tokens)
         if isinstance(hit, Miss) or hit.matched <= longer_than:
             return None
-        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": namespace})
+        ident = dataclasses.replace(self.identity, namespace=namespace)
         return await self._restore(hit, ident)
 
     async def _restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | None:
@@ -164,7 +191,7 @@ class Spiller:
         checkpoint: fmt.GenerationCheckpoint,
         *,
         attachments: Sequence[Attachment] = (),
-    ) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
+    ) -> asyncio.Future[Settled]:
         """Checkpoint an in-flight generation; a newer one for the same key cancels older queued ones."""
 
         def enqueue() -> asyncio.Future[Settled]:
@@ -179,10 +206,10 @@ class Spiller:
         e = self.store.find_checkpoint(self.identity, key)
         if e is None:
             return None
-        ident = fmt.Identity(**{**self.identity.to_wire(), "namespace": checkpoint_namespace(key)})
+        ident = dataclasses.replace(self.identity, namespace=checkpoint_namespace(key))
         return await self._restore(Hit(e, e.ntokens), ident)
 
-    def finish(self, key: str) -> asyncio.Future[Settled] | concurrent.futures.Future[Settled]:
+    def finish(self, key: str) -> asyncio.Future[Settled]:
         """The generation is done: drop its queued checkpoints, then delete the stored ones after in-flight writes."""
 
         def enqueue() -> asyncio.Future[Settled]:
@@ -194,93 +221,15 @@ class Spiller:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def drain(self, timeout: float | None = None) -> DrainReport:
+        """Wait until everything queued is settled (stored, dropped or failed), up to ``timeout``."""
         return await self.queue.drain(timeout)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
+        """Let the queue finish (up to ``timeout``), then stop taking spills."""
         return await self.queue.close(timeout)
 
     def stats(self) -> dict[str, Any]:
         return {"queue": self.queue.counters(), "store": self.store.stats()}
-
-
-def new_item(
-    identity: fmt.Identity,
-    provider: CodecProvider,
-    tokens: Sequence[int],
-    caches: Sequence[Any],
-    *,
-    meta: dict[str, str] | None = None,
-    namespace: str = "",
-    key: str = "",
-    droppable: bool = True,
-    attachments: Sequence[Attachment] = (),
-    checkpoint: fmt.GenerationCheckpoint | None = None,
-    clone: bool = True,
-    live: bool = False,
-    leased: bool = True,
-) -> SpillItem:
-    """A planned spill item, made on the caller's (engine's) thread at the snapshot point.
-
-    Everything the engine handed over is evaluated or copied here, on its own
-    thread (mlx evaluates a graph only on the thread that built it): token ids
-    become ints, attachments and caches become evaluated views (cheap clones),
-    a ``live`` snapshot is planned now. ``live`` reads append-only buffers at
-    write time, inside the lease; without one (``leased=False``) nothing keeps
-    the engine out while they are read, so the caches are cloned instead.
-    """
-    ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
-    ident = fmt.Identity(**{**identity.to_wire(), "namespace": ns})
-    live = live and leased
-    item = SpillItem(
-        tokens=token_ids_now(tokens),
-        attachments=clone_attachments(attachments),
-        namespace=ns,
-        key=key or (checkpoint.key if checkpoint else ""),
-        droppable=droppable,
-    )
-    held = 0
-    if not live:
-        if clone:
-            item.caches, held = clone_and_size(caches, provider)
-        else:
-            item.caches, held = evaluated(caches), held_bytes(caches, (), provider)
-    item.meta["held"] = held
-    make_plan = functools.partial(
-        plan, item.tokens, item.caches if not live else caches, meta=meta, identity=ident,
-        attachments=item.attachments, checkpoint=checkpoint, provider=provider, live=live,
-    )  # fmt: skip
-    # A live snapshot is planned now (its state is read here); clones are planned by the writer, off this thread.
-    item.meta["planned" if live else "plan"] = make_plan() if live else make_plan
-    return item
-
-
-def planned(item: SpillItem) -> tuple[fmt.Header, list[AnySource]]:
-    """The item's header and sources, planning it now if that was deferred."""
-    if "planned" not in item.meta:
-        item.meta["planned"] = item.meta.pop("plan")()
-    result: tuple[fmt.Header, list[AnySource]] = item.meta["planned"]
-    return result
-
-
-def item_bytes(item: SpillItem, provider: CodecProvider) -> int:
-    """What an item counts against a queue cap: the memory it pins, or a live snapshot's pending write."""
-    if "planned" in item.meta:  # a live snapshot pins no memory: count its pending write
-        return int(item.meta["planned"][0].data_bytes)
-    return int(item.meta.get("held", 0)) + held_bytes([], item.attachments, provider)
-
-
-def submit(loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future[Settled]]) -> Any:
-    """Run ``enqueue`` on ``loop``: directly from its own thread (an asyncio future), else thread-safely
-    (a concurrent future)."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        return enqueue()
-    out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
-    loop.call_soon_threadsafe(lambda: enqueue().add_done_callback(lambda f: out.set_result(f.result())))
-    return out
 
 
 async def _now(fn: Callable[..., Any], *args: Any) -> Any:

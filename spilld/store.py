@@ -30,7 +30,7 @@ import xxhash
 
 from . import errors, fileio
 from . import format as fmt
-from .codecs import CodecProvider, default_provider
+from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .lease import RunStep, off_loop
 from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
@@ -228,7 +228,7 @@ class Store:
         self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
         fileio.make_dirs(self.ops, self.root, self.durability)
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
-        self.provider = provider or default_provider()
+        self._provider = provider  # built on first use: the daemon only moves bytes and never needs codecs
         self.verify = verify
         self.counters = StoreCounters()
         self._evicted: dict[tuple[str, str], deque[np.ndarray]] = {}
@@ -241,6 +241,18 @@ class Store:
         self._error_run = 0  # writes failed in a row
         self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
+
+    @property
+    def provider(self) -> CodecProvider:
+        """The codecs this store loads with (mlx-lm's unless one was given; importing them needs mlx-lm)."""
+        if self._provider is None:
+            self._provider = default_provider()
+        return self._provider
+
+    @property
+    def provider_id(self) -> str:
+        """The codec provider whose files a lookup may return by default (known without building it)."""
+        return self._provider.id if self._provider is not None else MLX_LM_PROVIDER_ID
 
     @property
     def entries(self) -> list[Entry]:
@@ -390,7 +402,7 @@ class Store:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
         cands = list(self._by_start.get(_start_key(namespace, want), {}).values()) if len(want) > 1 else []
-        return _Query(want, fp, provider or self.provider.id, cands, list(self._evicted.get((fp, namespace), ())))
+        return _Query(want, fp, provider or self.provider_id, cands, list(self._evicted.get((fp, namespace), ())))
 
     def _settle(self, q: _Query, found: _Found) -> Hit | Miss:
         if found.best is not None:
@@ -520,7 +532,7 @@ class Store:
             try:
                 await off_loop(lambda: self.make_folder(folder))
                 return await save_async(
-                    path, tokens, caches, identity=ident, durability=self.durability, provider=self.provider,
+                    path, tokens, caches, identity=ident, durability=self.durability, provider=self._provider,
                     ops=self.ops, planned=planned, **kw,
                 )  # fmt: skip
             except errors.DiskFull as exc:

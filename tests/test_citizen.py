@@ -145,7 +145,7 @@ def test_a_client_refuses_a_daemon_of_another_user_before_sending_a_byte() -> No
 
         async def go() -> None:
             with pytest.raises(errors.ForeignDaemon, match=f"uid {NOBODY}"):
-                await asyncio.wait_for(AsyncClient.connect(path, identity=IDENT), 10)
+                await asyncio.wait_for(AsyncClient.open(path, identity=IDENT), 10)
 
         asyncio.run(go())
         assert proc.stdout.readline().strip() == "0"  # the listener read end-of-file: not one byte came
@@ -256,7 +256,7 @@ async def test_failed_writes_are_store_errors_in_status(root: str) -> None:
     await d.start()
     try:
         Path(d.store.root, identity_fingerprint(IDENT)).write_text("a file where the model's folder goes")
-        client = await AsyncClient.connect(cfg.socket, identity=IDENT)
+        client = await AsyncClient.open(cfg.socket, identity=IDENT)
         try:
             for n in (4, 5):
                 got = await client.spill(list(range(n)), [fill(C.KVCache(), n)])
@@ -310,7 +310,7 @@ async def test_evicting_10000_entries_leaves_the_loop_answering(root: str) -> No
     await d.start()
     try:
         assert d.store.count == EVICT_ENTRIES
-        client = await AsyncClient.connect(cfg.socket, identity=IDENT)
+        client = await AsyncClient.open(cfg.socket, identity=IDENT)
         try:
             await client.status()
             t0 = time.monotonic()

@@ -11,6 +11,8 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
+import spilld.saver
 from spilld import errors
 from spilld.codecs import Codec, CodecProvider, default_provider
 from tests.caches import chunked, fill, kv, live, same
@@ -102,7 +104,7 @@ def test_resave_gives_identical_hashes(tmp_path: Any, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_clone_matches_and_is_detached(tmp_path: Any, name: str) -> None:
     cache = CASES[name]()
-    clone = spilld.clone_caches([cache])[0]
+    clone = spilld.saver.clone_caches([cache])[0]
     assert type(clone) is type(cache)
     before = frozen(live(cache))
     assert frozen(live(clone)) == before
@@ -169,7 +171,7 @@ def like(cache: Any) -> dict[str, Any]:
 
 def test_empty_clone_is_empty() -> None:
     for make in (C.KVCache, C.ConcatenateKVCache, lambda: C.RotatingKVCache(8)):
-        c = spilld.clone_caches([make()])[0]
+        c = spilld.saver.clone_caches([make()])[0]
         assert c.empty()
 
 
@@ -215,7 +217,7 @@ def test_batch_rotating_false_stays_false(tmp_path: Any) -> None:
 )
 def test_trimmability_from_header_alone(tmp_path: Any, name: str, trimmable: bool) -> None:
     spilld.save(tmp_path / "f", [], [CASES[name]()])
-    assert spilld.read_header(tmp_path / "f").trimmable is trimmable
+    assert spilld.loader.read_header(tmp_path / "f").trimmable is trimmable
 
 
 def test_chunked_min_reusable_is_start_position(tmp_path: Any) -> None:

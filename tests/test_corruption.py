@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
 from spilld import errors
 from spilld import format as fmt
 from tests.caches import fill
@@ -57,7 +58,7 @@ def test_nonzero_padding_is_refused(tmp_path: Any, sample: tuple[str, bytes]) ->
 
 def test_random_tensor_bytes_flipped_are_refused(tmp_path: Any, sample: tuple[str, bytes]) -> None:
     _, data = sample
-    h = spilld.read_header(sample[0])
+    h = spilld.loader.read_header(sample[0])
     rng = random.Random(7)
     bad = str(tmp_path / "bad")
     for _ in range(200):
@@ -290,7 +291,7 @@ def test_loads_leave_no_fd_open(sample: tuple[str, bytes], tmp_path: Any) -> Non
 
 def test_file_is_page_aligned_and_ends_at_last_tensor(sample: tuple[str, bytes]) -> None:
     path, data = sample
-    h = spilld.read_header(path)
+    h = spilld.loader.read_header(path)
     assert h.data_start % fmt.ALIGN == 0 and all(s.off % fmt.ALIGN == 0 for s in h.slots())
     last = max(s.off + s.nbytes for s in h.slots())
     assert len(data) == h.data_start + last == os.path.getsize(path)

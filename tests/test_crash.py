@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
 from spilld import fileio
 from spilld.client import AsyncClient
 from tests.caches import fill, live, same
@@ -37,7 +38,7 @@ def item(n: int) -> tuple[list[int], list[Any]]:
 async def load_cycle(d: Daemon, first: int, rng: random.Random) -> list[int]:
     """Spill items until killed at a random moment; return the item numbers acknowledged as stored."""
     acked: list[int] = []
-    client = await AsyncClient.connect(d.socket, identity=IDENT, shm=rng.random() < 0.5)
+    client = await AsyncClient.open(d.socket, identity=IDENT, shm=rng.random() < 0.5)
     n = first
     futs: dict[int, Any] = {}
     kill_at = asyncio.get_running_loop().time() + rng.uniform(0.0, 0.4)
@@ -76,7 +77,7 @@ def test_sigkill_under_load_never_loses_or_corrupts_an_acknowledged_entry() -> N
         assert temps == []  # the scan at start reaped every orphan
 
         async def verify() -> int:
-            client = await AsyncClient.connect(d.socket, identity=IDENT)
+            client = await AsyncClient.open(d.socket, identity=IDENT)
             checked = 0
             for n in acked:
                 tokens, caches = item(n)
@@ -93,7 +94,7 @@ def test_sigkill_under_load_never_loses_or_corrupts_an_acknowledged_entry() -> N
         assert len(acked) > KILLS // 5  # the load really ran between kills
         print(f"{KILLS} kills: {len(acked)} acknowledged entries, all loaded exactly")
         for f in (os.path.join(p, n) for p, _, fs in os.walk(d.dir) for n in fs if n.endswith(".spilld")):
-            spilld.verify_file(f)
+            spilld.loader.verify_file(f)
     finally:
         d.kill()
         cleanup(d.root)

@@ -34,7 +34,7 @@ def daemon() -> Iterator[Daemon]:
 
 
 async def connect(d: Daemon, model: Any, name: str) -> AsyncClient:
-    return await AsyncClient.connect(d.socket, identity=spilld.identity(model, model_id=name), name=name)
+    return await AsyncClient.open(d.socket, identity=spilld.model_identity(model, model_id=name), name=name)
 
 
 @pytest.mark.asyncio
@@ -54,7 +54,7 @@ async def test_two_engines_spill_lookup_load_identical_logits(daemon: Daemon) ->
         assert mx.array_equal(next_logits(model, got.caches, 5), logits).item()
         # each engine sees only its own model's entries
         other = engines[1][1] if client is engines[0][1] else engines[0][1]
-        assert (await other.lookup([*prompt, 5]))["hit"] is False
+        assert isinstance(await other.lookup([*prompt, 5]), spilld.Miss)
     st = await engines[0][1].status()
     assert st["store"]["entries"] == 2 and st["queue"]["stored"] == 2 and st["clients"] == 2
     for _, c in engines:
@@ -229,7 +229,7 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
     try:
 
         async def go() -> tuple[list[Any], dict[str, int]]:
-            client = await AsyncClient.connect(d.socket, identity=spilld.Identity("big"))
+            client = await AsyncClient.open(d.socket, identity=spilld.Identity("big"))
             from mlx_lm.models import cache as C
 
             from tests.caches import fill
@@ -270,7 +270,7 @@ def test_sync_client_from_an_engine_thread(daemon: Daemon) -> None:
 
     model = tiny_llama()
     prompt = random_tokens(24, seed=8)
-    client = Client(daemon.socket, identity=spilld.identity(model, model_id="sync"), name="sync")
+    client = Client(daemon.socket, identity=spilld.model_identity(model, model_id="sync"), name="sync")
     try:
         out: list[Any] = []
 
@@ -285,7 +285,7 @@ def test_sync_client_from_an_engine_thread(daemon: Daemon) -> None:
         assert settled.stored
         got = client.load([*prompt, 3])
         assert got is not None and mx.array_equal(next_logits(model, got.caches, 3), want).item()
-        assert client.drain(timeout=10)["done"]
+        assert client.drain(timeout=10).done
         assert client.barrier("k")["outcome"] == "stored"
         assert client.cancel(key="nothing") == 0
     finally:
@@ -358,13 +358,13 @@ async def test_a_lease_grantor_is_asked_before_each_write_step(daemon: Daemon) -
     model = tiny_llama()
     prompt = random_tokens(12)
     cache, _ = prefill(model, prompt)
-    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("g"), lease=lease, grant_lease=True)
+    client = await AsyncClient.open(daemon.socket, identity=spilld.Identity("g"), lease=lease, grant_lease=True)
     res = await client.spill(prompt, cache)
     assert res.stored
     n_tensors = 2 * len(cache)
     # once per tensor to take its bytes here, once per write step of the daemon's (each tensor, the publish)
     assert asked == 2 * n_tensors + 1
-    plain = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("p"), lease=lease)
+    plain = await AsyncClient.open(daemon.socket, identity=spilld.Identity("p"), lease=lease)
     before = asked
     assert (await plain.spill(prompt, cache)).stored
     assert asked - before == n_tensors  # no grantor: the daemon's lease is free
@@ -381,7 +381,7 @@ async def test_both_ingest_paths_store_exact_data(daemon: Daemon, shm: bool) -> 
 
     cache = [fill(C.KVCache(), 3000, heads=8, dim=128, seed=3)]  # 2 x 5.9 MiB: several segments
     want = live(fill(C.KVCache(), 3000, heads=8, dim=128, seed=3))
-    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("x"), shm=shm)
+    client = await AsyncClient.open(daemon.socket, identity=spilld.Identity("x"), shm=shm)
     for i in range(3):
         assert (await client.spill([i, *range(2999)], cache)).stored
     got = await client.load([0, *range(2999), 5])
@@ -402,7 +402,7 @@ async def test_an_item_larger_than_the_segment_pool_still_ships(daemon: Daemon) 
     from tests.caches import fill, live, same
 
     cache = [fill(C.KVCache(), 2048, heads=8, dim=128, seed=i) for i in range(3)]  # 6 tensors of 4 MiB
-    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("x"))
+    client = await AsyncClient.open(daemon.socket, identity=spilld.Identity("x"))
     client._pool = shm.ShmPool(segments=2, size=4 * 1024 * 1024)  # fewer segments than tensors
     assert (await asyncio.wait_for(client.spill(list(range(2048)), cache), 60)).stored
     got = await client.load([*range(2048), 1])
@@ -422,7 +422,7 @@ async def test_drain_timeout_exits_3(daemon: Daemon) -> None:
 
     from tests.caches import fill
 
-    granting = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
+    granting = await AsyncClient.open(daemon.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
     # ship with a free lease of our own, so only the daemon's write waits on the grantor
     granting.lease = spilld.NoLease()
     fut = granting.spill(list(range(8)), [fill(C.KVCache(), 8)])

@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.saver
 from spilld import directio, errors
 from tests.caches import fill, live, same
 from tests.conftest import open_fds
@@ -61,7 +62,7 @@ def test_writer_thread_errors_surface_and_leave_nothing(tmp_path: Any) -> None:
 
 def test_closing_mid_save_stops_the_writer(tmp_path: Any) -> None:
     threads, fds = threading.active_count(), open_fds()
-    gen = spilld.save_steps(tmp_path / "f", [], caches(), direct=True)
+    gen = spilld.saver.save_steps(tmp_path / "f", [], caches(), direct=True)
     step = next(gen)
     step.materialize()
     step.write()

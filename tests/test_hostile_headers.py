@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spilld
+import spilld.loader
 from spilld import errors
 from spilld import format as fmt
 from spilld import protocol as P
@@ -80,7 +81,7 @@ def alloc_bound(header: fmt.Header) -> int:
 def load_exactly(path: str, scratch: str) -> str:
     """Load an admitted file; its tensors must be the original bytes (a re-save gives the same hashes), and
     the load must stay within ``alloc_bound``. Returns ``ok`` or the typed refusal the loader gave."""
-    header = spilld.read_header(path)
+    header = spilld.loader.read_header(path)
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -140,7 +141,7 @@ def check_mutant(wire: Any, body: bytes, version: int, blind: bool, scratch: str
         f.write(data)
     file = file_outcome(path)
     spill = spill_outcome(wire)
-    verified = outcome(spilld.verify_file, path)
+    verified = outcome(spilld.loader.verify_file, path)
     assert verified in (OK, "tensor_hash_mismatch") if file == OK else verified == file
     if file == OK:
         loaded = load_exactly(path, scratch)
@@ -284,7 +285,7 @@ def test_the_memory_measure_sees_a_load_grow(tmp_path: Any) -> None:
     path = str(tmp_path / "kv.spilld")
     with open(path, "wb") as f:
         f.write(golden("kv"))
-    header = spilld.read_header(path)
+    header = spilld.loader.read_header(path)
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()

@@ -35,6 +35,7 @@ from spilld.config import Config
 from spilld.daemon import Daemon
 from spilld.lockfile import LOCK_NAME
 from spilld.queue import Outcome, Settled
+from spilld.store import MissReason
 from tests.caches import chunked, fill, live, same
 from tests.conftest import LONG, open_fds
 from tests.daemons import cleanup, new_root
@@ -207,7 +208,7 @@ async def serving(path: str, ingest: str) -> AsyncIterator[Env]:
     ops = FaultyOps()
     daemon.store.ops = ops  # every save of the daemon goes through the faulty layer
     await daemon.start()
-    client = await AsyncClient.connect(cfg.socket, identity=IDENT, name="io-errors", shm=ingest == "shm")
+    client = await AsyncClient.open(cfg.socket, identity=IDENT, name="io-errors", shm=ingest == "shm")
     try:
         item = ITEMS[path](1)
         yield Env(daemon, client, ops, path, item, ITEMS[path](2), buffered_item(3), data_bytes(item))
@@ -328,7 +329,7 @@ async def run_case(env: Env, case: Case, base: int) -> None:
             tokens = list(range(base + 1000 * k, base + 1000 * k + ntok(env.old)))
             got = await client.spill(tokens, env.old)
             assert got.stored
-            olds.append((tokens, int(got.value["file_bytes"])))
+            olds.append((tokens, int(got.value.file_bytes)))
         assert await loads_exactly(client, olds[0][0], env.old)
     lru = list(reversed(olds))
     st0 = await client.status()
@@ -354,11 +355,11 @@ async def run_case(env: Env, case: Case, base: int) -> None:
     else:
         assert settled.outcome is Outcome.FAILED
         assert isinstance(settled.error, errors.StorageError) and settled.error.code == code, settled.error
-        assert (await client.lookup([*tokens, 0]))["hit"] is False  # the failed entry is never served
+        assert isinstance(await client.lookup([*tokens, 0]), spilld.Miss)  # the failed entry is never served
     check_folder(d)
 
     # evictions: least recently used first, only on ENOSPC, just enough for the item (at least one)
-    gone = [t for t, _ in lru if not (await client.lookup([*t, 0]))["hit"]]
+    gone = [t for t, _ in lru if isinstance(await client.lookup([*t, 0]), spilld.Miss)]
     want = 0
     if case.err == errno.ENOSPC and olds:
         need, freed = env.need, 0
@@ -369,7 +370,7 @@ async def run_case(env: Env, case: Case, base: int) -> None:
                 break
     assert gone == [t for t, _ in lru[:want]], f"evicted {len(gone)} of {len(lru)}, expected the {want} oldest"
     for t in gone:
-        assert (await client.lookup([*t, 0]))["reason"] == "evicted"
+        assert (await client.lookup([*t, 0])) == spilld.Miss(MissReason.EVICTED)
     for t, _ in lru[want:]:
         assert await loads_exactly(client, t, env.old)
 

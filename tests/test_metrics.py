@@ -51,7 +51,7 @@ async def traffic(d: Daemon) -> None:
 
     from tests.caches import fill
 
-    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("m"), name="metrics")
+    client = await AsyncClient.open(d.socket, identity=spilld.Identity("m"), name="metrics")
     assert (await client.spill(list(range(16)), [fill(C.KVCache(), 16)])).stored
     assert await client.load([99, 98, 97]) is None  # no_entry
     assert await client.load([*range(16), 7]) is not None  # a hit

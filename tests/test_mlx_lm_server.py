@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from spilld.identity import identity
+from spilld.identity import model_identity
 from spilld.integrations.mlx_lm import ColdTierPromptCache, covered_tokens
 from spilld.integrations.tier import EmbeddedTier, settled_now
 from spilld.queue import Outcome
@@ -175,7 +175,7 @@ def make_tier(tiny: tuple[Any, Any], tmp_path: Any) -> Iterator[Callable[..., Em
     made: list[EmbeddedTier] = []
 
     def make(**kwargs: Any) -> EmbeddedTier:
-        made.append(EmbeddedTier(str(tmp_path), identity(tiny[0], tiny[1], model_id="tiny"), **kwargs))
+        made.append(EmbeddedTier(str(tmp_path), model_identity(tiny[0], tiny[1], model_id="tiny"), **kwargs))
         return made[-1]
 
     yield make

@@ -9,6 +9,8 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
+import spilld.saver
 from spilld import errors
 from tests.models import MODELS, next_logits, prefill, random_tokens, tiny_llama
 
@@ -61,14 +63,14 @@ def test_clone_then_save_async_matches_live(tmp_path: Any) -> None:
     import asyncio
 
     model, tokens, cache = _run("llama")
-    clones = spilld.clone_caches(cache)
+    clones = spilld.saver.clone_caches(cache)
     want = next_logits(model, cache, 3)  # what the cache gave at the clone
     # The engine goes on after handing off its clones: it drops its last 6 rows and decodes other tokens in their
     # place, rewriting rows the clones hold, in the same buffers.
     C.trim_prompt_cache(cache, 1 + 5)
     for t in (11, 12, 13, 14, 15):
         next_logits(model, cache, t)
-    asyncio.run(spilld.save_async(tmp_path / "f", tokens, clones))
+    asyncio.run(spilld.saver.save_async(tmp_path / "f", tokens, clones))
     got = spilld.load(tmp_path / "f").caches
     assert mx.array_equal(next_logits(model, got, 3), want).item()
     # negative control: the rewritten rows change the logits, so a clone that shared them would have failed above
@@ -90,13 +92,13 @@ def test_trimmed_load_matches_a_trimmed_live_cache(tmp_path: Any) -> None:
 def test_rotated_ring_cannot_be_cut(tmp_path: Any) -> None:
     _, tokens, cache = _run("gemma3")  # 52 tokens through a window of 8: the rings have wrapped
     spilld.save(tmp_path / "f", tokens, cache)
-    assert spilld.read_header(tmp_path / "f").trimmable is False
+    assert spilld.loader.read_header(tmp_path / "f").trimmable is False
     with pytest.raises(errors.NotReusable):
         spilld.load(tmp_path / "f", upto=len(tokens) - 1)
     # negative control: rings that have not wrapped can be cut, and the cut entry answers like a cut live cache
     model, tokens, cache = _run("gemma3", n_prompt=6, n_decode=0)
     spilld.save(tmp_path / "g", tokens, cache)
-    assert spilld.read_header(tmp_path / "g").trimmable is True
+    assert spilld.loader.read_header(tmp_path / "g").trimmable is True
     got = spilld.load(tmp_path / "g", upto=len(tokens) - 2)
     C.trim_prompt_cache(cache, 2)
     assert mx.array_equal(next_logits(model, got.caches, 9), next_logits(model, cache, 9)).item()
@@ -120,14 +122,15 @@ def test_quantized_cache_from_a_real_model(tmp_path: Any, bits: int) -> None:
 
 def test_identity_fields_follow_the_model() -> None:
     a, b = tiny_llama(seed=0), tiny_llama(seed=1)
-    ia, ib = spilld.identity(a), spilld.identity(b)
-    assert ia.config_fingerprint == ib.config_fingerprint  # same shape of KV, other weights
-    assert spilld.identity(a, kv_bits=4, kv_group_size=64).config_fingerprint != ia.config_fingerprint
+    ia, ib = spilld.model_identity(a), spilld.model_identity(b)
+    assert ia.config_fingerprint != ib.config_fingerprint  # same shape of KV, other weights: other caches
+    assert spilld.model_identity(tiny_llama(seed=0)) == ia  # the same weights again: the same identity
+    assert spilld.model_identity(a, kv_bits=4, kv_group_size=64).config_fingerprint != ia.config_fingerprint
     other = MODELS["gemma3"]()
-    assert spilld.identity(other).config_fingerprint != ia.config_fingerprint
+    assert spilld.model_identity(other).config_fingerprint != ia.config_fingerprint
     a.set_dtype(mx.float16)
-    assert spilld.identity(a).config_fingerprint != ia.config_fingerprint
-    assert spilld.identity(b, model_id="m", namespace="ns").model_id == "m"
+    assert spilld.model_identity(a).config_fingerprint != ia.config_fingerprint
+    assert spilld.model_identity(b, model_id="m", namespace="ns").model_id == "m"
 
 
 def test_tokenizer_hash_follows_the_vocabulary() -> None:
@@ -138,7 +141,7 @@ def test_tokenizer_hash_follows_the_vocabulary() -> None:
         return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
 
     v = {"<unk>": 0, "hello": 1, "world": 2}
-    h1 = spilld.identity(tiny_llama(), tok(v)).tokenizer_hash
-    assert h1 == spilld.identity(tiny_llama(), tok(dict(v))).tokenizer_hash
-    assert h1 != spilld.identity(tiny_llama(), tok({**v, "world": 3, "x": 2})).tokenizer_hash
+    h1 = spilld.model_identity(tiny_llama(), tok(v)).tokenizer_hash
+    assert h1 == spilld.model_identity(tiny_llama(), tok(dict(v))).tokenizer_hash
+    assert h1 != spilld.model_identity(tiny_llama(), tok({**v, "world": 3, "x": 2})).tokenizer_hash
     assert len(h1) == 32

@@ -134,14 +134,14 @@ def sampler(d: Daemon, run: Run, stop: threading.Event) -> None:
 
 async def produce(d: Daemon, run: Run, vs: list[Variant], seconds: float) -> None:
     loop = asyncio.get_running_loop()
-    status = await AsyncClient.connect(d.socket, identity=IDENT, name="counter")
+    status = await AsyncClient.open(d.socket, identity=IDENT, name="counter")
     run.written_at_start = (await status.status())["queue"]["bytes_written"]
     t0 = loop.time()
     stop = t0 + seconds
 
     async def producer(p: int) -> None:
         # half the producers ship through shared memory, half inline; the client never drops (its cap is large)
-        client = await AsyncClient.connect(d.socket, identity=IDENT, name=f"producer {p}", shm=p % 2 == 0)
+        client = await AsyncClient.open(d.socket, identity=IDENT, name=f"producer {p}", shm=p % 2 == 0)
         unanswered: set[Any] = set()
         barriers: list[asyncio.Task[dict[str, Any]]] = []
         next_barrier = t0 + BARRIER_PERIOD_S * (1 + p / PRODUCERS)
@@ -172,7 +172,7 @@ async def produce(d: Daemon, run: Run, vs: list[Variant], seconds: float) -> Non
 
 
 async def verify(d: Daemon, sample: list[Offer]) -> None:
-    client = await AsyncClient.connect(d.socket, identity=IDENT, name="verifier")
+    client = await AsyncClient.open(d.socket, identity=IDENT, name="verifier")
     for o in sample:
         loaded = await client.load([*o.tokens, 7])
         assert loaded is not None, f"stored item {o.producer}/{o.seq} is not found"
@@ -226,7 +226,7 @@ def soak(seconds: float) -> dict[str, Any]:
         assert store["entries"] == len(stored) and store["evicted"] == 0 and store["quarantined"] == 0
         for o in stored:
             assert o.result is not None
-            assert os.path.getsize(o.result.value["path"]) == o.result.value["file_bytes"]
+            assert os.path.getsize(o.result.value.path) == o.result.value.file_bytes
         rng = random.Random(6)
         sample = [rng.choice([o for o in stored if o.producer == p]) for p in range(PRODUCERS)]
         sample += rng.sample([o for o in stored if not o.droppable], 4)

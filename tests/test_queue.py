@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from spilld import Outcome, SpillItem, SpillQueue
+from spilld.queue import Outcome, SpillItem, SpillQueue
 
 pytestmark = pytest.mark.asyncio
 
@@ -37,11 +37,11 @@ class Recorder:
 
 
 def item(key: str, nbytes: int = 10, droppable: bool = True, **kw: Any) -> SpillItem:
-    return SpillItem(key=key, droppable=droppable, meta={"n": nbytes}, **kw)
+    return SpillItem(key=key, droppable=droppable, payload=nbytes, **kw)
 
 
 def queue(rec: Recorder, cap: int = 1000, **kw: Any) -> SpillQueue:
-    return SpillQueue(cap, rec.store, release=rec.release, bytes_of=lambda it: it.meta.get("n", 0), **kw)
+    return SpillQueue(cap, rec.store, release=rec.release, bytes_of=lambda it: it.payload or 0, **kw)
 
 
 async def test_stores_serially_in_enqueue_order_and_releases_once() -> None:

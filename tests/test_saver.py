@@ -13,6 +13,8 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
+import spilld.saver
 from spilld import errors, fileio
 from spilld.codecs.base import Source
 from spilld.saver import PublishStep, TensorStep
@@ -25,7 +27,7 @@ def caches(n_layers: int = 3) -> list[Any]:
 
 
 def test_n_tensors_give_n_plus_one_steps(tmp_path: Any) -> None:
-    gen = spilld.save_steps(tmp_path / "f", list(range(17)), caches(3))
+    gen = spilld.saver.save_steps(tmp_path / "f", list(range(17)), caches(3))
     steps = []
     for step in gen:
         steps.append(step)
@@ -40,7 +42,7 @@ def test_n_tensors_give_n_plus_one_steps(tmp_path: Any) -> None:
 @pytest.mark.parametrize("how", ["close", "throw", "skip"])
 def test_leaving_at_any_step_leaves_nothing(tmp_path: Any, stop_after: int, how: str) -> None:
     before = open_fds()
-    gen = spilld.save_steps(tmp_path / "f", [], caches(3))
+    gen = spilld.saver.save_steps(tmp_path / "f", [], caches(3))
     steps = []
     for i, step in enumerate(gen):
         steps.append(step)
@@ -63,7 +65,7 @@ def test_leaving_at_any_step_leaves_nothing(tmp_path: Any, stop_after: int, how:
 
 
 def test_steps_must_run_in_order(tmp_path: Any) -> None:
-    gen = spilld.save_steps(tmp_path / "f", [], caches(1))
+    gen = spilld.saver.save_steps(tmp_path / "f", [], caches(1))
     step = next(gen)
     with pytest.raises(errors.SaveAborted):
         step.write()  # not materialized yet
@@ -136,7 +138,7 @@ def test_short_writes_are_resumed(tmp_path: Any) -> None:
 def test_plan_drift_is_caught(tmp_path: Any) -> None:
     # A codec whose source changes size between plan and write.
     cache = fill(C.KVCache(), 9)
-    gen = spilld.save_steps(tmp_path / "f", [], [cache])
+    gen = spilld.saver.save_steps(tmp_path / "f", [], [cache])
     step = next(gen)
     assert isinstance(step, TensorStep)
     step.bytes._source = Source(mx.zeros((1, 2, 10, 8)))
@@ -170,7 +172,7 @@ def test_bad_tokens_are_refused(tmp_path: Any) -> None:
 
 def test_tokens_accept_arrays(tmp_path: Any) -> None:
     spilld.save(tmp_path / "f", mx.arange(5, 22), caches(1))  # as many tokens as the cache holds (17)
-    assert spilld.read_header(tmp_path / "f").tokens == list(range(5, 22))
+    assert spilld.loader.read_header(tmp_path / "f").tokens == list(range(5, 22))
 
 
 # --- save_async ----------------------------------------------------------------
@@ -206,7 +208,7 @@ async def test_save_async_runs_one_step_per_loop_turn(tmp_path: Any) -> None:
 
     t = asyncio.create_task(engine())
     await asyncio.sleep(0)
-    res = await spilld.save_async(tmp_path / "f", list(range(17)), caches(3), run_step=lease, write_in_lease=True)
+    res = await spilld.saver.save_async(tmp_path / "f", list(range(17)), caches(3), run_step=lease, write_in_lease=True)
     stop = True
     await t
     steps = [e for e in events if e != "turn"]
@@ -215,13 +217,13 @@ async def test_save_async_runs_one_step_per_loop_turn(tmp_path: Any) -> None:
     # Between the last work of one save step and the first of the next, the engine got a turn.
     for a, b in itertools.pairwise(events):
         assert "turn" in (a, b) or a[1] is b[1], "two save steps ran in one loop turn"
-    assert res.header.data_bytes == sum(s.nbytes for s in spilld.read_header(tmp_path / "f").slots())
+    assert res.header.data_bytes == sum(s.nbytes for s in spilld.loader.read_header(tmp_path / "f").slots())
 
 
 @pytest.mark.asyncio
 async def test_save_async_write_in_lease(tmp_path: Any) -> None:
     lease = AsyncLockLease()
-    await spilld.save_async(tmp_path / "f", [], caches(2), run_step=lease, write_in_lease=True)
+    await spilld.saver.save_async(tmp_path / "f", [], caches(2), run_step=lease, write_in_lease=True)
     assert lease.calls == 4 + 5  # 4 materialize + 4 writes + publish
     assert spilld.load(tmp_path / "f").caches
 
@@ -239,7 +241,7 @@ async def test_failing_lease_aborts_cleanly(tmp_path: Any) -> None:
 
     before = open_fds()
     with pytest.raises(RuntimeError, match="engine is gone"):
-        await spilld.save_async(tmp_path / "f", [], caches(3), run_step=lease)
+        await spilld.saver.save_async(tmp_path / "f", [], caches(3), run_step=lease)
     assert os.listdir(tmp_path) == []
     assert open_fds() == before
 
@@ -253,25 +255,10 @@ async def test_cancelled_save_leaves_nothing(tmp_path: Any) -> None:
         await asyncio.sleep(0.01)
         return fn()
 
-    task = asyncio.create_task(spilld.save_async(tmp_path / "f", [], caches(4), run_step=lease))
+    task = asyncio.create_task(spilld.saver.save_async(tmp_path / "f", [], caches(4), run_step=lease))
     await started.wait()
     await asyncio.sleep(0.02)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert os.listdir(tmp_path) == []
-
-
-# --- drop-ins --------------------------------------------------------------------
-
-
-def test_prompt_cache_dropins(tmp_path: Any) -> None:
-    cs = [fill(C.KVCache(), 11), fill(C.RotatingKVCache(8, keep=2), 11)]
-    name = str(tmp_path / "prompt.safetensors")
-    spilld.save_prompt_cache(name, cs, {"model": "tiny", "note": "héllo"})
-    assert os.listdir(tmp_path) == ["prompt.safetensors"]  # exactly the name given
-    got = spilld.load_prompt_cache(name)
-    assert all(same(live(a), live(b)) for a, b in zip(got, cs, strict=True))
-    _, meta = spilld.load_prompt_cache(name, return_metadata=True)
-    assert meta == {"model": "tiny", "note": "héllo"}
-    assert spilld.read_header(name).tokens == []

@@ -47,7 +47,7 @@ async def test_a_second_signal_during_a_drain_exits_3(daemon: Daemon) -> None:
         await hold.wait()
         return await asyncio.to_thread(fn)  # a grant is held off the loop until the daemon's step is done
 
-    client = await AsyncClient.connect(daemon.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
+    client = await AsyncClient.open(daemon.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
     client.lease = spilld.NoLease()  # ship freely; only the daemon's write waits on the grantor
     client.spill(list(range(8)), [fill(C.KVCache(), 8)])
     await client.queue.drain()

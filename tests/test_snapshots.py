@@ -216,8 +216,8 @@ def _spill_in_process(tmp_path: Any, name: str, leased: bool) -> tuple[Any, Sett
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=_lease(leased, lock, gate)).start())
-        want, settled, _ = run_engine(sp.spill, make, step, lock, gate)
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=_lease(leased, lock, gate)))
+        want, settled, _ = run_engine(sp.spill_threadsafe, make, step, lock, gate)
         lt.run(sp.close())
     finally:
         lt.stop()
@@ -257,9 +257,9 @@ def test_the_engine_decodes_while_a_live_write_runs(tmp_path: Any) -> None:
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)).start())
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
         want, settled, steps = run_engine(
-            sp.spill, lambda: fill(C.KVCache(), 3000, heads=8, dim=64), _kv_step(dim=64, heads=8), lock, gate
+            sp.spill_threadsafe, lambda: fill(C.KVCache(), 3000, heads=8, dim=64), _kv_step(dim=64, heads=8), lock, gate
         )  # 2 x 6 MiB: several 2 MiB pieces per tensor
         lt.run(sp.close())
     finally:
@@ -274,9 +274,9 @@ def test_live_snapshot_while_the_engine_leaves_some_steps_unevaluated(tmp_path: 
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)).start())
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
         make, step = CLASSES["kv"]
-        want, settled, _ = run_engine(sp.spill, make, step, lock, gate, lazy_every=2)
+        want, settled, _ = run_engine(sp.spill_threadsafe, make, step, lock, gate, lazy_every=2)
         lt.run(sp.close())
     finally:
         lt.stop()
@@ -295,12 +295,12 @@ def _spill_from_engine_thread(
     out: dict[str, Any] = {}
     try:
         lease = ThreadLockLease(threading.Lock())
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=lease).start())
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=lease))
 
         def engine() -> None:
             try:
                 args, kw = make_args()  # built on the engine's thread, as an engine does
-                out["fut"] = sp.spill(*args, **kw)
+                out["fut"] = sp.spill_threadsafe(*args, **kw)
             except BaseException as exc:
                 out["error"] = exc
 
@@ -339,8 +339,10 @@ def test_an_attachment_updated_in_place_after_the_spill(tmp_path: Any) -> None:
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)).start())
-        fut = sp.spill(list(range(4)), [fill(C.KVCache(), 4)], attachments=[spilld.Attachment("d", {}, [draft])])
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
+        fut = sp.spill_threadsafe(
+            list(range(4)), [fill(C.KVCache(), 4)], attachments=[spilld.Attachment("d", {}, [draft])]
+        )
         draft[2:4] = mx.array([100.0, 200.0])  # the engine updates its draft state in place (same object)
         draft += 1
         mx.eval(draft)
@@ -375,8 +377,8 @@ def test_a_cut_grown_back_before_the_write_fails_it(tmp_path: Any) -> None:
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)).start())
-        fut = sp.spill(list(range(30)), [cache], live=True)
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
+        fut = sp.spill_threadsafe(list(range(30)), [cache], live=True)
         trim_prompt_cache([cache], 10)  # the engine reuses the cache for another prompt: rows 20.. rewritten
         for i in range(15):
             cache.update_and_fetch(*kv(1, seed=300 + i))
@@ -397,9 +399,9 @@ def test_an_engine_that_never_evaluates_fails_the_live_write(tmp_path: Any, monk
     lock = threading.Lock()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=ThreadLockLease(lock)).start())
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=ThreadLockLease(lock)))
         with lock:
-            fut = sp.spill(list(range(30)), [cache], live=True)
+            fut = sp.spill_threadsafe(list(range(30)), [cache], live=True)
             cache.update_and_fetch(*kv(1, seed=1))  # and leaves it lazy: no other thread can evaluate it
         t0 = time.monotonic()
         settled: Settled = fut.result(timeout=60)
@@ -418,9 +420,9 @@ def test_cuts_above_the_snapshot_are_fine_until_too_many_to_tell(tmp_path: Any, 
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
-        sp = lt.run(spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)).start())
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
         want = freeze(live(cache))
-        fut = sp.spill(list(range(30)), [cache], live=True)
+        fut = sp.spill_threadsafe(list(range(30)), [cache], live=True)
         for i in range(cuts):  # speculative decoding: a rejected draft token is cut, above the snapshot's rows
             cache.update_and_fetch(*kv(1, seed=400 + i))
             cache.trim(1)

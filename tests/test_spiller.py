@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 import spilld
+import spilld.saver
 from spilld import Outcome
 from tests.models import next_logits, prefill, random_tokens, tiny_llama
 
@@ -18,55 +19,55 @@ pytestmark = pytest.mark.asyncio
 
 
 def ident(model: Any) -> spilld.Identity:
-    return spilld.identity(model, model_id="tiny-llama")
+    return spilld.model_identity(model, model_id="tiny-llama")
 
 
 async def test_spill_restart_restore_gives_identical_logits(tmp_path: Any) -> None:
     model = tiny_llama()
     prompt = random_tokens(48, seed=3)
     cache, _ = prefill(model, prompt)
-    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
     fut = sp.spill(prompt, cache)
     assert isinstance(fut, asyncio.Future)
     live = next_logits(model, cache, 11)  # the engine goes on with its cache
     assert (await fut).outcome is Outcome.STORED
     await sp.close()
 
-    again = await spilld.Spiller(tmp_path, identity=ident(model)).start()  # a restart
+    again = await spilld.Spiller.open(tmp_path, identity=ident(model))  # a restart
     follow_up = [*prompt, 11, 12, 13]
-    got = await again.restore(follow_up)
+    got = await again.load(follow_up)
     assert got is not None and got.tokens == prompt
     assert mx.array_equal(next_logits(model, got.caches, 11), live).item()
     assert again.stats()["store"]["hits"] == 1
     # a different model's spiller on the same folder never sees it
-    other = await spilld.Spiller(tmp_path, identity=spilld.Identity("other", "fp", "", "")).start()
-    assert await other.restore(follow_up) is None
+    other = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("other", "fp", "", ""))
+    assert await other.load(follow_up) is None
 
 
 async def test_spill_from_the_engine_thread(tmp_path: Any) -> None:
     model = tiny_llama()
     prompt = random_tokens(20)
     lock = threading.Lock()
-    sp = await spilld.Spiller(tmp_path, identity=ident(model), lease=spilld.ThreadLockLease(lock)).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model), lease=spilld.ThreadLockLease(lock))
     out: list[Any] = []
 
     def engine() -> None:  # mlx-lm's server decodes in its own thread, under its generation lock
         with lock:
             cache, _ = prefill(model, prompt)
-            out.append(sp.spill(prompt, cache))
+            out.append(sp.spill_threadsafe(prompt, cache))
 
     th = threading.Thread(target=engine)
     th.start()
     await asyncio.get_running_loop().run_in_executor(None, th.join)
     settled = await asyncio.wrap_future(out[0])
     assert settled.stored and (await sp.drain()).done
-    assert isinstance(sp.lookup([*prompt, 1]), spilld.Hit)
+    assert isinstance(await sp.lookup([*prompt, 1]), spilld.Hit)
 
 
 async def test_barrier_runs_after_earlier_writes(tmp_path: Any) -> None:
     model = tiny_llama()
     cache, _ = prefill(model, random_tokens(16))
-    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
     seen: list[int] = []
     w = sp.spill(random_tokens(16), cache, key="g1")
     b = sp.barrier("g1", lambda: seen.append(sp.store.counters.stored))
@@ -105,14 +106,14 @@ async def test_generation_checkpoint_resumes_identically(tmp_path: Any) -> None:
     assert len(set(full)) > 3  # a temperature sampler, not one repeated token
 
     emitted, (cache, pending) = generate(model, prompt, 16, seed, stop_at=7)  # type: ignore[misc]
-    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
     ck = spilld.GenerationCheckpoint("req-7", "", len(prompt), len(emitted), pending, seed, True)
     assert (await sp.checkpoint([*prompt, *emitted], cache, ck)).stored
     live_next = next_logits(model, cache, pending)
     await sp.close()
 
-    restarted = await spilld.Spiller(tmp_path, identity=ident(model)).start()
-    assert isinstance(restarted.lookup([*prompt, *emitted, 1]), spilld.Miss)  # checkpoints stay apart
+    restarted = await spilld.Spiller.open(tmp_path, identity=ident(model))
+    assert isinstance(await restarted.lookup([*prompt, *emitted, 1]), spilld.Miss)  # checkpoints stay apart
     got = await restarted.resume("req-7")
     assert got is not None and got.checkpoint == ck
     fresh = await restarted.resume("req-7")
@@ -130,7 +131,7 @@ async def test_newer_checkpoint_cancels_queued_older_ones(tmp_path: Any) -> None
     model = tiny_llama()
     prompt = random_tokens(10)
     cache, _ = prefill(model, prompt)
-    sp = await spilld.Spiller(tmp_path, identity=ident(model)).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
     ck = spilld.GenerationCheckpoint("k", "", 10, 0, 1, 1, False)
     first = sp.checkpoint(prompt, cache, ck)
     second = sp.checkpoint(prompt, cache, ck)
@@ -153,7 +154,7 @@ async def test_live_snapshot_does_not_make_the_engine_copy(tmp_path: Any) -> Non
     cache = fill(C.KVCache(), 40)
     before = live(fill(C.KVCache(), 40))  # the same data, from a twin (a view of ours would pin the buffer)
     lock = threading.Lock()  # the engine's: live rows are read only while it is free
-    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=spilld.ThreadLockLease(lock)).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=spilld.ThreadLockLease(lock))
     fut = sp.spill(list(range(40)), [cache], live=True)
     addr = _address(cache.keys)
     for i in range(5):  # the engine keeps extending its cache in place
@@ -162,7 +163,7 @@ async def test_live_snapshot_does_not_make_the_engine_copy(tmp_path: Any) -> Non
             mx.eval(cache.keys, cache.values)
     assert _address(cache.keys) == addr  # no copy: nothing of ours pinned the buffer
     assert (await fut).stored
-    got = await sp.restore([*range(40), 7])
+    got = await sp.load([*range(40), 7])
     assert got is not None and got.tokens == list(range(40))
     from tests.caches import same
 
@@ -176,7 +177,7 @@ async def test_live_snapshot_detects_a_cut_below_its_length(tmp_path: Any) -> No
 
     cache = fill(C.KVCache(), 30)
     lease = spilld.ThreadLockLease(threading.Lock())
-    sp = await spilld.Spiller(tmp_path, identity=spilld.Identity("m"), lease=lease).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=lease)
     fut = sp.spill(list(range(30)), [cache], live=True)
     cache.trim(10)
     res = await fut
@@ -204,13 +205,13 @@ async def test_live_snapshot_of_a_model_decoding_on_its_own_thread(tmp_path: Any
 
         return await held(step)
 
-    sp = await spilld.Spiller(tmp_path, identity=ident(model), lease=lease).start()
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model), lease=lease)
     out: dict[str, Any] = {}
 
     def engine() -> None:
         with lock:
             cache, _ = prefill(model, prompt)
-            fut = sp.spill(prompt, cache, live=True)
+            fut = sp.spill_threadsafe(prompt, cache, live=True)
         for step in range(200):
             if step >= 3 and fut.done():
                 break
@@ -228,7 +229,7 @@ async def test_live_snapshot_of_a_model_decoding_on_its_own_thread(tmp_path: Any
     for e in events:  # and never during one
         assert not (writing and e == "decode"), events
         writing = {"write": True, "written": False}.get(e, writing)
-    got = await sp.restore([*prompt, 3])
+    got = await sp.load([*prompt, 3])
     assert got is not None and got.tokens == prompt
     fresh, _ = prefill(model, prompt)
     assert mx.array_equal(next_logits(model, got.caches, 3), next_logits(model, fresh, 3)).item()
@@ -255,7 +256,7 @@ async def test_live_rows_are_copied_in_chunks_across_engine_steps(tmp_path: Any)
         return out
 
     plan = spilld.saver.plan(list(range(300)), [cache], live=True)
-    res = await spilld.save_async(tmp_path / "f", [], [], run_step=lease, planned=plan, live_chunk=64 * 1024)
+    res = await spilld.saver.save_async(tmp_path / "f", [], [], run_step=lease, planned=plan, live_chunk=64 * 1024)
     assert calls >= 2 * 5 and cache.keys.shape[2] > 512  # several holds per tensor; the buffer was regrown
     got = spilld.load(res.path).caches[0]
     assert same(live(got), want)

@@ -13,6 +13,8 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
+import spilld.saver
 from spilld import fileio
 from spilld import format as fmt
 from spilld.store import (
@@ -92,7 +94,7 @@ def lives(caches: list[Any]) -> list[Any]:
 
 def trimmed_copy(caches: list[Any], n: int) -> list[Any]:
     """What ``caches`` look like cut back by ``n`` tokens, through the classes' own ``trim``."""
-    out = spilld.clone_caches(caches)
+    out = spilld.saver.clone_caches(caches)
     for c in out:
         c.trim(n)
     return out
@@ -630,7 +632,7 @@ async def test_durability_none_still_writes_loadable_files(tmp_path: Path) -> No
     caches = kv_layers(16)
     want = lives(caches)
     r = await s.put(toks(16), caches, IDENT)
-    assert spilld.verify_file(r.path).tokens == toks(16)
+    assert spilld.loader.verify_file(r.path).tokens == toks(16)
     s2 = Store(tmp_path)
     assert s2.scan() == 1
     got = restored(s2, IDENT, "", [*toks(16), 1])

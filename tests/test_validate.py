@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+import spilld.loader
 from spilld import errors
 from spilld import format as fmt
 from spilld import protocol as P
@@ -122,7 +123,7 @@ def write(path: str, data: bytes) -> str:
 
 def test_the_sample_is_valid_for_every_user(sample: bytes, tmp_path: Any) -> None:
     path = write(str(tmp_path / "x.spilld"), sample)
-    assert spilld.load(path).tokens == TOKENS and spilld.verify_file(path).tokens == TOKENS
+    assert spilld.load(path).tokens == TOKENS and spilld.loader.verify_file(path).tokens == TOKENS
     validate_header(fmt.header_from_wire(split(sample)[0]))
 
 
@@ -130,7 +131,7 @@ def test_the_sample_is_valid_for_every_user(sample: bytes, tmp_path: Any) -> Non
 def test_refused_by_the_loader_and_verify(sample: bytes, case: Case, tmp_path: Any) -> None:
     _, data = hostile(sample, case)
     path = write(str(tmp_path / "x.spilld"), data)
-    for user in (spilld.load, spilld.verify_file, spilld.read_header):
+    for user in (spilld.load, spilld.loader.verify_file, spilld.loader.read_header):
         with pytest.raises(case.err) as info:
             user(path)
         assert info.value.code == case.err.code and "x.spilld" in str(info.value)

@@ -62,7 +62,7 @@ def rss_kib(pid: int) -> int:
 
 
 async def ingest(d: Daemon, item_bytes: int, items: int, shm: bool) -> dict[str, Any]:
-    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("ingest"), queue_cap=4 << 30, shm=shm)
+    client = await AsyncClient.open(d.socket, identity=spilld.Identity("ingest"), queue_cap=4 << 30, shm=shm)
     cs = caches(item_bytes)
     t0 = time.perf_counter()
     futs = [client.spill([i, *range(4095)], cs) for i in range(items)]
@@ -92,7 +92,7 @@ async def rss(d: Daemon, seconds: float, item_bytes: int, producers: int) -> dic
 
     async def producer(k: int) -> None:
         nonlocal offered
-        client = await AsyncClient.connect(d.socket, identity=spilld.Identity("rss"), queue_cap=2 * item_bytes)
+        client = await AsyncClient.open(d.socket, identity=spilld.Identity("rss"), queue_cap=2 * item_bytes)
         i = 0
         while time.monotonic() < stop:
             fut = client.spill([k, i, *range(4094)], cs)
@@ -111,7 +111,7 @@ async def rss(d: Daemon, seconds: float, item_bytes: int, producers: int) -> dic
     t0 = time.perf_counter()
     await asyncio.gather(sampler(), *(producer(k) for k in range(producers)))
     wall = time.perf_counter() - t0
-    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("rss"))
+    client = await AsyncClient.open(d.socket, identity=spilld.Identity("rss"))
     drained = await client.drain(timeout=120)
     st = await client.status()
     await client.close()
@@ -125,7 +125,7 @@ async def rss(d: Daemon, seconds: float, item_bytes: int, producers: int) -> dic
         "written_GBps": st["queue"]["bytes_written"] / wall / 1e9,
         "outcomes": outcomes,
         "queue": st["queue"],
-        "drained": drained["done"],
+        "drained": drained.done,
         "samples": samples,
     }
 

@@ -122,7 +122,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     spiller: spilld.Spiller | None = None
     if arm.startswith("spilld"):
         spiller = asyncio.run_coroutine_threadsafe(
-            spilld.Spiller(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30).start(), loop
+            spilld.Spiller.open(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30), loop
         ).result()
 
     own = C.make_prompt_cache(model)
@@ -171,7 +171,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
             else:
                 assert spiller is not None
                 live = case == "snapshot" and arm == "spilld"  # the engine keeps extending these caches
-                fut = spiller.spill(list(range(caches[0].offset)), caches, live=live)
+                fut = spiller.spill_threadsafe(list(range(caches[0].offset)), caches, live=live)
                 fut.add_done_callback(lambda _f: settled_at.append(time.perf_counter()))
                 futures.append(fut)
             res.spill_call_ms.append((time.perf_counter() - t1) * 1e3)
@@ -200,14 +200,12 @@ def spill_call_cost(folder: str, layers: int = 32, tokens: int = 8192 - 1) -> di
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()
-    sp = asyncio.run_coroutine_threadsafe(
-        spilld.Spiller(folder, identity=spilld.Identity("bench")).start(), loop
-    ).result()
+    sp = asyncio.run_coroutine_threadsafe(spilld.Spiller.open(folder, identity=spilld.Identity("bench")), loop).result()
     costs = []
     futs = []
     for _ in range(5):
         t0 = time.perf_counter()
-        futs.append(sp.spill(list(range(caches[0].offset)), caches))
+        futs.append(sp.spill_threadsafe(list(range(caches[0].offset)), caches))
         costs.append((time.perf_counter() - t0) * 1e3)
     cancelled = sum(1 for f in futs if not f.result(timeout=600).stored)
     asyncio.run_coroutine_threadsafe(sp.close(), loop).result()

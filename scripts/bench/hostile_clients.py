@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import msgpack
 
 from spilld import protocol as P
+from spilld.api import Hit
 
 MiB = 1024 * 1024
 
@@ -258,7 +259,7 @@ class Good:
             try:
                 if method == "lookup":
                     r = await self.client.lookup([*prompt, 1])
-                    assert r["hit"], r
+                    assert isinstance(r, Hit), r
                 else:
                     await self.client.status()
             except Exception:
@@ -306,7 +307,7 @@ async def bench(d: Any, a: argparse.Namespace) -> dict[str, Any]:
         caches.append(c)
     mx.eval([c.keys for c in caches])
     prompts = [[50_000 + j, *range(255)] for j in range(4)]
-    client = await AsyncClient.connect(d.socket, identity=spilld.Identity("hostile-bench"), name="well-behaved")
+    client = await AsyncClient.open(d.socket, identity=spilld.Identity("hostile-bench"), name="well-behaved")
     good = Good(client, caches, prompts, a)
     for p in prompts:  # the lookups hit from the start
         first: asyncio.Future[spilld.Settled] = client.spill(p, caches)  # type: ignore[assignment]

@@ -50,7 +50,7 @@ def time_calls(
             kw["live"] = True
         with lock:
             t0, c0 = time.perf_counter(), time.thread_time()
-            fut = sp.spill(tokens, caches, key=f"{arm}{i}", **kw)
+            fut = sp.spill_threadsafe(tokens, caches, key=f"{arm}{i}", **kw)
             times.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
         assert fut.result(timeout=600).stored
@@ -76,9 +76,7 @@ def main() -> None:
         lt = LoopThread("spiller")
         try:
             lease = spilld.ThreadLockLease(lock)
-            sp = lt.run(
-                spilld.Spiller(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30).start()
-            )
+            sp = lt.run(spilld.Spiller.open(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30))
             print(f"cache: {args.layers} x 2 x (1, {args.heads}, {args.tokens}, {args.dim}) f16 = {gib:.3f} GiB")
             for arm in ("clone", "mlx_tokens_attachment", "live"):
                 wall, cpu = ([x * 1e3 for x in xs] for xs in time_calls(args, arm, caches, sp, lt, lock))

@@ -8,12 +8,14 @@ anything is allocated.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..format import CacheEntry
-from .base import SNAPSHOT_CLONE, Codec, Encoded
 from .rules import MLX_LM_PROVIDER_ID
+
+if TYPE_CHECKING:
+    from .base import Codec, Encoded
 
 
 class CodecProvider:
@@ -85,6 +87,8 @@ class _LiveContext:
         self.provider = provider
 
     def encode(self, cache: Any) -> Encoded:
+        from .base import SNAPSHOT_CLONE  # the codecs are mlx's: this runs engine-side only
+
         codec = self.provider.for_cache(cache)
         if codec.snapshot == SNAPSHOT_CLONE:
             # Rows this class overwrites in place cannot be read later: a clone taken now (views the

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__, errors
@@ -297,11 +298,27 @@ class Connection(asyncio.BufferedProtocol):
             sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc)[:200])
 
 
+@dataclass(eq=False)
+class Received:
+    """A committed spill as the daemon's queue holds it (``SpillItem.payload``)."""
+
+    header: fmt.Header
+    chunks: list[list[bytes | bytearray | memoryview]]  # each tensor's bytes, as received
+    nbytes: int  # what it counts against --cap
+    grantor: Connection | None  # the client whose engine grants the lease for its write steps, if any
+    conn: Connection  # where its shared-memory segments go back
+    shm_names: list[str]
+
+
+def received_bytes(item: SpillItem) -> int:
+    """What an item counts against the daemon's cap (a barrier: nothing)."""
+    return item.payload.nbytes if isinstance(item.payload, Received) else 0
+
+
 def free_item_shm(item: SpillItem) -> None:
     """Hand a settled item's shared-memory segments back to their client."""
-    conn, names = item.meta.get("shm", (None, []))
-    if conn is not None:
-        conn.free_shm(names)
+    if isinstance(item.payload, Received):
+        item.payload.conn.free_shm(item.payload.shm_names)
 
 
 class GrantorLease:

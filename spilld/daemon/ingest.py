@@ -17,7 +17,7 @@ from ..config import Config, format_size
 from ..queue import Outcome, SpillItem, SpillQueue
 from ..store import checkpoint_namespace
 from ..validate import validate_header
-from .connection import Connection, Incoming
+from .connection import Connection, Incoming, Received
 
 MAX_OPEN_SPILLS = 16  # spills being received on one connection
 
@@ -85,13 +85,7 @@ class Ingest:
             namespace=sp.header.identity.namespace,
             key=sp.key,
             droppable=sp.droppable,
-            meta={
-                "header": sp.header,
-                "chunks": sp.chunks,
-                "nbytes": sp.nbytes,
-                "grantor": conn if conn.lease_grantor else None,
-                "shm": (conn, sp.shm_names),
-            },
+            payload=Received(sp.header, sp.chunks, sp.nbytes, conn if conn.lease_grantor else None, conn, sp.shm_names),
         )
         settled = await self.queue.enqueue(item)
         out: dict[str, Any] = {"outcome": settled.outcome.value}

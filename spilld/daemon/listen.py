@@ -13,14 +13,8 @@ from ..lockfile import SOCKET_LOCK_SUFFIX, FileLock
 from ..peer import peer_uid
 
 AlreadyRunning = errors.AlreadyRunning  # kept here too: callers import it from spilld.daemon
+PeerRefused = errors.PeerRefused  # defined in errors.py, where every code is mapped
 __all__ = ["AlreadyRunning", "PeerRefused", "bind", "is_served", "peer_uid", "socket_folder", "socket_lock"]
-
-
-class PeerRefused(errors.SpillError):
-    code = "peer_refused"
-
-
-errors.ERRORS_BY_CODE[PeerRefused.code] = PeerRefused
 
 OPEN_TO_OTHERS = stat.S_IWGRP | stat.S_IWOTH  # a folder others can write: they could take the socket's name
 

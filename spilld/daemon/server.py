@@ -30,7 +30,7 @@ from ..saver import AnySource, BytesSource
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
 from ..store import Hit, MissReason, Store
-from .connection import BackgroundLease, Connection, GrantorLease, StepLog, free_item_shm
+from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, free_item_shm, received_bytes
 from .ingest import Ingest
 from .listen import bind, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
@@ -61,7 +61,7 @@ class Daemon:
         self.listener = listener
         self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
         self.store = open_store(cfg)
-        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=lambda it: int(it.meta["nbytes"]), release=free_item_shm)
+        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=received_bytes, release=free_item_shm)
         self.lease = BackgroundLease()
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
@@ -225,12 +225,14 @@ class Daemon:
     # --- writing -------------------------------------------------------------------------
 
     async def _write(self, item: SpillItem) -> Any:
-        header: fmt.Header = item.meta["header"]
-        sources = [BytesSource(c, s.shape) for c, s in zip(item.meta["chunks"], header.slots(), strict=True)]
-        grantor: Connection | None = item.meta.get("grantor")
+        got = item.payload
+        assert isinstance(got, Received)  # barriers never reach the writer
+        header = got.header
+        sources = [BytesSource(c, s.shape) for c, s in zip(got.chunks, header.slots(), strict=True)]
+        grantor = got.grantor
         lease: Any = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
         if log.isEnabledFor(logging.DEBUG):
-            lease = StepLog(lease, item.meta["shm"][0].client_name)
+            lease = StepLog(lease, got.conn.client_name)
         self.writing += 1
         t0 = time.perf_counter()
         try:
@@ -259,7 +261,7 @@ class Daemon:
         async def action() -> int:
             return await self.store.remove_checkpoints_async(key) if delete else 0  # unlinks on a worker
 
-        settled = await self.queue.enqueue(SpillItem(key=key, barrier=action, meta={"nbytes": 0}))
+        settled = await self.queue.enqueue(SpillItem(key=key, barrier=action))
         return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
 
     async def _cancel(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from .. import errors
 from .. import format as fmt
 from ..config import default_socket, parse_duration
 from ..daemon.listen import is_served
-from ..identity import identity
+from ..identity import model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
 from ..queue import Settled
 from .tier import ColdTier, DaemonTier, EmbeddedTier
@@ -184,7 +184,9 @@ class ServerTiers:
             raise errors.SpillError(f"model {model_key!r} is not the one loaded")
         model_id = "|".join(str(k) for k in model_key if k)
         kv_bits = getattr(args, "kv_bits", None)
-        return identity(p.model, p.tokenizer, model_id=model_id, kv_bits=kv_bits, kv_group_size=args.kv_group_size)
+        return model_identity(
+            p.model, p.tokenizer, model_id=model_id, kv_bits=kv_bits, kv_group_size=args.kv_group_size
+        )
 
     def _make(self, model_key: Any) -> ColdTier | None:
         try:

@@ -77,8 +77,9 @@ class EmbeddedTier:
     """A ``Spiller`` on a private event-loop thread: no daemon, the engine's process writes the files."""
 
     def __init__(self, folder: str, identity: fmt.Identity, *, lease: RunStep | None = None, **kwargs: Any) -> None:
-        self.spiller = Spiller(folder, identity=identity, lease=lease, **kwargs)
-        self._lt, _ = LoopThread.start_with("spilld-embedded", lambda lt: lt.run(self.spiller.start()))
+        self._lt, self.spiller = LoopThread.start_with(
+            "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=identity, lease=lease, **kwargs))
+        )
 
     def _run(self, coro: Any) -> Any:
         return self._lt.run(coro)
@@ -86,10 +87,10 @@ class EmbeddedTier:
     def spill(
         self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
     ) -> concurrent.futures.Future[Settled]:
-        return guarded_spill(lambda: self.spiller.spill(tokens, caches, droppable=droppable), tokens)
+        return guarded_spill(lambda: self.spiller.spill_threadsafe(tokens, caches, droppable=droppable), tokens)
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
-        return guarded_load(lambda: self._run(self.spiller.restore(tokens, longer_than=longer_than)), tokens)
+        return guarded_load(lambda: self._run(self.spiller.load(tokens, longer_than=longer_than)), tokens)
 
     def stats(self) -> dict[str, Any]:
         return self.spiller.stats()

@@ -30,13 +30,7 @@ LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 OUR_NAMES = (SOCKET_NAME, LAUNCHD_SOCKET_KEY)
 
 
-class ActivationError(errors.SpillError):
-    """A service manager handed us something that is not a listening Unix stream socket."""
-
-    code = "activation_error"
-
-
-errors.ERRORS_BY_CODE[ActivationError.code] = ActivationError
+ActivationError = errors.ActivationError  # defined in errors.py, where every code is mapped
 
 
 def systemd_fds(env: MutableMapping[str, str] | None = None, pid: int | None = None) -> list[tuple[int, str]]:

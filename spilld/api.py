@@ -1,0 +1,118 @@
+"""The one API of the three ways in: ``Spiller`` (in-process), ``AsyncClient`` and ``Client`` (the daemon).
+
+The two asyncio ones satisfy ``AsyncTier``; ``Client`` is its synchronous mirror, ``SyncTier``. Same method
+names, same parameters, same typed results:
+
+- ``spill(...)``: clones (or plans a live snapshot) on the caller's thread and returns at once with a future of a
+  ``Settled`` (its ``value`` a ``SaveResult`` once stored). ``Spiller``/``AsyncClient``: an ``asyncio.Future``,
+  called on their event loop's thread (an engine that decodes in another thread uses ``spill_threadsafe``,
+  a ``concurrent.futures.Future``); ``Client``: a ``concurrent.futures.Future``, from any thread.
+- ``lookup(tokens, namespace)``: ``Hit | Miss``, without reading the file.
+- ``load(tokens, namespace, *, longer_than=0)``: the longest usable prefix as ``Loaded`` (cut to the match), or
+  None (also when it holds no more than ``longer_than`` tokens: the engine has that much in memory).
+- ``drain(timeout)`` / ``close(timeout)``: a ``DrainReport``; ``timeout`` bounds the whole call.
+
+To start: ``await Spiller.open(folder, ...)`` / ``await AsyncClient.open(socket, ...)``, or ``async with``
+either; ``Client(socket, ...)`` connects in its constructor (``with Client(...)`` closes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .format import GenerationCheckpoint
+from .store import Miss, MissReason
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, Client
+    from .loader import Loaded
+    from .queue import DrainReport, Settled
+    from .saver import Attachment
+    from .spiller import Spiller
+
+__all__ = ["AsyncTier", "Hit", "Miss", "MissReason", "SyncTier"]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A usable prefix: ``matched`` tokens of the file at ``path`` (which holds ``tokens``) can be restored."""
+
+    path: str
+    matched: int
+    tokens: int
+    trimmable: bool
+
+
+class AsyncTier(Protocol):
+    """What ``Spiller`` and ``AsyncClient`` both offer (see the module's docstring)."""
+
+    def spill(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        meta: dict[str, str] | None = None,
+        *,
+        namespace: str = "",
+        key: str = "",
+        droppable: bool = True,
+        attachments: Sequence[Attachment] = (),
+        checkpoint: GenerationCheckpoint | None = None,
+        live: bool = False,
+    ) -> asyncio.Future[Settled]: ...
+
+    async def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...
+
+    async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None: ...
+
+    async def drain(self, timeout: float | None = None) -> DrainReport: ...
+
+    async def close(self, timeout: float | None = None) -> DrainReport: ...
+
+
+class SyncTier(Protocol):
+    """``Client``: the same calls, synchronous (``spill`` gives a ``concurrent.futures.Future``)."""
+
+    def spill(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        meta: dict[str, str] | None = None,
+        *,
+        namespace: str = "",
+        key: str = "",
+        droppable: bool = True,
+        attachments: Sequence[Attachment] = (),
+        checkpoint: GenerationCheckpoint | None = None,
+        live: bool = False,
+    ) -> concurrent.futures.Future[Settled]: ...
+
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...
+
+    def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None: ...
+
+    def drain(self, timeout: float | None = None) -> DrainReport: ...
+
+    def close(self, timeout: float | None = None) -> DrainReport: ...
+
+
+if TYPE_CHECKING:
+
+    def _conforms(s: Spiller, a: AsyncClient, c: Client) -> tuple[AsyncTier, AsyncTier, SyncTier]:
+        """mypy checks that the three ways in satisfy their protocol (never called)."""
+        return s, a, c
+
+
+class Deadline:
+    """One deadline for a call made of several waits: each wait gets what is left, never the whole timeout again."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._end = None if timeout is None else asyncio.get_running_loop().time() + max(0.0, timeout)
+
+    def left(self) -> float | None:
+        if self._end is None:
+            return None
+        return max(0.0, self._end - asyncio.get_running_loop().time())

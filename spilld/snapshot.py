@@ -1,0 +1,145 @@
+"""A spill's snapshot, made on the engine's thread: the item the queue holds, its plan, what it counts.
+
+Shared by the two ways of writing behind, ``Spiller`` (in-process) and ``AsyncClient`` (through the daemon): the
+item is cut at the ``spill()`` call on the caller's thread, planned there or by the writer, and handed to an
+event loop with ``on_loop`` (an ``asyncio.Future``) or ``threadsafe`` (a ``concurrent.futures.Future``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import format as fmt
+from .codecs import CodecProvider
+from .queue import Settled, SpillItem, held_bytes
+from .saver import AnySource, Attachment, clone_and_size, clone_attachments, evaluated, plan, token_ids_now
+from .store import check_namespace, checkpoint_namespace
+
+Plan = tuple[fmt.Header, list[AnySource]]
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """What an engine-side spill item carries besides its caches (``SpillItem.payload``)."""
+
+    held: int = 0  # bytes its clones pin
+    plan: Callable[[], Plan] | None = None  # a clone's plan, made by the writer (off the engine's thread)
+    planned: Plan | None = None  # the plan once made (a live snapshot's at the spill() call)
+    outcome: asyncio.Future[Settled] | None = None  # AsyncClient: settles with the daemon's answer to the commit
+
+
+def snapshot_of(item: SpillItem) -> Snapshot:
+    """The item's snapshot (an empty one for a barrier, which has none)."""
+    if item.payload is None:
+        item.payload = Snapshot()
+    if not isinstance(item.payload, Snapshot):
+        raise TypeError(f"not an engine-side spill item: {type(item.payload).__name__}")
+    return item.payload
+
+
+def new_item(
+    identity: fmt.Identity,
+    provider: CodecProvider,
+    tokens: Sequence[int],
+    caches: Sequence[Any],
+    *,
+    meta: dict[str, str] | None = None,
+    namespace: str = "",
+    key: str = "",
+    droppable: bool = True,
+    attachments: Sequence[Attachment] = (),
+    checkpoint: fmt.GenerationCheckpoint | None = None,
+    clone: bool = True,
+    live: bool = False,
+    leased: bool = True,
+) -> SpillItem:
+    """A planned spill item, made on the caller's (engine's) thread at the snapshot point.
+
+    Everything the engine handed over is evaluated or copied here, on its own
+    thread (mlx evaluates a graph only on the thread that built it): token ids
+    become ints, attachments and caches become evaluated views (cheap clones),
+    a ``live`` snapshot is planned now. ``live`` reads append-only buffers at
+    write time, inside the lease; without one (``leased=False``) nothing keeps
+    the engine out while they are read, so the caches are cloned instead.
+    """
+    ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
+    ident = dataclasses.replace(identity, namespace=ns)
+    live = live and leased
+    item = SpillItem(
+        tokens=token_ids_now(tokens),
+        attachments=clone_attachments(attachments),
+        namespace=ns,
+        key=key or (checkpoint.key if checkpoint else ""),
+        droppable=droppable,
+    )
+    held = 0
+    if not live:
+        if clone:
+            item.caches, held = clone_and_size(caches, provider)
+        else:
+            item.caches, held = evaluated(caches), held_bytes(caches, (), provider)
+    snap = item.payload = Snapshot(held=held)
+    make_plan = functools.partial(
+        plan, item.tokens, item.caches if not live else caches, meta=meta, identity=ident,
+        attachments=item.attachments, checkpoint=checkpoint, provider=provider, live=live,
+    )  # fmt: skip
+    # A live snapshot is planned now (its state is read here); clones are planned by the writer, off this thread.
+    if live:
+        snap.planned = make_plan()
+    else:
+        snap.plan = make_plan
+    return item
+
+
+def planned(item: SpillItem) -> tuple[fmt.Header, list[AnySource]]:
+    """The item's header and sources, planning it now if that was deferred."""
+    snap = snapshot_of(item)
+    if snap.planned is None:
+        if snap.plan is None:
+            raise RuntimeError("a spill item without a plan (already shipped?)")
+        snap.planned, snap.plan = snap.plan(), None
+    return snap.planned
+
+
+def item_bytes(item: SpillItem, provider: CodecProvider) -> int:
+    """What an item counts against a queue cap: the memory it pins, or a live snapshot's pending write."""
+    snap = snapshot_of(item)
+    if snap.planned is not None:  # a live snapshot pins no memory: count its pending write
+        return int(snap.planned[0].data_bytes)
+    return snap.held + held_bytes([], item.attachments, provider)
+
+
+def _running() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future[Settled]]) -> asyncio.Future[Settled]:
+    """Run ``enqueue`` now; the caller must be on ``loop``'s thread (an asyncio future is bound to its loop)."""
+    if _running() is not loop:
+        raise RuntimeError("spill() runs on the event loop's thread; from another thread call spill_threadsafe()")
+    return enqueue()
+
+
+def threadsafe(
+    loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future[Settled]]
+) -> concurrent.futures.Future[Settled]:
+    """Run ``enqueue`` on ``loop`` from any thread; a concurrent future of its outcome."""
+    out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+
+    def run() -> None:
+        enqueue().add_done_callback(lambda f: out.set_result(f.result()))
+
+    if _running() is loop:
+        run()
+    else:
+        loop.call_soon_threadsafe(run)
+    return out

@@ -1,0 +1,229 @@
+"""The public surface: what ``spilld`` exports, the error classes and their codes, what a process imports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import types
+from typing import Any
+
+import pytest
+
+import spilld
+from spilld import errors
+from spilld.client import AsyncClient
+from spilld.config import Config
+from spilld.daemon import Daemon
+from spilld.format import Identity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_all_is_sorted_small_and_every_name_resolves() -> None:
+    assert spilld.__all__ == sorted(spilld.__all__)
+    assert len(spilld.__all__) <= 24
+    for name in spilld.__all__:
+        assert getattr(spilld, name) is not None
+    for internal in ("SpillQueue", "SpillItem", "Store", "save_steps", "Header", "identity"):
+        assert internal not in spilld.__all__
+    with pytest.raises(AttributeError):
+        spilld.SpillQueue  # noqa: B018  (reachable from spilld.queue, not from the package)
+
+
+def test_import_spilld_identity_as_m_gives_the_module() -> None:
+    import spilld.identity as m
+
+    assert isinstance(m, types.ModuleType) and callable(m.model_identity)
+
+
+def test_errors_subclass_the_builtins_they_resemble() -> None:
+    assert issubclass(errors.Timeout, TimeoutError)
+    assert issubclass(errors.ConnectionLost, ConnectionError)
+    assert issubclass(errors.PeerRefused, PermissionError)
+    assert issubclass(errors.BadParams, ValueError)
+    assert not issubclass(errors.Busy, ConnectionError)  # the daemon is there and said "later"
+    for cls in (errors.Timeout, errors.ConnectionLost, errors.PeerRefused):
+        rebuilt = errors.error_from_code(cls.code, "why")
+        assert type(rebuilt) is cls and str(rebuilt) == "why" and rebuilt.code == cls.code
+
+
+def test_every_code_is_mapped_by_errors_alone() -> None:
+    """A process that imports only ``spilld.errors`` rebuilds every code any module can send, as its own class."""
+    code = """
+import json, spilld.errors as e
+print(json.dumps({c: k.__name__ for c, k in e.ERRORS_BY_CODE.items()}))
+"""
+    alone = json.loads(_python(code).stdout)
+    for want in ("peer_refused", "already_running", "activation_error", "busy", "shm_refused", "timeout"):
+        assert want in alone, want
+    # importing every module adds no code, and no module defines an error class outside errors.py
+    import spilld.cli
+    import spilld.client
+    import spilld.daemon
+    import spilld.service.activation
+    import spilld.shm  # noqa: F401
+
+    assert {c: k.__name__ for c, k in errors.ERRORS_BY_CODE.items()} == alone
+    every = errors._all_subclasses(errors.SpillError)
+    assert {k.__module__ for k in every} == {"spilld.errors"}
+    assert len({k.code for k in every}) == len(every)  # one class per code, counted over classes
+
+
+@pytest.mark.asyncio
+async def test_a_busy_daemon_is_busy_not_a_lost_connection() -> None:
+    root = tempfile.mkdtemp(prefix="spilld-api-")
+    cfg = Config(dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"), max_clients=1)
+    daemon = Daemon(cfg)
+    await daemon.start()
+    first = await AsyncClient.open(cfg.socket, identity=Identity(model_id="m"))
+    try:
+        with pytest.raises(errors.Busy):
+            await AsyncClient.open(cfg.socket, identity=Identity(model_id="m"), timeout=10)
+    finally:
+        await first.close(timeout=10)
+        await daemon.stop()
+
+
+MLX_MODULES = ("mlx", "mlx_lm", "transformers", "torch")
+
+
+def _heavy(modules: list[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in MLX_MODULES)
+
+
+def test_the_protocol_the_package_and_the_daemon_never_import_mlx() -> None:
+    code = """
+import json, sys
+import spilld, spilld.protocol, spilld.errors, spilld.format, spilld.daemon, spilld.cli, spilld.store
+print(json.dumps(sorted(sys.modules)))
+"""
+    out = _python(code)
+    assert out.returncode == 0, out.stderr
+    assert _heavy(json.loads(out.stdout)) == []
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_process_serves_stores_and_drains_without_mlx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's whole life (start, scan, spills received and written, lookups, drain, stop) imports no mlx."""
+    from mlx_lm.models.cache import KVCache
+
+    from tests.caches import fill, live, same
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # every import the daemon makes goes to its log
+    d = DaemonProcess(new_root(), ["--cap", "64MiB"]).start()
+    monkeypatch.delenv("PYTHONPROFILEIMPORTTIME")
+    try:
+        client = await AsyncClient.open(d.socket, identity=Identity(model_id="m"))
+        tokens, cache = list(range(1, 41)), fill(KVCache(), 40)
+        assert (await client.spill(tokens, [cache])).stored
+        loaded = await client.load([*tokens, 1])
+        assert loaded is not None and same(live(loaded.caches[0]), live(cache))
+        assert (await client.drain(timeout=30)).done
+        await client.close(timeout=30)
+        assert d.stop() == 0
+    finally:
+        d.kill()
+        log = d.read_log()
+        cleanup(d.root)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in log.splitlines() if line.startswith("import time:")]
+    assert "spilld.daemon.server" in imported and "spilld.saver" in imported  # the check sees the daemon's imports
+    assert _heavy(imported) == []
+
+
+def test_the_three_ways_in_share_names_and_parameters() -> None:
+    import inspect
+
+    from spilld.client import Client
+    from spilld.spiller import Spiller
+
+    for name in ("spill", "lookup", "load", "drain", "close"):
+        sigs = [inspect.signature(getattr(cls, name)) for cls in (Spiller, AsyncClient, Client)]
+        params = [[p for p in s.parameters if p != "clone"] for s in sigs]  # Spiller may also hand over as is
+        assert params[0] == params[1] == params[2], name
+    for cls in (Spiller, AsyncClient):
+        assert inspect.iscoroutinefunction(cls.lookup) and inspect.iscoroutinefunction(cls.load)
+        assert hasattr(cls, "open") and hasattr(cls, "__aenter__") and hasattr(cls, "spill_threadsafe")
+    assert not inspect.iscoroutinefunction(Client.lookup) and hasattr(Client, "__enter__")
+    assert not hasattr(Spiller, "restore") and not hasattr(AsyncClient, "connect")
+
+
+@pytest.mark.asyncio
+async def test_spiller_typed_results(tmp_path: Any) -> None:
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.saver import SaveResult
+    from tests.caches import fill
+
+    tokens = list(range(1, 30))
+    async with spilld.Spiller(tmp_path, identity=Identity(model_id="m")) as sp:
+        settled = await sp.spill(tokens, [fill(KVCache(), 29)])
+        assert settled.outcome is spilld.Outcome.STORED and isinstance(settled.value, SaveResult)
+        hit = await sp.lookup([*tokens, 5])
+        assert hit == spilld.Hit(settled.value.path, 29, 29, True)
+        assert isinstance(await sp.lookup([99, 98]), spilld.Miss)
+        loaded = await sp.load([*tokens, 5])
+        assert loaded is not None and loaded.tokens == tokens
+        assert await sp.drain(1) == spilld.DrainReport(True, 0, 0)
+        with pytest.raises(RuntimeError, match="spill_threadsafe"):
+            await asyncio.to_thread(sp.spill, tokens, [fill(KVCache(), 29)])  # another thread: the other method
+
+
+@pytest.mark.asyncio
+async def test_a_client_call_waits_its_timeout_once_and_says_shipped_only_locally() -> None:
+    """Against a daemon frozen with SIGSTOP: drain and close each return within their one timeout."""
+    import signal
+    import time
+
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.saver import SaveResult
+    from tests.caches import fill
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    d = DaemonProcess(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        async with spilld.AsyncClient(d.socket, identity=Identity(model_id="m"), timeout=5) as client:
+            local = []
+            client.queue.enqueue = _recording(client.queue.enqueue, local)  # type: ignore[method-assign]
+            settled = await client.spill(list(range(1, 30)), [fill(KVCache(), 29)])
+            assert settled.stored and isinstance(settled.value, SaveResult) and settled.value.path
+            assert [s.outcome for s in local] == [spilld.Outcome.SHIPPED]  # the local queue never says "stored"
+            hit = await client.lookup([*range(1, 30), 5])
+            assert isinstance(hit, spilld.Hit) and hit.path == settled.value.path and hit.matched == 29
+            assert d.proc is not None
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                client.spill(list(range(1, 40)), [fill(KVCache(), 39)])
+                t0 = time.monotonic()
+                rep = await client.drain(timeout=1.0)
+                took = time.monotonic() - t0
+                assert not rep.done and took < 1.0 + 1.5  # one deadline (plus the answer's grace), not 2x or 3x
+                t0 = time.monotonic()
+                rep = await client.close(timeout=1.0)
+                assert not rep.done and time.monotonic() - t0 < 1.0 + 1.0
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def _recording(enqueue: Any, out: list[Any]) -> Any:
+    def wrapped(item: Any) -> Any:
+        fut = enqueue(item)
+        fut.add_done_callback(lambda f: out.append(f.result()))
+        return fut
+
+    return wrapped
