@@ -271,7 +271,7 @@ def test_image_placeholder_ids_are_neither_stored_nor_looked_up(
     model, _ = tiny
     tier = make_tier()
     calls: list[str] = []
-    for name in ("spill", "restore"):  # count what reaches the spiller (a failed lookup would be a miss too)
+    for name in ("spill_threadsafe", "load"):  # count what reaches the spiller (a failed lookup would be a miss too)
         real = getattr(tier.spiller, name)
         setattr(tier.spiller, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
@@ -287,7 +287,7 @@ def test_image_placeholder_ids_are_neither_stored_nor_looked_up(
     cache, rest = lru.fetch_nearest_cache("m", [7, 0, 8])
     assert cache is None and rest == [7, 0, 8]
     tier._run(tier.spiller.drain(30))
-    assert calls == ["spill", "restore"] and tier.spiller.store.counters.stored == 1
+    assert calls == ["spill_threadsafe", "load"] and tier.spiller.store.counters.stored == 1
 
 
 def test_unreachable_daemon_leaks_no_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -233,7 +233,7 @@ def _spill_through_daemon(daemon: Daemon, name: str, leased: bool) -> tuple[Any,
         want, settled, _ = run_engine(client.spill, make, step, lock, gate)
     finally:
         client.close()
-    return want, settled, settled.value["path"] if settled.stored else ""
+    return want, settled, settled.value.path if settled.stored else ""
 
 
 @pytest.mark.parametrize("leased", [True, False], ids=["lease", "no_lease"])
