@@ -278,6 +278,22 @@ def test_every_error_class_has_its_own_stable_code_that_rebuilds_it() -> None:
     assert type(errors.error_from_code("no-such-code", "x")) is errors.SpillError
 
 
+def test_a_process_that_imported_only_errors_rebuilds_every_code() -> None:
+    """A client process never imports the daemon or the service: the code registry must not fill by side effects."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, spilld.errors as e; "
+        "print(json.dumps({c: f'{k.__module__}.{k.__qualname__}' for c, k in e.ERRORS_BY_CODE.items()}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    fresh = json.loads(out.stdout)
+    want = {c.code: f"{c.__module__}.{c.__qualname__}" for c in _spilld_error_classes()}
+    assert fresh == want
+
+
 def test_loads_leave_no_fd_open(sample: tuple[str, bytes], tmp_path: Any) -> None:
     from tests.conftest import open_fds
 
