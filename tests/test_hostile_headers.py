@@ -257,7 +257,7 @@ def test_hypothesis_mutants(kind: str, scratch: str, tmp_path: Any) -> None:
     counts = {"mutants": 0, "refused": 0, "loaded": 0}
 
     @settings(
-        max_examples=MUTANTS_PER_CODEC,
+        max_examples=MUTANTS_PER_CODEC * 11 // 10,  # a few draws are not encodable (an int past 64 bits)
         deadline=None,
         derandomize=True,
         database=None,
@@ -276,7 +276,8 @@ def test_hypothesis_mutants(kind: str, scratch: str, tmp_path: Any) -> None:
 
     run()
     seen.check_scan()
-    assert counts["mutants"] >= MUTANTS_PER_CODEC * 0.9, counts  # a few are not encodable
+    print(f"{kind}: {counts['mutants']} mutants, {counts['refused']} refused, {counts['loaded']} admitted")
+    assert counts["mutants"] >= MUTANTS_PER_CODEC, counts
     assert counts["refused"] >= counts["mutants"] // 2, counts
 
 
