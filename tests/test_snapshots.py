@@ -92,6 +92,18 @@ CLASSES: dict[str, tuple[Callable[[], Any], Callable[[Any, int], None]]] = {
 }
 
 
+def tokens_in(cache: Any) -> int:
+    """How many token ids a file of this cache records (at least as many as it encodes)."""
+    if isinstance(cache, C.CacheList):
+        return max(tokens_in(c) for c in cache.caches)
+    if isinstance(cache, C.BatchKVCache):
+        return int(cache._idx)
+    if isinstance(cache, C.BatchRotatingKVCache):
+        return int(cache._offset)
+    n = getattr(cache, "offset", None)
+    return int(n) if isinstance(n, int) and n > 0 else 1
+
+
 def freeze(x: Any) -> Any:
     """A deep copy of nested arrays as numpy (a copy no later mlx update can reach)."""
     if isinstance(x, mx.array):
@@ -175,7 +187,7 @@ def run_engine(
             cache = make()
             with lock:
                 out["want"] = freeze(live(cache))  # the copy taken at the call
-                fut = spill(list(range(8)), [cache], live=True, droppable=False)
+                fut = spill(list(range(tokens_in(cache))), [cache], live=True, droppable=False)
             steps = 0
             for steps in range(STEPS_BEFORE_WRITE):
                 decode(steps)
