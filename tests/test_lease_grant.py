@@ -81,7 +81,7 @@ def run(d: Daemon, grant: bool) -> tuple[int, int]:
     try:
         futs = [client.spill(list(range(256 + i)), caches) for i in range(SPILLS)]
         assert all(f.result(timeout=120).stored for f in futs)
-        assert client.drain(timeout=60)["done"]
+        assert client.drain(timeout=60).done
     finally:
         stop.set()
         th.join()
