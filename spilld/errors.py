@@ -286,6 +286,12 @@ class UnsupportedProtocol(SpillError):
     code = "unsupported_protocol"
 
 
+class DuplicateHello(SpillError):
+    """A second ``hello`` on a connection: refused; the first one's settings stay."""
+
+    code = "duplicate_hello"
+
+
 class ConnectionLost(SpillError, ConnectionError):
     """The daemon cannot be reached, or the connection ended before an answer came."""
 

@@ -384,7 +384,7 @@ def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str
     try:
         header = _header_from_wire(raw, path)
     except (KeyError, TypeError, ValueError) as exc:
-        raise errors.HeaderMalformed(f"header field invalid: {exc!r}", path=path) from exc
+        raise errors.HeaderMalformed(f"header field invalid: {_said(exc)}", path=path) from exc
     except errors.FileFormatError as exc:
         if exc.path is None and path is not None:
             raise type(exc)(exc.reason, path=path) from exc
@@ -486,12 +486,17 @@ def _metadata(d: Any) -> dict[str, str | int | float | bool]:
     return d
 
 
+def _said(exc: Exception) -> str:
+    # in words for the user (the text may cross a socket), never a Python repr
+    return f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+
+
 def header_from_wire(raw: Any, path: str | None = None) -> Header:
     """Type-check a header map (as msgpack decodes it) into a Header; HeaderMalformed on anything off."""
     try:
         return _header_from_wire(raw, path)
     except (KeyError, TypeError, ValueError) as exc:
-        raise errors.HeaderMalformed(f"header field invalid: {exc!r}", path=path) from exc
+        raise errors.HeaderMalformed(f"header field invalid: {_said(exc)}", path=path) from exc
 
 
 def _header_from_wire(raw: Any, path: str | None) -> Header:

@@ -13,6 +13,7 @@ yields frames; it never does I/O, so it is tested (and fuzzed) without sockets.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ FRAME_HEAD = struct.Struct("<II")
 MAX_MSG_BYTES = 4 * 1024 * 1024  # a spill's header (tokens included) must fit here
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # one frame's raw bytes; bigger tensors come in several frames
 UNZEROED_MIN_BYTES = 64 * 1024  # frame parts this large are allocated without zero-filling
+DISCARD_CHUNK = 64 * 1024  # a payload the receiver refuses is read through a scratch buffer of this size
 MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
 MAX_NESTING = 32  # msgpack container depth
 MAX_METHOD_LEN = 64
@@ -48,6 +50,7 @@ BadParams = errors.BadParams
 UnsupportedProtocol = errors.UnsupportedProtocol
 ConnectionLost = errors.ConnectionLost
 Timeout = errors.Timeout
+DuplicateHello = errors.DuplicateHello
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Message:
     error: dict[str, str] | None = None
     result: Any = None
     payload: memoryview | bytes | bytearray = b""
+    discarded: int = 0  # payload bytes the receiver refused to hold (read and thrown away)
 
 
 def _depth_ok(obj: Any, depth: int = 0) -> bool:
@@ -106,23 +110,45 @@ class FrameDecoder:
     socket's bytes land straight in the payload's buffer: no copy at all here.
     """
 
-    def __init__(self, max_msg: int = MAX_MSG_BYTES, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+    def __init__(
+        self,
+        max_msg: int = MAX_MSG_BYTES,
+        max_payload: int = MAX_PAYLOAD_BYTES,
+        *,
+        admit_msg: Callable[[int], None] | None = None,
+        admit_payload: Callable[[Any, int], bool] | None = None,
+    ) -> None:
+        """``admit_msg(size)`` runs before a message part of ``size`` bytes is allocated (it may raise to refuse);
+        ``admit_payload(raw, size)`` before a payload is: False reads the payload through a small scratch buffer
+        and throws it away (the message then says how many bytes, ``discarded``). Receivers that account for
+        memory use them so that no buffer is allocated for bytes they did not admit."""
         self.max_msg, self.max_payload = max_msg, max_payload
+        self.admit_msg, self.admit_payload = admit_msg, admit_payload
         self._raw: Any = None  # None: reading a frame head; _UNSET: reading the msgpack part; else decoded
         self._buf: bytearray | memoryview = bytearray(FRAME_HEAD.size)  # the part being filled
         self._n = 0
         self._plen = 0
+        self._discard = 0  # payload bytes still to read and throw away
         self._out: list[Message] = []
 
     def get_buffer(self) -> memoryview:
         """Where the next bytes go (never empty)."""
+        if self._discard:
+            return memoryview(self._buf)[: min(self._discard, len(self._buf))]
         return memoryview(self._buf)[self._n :]
 
     def buffer_updated(self, nbytes: int) -> list[Message]:
         """``nbytes`` were written into the last ``get_buffer()``; return the messages completed."""
-        self._n += nbytes
-        if self._n == len(self._buf):
-            self._part_done()
+        if self._discard:
+            self._discard -= nbytes
+            if not self._discard:
+                raw, plen = self._raw, self._plen
+                self._emit(raw, b"")
+                self._out[-1].discarded = plen
+        else:
+            self._n += nbytes
+            if self._n == len(self._buf):
+                self._part_done()
         out, self._out = self._out, []
         return out
 
@@ -149,6 +175,8 @@ class FrameDecoder:
                 raise FrameTooLarge(f"payload of {plen} bytes (limit {self.max_payload})")
             if mlen == 0:
                 raise ProtocolError("empty message")
+            if self.admit_msg is not None:
+                self.admit_msg(mlen)
             self._raw, self._plen = _UNSET, plen
             self._start(mlen)
         elif self._raw is _UNSET:  # the msgpack part
@@ -158,7 +186,10 @@ class FrameDecoder:
                 raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
             if self._plen:
                 self._raw = raw
-                self._start(self._plen)
+                if self.admit_payload is None or self.admit_payload(raw, self._plen):
+                    self._start(self._plen)
+                else:
+                    self._buf, self._n, self._discard = bytearray(min(DISCARD_CHUNK, self._plen)), 0, self._plen
             else:
                 self._emit(raw, b"")
         else:  # the payload
@@ -177,7 +208,7 @@ class FrameDecoder:
     @property
     def buffered(self) -> int:
         """Bytes of a frame started but not finished."""
-        return self._n if self._raw is None else self._n + 1
+        return self._n if self._raw is None else self._n + 1 + self._discard
 
 
 _UNSET = object()

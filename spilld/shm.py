@@ -1,10 +1,11 @@
 """Shared-memory ingest: a client's long-lived pool of named POSIX shared-memory segments.
 
 The client copies a tensor's bytes into a free segment (memcpy speed, on a worker
-thread) and sends only the segment's name; the daemon maps it and writes the file
-straight from it, then hands the segment back (``shm_free``). The pool is made
-once and reused: fresh pages are slow to fault in on these machines, and the
-fixed pool bounds what one client can have in flight.
+thread) and sends only the segment's name; the daemon reads it through a file
+descriptor into its own buffer (never a mapping: see ``read_segment``) and hands
+the segment back (``shm_free``) as soon as it is read. The pool is made once and
+reused: fresh pages are slow to fault in on these machines, and the fixed pool
+bounds what one client can have in flight.
 """
 
 from __future__ import annotations
@@ -90,36 +91,70 @@ class ShmPool:
         self._segments.clear()
 
 
-class ShmAttachments:
-    """The daemon's side: segments of one client, mapped once and checked (name, owner, mode, size)."""
+def check_name(name: str) -> None:
+    """Refuse a segment name that is not one of a client pool's (before anything is opened or allocated)."""
+    if not NAME.match(name):
+        raise ShmRefused(f"bad segment name {name[:64]!r}: expected spilld-<8 hex>-<number>")
 
-    def __init__(self) -> None:
-        self._maps: dict[str, shared_memory.SharedMemory] = {}
 
-    def view(self, name: str, length: int) -> memoryview:
-        if not NAME.match(name):
-            raise ShmRefused(f"bad segment name {name!r}")
-        seg = self._maps.get(name)
-        if seg is None:
-            if sys.platform.startswith("linux"):
-                st = os.stat(f"/dev/shm/{name}")
-                if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                    raise ShmRefused(f"segment {name} is not private to our uid")
-            try:
-                seg = shared_memory.SharedMemory(name=name, create=False)
-            except (FileNotFoundError, OSError) as exc:
-                raise ShmRefused(f"cannot map segment {name}: {exc}") from exc
-            _untrack(seg)
-            self._maps[name] = seg
-        buf = seg.buf
-        if buf is None or length > len(buf):
-            raise ShmRefused(f"{length} bytes do not fit in segment {name}")
-        return buf[:length]
+def read_segment(name: str, into: memoryview) -> None:
+    """Copy the first ``len(into)`` bytes of the client's segment ``name`` into ``into`` (a worker thread's job).
 
-    def close(self) -> None:
-        for seg in self._maps.values():
-            try:
-                seg.close()
-            except BufferError:  # a write in flight still reads it; the mapping goes when the process does
-                pass
-        self._maps.clear()
+    The segment is opened, checked (a regular file of our uid, private to it, large enough) and read through its
+    file descriptor, which is closed before returning, whatever happens: the daemon never maps a client's segment.
+    A mapping can lose its pages when the client truncates the segment, and touching them raises SIGBUS, which
+    would kill the daemon; a read of a truncated segment only comes back short, which fails this spill alone.
+    """
+    check_name(name)
+    length = into.nbytes
+    fd = _open_segment(name)
+    try:
+        st = os.fstat(fd)  # of what we opened: the name may be replaced meanwhile, the fd not
+        if not stat.S_ISREG(st.st_mode):
+            raise ShmRefused(f"segment {name} is not a shared-memory file")
+        if st.st_uid != os.getuid():
+            raise ShmRefused(f"segment {name} belongs to uid {st.st_uid}, not to ours")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise ShmRefused(f"segment {name} has mode {stat.S_IMODE(st.st_mode):o}: others may read or write it")
+        if st.st_size < length:
+            raise ShmRefused(f"{length} bytes do not fit in segment {name} of {st.st_size} bytes")
+        if sys.platform.startswith("linux"):
+            _pread_all(fd, name, into)
+        else:
+            _copy_mapped(fd, into)
+    finally:
+        os.close(fd)
+
+
+def _open_segment(name: str) -> int:
+    try:
+        if sys.platform.startswith("linux"):
+            # O_NOFOLLOW: a link planted under the name is refused; O_NONBLOCK: a FIFO cannot hold the open up
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            return os.open(f"/dev/shm/{name}", flags)
+        import _posixshmem
+
+        return int(_posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600))
+    except OSError as exc:
+        raise ShmRefused(f"cannot open segment {name}: {exc.strerror or 'error ' + str(exc.errno)}") from exc
+
+
+def _pread_all(fd: int, name: str, into: memoryview) -> None:
+    pos = 0
+    while pos < into.nbytes:
+        try:
+            n = os.preadv(fd, [into[pos:]], pos)
+        except OSError as exc:
+            raise ShmRefused(f"cannot read segment {name}: {exc.strerror}") from exc
+        if n == 0:
+            raise ShmRefused(f"segment {name} shrank to {pos} bytes while it was read ({into.nbytes} were sent)")
+        pos += n
+
+
+def _copy_mapped(fd: int, into: memoryview) -> None:
+    # Not Linux (macOS): a POSIX segment there cannot be read(2), and its size, once set, cannot be changed
+    # (ftruncate refuses), so a mapping checked against fstat cannot lose its pages while we copy.
+    import mmap
+
+    with mmap.mmap(fd, into.nbytes, prot=mmap.PROT_READ) as m, memoryview(m) as view:
+        into[:] = view[: into.nbytes]

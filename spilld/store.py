@@ -81,6 +81,7 @@ def default_disk_cap(root: str) -> int:
 class MissReason(StrEnum):
     NO_ENTRY = "no_entry"
     IDENTITY_MISMATCH = "identity_mismatch"
+    CODEC_MISMATCH = "codec_mismatch"  # the model's entries were written by another codec provider
     UNTRIMMABLE = "untrimmable"
     EVICTED = "evicted"
     CORRUPT = "corrupt"
@@ -162,6 +163,7 @@ class _Found:
     best: Hit | None = None
     untrimmable: bool = False
     foreign: bool = False
+    codec: bool = False  # an entry of this identity, but written by another codec provider
     evicted: bool = False
 
 
@@ -183,7 +185,8 @@ class _Query:
             if usable <= 0:
                 continue
             if e.fingerprint != self.fp or e.codec_provider != self.provider_id:
-                found.foreign = True
+                found.foreign |= e.fingerprint != self.fp
+                found.codec |= e.fingerprint == self.fp
                 continue
             if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
                 found.untrimmable = True
@@ -411,6 +414,8 @@ class Store:
             return self._miss(MissReason.EVICTED)  # removed while the comparison ran
         if found.untrimmable:
             return self._miss(MissReason.UNTRIMMABLE)
+        if found.codec:
+            return self._miss(MissReason.CODEC_MISMATCH)
         if found.foreign:
             return self._miss(MissReason.IDENTITY_MISMATCH)
         if found.evicted:

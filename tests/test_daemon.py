@@ -229,7 +229,14 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
     try:
 
         async def go() -> tuple[list[Any], dict[str, int]]:
-            client = await AsyncClient.open(d.socket, identity=spilld.Identity("big"))
+            hold = asyncio.Event()
+
+            async def lease(fn: Any) -> Any:  # the daemon's writes wait for this engine until the signal is sent
+                await hold.wait()
+                return await asyncio.to_thread(fn)  # a grant is held off the loop until the step is done
+
+            client = await AsyncClient.open(d.socket, identity=spilld.Identity("big"), grant_lease=True, lease=lease)
+            client.lease = spilld.NoLease()  # shipping takes no turn of ours; only the daemon's writes wait
             from mlx_lm.models import cache as C
 
             from tests.caches import fill
@@ -239,6 +246,7 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
                 for i in range(items)
             ]
             await client.queue.drain()  # every item shipped; wait until the daemon has queued every commit
+            client.lease = lease
             while True:
                 q = (await client.status())["queue"]
                 if q["pending_items"] + q["stored"] + q["dropped"] == items:
@@ -246,6 +254,8 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
                 await asyncio.sleep(0.01)
             assert d.proc is not None
             d.proc.send_signal(signal.SIGTERM)  # nothing arrives after this: no item can be shed by a newer one
+            await asyncio.sleep(0.5)
+            hold.set()  # the drain writes what is queued
             return [await f for f in futs], q
 
         results, at_term = asyncio.run(go())
@@ -299,7 +309,7 @@ def test_busy_for_non_droppable_items_over_the_cap() -> None:
 
     d = Daemon(new_root(), ["--cap", "1MiB"]).start()
     try:
-        big = [fill(C.KVCache(), 1024, heads=8, dim=64)]  # 2 MiB of tensors, over the 1 MiB cap
+        big = [fill(C.KVCache(), 1024, heads=4, dim=64)]  # 2 MiB of f32 tensors: over the 1 MiB cap, within 2 x cap
         header, sources = spilld.saver.plan(list(range(1024)), big, identity=spilld.Identity("b"))
         tensors = [
             b"".join(bytes(r) for r in spilld.saver.TensorBytes(i, s, src, None).runs_now())

@@ -7,16 +7,23 @@ daemon's ``status`` (queued bytes) and ``/proc/PID/status`` (RSS). Checked: queu
 largest item; RSS grows by at most cap + largest item + 64 MiB over the idle daemon's; every barrier is stored;
 every item's owner hears its outcome and the outcomes add up to the daemon's counters; ``spilld drain`` exits 0;
 stored entries are on disk whole and a sample of them loads back exactly.
+
+Alongside, clients that try to make the daemon hold memory (``tests/hostile_memory.py``): a giant declared spill
+(refused ``busy`` at once, every time), a slow-loris spill (aborted after the idle timeout, again and again) and
+spills whose headers hold half a million tokens each (counted against the cap while open). The RSS bound then
+counts the largest thing the daemon admitted (such a header's parsed form) as the largest item.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +34,12 @@ from mlx_lm.models import cache as C
 import spilld
 from spilld import protocol as P
 from spilld.client import AsyncClient, Client
+from spilld.daemon.ingest import PARSED_BYTES_PER_TOKEN
 from spilld.shm import POOL_SEGMENTS, SEGMENT_BYTES
 from tests.caches import fill, live, same
 from tests.conftest import LONG
 from tests.daemons import Daemon, cleanup, new_root
+from tests.hostile_memory import HUGE_HEADER_TOKENS, run_all
 
 MiB = 1024 * 1024
 CAP = 64 * MiB
@@ -44,6 +53,7 @@ RSS_SLACK = 64 * MiB
 SIZES = (256, 512, 768)  # tokens: f32 K and V of 8 heads x 128 = 2, 4 and 6 MiB per item
 VARIANTS_PER_SIZE = 2
 IDENT = spilld.Identity("overload")
+IDLE_TIMEOUT_S = 6.0  # also how long a silent open spill is kept (short: a slow-loris spill expires in the run)
 
 
 @dataclass
@@ -84,6 +94,7 @@ class Run:
     load_s: float = 0.0
     written_at_start: int = 0
     written_at_stop: int = 0
+    hostile: Counter[str] = field(default_factory=Counter)
 
 
 def variants() -> list[Variant]:
@@ -163,8 +174,14 @@ async def produce(d: Daemon, run: Run, vs: list[Variant], seconds: float) -> Non
         run.barriers += await asyncio.gather(*barriers)
         await client.close()
 
+    hostile_stop = asyncio.Event()
+    hostile = loop.create_task(run_all(d.socket, run.hostile, IDLE_TIMEOUT_S, hostile_stop))
     await asyncio.gather(*(producer(p) for p in range(PRODUCERS)))
+    hostile_stop.set()
+    await hostile
     run.load_s = loop.time() - t0
+    with contextlib.suppress(P.ConnectionLost):  # idle through the run: the daemon may have cut it
+        await status.status()
     run.written_at_stop = (await status.status())["queue"]["bytes_written"]
     for o in run.offers:
         o.result = await o.future
@@ -185,7 +202,8 @@ def soak(seconds: float) -> dict[str, Any]:
     """Run the soak, check it, and return its figures."""
     vs = variants()
     largest = max(v.nbytes for v in vs)
-    d = Daemon(new_root(), ["--cap", str(CAP), "--durability", "fsync", "--disk-cap", "60GiB"]).start()
+    args = ["--cap", str(CAP), "--durability", "fsync", "--disk-cap", "60GiB", "--idle-timeout", str(IDLE_TIMEOUT_S)]
+    d = Daemon(new_root(), args).start()
     run = Run()
     try:
         assert d.proc is not None
@@ -243,7 +261,12 @@ def soak(seconds: float) -> dict[str, Any]:
         growth = max(s.vm_rss for s in run.samples) - idle_rss["VmRSS"]
         private_growth = max(s.vm_rss - s.rss_shmem for s in run.samples) - idle_rss["VmRSS"] + idle_rss["RssShmem"]
         max_shmem = max(s.rss_shmem for s in run.samples)
-        assert private_growth <= CAP + largest + RSS_SLACK
+        largest_admitted = max(largest, HUGE_HEADER_TOKENS * PARSED_BYTES_PER_TOKEN)  # a hostile header, parsed
+        assert private_growth <= CAP + largest_admitted + RSS_SLACK
+        h = run.hostile
+        assert h["giant_refused"] > 0 and h["giant_admitted"] == 0, h
+        assert h["loris_expired"] >= 1 and h["loris_not_expired"] == 0, h
+        assert h["header_opened"] > 0, h
         assert max_shmem <= len(range(0, PRODUCERS, 2)) * POOL_SEGMENTS * SEGMENT_BYTES
 
         offered = sum(o.variant.nbytes for o in run.offers)
@@ -270,7 +293,8 @@ def soak(seconds: float) -> dict[str, Any]:
             "max_rss_growth_MiB": round(growth / MiB, 1),
             "max_private_rss_growth_MiB": round(private_growth / MiB, 1),
             "max_rss_shmem_MiB": round(max_shmem / MiB, 1),
-            "rss_bound_MiB": round((CAP + largest + RSS_SLACK) / MiB, 1),
+            "rss_bound_MiB": round((CAP + largest_admitted + RSS_SLACK) / MiB, 1),
+            "hostile": dict(sorted(h.items())),
             "samples": len(run.samples),
             "max_sample_gap_s": round(max(b.t - a.t for a, b in zip(run.samples, run.samples[1:], strict=False)), 2),
         }

@@ -119,3 +119,29 @@ def test_fuzz_any_msgpack_value_is_a_message_or_a_protocol_error(value: object) 
         P.FrameDecoder().feed(struct.pack("<II", len(body), 0) + body)
     except P.ProtocolError:
         pass
+
+
+def test_a_payload_not_admitted_is_read_through_a_small_buffer_and_thrown_away() -> None:
+    seen: list[tuple[object, int]] = []
+    sizes: list[int] = []
+
+    def admit(raw: object, n: int) -> bool:
+        seen.append((raw, n))
+        return n < 1000
+
+    dec = P.FrameDecoder(admit_payload=admit, admit_msg=sizes.append)
+    big = b"\x07" * (P.DISCARD_CHUNK * 3 + 5)
+    data = join(P.notification("put", {"i": 1}, big)) + join(P.notification("put", {"i": 2}, b"ok"))
+    out: list[P.Message] = []
+    pos, largest = 0, 0
+    while pos < len(data):  # as the daemon's socket feeds it: into the buffer the decoder lends
+        buf = dec.get_buffer()
+        largest = max(largest, len(buf)) if dec._raw is not None and dec._raw is not P._UNSET else largest
+        n = min(len(buf), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        pos += n
+        out += dec.buffer_updated(n)
+    assert [m.params["i"] for m in out] == [1, 2]
+    assert out[0].discarded == len(big) and out[0].payload == b"" and bytes(out[1].payload) == b"ok"
+    assert largest <= P.DISCARD_CHUNK  # never a buffer for the refused payload itself
+    assert [n for _, n in seen] == [len(big), 2] and len(sizes) == 2  # every message asked before its buffer

@@ -664,7 +664,7 @@ async def test_a_foreign_codec_provider_is_a_miss_and_never_quarantined(tmp_path
     other = Store(tmp_path, provider=default_provider().extended("engine-x/1", []))
     other.scan()
     miss = other.lookup(ident, "", list(range(9)))
-    assert isinstance(miss, Miss) and miss.reason is MissReason.IDENTITY_MISMATCH
+    assert isinstance(miss, Miss) and miss.reason is MissReason.CODEC_MISMATCH  # told apart from another model
     assert other.counters.quarantined == 0 and len(other.entries) == 1
 
 

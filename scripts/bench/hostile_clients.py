@@ -11,10 +11,17 @@ reported apart). Each round has two phases, measured back to back (ABAB...):
   hostile   a worker process (this script, ``worker`` mode) holds connections that did a hello and then go
             silent, connections that never say hello (cut by the daemon after its 5 s hello timeout, then made
             again), connections half-closed before a word (made again as soon as the daemon closes them), and
-            connections that start a frame and stall; and it opens ``--rate`` short connections a second, in turn:
+            connections that start a frame and stall; clients that try to make the daemon hold memory
+            (``tests/hostile_memory.py``, ``--memory-hostiles`` of each: a giant declared spill, a slow-loris spill
+            aborted at the idle timeout, spills with half-a-million-token headers held open); and it opens
+            ``--rate`` short connections a second, in turn:
             random bytes, an oversized message length, an oversized payload length, bad msgpack, a message nested
             deeper than the limit, wrong types for every method, no hello, a wrong protocol version, an unknown
             method, and a plain hello-and-close reconnect
+
+The daemon runs with ``--cap 64MiB --idle-timeout`` ``--idle-timeout`` (5 s): connections that said hello and
+went silent are cut then and made again. Its VmRSS is sampled every 0.1 s; the report gives the largest growth over
+its RSS before the first phase, against cap + the largest thing it admitted (a hostile header, parsed) + 64 MiB.
 
 Per phase: p50 and p99 of the request latencies; the table gives every round and the medians across rounds, and
 the ratio of the hostile p99 to the baseline p99 (median across rounds). The daemon's file descriptors are counted
@@ -44,8 +51,10 @@ import msgpack
 
 from spilld import protocol as P
 from spilld.api import Hit
+from tests.hostile_memory import HUGE_HEADER_TOKENS, run_all
 
 MiB = 1024 * 1024
+CAP = 64 * MiB
 
 
 # --- the hostile worker (a process of its own) -------------------------------------------------------------
@@ -107,7 +116,6 @@ async def read_to_eof(reader: asyncio.StreamReader, timeout: float) -> int:
 
 async def worker(sock: str, a: argparse.Namespace) -> None:
     counts: Counter[str] = Counter()
-    held: list[asyncio.StreamWriter] = []
     tasks: set[asyncio.Task[None]] = set()
 
     async def one_shot(kind: str) -> None:
@@ -157,12 +165,9 @@ async def worker(sock: str, a: argparse.Namespace) -> None:
             w.close()
             await asyncio.sleep(delay)
 
-    for _ in range(a.idle_hello):  # did a hello, then silent: held until the idle timeout (minutes)
-        r, w = await asyncio.open_unix_connection(sock)
-        w.write(HELLO)
-        await r.read(4096)
-        held.append(w)
     loops = [
+        # did a hello, then silent: held until the idle timeout, then made again
+        *(cut_and_again("idle_after_hello_cut", HELLO, False, 0.0) for _ in range(a.idle_hello)),
         *(cut_and_again("no_hello_cut", b"", False, 0.0) for _ in range(a.idle_silent)),
         *(cut_and_again("half_closed", b"", True, 1.0) for _ in range(a.half_closed)),
         # a frame head promising 1000 bytes, then 10 of them: cut at the daemon's request timeout
@@ -172,6 +177,10 @@ async def worker(sock: str, a: argparse.Namespace) -> None:
         ),
     ]
     running = [asyncio.get_running_loop().create_task(c) for c in loops]
+    mem_stop = asyncio.Event()
+    if a.memory_hostiles:
+        mem = run_all(sock, counts, a.idle_timeout, mem_stop, copies=a.memory_hostiles)
+        running.append(asyncio.get_running_loop().create_task(mem))
     await asyncio.sleep(0.5)
     print("ready", flush=True)
     if a.rate > 0:
@@ -179,6 +188,7 @@ async def worker(sock: str, a: argparse.Namespace) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
+    mem_stop.set()
     for t in running:
         t.cancel()
     print(json.dumps(dict(counts)), flush=True)
@@ -189,6 +199,18 @@ async def worker(sock: str, a: argparse.Namespace) -> None:
 
 def daemon_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def sample_rss(pid: int, peak: list[int], stop: asyncio.Event) -> None:
+    """Keep ``peak[0]`` at the daemon's largest VmRSS seen, every 0.1 s until ``stop``."""
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss_bytes(pid))
+        await asyncio.sleep(0.1)
 
 
 def cpu_s(pid: int) -> float:
@@ -215,6 +237,7 @@ class Phase:
     fds_end: int = 0
     fds_after: int = 0
     fds_back_s: float = 0.0
+    max_rss: int = 0
     worker_counts: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -235,6 +258,7 @@ class Phase:
             "fds_end": self.fds_end,
             "fds_after": self.fds_after,
             "fds_back_s": round(self.fds_back_s, 2),
+            "max_rss_MiB": round(self.max_rss / MiB, 1),
             "worker_counts": self.worker_counts,
         }
 
@@ -315,6 +339,7 @@ async def bench(d: Any, a: argparse.Namespace) -> dict[str, Any]:
     await good.run(Phase("warm-up", -1), a.warmup_s)
     await asyncio.sleep(1.0)
     fds0 = daemon_fds(pid)
+    rss0 = rss_bytes(pid)
     phases: list[Phase] = []
     for rnd in range(a.rounds):
         for arm in ("baseline", "hostile"):
@@ -333,7 +358,12 @@ async def bench(d: Any, a: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(a.settle_s)  # the churn is running
             c0 = cpu_s(pid)
             wc0 = cpu_s(w.pid) if w else 0.0
+            peak, sampled = [0], asyncio.Event()
+            sampler = asyncio.get_running_loop().create_task(sample_rss(pid, peak, sampled))
             await good.run(ph, a.phase_s)
+            sampled.set()
+            await sampler
+            ph.max_rss = peak[0]
             ph.daemon_cpu_s = cpu_s(pid) - c0
             if w is not None:
                 ph.worker_cpu_s = cpu_s(w.pid) - wc0
@@ -357,7 +387,7 @@ async def bench(d: Any, a: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
     await client.close()
-    return {"fds_baseline": fds0, "phases": [p.summary() for p in phases]}
+    return {"fds_baseline": fds0, "rss_baseline": rss0, "phases": [p.summary() for p in phases]}
 
 
 def worker_args(a: argparse.Namespace) -> list[str]:
@@ -367,6 +397,8 @@ def worker_args(a: argparse.Namespace) -> list[str]:
         f"--half-closed={a.half_closed}",
         f"--stalled={a.stalled}",
         f"--rate={a.rate}",
+        f"--memory-hostiles={a.memory_hostiles}",
+        f"--idle-timeout={a.idle_timeout}",
     ]
 
 
@@ -406,11 +438,26 @@ def report(r: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         f"{[x['fds_after'] for x in rows if x['arm'] == 'hostile']} ({'back to baseline' if fds_ok else 'LEAKED'})"
     )
     print(f"well-behaved client errors: {errors}")
+    from spilld.daemon.ingest import PARSED_BYTES_PER_TOKEN
+
+    growth = max(x["max_rss_MiB"] for x in rows) - r["rss_baseline"] / MiB
+    bound = (CAP + max(HUGE_HEADER_TOKENS * PARSED_BYTES_PER_TOKEN, 8 * MiB) + 64 * MiB) / MiB
+    print(
+        f"daemon VmRSS: {r['rss_baseline'] / MiB:.1f} MiB before, largest growth {growth:.1f} MiB "
+        f"(bound cap + largest admitted + 64 MiB = {bound:.1f} MiB: {'within' if growth <= bound else 'OVER'})"
+    )
     kinds: Counter[str] = Counter()
     for x in rows:
         kinds.update(x["worker_counts"])
     print(f"hostile connections made (all rounds): {sum(kinds.values())}: {dict(sorted(kinds.items()))}")
-    return {"medians": med, "ratio_p99": ratio, "fds_back": fds_ok, "errors": errors}
+    return {
+        "medians": med,
+        "ratio_p99": ratio,
+        "fds_back": fds_ok,
+        "errors": errors,
+        "rss_growth_MiB": round(growth, 1),
+        "rss_bound_MiB": round(bound, 1),
+    }
 
 
 def main() -> int:
@@ -434,6 +481,8 @@ def main() -> int:
         default=0,
         help="run the hostile worker at this nice level (diagnostics: how much of the cost is its own CPU)",
     )
+    p.add_argument("--memory-hostiles", type=int, default=1, help="copies of each memory-holding client (default 1)")
+    p.add_argument("--idle-timeout", type=float, default=5.0, help="the daemon's --idle-timeout (default 5 s)")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="seconds-long check: 1 round of 1 s phases, few connections")
     a = p.parse_args()
@@ -449,7 +498,7 @@ def main() -> int:
     from tests.daemons import Daemon, cleanup, new_root
 
     root = new_root()
-    d = Daemon(root, ["--cap", "64MiB"]).start()
+    d = Daemon(root, ["--cap", str(CAP), "--idle-timeout", str(a.idle_timeout)]).start()
     try:
         r = uvloop.run(bench(d, a))
     finally:

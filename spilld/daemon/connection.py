@@ -10,12 +10,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__, errors
+import numpy as np
+
+from .. import __version__, errors, shm
 from .. import format as fmt
 from .. import protocol as P
 from ..lease import off_loop
 from ..queue import SpillItem
-from ..shm import ShmAttachments
 from .listen import PeerRefused, peer_uid
 
 if TYPE_CHECKING:
@@ -23,15 +24,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spilld.daemon")
 
+MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say why (then: no such spill)
+
 
 class Incoming:
     """A spill being received: its header, one buffer per tensor, and how much of each arrived."""
 
-    def __init__(self, header: fmt.Header, droppable: bool, key: str) -> None:
+    def __init__(self, header: fmt.Header, droppable: bool, key: str, parsed: int = 0) -> None:
         self.header, self.droppable, self.key = header, droppable, key
         self.slots = header.slots()
+        self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
+        self.last = asyncio.get_running_loop().time()  # when it last received something
+        self.released = False  # its bytes were handed back to the daemon's count
         self.chunks: list[list[bytes | bytearray | memoryview]] = [[] for _ in self.slots]  # kept as received: no copy
-        self.shm_names: list[str] = []  # client segments this spill reads from, handed back when it settles
+        self.reads: set[asyncio.Future[None]] = set()  # segment copies under way into chunks of this spill
         self.got = [0] * len(self.slots)
         self.error: errors.SpillError | None = None
 
@@ -39,12 +45,27 @@ class Incoming:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
-    def put(self, index: int, offset: int, payload: memoryview | bytes | bytearray) -> None:
-        n = memoryview(payload).nbytes
+    def claim(self, index: int, offset: int, n: int) -> None:
+        """Check that ``n`` bytes at ``offset`` of tensor ``index`` are the next ones, within it; count them."""
         if not 0 <= index < len(self.slots) or offset != self.got[index] or offset + n > self.slots[index].nbytes:
             raise P.BadParams(f"put out of order or out of range (tensor {index}, offset {offset}, {n} bytes)")
-        self.chunks[index].append(payload)
         self.got[index] += n
+        self.last = asyncio.get_running_loop().time()
+
+    def put(self, index: int, offset: int, payload: memoryview | bytes | bytearray) -> None:
+        self.claim(index, offset, memoryview(payload).nbytes)
+        self.chunks[index].append(payload)
+
+    def fail(self, exc: errors.SpillError) -> None:
+        """The spill cannot be stored (the commit says why); what it received so far is let go now."""
+        if self.error is None:
+            self.error = exc
+        self.chunks = [[] for _ in self.slots]
+
+    async def settled_reads(self) -> None:
+        """Wait for the segment copies still under way (each ends: a copy is bounded, never waits on the client)."""
+        while self.reads:
+            await asyncio.wait(list(self.reads))
 
     def complete(self) -> bool:
         return all(g == s.nbytes for g, s in zip(self.got, self.slots, strict=True))
@@ -59,8 +80,10 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.id = next(self._ids)
-        self.decoder = P.FrameDecoder()
+        self.decoder = P.FrameDecoder(admit_msg=self._admit_msg, admit_payload=self._admit_payload)
         self.spills: dict[int, Incoming] = {}
+        self.expired: dict[int, errors.SpillError] = {}  # spills aborted by the daemon: why, for their commit
+        self._held_msg = 0  # bytes counted for the big message being received (see Ingest.hold_message)
         self.spill_ids = itertools.count(1)  # ids of the spills it opens
         self.tasks: set[asyncio.Task[None]] = set()
         self.client_name = "?"
@@ -70,7 +93,6 @@ class Connection(asyncio.BufferedProtocol):
         self._closing = False
         self.closed = asyncio.get_running_loop().create_future()
         self.lease_grantor = False
-        self.shm = ShmAttachments()
         self.asked: dict[int, asyncio.Future[errors.SpillError | None]] = {}  # our requests to the client, by msgid
         self._ask_ids = itertools.count(1)
 
@@ -102,7 +124,7 @@ class Connection(asyncio.BufferedProtocol):
             self._fail(exc)
             return
         except Exception as exc:  # whatever a client sends, it cannot crash the protocol callback
-            self._fail(P.ProtocolError(f"malformed message: {exc!r}"[:200]))
+            self._fail(P.ProtocolError(f"malformed message ({type(exc).__name__}: {exc})"[:200]))
             return
         self._arm_timer()
 
@@ -143,7 +165,6 @@ class Connection(asyncio.BufferedProtocol):
         for fut in self.asked.values():
             if not fut.done():
                 fut.set_result(P.ConnectionLost("the lease grantor is gone"))
-        self.shm.close()  # mappings still read by queued items stay until those are written
         if self._timer is not None:
             self._timer.cancel()
         log.debug(
@@ -153,7 +174,10 @@ class Connection(asyncio.BufferedProtocol):
         )  # fmt: skip
         for sp in self.spills.values():
             self.daemon.ingest.forget(sp)
+            sp.fail(P.ConnectionLost("the client is gone"))
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
+        self.daemon.ingest.release(self._held_msg)
+        self._held_msg = 0
         self.daemon.connections.discard(self)
         if not self.closed.done():
             self.closed.set_result(None)
@@ -181,12 +205,26 @@ class Connection(asyncio.BufferedProtocol):
         if not self.tasks:
             self._arm_timer()  # idle again: the clock starts now
 
-    def _fail(self, exc: errors.SpillError) -> None:
-        """Tell the client why (a typed error notification), then close."""
+    def _fail(self, exc: errors.SpillError, msgid: int | None = None) -> None:
+        """Tell the client why, then close: as the response to request ``msgid`` when the fault is that
+        request's, else as an ``error`` notification."""
         level = logging.INFO if isinstance(exc, P.Timeout) else logging.WARNING
         self.daemon.client_error(level, "client %d (%s): %s", self.id, self.client_name, exc)
-        self.send(P.notification("error", {"code": exc.code, "message": str(exc)[: P.MAX_ERROR_MESSAGE]}))
+        if msgid is not None:
+            self._respond(msgid, error=exc)
+        else:
+            self.send(P.notification("error", {"code": exc.code, "message": str(exc)[: P.MAX_ERROR_MESSAGE]}))
         self.close()
+
+    def fail_spill(self, sid: Any, sp: Incoming | None, exc: errors.SpillError) -> None:
+        """A spill (or a put naming none) fails: a ``spill_error`` notification says so at once, the first time;
+        the spill's ``commit`` answers the same error."""
+        if sp is not None:
+            if sp.error is not None:
+                return
+            sp.fail(exc)
+        params = {"spill": sid if type(sid) is int else -1, "code": exc.code, "message": str(exc)}
+        self.send(P.notification("spill_error", params))
 
     def _finish_later(self) -> None:
         async def finish() -> None:
@@ -212,26 +250,73 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def take_spill(self, sid: Any) -> Incoming:
+        """Remove and return open spill ``sid`` (for its commit); the error that says why there is none."""
+        sp = self.spills.pop(sid, None) if type(sid) is int else None
+        if sp is None:
+            raise self.expired.pop(sid, None) or P.BadParams(f"no open spill {sid!r} on this connection")
+        return sp
+
+    def expire(self, sid: int, why: errors.SpillError) -> None:
+        """The daemon aborts open spill ``sid``; its commit will answer ``why``."""
+        sp = self.spills.pop(sid)
+        self.fail_spill(sid, sp, why)
+        self.expired[sid] = why
+        while len(self.expired) > MAX_EXPIRED_KEPT:
+            del self.expired[next(iter(self.expired))]
+
+    def _admit_msg(self, size: int) -> None:
+        self._held_msg = self.daemon.ingest.hold_message(size)
+
+    def _admit_payload(self, raw: Any, size: int) -> bool:
+        """Only a ``put`` for an open spill of this connection, at the next offset of one of its tensors and
+        within it, gets a buffer: those bytes were counted when the spill was admitted. Others are thrown away."""
+        if not (isinstance(raw, list) and len(raw) == 3 and raw[:2] == [P.NOTIFICATION, "put"]):
+            return False
+        p = raw[2] if isinstance(raw[2], dict) else {}
+        sid, index, offset = p.get("spill"), p.get("index"), p.get("offset")
+        sp = self.spills.get(sid) if type(sid) is int else None
+        if sp is None or sp.error is not None or type(index) is not int or type(offset) is not int:
+            return False
+        return 0 <= index < len(sp.slots) and offset == sp.got[index] and offset + size <= sp.slots[index].nbytes
+
     def _dispatch(self, msg: P.Message) -> None:
-        if not self.hello and not (msg.kind == P.REQUEST and msg.method == "hello"):
-            raise P.ProtocolError("the first message must be a hello request")
+        held, self._held_msg = self._held_msg, 0
+        task = None
+        try:
+            task = self._route(msg, held)
+        finally:
+            if task is None:  # else the request's task releases it (see _call)
+                self.daemon.ingest.release(held)
+
+    def _route(self, msg: P.Message, held: int) -> asyncio.Task[None] | None:
+        if msg.kind == P.REQUEST and msg.method == "hello":
+            self._on_hello(msg)
+            return None
+        if not self.hello:
+            first = P.ProtocolError("the first message must be a hello request")
+            self._fail(first, msg.msgid if msg.kind == P.REQUEST else None)
+            return None
+        if msg.discarded and not (msg.kind == P.NOTIFICATION and msg.method == "put"):
+            raise P.ProtocolError(f"a payload on a message other than put ({msg.method or 'a response'})")
         if msg.kind == P.NOTIFICATION:
-            if msg.method not in ("put", "put_shm"):
-                raise P.UnknownMethod(f"unknown notification {msg.method!r}")
-            self._put(msg)
+            if msg.method in ("put", "put_shm"):
+                self._put(msg)
+            else:  # like an unknown request, it does not end the connection; it has no answer to carry an error
+                log.debug("client %d: unknown notification %r ignored", self.id, msg.method)
         elif msg.kind == P.REQUEST:
-            if msg.method == "hello":
-                self._respond(msg.msgid, self._hello(msg.params))
-                return
             if len(self.tasks) >= P.MAX_INFLIGHT_REQUESTS:
                 raise P.ProtocolError(f"more than {P.MAX_INFLIGHT_REQUESTS} requests in flight")
             handler = self.daemon.methods.get(msg.method)
             if handler is None:
                 self._respond(msg.msgid, error=P.UnknownMethod(f"unknown method {msg.method!r}"))
-                return
-            task = asyncio.get_running_loop().create_task(self._call(handler, msg))
+                return None
+            hold = [held]  # released once: when the handler starts, or when the task ends if it never started
+            task = asyncio.get_running_loop().create_task(self._call(handler, msg, hold))
+            task.add_done_callback(lambda _: self._release(hold))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
+            return task
         else:  # an answer to a request of ours (a lease grant)
             fut = self.asked.pop(msg.msgid, None)
             refused = None if msg.error is None else errors.error_from_code(msg.error["code"], msg.error["message"])
@@ -239,31 +324,54 @@ class Connection(asyncio.BufferedProtocol):
                 fut.set_result(refused)
             elif refused is None:  # granted after we stopped waiting: let the engine go at once
                 self.lease_done(msg.msgid)
+        return None
 
-    async def _call(self, handler: Any, msg: P.Message) -> None:
+    def _release(self, hold: list[int]) -> None:
+        self.daemon.ingest.release(hold[0])
+        hold[0] = 0
+
+    async def _call(self, handler: Any, msg: P.Message, hold: list[int]) -> None:
+        # A big message stays counted until its handler starts; the handler counts what it keeps (a spill its
+        # parsed header), and parses synchronously, so at most one message is ever counted twice, for a moment.
+        self._release(hold)
         try:
             result = await handler(self, msg.params, msg.msgid)
         except errors.SpillError as exc:
             self._respond(msg.msgid, error=exc)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # params of the wrong shape
-            self._respond(msg.msgid, error=P.BadParams(f"{msg.method}: {exc!r}"[: P.MAX_ERROR_MESSAGE]))
-        except Exception as exc:  # a bug must not take the daemon down
+            self._respond(msg.msgid, error=bad_params(msg.method, exc))
+        except Exception:  # a bug must not take the daemon down
             log.exception("client %d: %s failed", self.id, msg.method)
-            self._respond(msg.msgid, error=errors.SpillError(f"internal error: {exc!r}"))
+            self._respond(msg.msgid, error=errors.SpillError(f"internal error in {msg.method}; see the daemon's log"))
         else:
             self._respond(msg.msgid, result)
 
     def _respond(self, msgid: int, result: Any = None, error: errors.SpillError | None = None) -> None:
         self.send(P.response(msgid, result, error))
 
+    def _on_hello(self, msg: P.Message) -> None:
+        """The first hello is answered (or refused, as its response, then the connection closes); a second one is
+        refused with ``duplicate_hello`` and changes nothing."""
+        if self.hello:
+            self._respond(msg.msgid, error=P.DuplicateHello("this connection already said hello"))
+            return
+        try:
+            result = self._hello(msg.params)
+        except errors.SpillError as exc:
+            self._fail(exc, msg.msgid)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._fail(bad_params("hello", exc), msg.msgid)
+        else:
+            self._respond(msg.msgid, result)
+
     def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
-        if params.get("version") != P.PROTOCOL_VERSION:
-            raise P.UnsupportedProtocol(
-                f"protocol version {params.get('version')!r}; this daemon speaks {P.PROTOCOL_VERSION}"
-            )
+        version = params.get("version")
+        if type(version) is not int or version != P.PROTOCOL_VERSION:
+            shown = version if isinstance(version, int | str) else type(version).__name__
+            raise P.UnsupportedProtocol(f"protocol version {shown}; this daemon speaks {P.PROTOCOL_VERSION}")
         self.hello = True
         self.client_name = str(params.get("client", "?"))[:64]
-        self.lease_grantor = bool(params.get("lease_grantor", False))
+        self.lease_grantor = params.get("lease_grantor", False) is True
         log.info(
             "client %d connected: %s", self.id, self.client_name,
             extra={"client": self.id, "client_name": self.client_name, "pid": params.get("pid"), "grantor": self.lease_grantor},
@@ -272,30 +380,61 @@ class Connection(asyncio.BufferedProtocol):
             "version": P.PROTOCOL_VERSION,
             "server": f"spilld {__version__}",
             "pid": os.getpid(),
-            "limits": {"max_msg": P.MAX_MSG_BYTES, "max_payload": P.MAX_PAYLOAD_BYTES},
+            "limits": self.daemon.limits(),
             "shm": True,
             "dir": self.daemon.cfg.dir,
         }
 
     def _put(self, msg: P.Message) -> None:
-        sp = self.spills.get(msg.params.get("spill")) if isinstance(msg.params.get("spill"), int) else None
-        name = str(msg.params.get("shm", ""))[:64] if msg.method == "put_shm" else ""
-        if name:
-            if sp is None:
-                self.free_shm([name])  # never keep a segment we will not use
-            else:
-                sp.shm_names.append(name)  # handed back when the spill settles, whatever happens to it
+        p = msg.params
+        sp = self.spills.get(p.get("spill")) if isinstance(p.get("spill"), int) else None
+        name = str(p.get("shm", ""))[:64] if msg.method == "put_shm" else ""
         if sp is None or sp.error is not None:
-            return  # the commit reports the problem
+            self.free_shm([name] if name else [])  # never keep a segment we will not read
+            if sp is None:  # (a spill that failed already said so once)
+                why = self.expired.get(p.get("spill")) if isinstance(p.get("spill"), int) else None
+                self.fail_spill(p.get("spill"), None, why or P.BadParams(f"no open spill {p.get('spill')!r}"))
+            return
         try:
-            payload: memoryview | bytes | bytearray = msg.payload
+            index, offset = int(p["index"]), int(p["offset"])
             if name:
-                payload = self.shm.view(name, int(msg.params["length"]))
-            if not memoryview(payload).nbytes:
+                self._put_shm(p["spill"], sp, (index, offset), name, int(p["length"]))
+                return
+            if not msg.payload and not msg.discarded:
                 raise P.BadParams("empty put")
-            sp.put(int(msg.params["index"]), int(msg.params["offset"]), payload)
-        except (errors.SpillError, KeyError, TypeError, ValueError, ArithmeticError) as exc:
-            sp.error = exc if isinstance(exc, errors.SpillError) else P.BadParams(repr(exc)[:200])
+            if msg.discarded:  # refused before a buffer was made: the same check, said the same way
+                sp.claim(index, offset, msg.discarded)
+                raise P.BadParams(f"put of {msg.discarded} bytes refused")
+            sp.put(index, offset, msg.payload)
+        except errors.SpillError as exc:
+            self.fail_spill(p["spill"], sp, exc)
+            self.free_shm([name] if name else [])
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+            self.fail_spill(p["spill"], sp, bad_params(msg.method, exc))
+            self.free_shm([name] if name else [])
+
+    def _put_shm(self, sid: int, sp: Incoming, at: tuple[int, int], name: str, length: int) -> None:
+        """Copy ``length`` bytes of a client's segment into a buffer of the spill, on a worker thread; the
+        segment goes back to the client once read, whatever the outcome."""
+        shm.check_name(name)
+        if length <= 0:
+            raise P.BadParams("empty put")
+        index, offset = at
+        sp.claim(index, offset, length)  # before allocating: only bytes the spill declared (and was admitted for)
+        buf = np.empty(length, np.uint8).data  # not zeroed: the copy fills every byte
+        sp.chunks[index].append(buf)
+        fut = asyncio.get_running_loop().run_in_executor(None, shm.read_segment, name, buf)
+        sp.reads.add(fut)
+
+        def done(f: asyncio.Future[None]) -> None:
+            sp.reads.discard(f)
+            self.free_shm([name])
+            exc = f.exception()
+            if exc is not None:
+                why = exc if isinstance(exc, errors.SpillError) else shm.ShmRefused(f"segment {name}: {exc}")
+                self.fail_spill(sid, sp, why)
+
+        fut.add_done_callback(done)
 
 
 @dataclass(eq=False)
@@ -306,8 +445,7 @@ class Received:
     chunks: list[list[bytes | bytearray | memoryview]]  # each tensor's bytes, as received
     nbytes: int  # what it counts against --cap
     grantor: Connection | None  # the client whose engine grants the lease for its write steps, if any
-    conn: Connection  # where its shared-memory segments go back
-    shm_names: list[str]
+    conn: Connection  # the client that sent it (for the logs)
 
 
 def received_bytes(item: SpillItem) -> int:
@@ -315,10 +453,10 @@ def received_bytes(item: SpillItem) -> int:
     return item.payload.nbytes if isinstance(item.payload, Received) else 0
 
 
-def free_item_shm(item: SpillItem) -> None:
-    """Hand a settled item's shared-memory segments back to their client."""
-    if isinstance(item.payload, Received):
-        item.payload.conn.free_shm(item.payload.shm_names)
+def bad_params(method: str, exc: Exception) -> P.BadParams:
+    """Params of the wrong shape, said in words (a missing key, a wrong type), never as a Python repr."""
+    what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+    return P.BadParams(f"{method}: bad params: {what}"[: P.MAX_ERROR_MESSAGE])
 
 
 class GrantorLease:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from .. import errors
@@ -15,11 +16,41 @@ from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
 from ..queue import Outcome, SpillItem, SpillQueue
-from ..store import checkpoint_namespace
+from ..store import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 from ..validate import validate_header
 from .connection import Connection, Incoming, Received
 
 MAX_OPEN_SPILLS = 16  # spills being received on one connection
+MAX_OPEN_TOKENS = 2 * 1024 * 1024  # tokens declared by the spills open on one connection, together
+MAX_OPEN_TENSORS = 16_384  # tensors (slots) declared by the spills open on one connection, together
+# Open spills and big messages together hold at most --cap / RECEIVING_SHARE (one of them alone may be up to --cap);
+# the queue holds its own --cap (plus the one item over it that an empty queue takes).
+RECEIVING_SHARE = 2
+MAX_SPILL_CAPS = 2  # one spill may be up to this x --cap (taken alone, when nothing else is received); larger: never
+# The parsed form of a header, as measured (tracemalloc, CPython 3.11): ~40 bytes a token (a list of ints),
+# ~1 KiB a tensor (its slot, shape and entry objects); a message being received or decoded, up to ~10x its size.
+PARSED_BYTES_PER_TOKEN = 48
+PARSED_BYTES_PER_TENSOR = 1024
+DECODED_BYTES_PER_MSG_BYTE = 12
+BIG_MSG_BYTES = 64 * 1024  # messages this large are counted against the cap while received and decoded
+
+
+def with_ignored_fields(wire: Any) -> Any:
+    """A spill's header may leave out what the daemon computes itself (each tensor's ``off`` and ``hash``, the
+    header's ``created_at_ms``): filled with placeholders here, so the file format's parser takes it."""
+    if not isinstance(wire, dict):
+        return wire
+    wire.setdefault("created_at_ms", 0)
+    groups = [e for e in wire.get("caches", []) if isinstance(e, dict)]
+    groups += [a for a in wire.get("attachments", []) if isinstance(a, dict)]
+    while groups:
+        g = groups.pop()
+        groups += [c for c in g.get("children", []) if isinstance(c, dict)]
+        for t in g.get("tensors", []):
+            if isinstance(t, dict):
+                t.setdefault("off", 0)
+                t.setdefault("hash", fmt.PLACEHOLDER_HASH)
+    return wire
 
 
 class Ingest:
@@ -27,13 +58,55 @@ class Ingest:
 
     def __init__(self, cfg: Config, queue: SpillQueue, stopping: asyncio.Event) -> None:
         self.cfg, self.queue, self.stopping = cfg, queue, stopping
-        self.receiving = 0  # bytes declared by spills being received (not yet in the queue)
-        self.reserved = 0  # of those, the non-droppable ones: queue room held for their commit
+        self.receiving = 0  # what spills being received hold: declared tensor bytes + parsed headers
+        self.reserved = 0  # declared bytes of the non-droppable ones: queue room held for their commit
+        self.buffers = 0  # big messages being received or decoded (counted from their frame head)
+        self.expired = 0  # open spills aborted for silence
+        self.committing: set[asyncio.Future[None]] = set()  # commits waiting for their segment copies
+
+    @property
+    def budget(self) -> int:
+        """The most open spills and big messages hold together (unless one alone, when nothing else is held)."""
+        return self.cfg.cap // RECEIVING_SHARE
+
+    @property
+    def max_spill(self) -> int:
+        """The most tensor bytes one spill may declare."""
+        return MAX_SPILL_CAPS * self.cfg.cap
+
+    def held(self) -> int:
+        return self.receiving + self.buffers
+
+    def room_for(self, nbytes: int) -> bool:
+        # Nothing held: one spill (up to max_spill) or message goes in, so a large item is never refused forever.
+        return self.held() == 0 or self.held() + nbytes <= self.budget
+
+    async def committed(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until every commit received so far has handed its item to the queue."""
+        if self.committing:
+            await asyncio.wait(list(self.committing), timeout=timeout)
+
+    def hold_message(self, size: int) -> int:
+        """Count a message of ``size`` bytes about to be received (before its buffer exists); the bytes held,
+        to hand to ``release``. A big message that does not fit the budget is refused with ``busy``."""
+        if size < BIG_MSG_BYTES:
+            return 0  # small ones: at most one per connection at a time, within the slack of the bound
+        need = size * DECODED_BYTES_PER_MSG_BYTE
+        if not self.room_for(need):
+            raise P.Busy(
+                f"a message of {format_size(size)} does not fit: the daemon holds {format_size(self.held())} "
+                f"of {format_size(self.budget)} for spills being received; retry later"
+            )
+        self.buffers += need
+        return need
+
+    def release(self, held: int) -> None:
+        self.buffers -= held
 
     async def spill(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         if self.stopping.is_set():
             raise P.Busy("the daemon is stopping")
-        header = fmt.header_from_wire(p["header"])
+        header = fmt.header_from_wire(with_ignored_fields(p["header"]))
         header.created_at_ms = time.time_ns() // 1_000_000
         for s in header.slots():
             s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted
@@ -42,22 +115,43 @@ class Ingest:
         fmt.plan_offsets(slots)  # the daemon decides the layout
         if header.checkpoint is not None:
             header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
+        elif header.identity.namespace.startswith(CHECKPOINT_NS_PREFIX):
+            raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
         droppable = bool(p.get("droppable", True))
-        sp = Incoming(header, droppable, str(p.get("key", "")))
-        if len(conn.spills) >= MAX_OPEN_SPILLS:
-            raise P.Busy(f"more than {MAX_OPEN_SPILLS} spills open on one connection")
-        if self.receiving and self.receiving + self.queue.pending_bytes + sp.nbytes > 2 * self.cfg.cap:
-            raise P.Busy("too many bytes in flight to the daemon; retry later")  # memory stays bounded
-        if not droppable and not self.fits(sp.nbytes):
-            raise P.Busy(
-                f"queue full ({format_size(self.queue.pending_bytes)} of {format_size(self.cfg.cap)}); retry later"
-            )
+        parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
+        sp = Incoming(header, droppable, str(p.get("key", "")), parsed)
+        self.admit(conn, sp)
         sid = next(conn.spill_ids)
         conn.spills[sid] = sp
-        self.receiving += sp.nbytes
+        self.receiving += sp.cost
         if not droppable:  # its room is held from now, so the commit of its last byte is never refused
             self.reserved += sp.nbytes
         return {"spill": sid, "tensors": len(slots), "bytes": sp.nbytes}
+
+    def admit(self, conn: Connection, sp: Incoming) -> None:
+        """Raise ``busy`` unless the connection's limits and the daemon's memory budget have room for ``sp``."""
+        if len(conn.spills) >= MAX_OPEN_SPILLS:
+            raise P.Busy(f"more than {MAX_OPEN_SPILLS} spills open on one connection")
+        tokens = len(sp.header.tokens) + sum(len(o.header.tokens) for o in conn.spills.values())
+        if tokens > MAX_OPEN_TOKENS:
+            raise P.Busy(f"{tokens} tokens in the spills open on this connection (limit {MAX_OPEN_TOKENS})")
+        tensors = len(sp.slots) + sum(len(o.slots) for o in conn.spills.values())
+        if tensors > MAX_OPEN_TENSORS:
+            raise P.Busy(f"{tensors} tensors in the spills open on this connection (limit {MAX_OPEN_TENSORS})")
+        if sp.nbytes > self.max_spill:  # (its parsed header is bounded by the per-connection limits)
+            raise P.Busy(
+                f"a spill of {format_size(sp.nbytes)} of tensors is larger than the cap allows "
+                f"({MAX_SPILL_CAPS} x {format_size(self.cfg.cap)}): this daemon can never take it"
+            )
+        if not self.room_for(sp.cost):
+            raise P.Busy(
+                f"the daemon holds {format_size(self.held())} of {format_size(self.budget)} for spills being "
+                "received; retry later"
+            )  # memory stays bounded
+        if not sp.droppable and not self.fits(sp.nbytes):
+            raise P.Busy(
+                f"queue full ({format_size(self.queue.pending_bytes)} of {format_size(self.cfg.cap)}); retry later"
+            )
 
     def fits(self, nbytes: int) -> bool:
         """Whether the queue has room for ``nbytes`` more on top of what is reserved."""
@@ -66,28 +160,56 @@ class Ingest:
             return True
         return self.queue.would_fit(self.reserved + nbytes)
 
+    def counters(self, open_spills: int) -> dict[str, int]:
+        """For ``status``: spills being received and the bytes they hold (all zero once every client is gone)."""
+        return {
+            "open_spills": open_spills,
+            "receiving": self.receiving,
+            "reserved": self.reserved,
+            "buffers": self.buffers,
+            "expired": self.expired,
+        }
+
     def forget(self, sp: Incoming) -> None:
-        """A spill being received ends (committed, aborted, or its client gone): release what it held."""
-        self.receiving -= sp.nbytes
+        """A spill being received ends (committed, aborted, expired, or its client gone): release what it held."""
+        if sp.released:
+            return
+        sp.released = True
+        self.receiving -= sp.cost
         if not sp.droppable:
             self.reserved -= sp.nbytes
 
+    def expire(self, connections: Iterable[Connection], now: float) -> None:
+        """Abort the open spills that received nothing for ``--idle-timeout``: their room goes back now."""
+        timeout = self.cfg.idle_timeout
+        for conn in connections:
+            for sid, sp in list(conn.spills.items()):
+                if now - sp.last >= timeout and not sp.reads:
+                    conn.expire(sid, P.Timeout(f"spill {sid} received nothing for {timeout:g} s; aborted"))
+                    self.forget(sp)
+                    self.expired += 1
+
     async def commit(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        sp = conn.spills.pop(int(p["spill"]), None)
-        if sp is None:
-            raise P.BadParams("no such spill")
+        sp = conn.take_spill(p["spill"])
+        if sp.reads:  # segment copies under way: a stop waits for them, so this commit still reaches the queue
+            marker = asyncio.get_running_loop().create_future()
+            self.committing.add(marker)
+            try:
+                await sp.settled_reads()
+            finally:
+                self.committing.discard(marker)
+                marker.set_result(None)
         self.forget(sp)  # from here the queue counts it
         if sp.error is not None or not sp.complete():
-            conn.free_shm(sp.shm_names)
             raise sp.error or P.BadParams("commit before every tensor byte arrived")
         item = SpillItem(
             tokens=sp.header.tokens,
             namespace=sp.header.identity.namespace,
             key=sp.key,
             droppable=sp.droppable,
-            payload=Received(sp.header, sp.chunks, sp.nbytes, conn if conn.lease_grantor else None, conn, sp.shm_names),
+            payload=Received(sp.header, sp.chunks, sp.nbytes, conn if conn.lease_grantor else None, conn),
         )
-        settled = await self.queue.enqueue(item)
+        settled = await self.queue.enqueue(item)  # (enqueue takes the item before its first await)
         out: dict[str, Any] = {"outcome": settled.outcome.value}
         if settled.outcome is Outcome.STORED:
             out |= {"path": settled.value.path, "file_bytes": settled.value.file_bytes}
@@ -100,8 +222,9 @@ class Ingest:
             out |= {"code": err.code, "message": str(err)}
         return out
 
-    async def abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> None:
-        sp = conn.spills.pop(int(p["spill"]), None)
+    async def abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        sp = conn.spills.pop(p["spill"], None) if type(p["spill"]) is int else None
         if sp is not None:
             self.forget(sp)
-            conn.free_shm(sp.shm_names)
+            sp.fail(P.BadParams("aborted"))  # segment copies still under way land in nothing
+        return {"aborted": sp is not None}

@@ -30,8 +30,8 @@ from ..saver import AnySource, BytesSource
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
 from ..store import Hit, MissReason, Store
-from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, free_item_shm, received_bytes
-from .ingest import Ingest
+from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, received_bytes
+from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
 from .listen import bind, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
 
@@ -41,6 +41,7 @@ DRAIN_PROGRESS_S = 0.5
 # SIGHUP (a closed terminal, or `kill -HUP`) stops the daemon like SIGTERM: it drains; there is no config to reload
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SECOND_SIGNAL_EXIT = 3  # a stop that left work unfinished, as a drain past its deadline
+EXPIRE_EVERY_S = 1.0  # how often open spills are checked for silence
 
 
 def open_store(cfg: Config) -> Store:
@@ -61,7 +62,7 @@ class Daemon:
         self.listener = listener
         self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
         self.store = open_store(cfg)
-        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=received_bytes, release=free_item_shm)
+        self.queue = SpillQueue(cfg.cap, self._write, bytes_of=received_bytes)
         self.lease = BackgroundLease()
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
@@ -74,6 +75,7 @@ class Daemon:
         self.restore_seconds = LatencyHistogram(RESTORE_BUCKETS_S)
         self._server: asyncio.AbstractServer | None = None
         self._socket_lock: FileLock | None = None
+        self._expiry: asyncio.TimerHandle | None = None
         self._signals = 0
         self._metrics_failing = False
         names = [
@@ -109,6 +111,13 @@ class Daemon:
             format_size(self.store.disk_cap), self.store.count,
         )  # fmt: skip
         self.service.ready(f"serving on {self.cfg.socket}: {self.store.count} entries")
+        self._expire_idle()
+
+    def _expire_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.ingest.expire(self.connections, loop.time())
+        if not self.stopping.is_set():
+            self._expiry = loop.call_later(EXPIRE_EVERY_S, self._expire_idle)
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
@@ -182,9 +191,12 @@ class Daemon:
 
     async def stop(self) -> int:
         self.service.stopping(self._drain_status())
+        if self._expiry is not None:
+            self._expiry.cancel()
         if self._server is not None:
             self._server.close()
         async with self.service.extending(self._drain_progress, budget_s=self.cfg.drain_deadline):
+            await self.ingest.committed(timeout=self.cfg.request_timeout)  # a commit received is not cancelled
             report = await self.queue.close(timeout=self.cfg.drain_deadline)
         for conn in list(self.connections):
             if conn.tasks:  # commits answered before the connections go
@@ -272,7 +284,11 @@ class Daemon:
         return {"cancelled": n}
 
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        ident = fmt.Identity(**{k: str(v) for k, v in p["identity"].items()})
+        raw = p["identity"]
+        if not isinstance(raw, dict):
+            raise P.BadParams("lookup: identity must be a map")
+        fields = ("model_id", "config_fingerprint", "tokenizer_hash")  # its namespace, if sent, is not used
+        ident = fmt.Identity(**{k: str(raw.get(k, "")) for k in fields})
         tokens = fmt.decode_tokens(p["tokens"])
         ns, provider = str(p.get("namespace", "")), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
@@ -349,6 +365,18 @@ class Daemon:
         self.stopping.set()
         return {"stopping": True}
 
+    def limits(self) -> dict[str, int]:
+        """The limits a client must keep to, as hello tells them."""
+        return {
+            "max_msg": P.MAX_MSG_BYTES,
+            "max_payload": P.MAX_PAYLOAD_BYTES,
+            "max_inflight_requests": P.MAX_INFLIGHT_REQUESTS,
+            "max_open_spills": MAX_OPEN_SPILLS,
+            "max_open_tokens": MAX_OPEN_TOKENS,
+            "max_open_tensors": MAX_OPEN_TENSORS,
+            "max_spill_bytes": self.ingest.max_spill,
+        }
+
     def status(self) -> dict[str, Any]:
         return {
             "version": __version__,
@@ -361,6 +389,7 @@ class Daemon:
             "client_errors": self.client_errors,
             "lookups": self.lookups,
             "queue": self.queue.counters(),
+            "ingest": self.ingest.counters(sum(len(c.spills) for c in self.connections)),
             "store": self.store.stats(),
             "restore_seconds": self.restore_seconds.to_wire(),
         }

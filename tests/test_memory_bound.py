@@ -1,0 +1,203 @@
+"""The daemon's memory is bounded by --cap, counted honestly: declared bytes, parsed headers and big messages count;
+a spill larger than the cap is refused at once; a silent open spill is aborted; per-connection limits on tokens and
+tensors; payloads get no buffer unless the accounting admitted their bytes. Real daemon subprocess, real socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from spilld import protocol as P
+from spilld.daemon import ingest
+from tests.daemons import Daemon, cleanup, new_root
+from tests.hostile_memory import kv_header
+from tests.wire import Wire, frames
+
+MiB = 1024 * 1024
+
+
+def start(*args: str) -> Daemon:
+    return Daemon(new_root(), list(args)).start()
+
+
+@pytest.fixture
+def small() -> Iterator[Daemon]:
+    d = start("--cap", "64MiB", "--idle-timeout", "2")
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def status(d: Daemon) -> dict[str, Any]:
+    return dict(json.loads(d.cli("status", "--socket", d.socket, "--json").stdout))
+
+
+def rss(d: Daemon) -> int:
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_spill_larger_than_the_cap_is_refused_at_once(small: Daemon) -> None:
+    w = Wire(small.socket)
+    w.hello()
+    giant = kv_header(4500, heads=64, dim=256)  # 281 MiB declared against a 64 MiB cap
+    r = w.call("spill", {"header": giant, "droppable": False})
+    assert r.error is not None and r.error["code"] == "busy" and "larger than the cap allows" in r.error["message"]
+    assert status(small)["ingest"]["receiving"] == 0
+    other = Wire(small.socket)
+    other.hello()
+    r = other.call("spill", {"header": kv_header(8192), "droppable": False})  # 32 MiB: others are served
+    assert r.error is None and r.result["bytes"] == 32 * MiB
+
+
+def test_a_silent_open_spill_is_aborted_and_its_room_freed(small: Daemon) -> None:
+    loris = Wire(small.socket)
+    loris.hello()
+    sid = loris.call("spill", {"header": kv_header(10240), "droppable": False}).result["spill"]  # 40 MiB held
+    loris.send(P.notification("put", {"spill": sid, "index": 0, "offset": 0}, b"\0" * 4096))
+    good = Wire(small.socket)
+    good.hello()
+    r = good.call("spill", {"header": kv_header(10240), "droppable": False})
+    assert r.error is not None and r.error["code"] == "busy"  # the queue's room is held for the silent one
+    t0 = time.monotonic()
+    while True:  # both connections stay busy (the idle timeout is 2 s): only the loris's spill is silent
+        st = loris.call("status", {}).result["ingest"]
+        assert good.call("status", {}).error is None
+        if st["expired"]:
+            break
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.2)
+    assert time.monotonic() - t0 >= 1.5
+    assert (st["open_spills"], st["receiving"], st["reserved"]) == (0, 0, 0)
+    assert good.call("spill", {"header": kv_header(10240), "droppable": False}).error is None  # room is back
+    r = loris.call("commit", {"spill": sid})
+    assert r.error is not None and r.error["code"] == "timeout" and "received nothing" in r.error["message"]
+
+
+def test_open_tokens_per_connection_are_bounded() -> None:
+    d = start("--cap", "1GiB")
+    try:
+        per = ingest.MAX_OPEN_TOKENS // 2 - 1000
+        w = Wire(d.socket)
+        w.hello()
+        for _ in range(2):
+            assert w.call("spill", {"header": kv_header(8, tokens=per)}).error is None
+        r = w.call("spill", {"header": kv_header(8, tokens=4000)})
+        assert r.error is not None and r.error["code"] == "busy" and "tokens" in r.error["message"]
+        other = Wire(d.socket)
+        other.hello()
+        assert other.call("spill", {"header": kv_header(8, tokens=4000)}).error is None  # per connection
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_open_tensors_per_connection_are_bounded() -> None:
+    d = start("--cap", "1GiB")
+    try:
+        entries = ingest.MAX_OPEN_TENSORS // 4  # two tensors an entry: half the limit a spill
+        w = Wire(d.socket)
+        w.hello()
+        for _ in range(2):
+            assert w.call("spill", {"header": kv_header(1, heads=1, dim=1, entries=entries)}).error is None
+        r = w.call("spill", {"header": kv_header(1, heads=1, dim=1)})
+        assert r.error is not None and r.error["code"] == "busy" and "tensors" in r.error["message"]
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_parsed_headers_count_against_the_cap() -> None:
+    small = start("--cap", "64MiB")  # the default idle timeout: every connection stays while the test runs
+    try:
+        parsed_headers_count(small)
+    finally:
+        small.kill()
+        cleanup(small.root)
+
+
+def parsed_headers_count(small: Daemon) -> None:
+    w = Wire(small.socket)
+    w.hello()
+    tokens = 500_000
+    assert w.call("spill", {"header": kv_header(8, tokens=tokens)}).error is None
+    held = w.call("status", {}).result["ingest"]["receiving"]
+    assert held >= tokens * ingest.PARSED_BYTES_PER_TOKEN  # the 32 KiB of tensors are the least of it
+    admitted, keep = 1, []
+    while True:  # more such spills, over other connections: refused once the budget (cap / 2) is spent
+        assert admitted < 50, "never refused"
+        other = Wire(small.socket)
+        keep.append(other)  # open: a closed connection's spills are let go
+        other.hello()
+        try:
+            other.send(P.request(7, "spill", {"header": kv_header(8, tokens=tokens)}))
+        except BrokenPipeError:  # refused (and closed) at its frame head, while the rest was being sent
+            pass
+        _, error = other.answer(7)
+        if error is not None:
+            break
+        admitted += 1
+    # refused as a spill (a response) or, when even its 2 MB message does not fit, as a message (then closed)
+    assert error["code"] == "busy" and "retry later" in error["message"]
+    budget = 64 * MiB // ingest.RECEIVING_SHARE
+    assert admitted == max(1, budget // held)  # (one is always taken when nothing else is held)
+
+
+def test_big_messages_count_while_they_are_received(small: Daemon) -> None:
+    size = P.MAX_MSG_BYTES  # each such message counts 12x its size (its decoded form) from its frame head
+    need = size * ingest.DECODED_BYTES_PER_MSG_BYTE
+    fits = max(1, 64 * MiB // ingest.RECEIVING_SHARE // need)  # (one is always taken when nothing else is held)
+    held = []
+    for _ in range(fits):
+        w = Wire(small.socket)
+        w.hello()
+        w.sock.sendall(P.FRAME_HEAD.pack(size, 0) + b"\x94" * 1024)  # a message begun, never finished
+        held.append(w)
+    time.sleep(0.3)
+    assert status(small)["ingest"]["buffers"] == fits * need
+    late = Wire(small.socket)
+    late.hello()
+    late.sock.sendall(P.FRAME_HEAD.pack(size, 0))
+    msgs = late.until_closed()
+    assert msgs[-1].kind == P.NOTIFICATION and msgs[-1].params["code"] == "busy"
+    for w in held:
+        w.close()
+    time.sleep(0.5)
+    assert status(small)["ingest"]["buffers"] == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc/PID/status")
+def test_payloads_get_no_buffer_unless_admitted(small: Daemon) -> None:
+    before = rss(small)
+    conns = []
+    for _ in range(6):  # puts for a spill that does not exist, 48 MiB of each 64 MiB payload sent
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(small.socket)
+        s.sendall(frames(P.request(1, "hello", {"version": 1})))
+        head = P.notification("put", {"spill": 99, "index": 0, "offset": 0}, b"")
+        body = bytes(head[0])[P.FRAME_HEAD.size :]
+        s.sendall(P.FRAME_HEAD.pack(len(body), P.MAX_PAYLOAD_BYTES) + body)
+        chunk = b"\1" * MiB
+        for _ in range(48):
+            s.sendall(chunk)
+        conns.append(s)
+    time.sleep(0.5)
+    assert rss(small) - before < 32 * MiB  # thrown away through a small buffer, not 6 x 48 MiB held
+    st = status(small)
+    assert st["clients"] == 7  # every one of them still connected (and the status request)
+    for s in conns:
+        s.close()
+    w = Wire(small.socket)
+    w.hello()
+    w.send(P.request(5, "status", {}, b"a payload where none belongs"))
+    msgs = w.until_closed()
+    assert msgs[-1].kind == P.NOTIFICATION and msgs[-1].params["code"] == "protocol_error"

@@ -1,0 +1,278 @@
+"""Shared memory cannot hurt the daemon: a bad segment fails its spill only, a segment truncated while the daemon
+reads it fails that spill without a signal, and a client killed at any point of a spill leaves nothing behind (no
+mapping, no fd, no held bytes). Real daemon subprocess, real Unix socket, real POSIX segments."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import mlx.core as mx
+import msgpack
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import protocol as P
+from tests.caches import fill, live, same
+from tests.daemons import Daemon, cleanup, new_root
+from tests.wire import Wire
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /dev/shm and /proc")
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(new_root(), ["--cap", "256MiB"]).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def seg_name(i: int = 0) -> str:
+    return f"spilld-{secrets.token_hex(4)}-{i}"
+
+
+def segment(data: bytes, name: str | None = None) -> shared_memory.SharedMemory:
+    seg = shared_memory.SharedMemory(name=name or seg_name(), create=True, size=len(data))
+    assert seg.buf is not None
+    seg.buf[: len(data)] = data
+    return seg
+
+
+def drop(seg: shared_memory.SharedMemory) -> None:
+    seg.close()
+    try:
+        seg.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def small_header(ntok: int = 8) -> tuple[dict[str, Any], list[int]]:
+    """A KV spill of two 8 KiB tensors: its wire header and each tensor's size."""
+    header, _ = spilld.saver.plan(
+        list(range(ntok)), [fill(C.KVCache(), ntok, heads=2, dim=128)], identity=spilld.Identity("s")
+    )
+    return header.to_wire(), [s.nbytes for s in header.slots()]
+
+
+def bad_segment(kind: str, size: int) -> tuple[str, list[str]]:
+    """A segment name the daemon must refuse, and the /dev/shm files to remove afterwards."""
+    name = seg_name()
+    path = f"/dev/shm/{name}"
+    if kind == "missing":
+        return name, []
+    if kind == "bad_name":
+        return "../etc/passwd", []
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+        return name, [path]
+    if kind == "symlink":
+        target = segment(b"x" * size)
+        resource_tracker.unregister(target._name, "shared_memory")  # type: ignore[attr-defined]
+        target.close()
+        os.symlink(f"/dev/shm/{target.name}", path)
+        return name, [path, f"/dev/shm/{target.name}"]
+    seg = segment(b"x" * (size // 2 if kind == "too_small" else size), name)
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    seg.close()
+    if kind == "wrong_mode":
+        os.chmod(path, 0o644)
+    elif kind == "foreign":
+        os.chown(path, 65534, 65534)
+    return name, [path]
+
+
+KINDS = ["missing", "bad_name", "fifo", "symlink", "too_small", "wrong_mode", "foreign"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_segment_fails_its_spill_only(daemon: Daemon, kind: str) -> None:
+    if kind == "foreign" and os.getuid() != 0:
+        pytest.skip("making a segment of another uid needs root")
+    wire_header, sizes = small_header()
+    name, paths = bad_segment(kind, sizes[0])
+    try:
+        w = Wire(daemon.socket)
+        w.hello()
+        bad = w.call("spill", {"header": wire_header, "droppable": False}).result["spill"]
+        good = w.call("spill", {"header": wire_header, "droppable": False}).result["spill"]
+        w.send(P.notification("put_shm", {"spill": bad, "index": 0, "offset": 0, "shm": name, "length": sizes[0]}))
+        for i, n in enumerate(sizes):
+            w.send(P.notification("put", {"spill": good, "index": i, "offset": 0}, os.urandom(n)))
+        assert w.call("commit", {"spill": good}).result["outcome"] == "stored"  # the other spill is untouched
+        r = w.call("commit", {"spill": bad})
+        assert r.error is not None and r.error["code"] == "shm_refused", r.error
+        assert "Error(" not in r.error["message"] and "segment" in r.error["message"]
+        assert w.note("shm_free").params["names"] == [name[:64]]  # handed back, even refused
+        assert w.call("status", {}).error is None  # the connection goes on
+        w.close()
+    finally:
+        for p in paths:
+            os.unlink(p)
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+def test_a_segment_truncated_while_read_fails_that_spill_and_never_signals_the_daemon(daemon: Daemon) -> None:
+    cache = fill(C.KVCache(), 4096, heads=8, dim=128, dtype=mx.float16)  # two 8 MiB tensors
+    tokens = list(range(4096))
+    header, _ = spilld.saver.plan(tokens, [cache], identity=spilld.Identity("t"))
+    sizes = [s.nbytes for s in header.slots()]
+    data = [bytes(memoryview(a)) for a in (cache.keys, cache.values)]  # keys, values: 4096 rows each
+    assert [len(d) for d in data] == sizes
+    w = Wire(daemon.socket)
+    w.hello()
+    outcomes: list[str] = []
+    for rnd in range(16):
+        tokens[0] = rnd  # one entry each
+        header.tokens = list(tokens)
+        seg = segment(data[0])
+        sid = w.call("spill", {"header": header.to_wire(), "droppable": False}).result["spill"]
+        cut = threading.Thread(target=os.ftruncate, args=(seg._fd, 0))  # type: ignore[attr-defined]
+        if rnd == 0:
+            cut.run()  # before the put: always refused
+        params = {"spill": sid, "index": 0, "offset": 0, "shm": seg.name, "length": sizes[0]}
+        w.send(P.notification("put_shm", params))
+        if rnd:
+            time.sleep(random.Random(rnd).choice([0, 0, 0.0002, 0.0005, 0.001, 0.003]))
+            cut.start()  # while the daemon reads it (or just before, or just after)
+            cut.join()
+        w.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, data[1]))
+        r = w.call("commit", {"spill": sid})
+        drop(seg)
+        if r.error is not None:
+            assert r.error["code"] == "shm_refused", r.error
+            outcomes.append("refused")
+            continue
+        assert r.result["outcome"] == "stored"
+        outcomes.append("stored")
+        got = spilld.loader.load(r.result["path"])  # stored means exactly the bytes sent, never zeros
+        assert same(live(got.caches[0]), live(cache))
+    assert daemon.proc is not None and daemon.proc.poll() is None, daemon.read_log()
+    assert outcomes[0] == "refused" and w.call("status", {}).error is None
+    assert "Traceback" not in daemon.read_log()
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, random, secrets, socket, sys, time
+    from multiprocessing import shared_memory
+    import msgpack
+    from spilld import protocol as P
+
+    path, header_file, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with open(header_file, "rb") as f:
+        header, sizes = msgpack.unpackb(f.read())
+    rng = random.Random(seed)
+    segs = [shared_memory.SharedMemory(name=f"spilld-{secrets.token_hex(4)}-{i}", create=True, size=max(sizes))
+            for i in range(4)]
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    send = lambda parts: s.sendall(b"".join(bytes(b) for b in parts))
+    send(P.request(1, "hello", {"version": 1, "client": "doomed"}))
+    print("ready", flush=True)
+    sid, msgid = 0, 1
+    while True:
+        msgid += 1
+        send(P.request(msgid, "spill", {"header": header, "droppable": rng.random() < 0.5}))
+        sid += 1
+        for i, n in enumerate(sizes):
+            if rng.random() < 0.7:
+                seg = segs[rng.randrange(len(segs))]
+                send(P.notification("put_shm", {"spill": sid, "index": i, "offset": 0, "shm": seg.name, "length": n}))
+            else:
+                send(P.notification("put", {"spill": sid, "index": i, "offset": 0}, b"z" * n))
+            time.sleep(rng.random() * 0.01)
+        if rng.random() < 0.3:
+            msgid += 1
+            send(P.request(msgid, "commit", {"spill": sid}))
+    """
+)
+
+
+def held(st: dict[str, Any]) -> dict[str, int]:
+    """What ``status`` says open spills hold (absent before the daemon told it)."""
+    ingest = st.get("ingest", {})
+    return {k: ingest.get(k, -1) for k in ("open_spills", "receiving", "reserved")}
+
+
+def daemon_fds(pid: int) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return out
+
+
+def shm_maps(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line for line in f if "/dev/shm/" in line]
+
+
+def test_clients_killed_mid_spill_leave_nothing_behind(daemon: Daemon, tmp_path: Any) -> None:
+    cache = fill(C.KVCache(), 512, heads=8, dim=128, dtype=mx.float16)  # two 1 MiB tensors
+    header, _ = spilld.saver.plan(list(range(512)), [cache], identity=spilld.Identity("k"))
+    header_file = tmp_path / "header.msgpack"
+    header_file.write_bytes(msgpack.packb([header.to_wire(), [s.nbytes for s in header.slots()]]))
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    time.sleep(0.3)
+    baseline = len(daemon_fds(pid))
+    env = os.environ | {"PYTHONPATH": os.getcwd()}
+    rng = random.Random(7)
+    kills = 0
+    for rnd in range(8):
+        kids = [
+            subprocess.Popen(
+                [sys.executable, "-c", CHILD, daemon.socket, str(header_file), str(rnd * 10 + k)],
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+            for k in range(3)
+        ]
+        for kid in kids:
+            assert kid.stdout is not None and kid.stdout.readline().strip() == b"ready"
+        time.sleep(rng.random() * 0.4)  # somewhere in a spill: a spill, a put, a segment read, a commit
+        for kid in kids:
+            kid.send_signal(signal.SIGKILL)
+            kid.wait()
+            kids_left = kid.stdout
+            assert kids_left is not None
+            kids_left.close()
+            kills += 1
+    assert kills == 24
+    deadline = time.monotonic() + 30
+    while True:
+        st = json.loads(daemon.cli("status", "--socket", daemon.socket, "--json").stdout)
+        fds = daemon_fds(pid)
+        clean = (
+            st["clients"] == 1  # the status request itself
+            and held(st) == {"open_spills": 0, "receiving": 0, "reserved": 0}
+            and st["queue"]["pending_items"] == 0
+            and len(fds) <= baseline
+            and not shm_maps(pid)
+        )
+        if clean or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not shm_maps(pid), shm_maps(pid)
+    assert not [f for f in fds if "/dev/shm" in f] and len(fds) <= baseline, (baseline, fds)
+    assert held(st) == {"open_spills": 0, "receiving": 0, "reserved": 0}, st
+    assert st["clients"] == 1 and st["queue"]["pending_items"] == 0, st
+    log = daemon.read_log()
+    assert "Traceback" not in log and "BufferError" not in log
