@@ -24,6 +24,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+from spilld import loader, saver
 from spilld import protocol as P
 from tests.caches import fill, live, same
 from tests.daemons import Daemon, cleanup, new_root
@@ -63,7 +64,7 @@ def drop(seg: shared_memory.SharedMemory) -> None:
 
 def small_header(ntok: int = 8) -> tuple[dict[str, Any], list[int]]:
     """A KV spill of two 8 KiB tensors: its wire header and each tensor's size."""
-    header, _ = spilld.saver.plan(
+    header, _ = saver.plan(
         list(range(ntok)), [fill(C.KVCache(), ntok, heads=2, dim=128)], identity=spilld.Identity("s")
     )
     return header.to_wire(), [s.nbytes for s in header.slots()]
@@ -129,7 +130,7 @@ def test_a_bad_segment_fails_its_spill_only(daemon: Daemon, kind: str) -> None:
 def test_a_segment_truncated_while_read_fails_that_spill_and_never_signals_the_daemon(daemon: Daemon) -> None:
     cache = fill(C.KVCache(), 4096, heads=8, dim=128, dtype=mx.float16)  # two 8 MiB tensors
     tokens = list(range(4096))
-    header, _ = spilld.saver.plan(tokens, [cache], identity=spilld.Identity("t"))
+    header, _ = saver.plan(tokens, [cache], identity=spilld.Identity("t"))
     sizes = [s.nbytes for s in header.slots()]
     data = [bytes(memoryview(a)) for a in (cache.keys, cache.values)]  # keys, values: 4096 rows each
     assert [len(d) for d in data] == sizes
@@ -159,7 +160,7 @@ def test_a_segment_truncated_while_read_fails_that_spill_and_never_signals_the_d
             continue
         assert r.result["outcome"] == "stored"
         outcomes.append("stored")
-        got = spilld.loader.load(r.result["path"])  # stored means exactly the bytes sent, never zeros
+        got = loader.load(r.result["path"])  # stored means exactly the bytes sent, never zeros
         assert same(live(got.caches[0]), live(cache))
     assert daemon.proc is not None and daemon.proc.poll() is None, daemon.read_log()
     assert outcomes[0] == "refused" and w.call("status", {}).error is None
@@ -226,7 +227,7 @@ def shm_maps(pid: int) -> list[str]:
 
 def test_clients_killed_mid_spill_leave_nothing_behind(daemon: Daemon, tmp_path: Any) -> None:
     cache = fill(C.KVCache(), 512, heads=8, dim=128, dtype=mx.float16)  # two 1 MiB tensors
-    header, _ = spilld.saver.plan(list(range(512)), [cache], identity=spilld.Identity("k"))
+    header, _ = saver.plan(list(range(512)), [cache], identity=spilld.Identity("k"))
     header_file = tmp_path / "header.msgpack"
     header_file.write_bytes(msgpack.packb([header.to_wire(), [s.nbytes for s in header.slots()]]))
     assert daemon.proc is not None
