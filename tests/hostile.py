@@ -14,9 +14,9 @@ from typing import Any
 
 import msgpack
 
-import spilld
 from spilld import errors
 from spilld import format as fmt
+from spilld.loader import read_header
 from spilld.validate import validate_header
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -143,7 +143,7 @@ def spill_outcome(wire: Any) -> str:
 
 def file_outcome(path: str) -> str:
     """The header checks shared by the loader, ``spilld verify`` and the scan."""
-    return outcome(spilld.read_header, path)
+    return outcome(read_header, path)
 
 
 def spill_blind(edits: list[tuple[Path, Any]]) -> bool:
