@@ -155,6 +155,14 @@ def test_clients_dying_mid_spill_leave_no_file_and_hold_no_room() -> None:
     try:
         cache = fill(C.KVCache(), 300, heads=4, dim=64)  # 600 KiB of tensors: two fit the cap only one at a time
         header, _ = spilld.saver.plan(list(range(300)), [cache], identity=spilld.Identity("m"))
+        probe = Raw(d.socket)
+
+        def settled() -> dict[str, Any]:  # the daemon has seen every dying client go
+            deadline = time.monotonic() + 30
+            while (st := probe.call("status", {}).result)["clients"] > 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return st
+
         for droppable in (False, True, False, True):  # each dies with its spill's room held and bytes declared
             dying = Raw(d.socket)
             r = dying.call("spill", {"header": header.to_wire(), "droppable": droppable})
@@ -162,11 +170,10 @@ def test_clients_dying_mid_spill_leave_no_file_and_hold_no_room() -> None:
             part = P.notification("put", {"spill": r.result["spill"], "index": 0, "offset": 0}, b"\0" * 64)
             dying.s.sendall(b"".join(bytes(b) for b in part))
             dying.s.close()  # gone before its commit
-        probe = Raw(d.socket)
-        deadline = time.monotonic() + 30
-        while (st := probe.call("status", {}).result)["clients"] > 1 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the daemon has seen every dying client go
+            st = settled()
         assert st["clients"] == 1 and st["queue"]["pending_items"] == 0 and st["store"]["entries"] == 0
+        held = {k: st["ingest"][k] for k in ("open_spills", "receiving", "reserved")}
+        assert held == {"open_spills": 0, "receiving": 0, "reserved": 0}  # what they held, released
         # What they held is released: had it leaked, these would be refused as busy (the room of two
         # non-droppable spills is more than the cap; the bytes of four declared spills more than twice the cap).
         for droppable in (False, True):
