@@ -16,8 +16,8 @@ import msgpack
 
 from spilld import errors
 from spilld import format as fmt
+from spilld.daemon.ingest import accept_header
 from spilld.loader import read_header
-from spilld.validate import validate_header
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 CORPUS = os.path.join(DATA, "hostile")
@@ -133,8 +133,8 @@ def outcome(fn: Any, *args: Any, **kw: Any) -> str:
 
 
 def spill_check(wire: Any) -> None:
-    """What the daemon runs on a spill's header before it accepts it."""
-    validate_header(fmt.header_from_wire(wire))
+    """What the daemon runs on a spill's header before it accepts it (on a copy: it fills left-out fields)."""
+    accept_header(copy.deepcopy(wire))
 
 
 def spill_outcome(wire: Any) -> str:
@@ -147,6 +147,6 @@ def file_outcome(path: str) -> str:
 
 
 def spill_blind(edits: list[tuple[Path, Any]]) -> bool:
-    """True when an edit is to something a spill never carries (a tensor's ``off`` or ``hash``, the prefix):
-    a file can then be refused for it first, with its own code."""
-    return any(p == PREFIX_VERSION or (p and p[-1] in ("off", "hash")) for p, _ in edits)
+    """True when an edit is to something a spill never carries or the daemon fills in itself (a tensor's ``off``
+    or ``hash``, the header's ``created_at_ms``, the prefix): a file can then be refused for it, a spill not."""
+    return any(p == PREFIX_VERSION or (p and p[-1] in ("off", "hash", "created_at_ms")) for p, _ in edits)

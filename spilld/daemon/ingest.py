@@ -35,22 +35,39 @@ DECODED_BYTES_PER_MSG_BYTE = 12
 BIG_MSG_BYTES = 64 * 1024  # messages this large are counted against the cap while received and decoded
 
 
+def _items(v: Any) -> list[Any]:
+    """A client's list, or nothing: what is not a list is left for the header parser to refuse."""
+    return v if isinstance(v, list) else []
+
+
 def with_ignored_fields(wire: Any) -> Any:
     """A spill's header may leave out what the daemon computes itself (each tensor's ``off`` and ``hash``, the
     header's ``created_at_ms``): filled with placeholders here, so the file format's parser takes it."""
     if not isinstance(wire, dict):
         return wire
     wire.setdefault("created_at_ms", 0)
-    groups = [e for e in wire.get("caches", []) if isinstance(e, dict)]
-    groups += [a for a in wire.get("attachments", []) if isinstance(a, dict)]
+    groups = [e for e in _items(wire.get("caches")) if isinstance(e, dict)]
+    groups += [a for a in _items(wire.get("attachments")) if isinstance(a, dict)]
     while groups:
         g = groups.pop()
-        groups += [c for c in g.get("children", []) if isinstance(c, dict)]
-        for t in g.get("tensors", []):
+        groups += [c for c in _items(g.get("children")) if isinstance(c, dict)]
+        for t in _items(g.get("tensors")):
             if isinstance(t, dict):
                 t.setdefault("off", 0)
                 t.setdefault("hash", fmt.PLACEHOLDER_HASH)
     return wire
+
+
+def accept_header(wire: Any) -> fmt.Header:
+    """A spill's header as the daemon will write it, or a typed error: parsed, hashes and layout the daemon's own,
+    then the readers' checks (``validate_header``), so a spill a loader would refuse is never stored. Pure."""
+    header = fmt.header_from_wire(with_ignored_fields(wire))
+    header.created_at_ms = time.time_ns() // 1_000_000
+    for s in header.slots():
+        s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted
+    validate_header(header)
+    fmt.plan_offsets(header.slots())  # the daemon decides the layout
+    return header
 
 
 class Ingest:
@@ -106,13 +123,8 @@ class Ingest:
     async def spill(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         if self.stopping.is_set():
             raise P.Busy("the daemon is stopping")
-        header = fmt.header_from_wire(with_ignored_fields(p["header"]))
-        header.created_at_ms = time.time_ns() // 1_000_000
-        for s in header.slots():
-            s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted
-        validate_header(header)  # the readers' own checks: a spill a loader would refuse is never stored
+        header = accept_header(p["header"])
         slots = header.slots()
-        fmt.plan_offsets(slots)  # the daemon decides the layout
         if header.checkpoint is not None:
             header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
         elif header.identity.namespace.startswith(CHECKPOINT_NS_PREFIX):
