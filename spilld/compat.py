@@ -58,8 +58,9 @@ def load_prompt_cache(file_name: str | os.PathLike[str], return_metadata: bool =
     """Load a prompt cache written by this module or by mlx-lm; with ``return_metadata`` also the metadata."""
     path = _source(file_name)
     if not _is_spilld(path):
-        from mlx_lm.models.cache import load_prompt_cache as mlx_lm_load  # not ours: mlx-lm reads its own files
+        from mlx_lm.models import cache as mlx_lm_cache  # not ours: mlx-lm reads its own files
 
+        mlx_lm_load: Any = mlx_lm_cache.load_prompt_cache  # mlx-lm's functions carry no annotations
         return mlx_lm_load(path, return_metadata=return_metadata)
     loaded = load(path)
     if return_metadata:
