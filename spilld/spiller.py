@@ -17,7 +17,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from . import api, errors, fileio
+from . import api, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
@@ -158,7 +158,7 @@ class Spiller:
 
     async def lookup(self, tokens: Sequence[int], namespace: str = "") -> api.Hit | Miss:
         """The longest usable prefix of ``tokens`` in the store (the file is not read)."""
-        found = self.store.lookup(self.identity, check_namespace(namespace), tokens)
+        found = await self.store.lookup_async(self.identity, check_namespace(namespace), tokens)
         if isinstance(found, Miss):
             return found
         e = found.entry
@@ -167,19 +167,14 @@ class Spiller:
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the
         prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit)."""
-        hit = self.store.lookup(self.identity, check_namespace(namespace), tokens)
+        hit = await self.store.lookup_async(self.identity, check_namespace(namespace), tokens)
         if isinstance(hit, Miss) or hit.matched <= longer_than:
             return None
         ident = dataclasses.replace(self.identity, namespace=namespace)
         return await self._restore(hit, ident)
 
     async def _restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | None:
-        # The read runs on a worker thread; the index is only ever changed on the loop's thread.
-        try:
-            loaded: Loaded | errors.SpillError = await off_loop(lambda: self.store.read_hit(hit, ident))
-        except errors.SpillError as exc:
-            loaded = exc
-        got = self.store.restore_done(hit, loaded)
+        got = await self.store.restore_async(hit, ident)  # file I/O on worker threads, never on the engine's loop
         return got if isinstance(got, Loaded) else None
 
     # --- generation checkpoints ----------------------------------------------------------

@@ -449,11 +449,32 @@ class Store:
         if isinstance(outcome, errors.FileFormatError):
             self.quarantine(e.path, outcome)
             return self._miss(MissReason.CORRUPT)
+        return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and not os.path.exists(e.path))
+
+    async def restore_async(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
+        """``restore`` on an event loop: the read, the mtime, the existence check and a quarantine's move run on
+        worker threads; the index changes on the loop only."""
+        try:
+            outcome: Loaded | errors.SpillError = await off_loop(lambda: self.read_hit(hit, ident))
+        except errors.SpillError as exc:
+            outcome = exc
+        e = hit.entry
+        if isinstance(outcome, Loaded):
+            await self.touch_async(e)
+            self.counters.hits += 1
+            return outcome
+        if isinstance(outcome, errors.FileFormatError):
+            await self.quarantine_async(e.path, outcome)
+            return self._miss(MissReason.CORRUPT)
+        gone = isinstance(outcome, errors.StorageError) and not await off_loop(lambda: os.path.exists(e.path))
+        return self._failed_read(e, outcome, gone)
+
+    def _failed_read(self, e: Entry, outcome: errors.SpillError, gone: bool) -> Miss:
+        if gone:
+            self._remember_evicted(e)  # evicted between lookup and open
+            self._forget(e)
+            return self._miss(MissReason.EVICTED)
         if isinstance(outcome, errors.StorageError):
-            if not os.path.exists(e.path):
-                self._remember_evicted(e)  # evicted between lookup and open
-                self._forget(e)
-                return self._miss(MissReason.EVICTED)
             log.warning("could not read %s: %s", e.path, outcome)  # EMFILE, EIO...: a miss; the file stays
             return self._miss(MissReason.CORRUPT)
         # A valid file this reader must not use (codecs, identity): a miss, never quarantined.

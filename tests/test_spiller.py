@@ -260,3 +260,39 @@ async def test_live_rows_are_copied_in_chunks_across_engine_steps(tmp_path: Any)
     assert calls >= 2 * 5 and cache.keys.shape[2] > 512  # several holds per tensor; the buffer was regrown
     got = spilld.load(res.path).caches[0]
     assert same(live(got), want)
+
+
+async def test_a_restore_does_no_file_io_on_the_engines_loop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mtime of a hit, and the move of a corrupt file into the quarantine, run on worker threads."""
+    model = tiny_llama()
+    prompt = random_tokens(24, seed=5)
+    cache, _ = prefill(model, prompt)
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
+    assert (await sp.spill(prompt, cache)).stored
+    on_loop: list[str] = []
+    loop_thread = threading.current_thread()
+
+    def watch(name: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            if threading.current_thread() is loop_thread:
+                on_loop.append(name)
+            return fn(*a, **kw)
+
+        return call
+
+    for name in ("utime", "rename", "makedirs"):
+        monkeypatch.setattr(os, name, watch(name, getattr(os, name)))
+    monkeypatch.setattr(os.path, "exists", watch("exists", os.path.exists))
+    got = await sp.load([*prompt, 1])
+    assert got is not None and got.tokens == prompt
+    hit = await sp.lookup([*prompt, 1])
+    assert isinstance(hit, spilld.Hit)
+    with open(hit.path, "r+b") as f:  # a byte of tensor data flipped: the next restore quarantines the file
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert await sp.load([*prompt, 1]) is None
+    assert sp.stats()["store"]["quarantined"] == 1
+    assert on_loop == [], on_loop
+    await sp.close()
