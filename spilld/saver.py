@@ -499,22 +499,34 @@ SaveStep = TensorStep | PublishStep
 _RELEASED = BytesSource([], (0,))  # what a step's slot holds once the step owns its source
 
 
-def plan(
-    tokens: Any,
+@dataclass
+class Encoded:
+    """What ``encode_now`` read from the caches at the snapshot point: their entries and the sources to write."""
+
+    provider: CodecProvider
+    entries: list[fmt.CacheEntry]
+    attachments: list[fmt.AttachmentEntry]
+    sources: list[AnySource]
+
+    @property
+    def data_bytes(self) -> int:
+        """The tensor bytes the file will hold (what a pending live snapshot counts against a queue cap)."""
+        slots = [s for e in self.entries for s in e.walk_slots()] + [s for a in self.attachments for s in a.tensors]
+        return sum(s.nbytes for s in slots)
+
+
+def encode_now(
     caches: Sequence[Any],
     *,
-    meta: dict[str, str] | None = None,
-    identity: fmt.Identity | None = None,
     attachments: Sequence[Attachment] = (),
-    checkpoint: fmt.GenerationCheckpoint | None = None,
     provider: CodecProvider | None = None,
     live: bool = False,
-) -> tuple[fmt.Header, list[AnySource]]:
-    """Build the header (placeholder hashes, final offsets) and the list of sources.
+) -> Encoded:
+    """The part of a plan that reads the caches: run it on the engine's thread at the snapshot point.
 
-    With ``live`` the caches are ones the engine keeps extending: call this on
-    the engine's thread at the snapshot point; append-only buffers are then
-    read inside the lease at write time (see ``LiveSource``).
+    With ``live`` the caches are ones the engine keeps extending; append-only buffers are then read inside the
+    lease at write time (see ``LiveSource``). The rest of the plan (``finish_plan``) touches only what this
+    returns, so it may run later, on another thread.
     """
     import mlx.core as mx
 
@@ -532,14 +544,26 @@ def plan(
     # evaluated caches and clones): no other thread can evaluate it, and the steps then
     # only read finished buffers. One call for all of them.
     mx.eval(_arrays(sources), [s.fetch() for s in sources if isinstance(s, LiveSource)])
+    return Encoded(p, [e.entry for e in encoded], att_entries, sources)
+
+
+def finish_plan(
+    enc: Encoded,
+    tokens: Any,
+    *,
+    meta: dict[str, str] | None = None,
+    identity: fmt.Identity | None = None,
+    checkpoint: fmt.GenerationCheckpoint | None = None,
+) -> tuple[fmt.Header, list[AnySource]]:
+    """Build the header (placeholder hashes, final offsets) from what ``encode_now`` read; pure bookkeeping."""
     header = fmt.Header(
         version=fmt.FORMAT_VERSION,
         created_at_ms=time.time_ns() // 1_000_000,
-        codec_provider=p.id,
+        codec_provider=enc.provider.id,
         identity=identity or fmt.Identity(),
         tokens=token_list(tokens),
-        caches=[e.entry for e in encoded],
-        attachments=att_entries,
+        caches=enc.entries,
+        attachments=enc.attachments,
         checkpoint=checkpoint,
         meta={str(k): str(v) for k, v in (meta or {}).items()},
     )
@@ -548,7 +572,24 @@ def plan(
     # Never publish a file our own reader would refuse: the readers' own validator, before any byte.
     validate_header(header)
     fmt.plan_offsets(header.slots())
-    return header, sources
+    return header, enc.sources
+
+
+def plan(
+    tokens: Any,
+    caches: Sequence[Any],
+    *,
+    meta: dict[str, str] | None = None,
+    identity: fmt.Identity | None = None,
+    attachments: Sequence[Attachment] = (),
+    checkpoint: fmt.GenerationCheckpoint | None = None,
+    provider: CodecProvider | None = None,
+    live: bool = False,
+) -> tuple[fmt.Header, list[AnySource]]:
+    """Build the header (placeholder hashes, final offsets) and the list of sources: ``encode_now`` then
+    ``finish_plan``. With ``live``, call it on the engine's thread at the snapshot point."""
+    enc = encode_now(caches, attachments=attachments, provider=provider, live=live)
+    return finish_plan(enc, tokens, meta=meta, identity=identity, checkpoint=checkpoint)
 
 
 def save_steps(

@@ -18,7 +18,17 @@ from typing import Any
 from . import format as fmt
 from .codecs import CodecProvider
 from .queue import Settled, SpillItem, held_bytes
-from .saver import AnySource, Attachment, clone_and_size, clone_attachments, evaluated, plan, token_ids_now
+from .saver import (
+    AnySource,
+    Attachment,
+    clone_and_size,
+    clone_attachments,
+    encode_now,
+    evaluated,
+    finish_plan,
+    plan,
+    token_ids_now,
+)
 from .store import check_namespace, checkpoint_namespace
 
 Plan = tuple[fmt.Header, list[AnySource]]
@@ -30,7 +40,8 @@ class Snapshot:
 
     held: int = 0  # bytes its clones pin
     plan: Callable[[], Plan] | None = None  # a clone's plan, made by the writer (off the engine's thread)
-    planned: Plan | None = None  # the plan once made (a live snapshot's at the spill() call)
+    planned: Plan | None = None  # the plan once made
+    live_bytes: int | None = None  # a live snapshot's pending write (it pins no memory); None for clones
     outcome: asyncio.Future[Settled] | None = None  # AsyncClient: settles with the daemon's answer to the commit
 
 
@@ -64,12 +75,14 @@ def new_item(
     Everything the engine handed over is evaluated or copied here, on its own
     thread (mlx evaluates a graph only on the thread that built it): token ids
     become ints, attachments and caches become evaluated views (cheap clones),
-    a ``live`` snapshot is planned now. ``live`` reads append-only buffers at
+    a ``live`` snapshot's caches are encoded now (the header is built later,
+    by the writer). ``live`` reads append-only buffers at
     write time, inside the lease; without one (``leased=False``) nothing keeps
     the engine out while they are read, so the caches are cloned instead.
     """
     ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
     ident = dataclasses.replace(identity, namespace=ns)
+    meta = dict(meta) if meta else None  # the caller's dict as it is now: the header is built later
     live = live and leased
     item = SpillItem(
         tokens=token_ids_now(tokens),
@@ -85,15 +98,15 @@ def new_item(
         else:
             item.caches, held = evaluated(caches), held_bytes(caches, (), provider)
     snap = item.payload = Snapshot(held=held)
-    make_plan = functools.partial(
-        plan, item.tokens, item.caches if not live else caches, meta=meta, identity=ident,
-        attachments=item.attachments, checkpoint=checkpoint, provider=provider, live=live,
-    )  # fmt: skip
-    # A live snapshot is planned now (its state is read here); clones are planned by the writer, off this thread.
-    if live:
-        snap.planned = make_plan()
-    else:
-        snap.plan = make_plan
+    if live:  # read the caches now, at the snapshot point; the header is built by the writer, off this thread
+        enc = encode_now(caches, attachments=item.attachments, provider=provider, live=True)
+        snap.live_bytes = enc.data_bytes
+        snap.plan = functools.partial(finish_plan, enc, item.tokens, meta=meta, identity=ident, checkpoint=checkpoint)
+    else:  # clones are planned whole by the writer
+        snap.plan = functools.partial(
+            plan, item.tokens, item.caches, meta=meta, identity=ident,
+            attachments=item.attachments, checkpoint=checkpoint, provider=provider,
+        )  # fmt: skip
     return item
 
 
@@ -110,8 +123,8 @@ def planned(item: SpillItem) -> tuple[fmt.Header, list[AnySource]]:
 def item_bytes(item: SpillItem, provider: CodecProvider) -> int:
     """What an item counts against a queue cap: the memory it pins, or a live snapshot's pending write."""
     snap = snapshot_of(item)
-    if snap.planned is not None:  # a live snapshot pins no memory: count its pending write
-        return int(snap.planned[0].data_bytes)
+    if snap.live_bytes is not None:  # a live snapshot pins no memory: count its pending write
+        return snap.live_bytes
     return snap.held + held_bytes([], item.attachments, provider)
 
 
