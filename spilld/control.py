@@ -1,7 +1,7 @@
 """The command line's connection to the daemon: a blocking socket, one request at a time.
 
-``status``, ``drain`` and ``evict`` need no engine machinery, so they do not import the engine client (which
-loads the codecs and with them mlx-lm: seconds before the first byte). The wire is the same protocol.
+``status``, ``drain`` and ``evict`` send one request and print its answer: they need none of the engine client's
+machinery (a loop thread, a shared-memory pool, a local spill queue). The wire is the same protocol.
 """
 
 from __future__ import annotations
