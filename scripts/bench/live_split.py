@@ -12,22 +12,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.models import cache as C
+from spill_call import big_cache  # this folder is the script's first import path
 
 import spilld
 from spilld.codecs import default_provider
 from spilld.snapshot import new_item, planned
-
-
-def big_cache(layers: int, tokens: int, heads: int = 8, dim: int = 128) -> list[Any]:
-    out = []
-    for _ in range(layers):
-        c = C.KVCache()
-        c.update_and_fetch(*(mx.random.normal((1, heads, tokens, dim)).astype(mx.float16) for _ in range(2)))
-        mx.eval(c.keys, c.values)
-        out.append(c)
-    return out
 
 
 def cpu_ms(fn: Callable[[], Any]) -> float:
@@ -46,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.tokens, args.calls, args.runs = 2, 64, 3, 1
-    caches = big_cache(args.layers, args.tokens)
+    caches = big_cache(args.layers, args.tokens, heads=8, dim=128)
     provider, ident, tokens = default_provider(), spilld.Identity("bench"), list(range(args.tokens))
     arms: dict[str, Callable[[], Any]] = {
         "clone": lambda: new_item(ident, provider, tokens, caches),
