@@ -34,7 +34,7 @@ from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
 from .loopthread import LoopThread
-from .peer import peer_uid
+from .peer import refuse_foreign
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, Attachment, SaveResult, Staging, TensorBytes
 from .shm import ShmPool
@@ -135,13 +135,14 @@ class AsyncClient:
         """Refuse a daemon that runs as another user: our caches are not theirs to receive."""
         assert self._writer is not None
         sock = self._writer.get_extra_info("socket")
-        uid = peer_uid(sock) if sock is not None else None
-        if uid is not None and uid != os.getuid():
+        if sock is None:
+            return
+        try:
+            refuse_foreign(sock, self.socket_path)
+        except errors.ForeignDaemon:
             self._writer.close()
             self._writer = None
-            raise errors.ForeignDaemon(
-                f"{self.socket_path} is served by uid {uid}, not by us (uid {os.getuid()}): nothing was sent"
-            )
+            raise
 
     async def _read_loop(self) -> None:
         decoder = P.FrameDecoder()

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import errors
 from . import protocol as P
-from .daemon.listen import peer_uid
+from .peer import refuse_foreign
 
 CONNECT_TIMEOUT_S = 10.0
 RECV_BYTES = 1 << 16
@@ -35,10 +35,11 @@ class Control:
         except OSError as exc:
             self.sock.close()
             raise P.ConnectionLost(f"cannot reach spilld at {path}: {exc.strerror or exc}") from None
-        uid = peer_uid(self.sock)
-        if uid is not None and uid != os.getuid():  # never talk to a socket another user put there
+        try:
+            refuse_foreign(self.sock, path)
+        except errors.ForeignDaemon:
             self.sock.close()
-            raise errors.ForeignDaemon(f"{path} is served by uid {uid}, not by us: nothing was sent")
+            raise
         self.server: dict[str, Any] = self.call(
             "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}
         )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
+
+from . import errors
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -16,3 +19,10 @@ def peer_uid(sock: socket.socket) -> int | None:
         raw = sock.getsockopt(0, 0x001, 76)
         return int(struct.unpack_from("Ii", raw)[1])
     return None
+
+
+def refuse_foreign(sock: socket.socket, path: str) -> None:
+    """A client's check before it sends a byte: a daemon of another user is refused (``ForeignDaemon``)."""
+    uid = peer_uid(sock)
+    if uid is not None and uid != os.getuid():  # never talk to a socket another user put there
+        raise errors.ForeignDaemon(f"{path} is served by uid {uid}, not by us (uid {os.getuid()}): nothing was sent")

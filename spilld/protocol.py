@@ -33,10 +33,8 @@ DISCARD_CHUNK = 64 * 1024  # a payload the receiver refuses is read through a sc
 MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
 MAX_NESTING = 32  # msgpack container depth
 MAX_METHOD_LEN = 64
-MAX_INFLIGHT_REQUESTS = 64
-MAX_ERROR_MESSAGE = (
-    1024  # error text sent back (it may echo what a client sent)  # requests of one connection being served at once
-)
+MAX_INFLIGHT_REQUESTS = 64  # requests of one connection being served at once
+MAX_ERROR_MESSAGE = 1024  # error text sent back (it may echo what a client sent)
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 
@@ -231,9 +229,13 @@ def request(
     return frame([REQUEST, msgid, method, params], payload)
 
 
+def error_map(error: errors.SpillError) -> dict[str, str]:
+    """An error as it crosses the socket: its code and its message, cut to ``MAX_ERROR_MESSAGE``."""
+    return {"code": error.code, "message": str(error)[:MAX_ERROR_MESSAGE]}
+
+
 def response(msgid: int, result: Any = None, error: errors.SpillError | None = None) -> list[bytes | memoryview]:
-    err = None if error is None else {"code": error.code, "message": str(error)[:MAX_ERROR_MESSAGE]}
-    return frame([RESPONSE, msgid, err, result])
+    return frame([RESPONSE, msgid, None if error is None else error_map(error), result])
 
 
 def notification(method: str, params: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:

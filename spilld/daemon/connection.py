@@ -194,8 +194,6 @@ class Connection(asyncio.BufferedProtocol):
         timeout = cfg.request_timeout if self.decoder.buffered else cfg.idle_timeout
         if not self.hello:
             timeout = min(timeout, cfg.hello_timeout)
-        if self._timer is not None:
-            self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(
             timeout, self._fail, P.Timeout(f"client silent for {timeout:.0f} s")
         )
@@ -213,7 +211,7 @@ class Connection(asyncio.BufferedProtocol):
         if msgid is not None:
             self._respond(msgid, error=exc)
         else:
-            self.send(P.notification("error", {"code": exc.code, "message": str(exc)[: P.MAX_ERROR_MESSAGE]}))
+            self.send(P.notification("error", P.error_map(exc)))
         self.close()
 
     def fail_spill(self, sid: Any, sp: Incoming | None, exc: errors.SpillError) -> None:
@@ -223,7 +221,7 @@ class Connection(asyncio.BufferedProtocol):
             if sp.error is not None:
                 return
             sp.fail(exc)
-        params = {"spill": sid if type(sid) is int else -1, "code": exc.code, "message": str(exc)}
+        params = {"spill": sid if type(sid) is int else -1, **P.error_map(exc)}
         self.send(P.notification("spill_error", params))
 
     def _finish_later(self) -> None:

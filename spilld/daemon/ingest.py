@@ -231,7 +231,7 @@ class Ingest:
                 if isinstance(settled.error, errors.SpillError)
                 else errors.StorageError(str(settled.error))
             )
-            out |= {"code": err.code, "message": str(err)}
+            out |= P.error_map(err)
         return out
 
     async def abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
