@@ -138,18 +138,17 @@ def _set_mtime(path: str, when: float) -> None:
         os.utime(path, (when, when))
 
 
-def _unlink_all(ops: fileio.FileOps, paths: Sequence[str]) -> None:
-    for p in paths:
-        fileio.remove_quietly(ops, p)
-
-
-def _unlink_reporting(
-    ops: fileio.FileOps, paths: Sequence[str], sizes: dict[str, int], progress: Callable[[int, int], None]
+def _unlink_all(
+    ops: fileio.FileOps,
+    paths: Sequence[str],
+    sizes: dict[str, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
-    """``_unlink_all``, telling ``progress`` the files and bytes left now and then (a long evict's progress line)."""
+    """Remove ``paths``; with ``progress``, tell it the files and bytes left now and then (a long evict's line)."""
+    sizes = sizes or {}
     left, left_bytes, last = len(paths), sum(sizes.get(p, 0) for p in paths), -math.inf
     for p in paths:
-        if time.monotonic() - last >= EVICT_PROGRESS_S:
+        if progress is not None and time.monotonic() - last >= EVICT_PROGRESS_S:
             progress(left, left_bytes)
             last = time.monotonic()
         fileio.remove_quietly(ops, p)
@@ -689,20 +688,14 @@ class Store:
             self._remove(e)
         return len(gone)
 
-    def evict_matching(self, fingerprint: str | None = None, older_than_s: float | None = None) -> tuple[int, int]:
-        """Remove entries of one identity folder and/or unused for a while; clear emptied folders."""
-        n, nbytes = self._evict_select(fingerprint, older_than_s)
-        self._delete_doomed()
-        self.remove_empty_folders()
-        return n, nbytes
-
     async def evict_async(
         self,
         fingerprint: str | None = None,
         older_than_s: float | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> tuple[int, int]:
-        """``evict_matching`` for the event loop: the index changes here (``EVICT_BATCH`` entries a turn of the
+        """Remove entries of one identity folder and/or unused for a while, and clear emptied folders: the index
+        changes here (``EVICT_BATCH`` entries a turn of the
         loop), every unlink and the sweep on a worker. ``progress(files, bytes)`` left to unlink is called from
         that worker, first before any unlink, then at most every ``EVICT_PROGRESS_S``."""
         gone = self._evict_match(fingerprint, older_than_s)
@@ -713,19 +706,11 @@ class Store:
         doomed = self._take_doomed()
 
         def work() -> None:
-            if progress is None:
-                _unlink_all(self.ops, doomed)
-            else:
-                _unlink_reporting(self.ops, doomed, {e.path: e.nbytes for e in gone}, progress)
+            _unlink_all(self.ops, doomed, {e.path: e.nbytes for e in gone}, progress)
             self.remove_empty_folders()
 
         await off_loop(work)
         return n, nbytes
-
-    def _evict_select(self, fingerprint: str | None, older_than_s: float | None) -> tuple[int, int]:
-        gone = self._evict_match(fingerprint, older_than_s)
-        self._evict_entries(gone)
-        return len(gone), sum(e.nbytes for e in gone)
 
     def _evict_match(self, fingerprint: str | None, older_than_s: float | None) -> list[Entry]:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
