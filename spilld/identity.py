@@ -33,7 +33,6 @@ SAMPLE_WINDOWS = 64  # windows per weights file
 PARAM_WINDOWS = 4  # windows per large in-memory parameter
 PARAM_WHOLE_BYTES = 64 * 1024  # in-memory parameters up to this size are hashed whole
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # a header declaring more is not a safetensors file
-WEIGHT_FILES = ("*.safetensors",)  # in a model folder: every one of these, plus the JSON configs below
 CONFIG_FILES = ("config.json", "adapter_config.json")
 
 # (real path, size, mtime_ns) -> digest: a model folder is read once per process, again only if a file changes

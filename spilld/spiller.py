@@ -127,7 +127,7 @@ class Spiller:
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
-        return on_loop(self._bound(), lambda: self.queue.enqueue(item))
+        return self._submit(lambda: self.queue.enqueue(item))
 
     def spill_threadsafe(
         self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
