@@ -150,6 +150,16 @@ def test_a_put_for_no_open_spill_is_a_spill_error_notification(w: Wire) -> None:
     assert still_serves(w)
 
 
+def test_a_put_naming_true_names_no_spill(w: Wire) -> None:
+    """msgpack's true is not the integer 1: the open spill 1 is left alone."""
+    sid = w.call("spill", {"header": kv_header(ROWS, seed=7)}).result["spill"]
+    w.send(P.notification("put", {"spill": True, "index": 0, "offset": 0}, b"abc"))
+    n = w.note("spill_error")
+    assert n.params["spill"] == -1 and "no open spill" in n.params["message"]
+    assert w.call("abort", {"spill": sid}).result == {"aborted": True}
+    assert [m for m in w.notes if m.method == "spill_error"] == []  # spill 1 never failed
+
+
 def test_an_empty_put_fails_its_spill_and_the_connection_goes_on(w: Wire) -> None:
     sid = w.call("spill", {"header": kv_header(ROWS, seed=2)}).result["spill"]
     w.send(P.notification("put", {"spill": sid, "index": 0, "offset": 0}, b""))

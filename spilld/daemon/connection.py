@@ -385,12 +385,12 @@ class Connection(asyncio.BufferedProtocol):
 
     def _put(self, msg: P.Message) -> None:
         p = msg.params
-        sp = self.spills.get(p.get("spill")) if isinstance(p.get("spill"), int) else None
+        sp = self.spills.get(p.get("spill")) if type(p.get("spill")) is int else None
         name = str(p.get("shm", ""))[:64] if msg.method == "put_shm" else ""
         if sp is None or sp.error is not None:
             self.free_shm([name] if name else [])  # never keep a segment we will not read
             if sp is None:  # (a spill that failed already said so once)
-                why = self.expired.get(p.get("spill")) if isinstance(p.get("spill"), int) else None
+                why = self.expired.get(p.get("spill")) if type(p.get("spill")) is int else None
                 self.fail_spill(p.get("spill"), None, why or P.BadParams(f"no open spill {p.get('spill')!r}"))
             return
         try:
