@@ -165,6 +165,24 @@ class KindNotInProvider(HeaderMalformed):
     code = "kind_not_in_provider"
 
 
+class BlockInvalid(HeaderMalformed):
+    """A v2 manifest's or block's block fields contradict the file (sizes, counts, layout)."""
+
+    code = "block_invalid"
+
+
+class BlockKeyMismatch(HeaderMalformed):
+    """A block's key is not the SHA-256 of its parent key and its token ids (or not the key a manifest names)."""
+
+    code = "block_key_mismatch"
+
+
+class BlockMissing(FileFormatError):
+    """A manifest names a block that is not on disk: the manifest cannot be served."""
+
+    code = "block_missing"
+
+
 class CapacityTooLarge(HeaderMalformed):
     """A load would grow a tensor by more than one capacity step (a codec bug; never a file's choice)."""
 

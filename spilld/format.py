@@ -17,8 +17,8 @@ import xxhash
 from . import errors
 
 MAGIC = b"\x89SPILLD\n"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+FORMAT_VERSION = 2  # what this build writes: v2 adds prefix blocks (a manifest's ``blocks``, a block's ``block``)
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 # magic(8) | u32 format version | u32 header length | u64 data start | u64 header hash
 PREFIX = struct.Struct("<8sIIQQ")
@@ -35,6 +35,9 @@ MAX_DIM = 2**31 - 1
 MAX_TOTAL_BYTES = 2**40  # 1 TiB of tensor data in one file
 MAX_TOKENS = 8 * 1024 * 1024  # 32 MiB of u32 ids, well inside the header limit
 MAX_NESTING = 8  # CacheList inside CacheList ...
+KEY_LEN = 32  # a block key: SHA-256
+MIN_BLOCK_TOKENS = 16  # a manifest's block size B: at least this, so its key list stays short
+MAX_BLOCK_TOKENS = 65_536
 
 # Stable dtype names -> item size. Names, not mlx enum values, go into files.
 DTYPE_SIZES: dict[str, int] = {
@@ -171,6 +174,34 @@ class GenerationCheckpoint:
 
 
 @dataclass
+class BlockList:
+    """A manifest's blocks: ``keys[i]`` holds the rows of tokens ``[i*size, (i+1)*size)`` of its positional caches."""
+
+    size: int
+    keys: list[bytes]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"size": self.size, "keys": list(self.keys)}
+
+    @property
+    def rows(self) -> int:
+        """Token rows the blocks hold (the manifest's positional caches store the rows after them)."""
+        return self.size * len(self.keys)
+
+
+@dataclass
+class BlockInfo:
+    """What makes a block file self-verifying: its key = SHA-256(parent key + its token ids as u32 LE)."""
+
+    key: bytes
+    parent: bytes  # the previous block's key; for block 0 the layout's root key (``spilld.blocks.root_key``)
+    index: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key, "parent": self.parent, "index": self.index}
+
+
+@dataclass
 class Header:
     """The decoded msgpack header plus the layout facts from the prefix."""
 
@@ -183,6 +214,8 @@ class Header:
     attachments: list[AttachmentEntry] = field(default_factory=list)
     checkpoint: GenerationCheckpoint | None = None
     meta: dict[str, str] = field(default_factory=dict)
+    blocks: BlockList | None = None  # v2: a manifest's prefix blocks (None: every row is in this file)
+    block: BlockInfo | None = None  # v2: set in a block file, whose ``tokens`` are its own B token ids
     data_start: int = 0
     file_size: int = 0
 
@@ -198,6 +231,9 @@ class Header:
             "checkpoint": self.checkpoint.to_wire() if self.checkpoint else None,
             "meta": self.meta,
         }
+        if self.version >= 2:
+            d["blocks"] = self.blocks.to_wire() if self.blocks else None
+            d["block"] = self.block.to_wire() if self.block else None
         return d
 
     def slots(self) -> list[Slot]:
@@ -251,18 +287,22 @@ def plan_offsets(slots: list[Slot]) -> int:
     return end
 
 
-def row_spans(shape: tuple[int, ...] | list[int], itemsize: int, rows: int | None) -> list[tuple[int, int]]:
-    """Byte spans (start, length) of the first ``rows`` rows (axis -2) of a C-ordered buffer.
+def row_spans(
+    shape: tuple[int, ...] | list[int], itemsize: int, rows: int | None, start: int = 0
+) -> list[tuple[int, int]]:
+    """Byte spans (start, length) of rows ``[start, start + rows)`` (axis -2) of a C-ordered buffer.
 
-    With ``rows`` None, or equal to the buffer's rows, the whole buffer is one span.
+    With ``rows`` None, or all of the buffer's rows, the whole buffer is one span.
     """
     total = itemsize * math.prod(shape)
-    if rows is None or len(shape) < 2 or rows == shape[-2]:
+    if rows is None or len(shape) < 2 or (rows == shape[-2] and start == 0):
         return [(0, total)] if total else []
+    if start < 0 or start + rows > shape[-2]:
+        raise ValueError(f"rows [{start}, {start + rows}) of a buffer of {shape[-2]}")
     row = shape[-1] * itemsize
     block = shape[-2] * row
     n = rows * row
-    return [(i * block, n) for i in range(math.prod(shape[:-2]))] if n else []
+    return [(i * block + start * row, n) for i in range(math.prod(shape[:-2]))] if n else []
 
 
 def check_limits(slots: list[Slot], path: str | None = None) -> None:
@@ -314,14 +354,12 @@ def pack_header(header: Header) -> bytes:
     return msgpack.packb(header.to_wire(), use_bin_type=True)
 
 
-def encode_prefix(header_bytes: bytes) -> tuple[bytes, int]:
+def encode_prefix(header_bytes: bytes, version: int = FORMAT_VERSION) -> tuple[bytes, int]:
     """Return (prefix + header + zero padding up to the data start, data start)."""
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise errors.HeaderTooLarge(f"header is {len(header_bytes)} bytes (limit {MAX_HEADER_BYTES})")
     data_start = align_up(PREFIX_LEN + len(header_bytes))
-    prefix = PREFIX.pack(
-        MAGIC, FORMAT_VERSION, len(header_bytes), data_start, int.from_bytes(xxh3(header_bytes), "big")
-    )
+    prefix = PREFIX.pack(MAGIC, version, len(header_bytes), data_start, int.from_bytes(xxh3(header_bytes), "big"))
     head = prefix + header_bytes
     return head + b"\x00" * (data_start - len(head)), data_start
 
@@ -483,6 +521,37 @@ def _metadata(d: Any) -> dict[str, str | int | float | bool]:
     return d
 
 
+def _key(v: Any, what: str) -> bytes:
+    _want(v, bytes, what)
+    if len(v) != KEY_LEN:
+        raise ValueError(f"{what} must be {KEY_LEN} bytes")
+    return bytes(v)
+
+
+def _blocks_from_wire(d: Any) -> BlockList | None:
+    if d is None:
+        return None
+    _want(d, dict, "blocks")
+    size = _int(d["size"], "blocks.size", MIN_BLOCK_TOKENS)
+    if size > MAX_BLOCK_TOKENS:
+        raise errors.FieldInvalid(f"block size {size} (limit {MAX_BLOCK_TOKENS})")
+    keys = _want(d["keys"], list, "blocks.keys")
+    if len(keys) > MAX_TOKENS // size:
+        raise errors.TooManyTokens(f"{len(keys)} blocks of {size} tokens (limit {MAX_TOKENS} tokens)")
+    return BlockList(size, [_key(k, "blocks.keys[]") for k in keys])
+
+
+def _block_from_wire(d: Any) -> BlockInfo | None:
+    if d is None:
+        return None
+    _want(d, dict, "block")
+    return BlockInfo(
+        key=_key(d["key"], "block.key"),
+        parent=_key(d["parent"], "block.parent"),
+        index=_int(d["index"], "block.index"),
+    )
+
+
 def _said(exc: Exception) -> str:
     # in words for the user (the text may cross a socket), never a Python repr
     return f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
@@ -524,8 +593,9 @@ def _header_from_wire(raw: Any, path: str | None) -> Header:
                 f"checkpoint covers {checkpoint.original_prompt_tokens}+{checkpoint.generated_tokens} tokens, file has {len(tokens)}",
                 path=path,
             )
+    version = _int(raw["format"], "format", 1)
     return Header(
-        version=_int(raw["format"], "format", 1),
+        version=version,
         created_at_ms=_int(raw["created_at_ms"], "created_at_ms"),
         codec_provider=_want(raw["codec_provider"], str, "codec_provider"),
         identity=Identity(**{k: _want(ident[k], str, f"identity.{k}") for k in Identity().to_wire()}),
@@ -534,4 +604,6 @@ def _header_from_wire(raw: Any, path: str | None) -> Header:
         attachments=attachments,
         checkpoint=checkpoint,
         meta=meta,
+        blocks=_blocks_from_wire(raw["blocks"]) if version >= 2 else None,
+        block=_block_from_wire(raw["block"]) if version >= 2 else None,
     )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from . import errors, fileio
+from . import assemble, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
@@ -145,18 +145,32 @@ class _Decoding:
 
 
 class _Reader(_Decoding):
-    """Reads tensors straight into freshly allocated mlx buffers, verifying hashes."""
+    """Reads tensors straight into freshly allocated mlx buffers, verifying hashes.
 
-    def __init__(self, fd: int, header: fmt.Header, provider: CodecProvider, verify: bool, ops: FileOps, path: str):
+    A v2 manifest's positional tensors are read piece by piece (its blocks', then its own rows): ``pieces``.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        header: fmt.Header,
+        provider: CodecProvider,
+        verify: bool,
+        ops: FileOps,
+        path: str,
+        pieces: dict[int, list[assemble.Piece]] | None = None,
+    ):
         self.fd, self.header, self.provider = fd, header, provider
         self.verify, self.ops, self.path = verify, ops, path
+        self.pieces = pieces or {}
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         import mlx.core as mx
 
         from . import dtypes
 
-        shape = list(slot.shape)
+        pieces = self.pieces.get(id(slot)) or [assemble.Piece(self.fd, self.path, self.header.data_start + slot.off,
+                                                               slot.shape[-2] if len(slot.shape) >= 2 else 0, slot)]
         alloc = alloc_shape(slot, capacity, self.path)
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
         mx.eval(arr)
@@ -164,22 +178,30 @@ class _Reader(_Decoding):
             return arr
         mv = dtypes.buffer(arr).cast("B")
         try:
-            spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], shape[-2] if alloc != shape else None)
-            runs = [mv[o : o + n] for o, n in spans]
-            fileio.read_all(self.ops, self.fd, runs, self.header.data_start + slot.off, self.path)
+            first = 0
+            for p in pieces:
+                self._read_piece(mv, alloc, slot, p, first)
+                first += p.rows
+        finally:
+            mv.release()
+        return arr
+
+    def _read_piece(self, mv: memoryview, alloc: list[int], slot: fmt.Slot, p: assemble.Piece, first: int) -> None:
+        """Rows ``[first, first + p.rows)`` of the buffer from ``p``'s file; its hash checked."""
+        whole = len(alloc) < 2 or (list(p.slot.shape) == alloc)
+        spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], None if whole else p.rows, 0 if whole else first)
+        runs = [mv[o : o + n] for o, n in spans]
+        try:
+            fileio.read_all(self.ops, p.fd, runs, p.off, p.path)
             if self.verify:
                 h = xxhash.xxh3_64()
                 for r in runs:
                     h.update(r)
-                if h.digest() != slot.hash:
-                    raise errors.TensorHashMismatch(
-                        f"tensor at offset {slot.off} does not match its hash", path=self.path
-                    )
+                if h.digest() != p.slot.hash:
+                    raise errors.TensorHashMismatch(f"tensor at offset {p.slot.off} does not match its hash", path=p.path)
+        finally:
             for r in runs:
                 r.release()
-        finally:
-            mv.release()
-        return arr
 
 
 class _Recorder(_Decoding):
@@ -253,8 +275,14 @@ def load(
     provider: CodecProvider | None = None,
     ops: FileOps = DEFAULT_OPS,
     threads: int = LOAD_THREADS,
+    blocks: assemble.BlockPaths | None = None,
+    blocks_only: bool = False,
 ) -> Loaded:
     """Load a file into cache objects of the right classes.
+
+    A v2 manifest's blocks are found through ``blocks`` (a store's index; default: its own folder) and
+    checked against it before anything is allocated; ``blocks_only`` restores ``upto`` tokens from its
+    blocks alone (valid when every cache is positional), leaving its own rows, attachments and checkpoint.
 
     Checks the codec provider, every entry's codec and ``expect`` before
     allocating. With ``upto`` the caches are cut back to that many tokens
@@ -263,26 +291,38 @@ def load(
     p = os.fspath(path)
     prov = provider or default_provider()
     fd = _open(ops, p)
+    extra: list[int] = []
     try:
         header = _read_header_fd(fd, p)
+        if header.block is not None:
+            raise errors.BlockInvalid("a block is read through a manifest that names it, not alone", path=p)
         if header.codec_provider != prov.id:
             raise errors.CodecProviderMismatch(
                 f"written by codec provider {header.codec_provider!r}, reader has {prov.id!r}", path=p
             )
         prov.check_entries(header.caches, p)
         check_identity(header, expect, p)
-        reader = _Reader(fd, header, prov, verify, ops, p)
-        if threads > 1 and header.data_bytes >= PARALLEL_MIN_BYTES:
-            caches = _decode_parallel(reader, header.caches, threads)
+        whole, pieces = header, None
+        if header.blocks is not None:
+            plan = assemble.open_plan(
+                header, fd, p, blocks or assemble.beside(p), _read_header_fd, lambda b: _open(ops, b), ops.close,
+                upto=upto, blocks_only=blocks_only,
+            )  # fmt: skip
+            extra, whole, pieces = plan.fds, plan.header, plan.pieces
+        reader = _Reader(fd, whole, prov, verify, ops, p, pieces)
+        if threads > 1 and whole.data_bytes >= PARALLEL_MIN_BYTES:
+            caches = _decode_parallel(reader, whole.caches, threads)
         else:
-            caches = [reader.decode(e) for e in header.caches]
+            caches = [reader.decode(e) for e in whole.caches]
         attachments = [
-            Attachment(a.schema, dict(a.metadata), [reader.read(s) for s in a.tensors]) for a in header.attachments
+            Attachment(a.schema, dict(a.metadata), [reader.read(s) for s in a.tensors]) for a in whole.attachments
         ]
     finally:
+        for f in extra:
+            ops.close(f)
         ops.close(fd)
-    tokens = header.tokens
+    tokens = whole.tokens
     if upto is not None:
-        _cut(caches, header, upto, p)
+        _cut(caches, whole, upto, p)
         tokens = tokens[:upto]
-    return Loaded(tokens, caches, header, attachments, header.checkpoint, header.meta)
+    return Loaded(tokens, caches, header, attachments, whole.checkpoint, header.meta)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from .codecs.base import LiveSource, Source
+    from .codecs.live import LiveCapture
 
 
 @dataclass
@@ -43,6 +45,36 @@ class BytesSource:
 
     chunks: list[bytes | bytearray | memoryview]
     shape: tuple[int, ...]
+
+    def row_slice(self, start: int, rows: int) -> BytesSource:
+        """Rows ``[start, start + rows)`` (axis -2), as views of these chunks (a block cut from a received tensor)."""
+        total = sum(len(c) for c in self.chunks)
+        count = math.prod(self.shape)
+        itemsize = total // count if count else 0
+        spans = fmt.row_spans(self.shape, itemsize, rows, start)
+        return BytesSource(_cut_runs([memoryview(c).cast("B") for c in self.chunks], spans), (*self.shape[:-2], rows, self.shape[-1]))
+
+
+def _cut_runs(runs: list[memoryview], spans: list[tuple[int, int]]) -> list[bytes | bytearray | memoryview]:
+    """The byte ``spans`` (start, length; increasing) of the concatenation of ``runs``, as views."""
+    out: list[bytes | bytearray | memoryview] = []
+    pos, k = 0, 0
+    for lo, n in spans:
+        hi = lo + n
+        while k < len(runs) and pos + runs[k].nbytes <= lo:
+            pos += runs[k].nbytes
+            k += 1
+        p, j = pos, k
+        while j < len(runs) and p < hi:
+            r = runs[j]
+            a, b = max(lo, p), min(hi, p + r.nbytes)
+            if a < b:
+                out.append(r[a - p : b - p])
+            if p + r.nbytes > hi:
+                break
+            p += r.nbytes
+            j += 1
+    return out
 
 
 AnySource: TypeAlias = "Source | LiveSource | BytesSource"
@@ -89,15 +121,14 @@ def token_list(tokens: Any) -> list[int]:
     return out
 
 
-def token_ids_now(tokens: Any) -> list[Any]:
-    """Token ids as a plain list, read now: an mlx or numpy array is converted here, on the caller's thread
-    (slicing an mlx array would leave lazy graphs that only this thread can evaluate); ``token_list``
-    checks them later, off the engine's thread."""
+def token_ids_now(tokens: Any) -> Sequence[int]:
+    """Token ids as they are now, read on the caller's thread: an mlx array is evaluated and copied here (only
+    this thread can evaluate its graph), a numpy array or a list copied. A plain copy (a memcpy for arrays):
+    ``token_list`` makes the list of ints and checks it later, off the engine's thread."""
     import mlx.core as mx
 
     if isinstance(tokens, (mx.array, np.ndarray)):
-        out: Any = tokens.tolist()
-        return cast(list[Any], out) if isinstance(out, list) else [out]
+        return cast(Sequence[int], np.array(tokens).reshape(-1) if tokens.ndim == 0 else np.array(tokens))
     return [] if tokens is None else list(tokens)
 
 
@@ -269,7 +300,7 @@ def _byte_runs(src: Source) -> tuple[list[memoryview], mx.array]:
         mv = dtypes.buffer(a)
     flat = mv.cast("B")
     mv.release()
-    runs = [flat[o : o + n] for o, n in fmt.row_spans(a.shape, a.itemsize, src.rows)]
+    runs = [flat[o : o + n] for o, n in fmt.row_spans(a.shape, a.itemsize, src.rows, src.start)]
     flat.release()
     return runs, a
 
@@ -285,7 +316,7 @@ class _NotEvaluated(Exception):
     """The engine's current buffer is a graph it has not evaluated yet (only its own thread can)."""
 
 
-def _evaluated_runs(a: mx.array, n: int) -> tuple[list[memoryview], mx.array]:
+def _evaluated_runs(a: mx.array, n: int, start: int = 0) -> tuple[list[memoryview], mx.array]:
     """``_byte_runs`` of an engine buffer read from another thread; ``_NotEvaluated`` if it is still lazy.
 
     Reading a lazy array evaluates it, which fails off the thread that built it
@@ -295,7 +326,7 @@ def _evaluated_runs(a: mx.array, n: int) -> tuple[list[memoryview], mx.array]:
     from .codecs.base import Source
 
     try:
-        return _byte_runs(Source(a, n))
+        return _byte_runs(Source(a, n, start))
     except RuntimeError as exc:
         if "Stream" not in str(exc):
             raise
@@ -312,7 +343,7 @@ def _copy_live_rows(src: LiveSource, out: memoryview, start: int, limit: int | N
     a = src.fetch()
     if tuple(a.shape[:-2]) != src.full_shape[:-2] or a.shape[-1] != src.full_shape[-1] or a.dtype != src.dtype:
         raise errors.PlanDrift(f"live buffer changed shape: planned {src.full_shape}, now {tuple(a.shape)}")
-    runs, held = _evaluated_runs(a, src.rows)
+    runs, held = _evaluated_runs(a, src.rows, src.start)
     end = out.nbytes if limit is None else min(out.nbytes, start + limit)
     pos = 0
     for r in runs:
@@ -488,7 +519,7 @@ class PublishStep:
         hb = fmt.pack_header(self._header)
         if len(hb) != self._planned_len:
             raise errors.PlanDrift(f"header length drift: planned {self._planned_len}, got {len(hb)}")
-        head, _ = fmt.encode_prefix(hb)
+        head, _ = fmt.encode_prefix(hb, self._header.version)
         self._file.publish(head)
         self.done = True
 
@@ -501,18 +532,25 @@ _RELEASED = BytesSource([], (0,))  # what a step's slot holds once the step owns
 
 @dataclass
 class Encoded:
-    """What ``encode_now`` read from the caches at the snapshot point: their entries and the sources to write."""
+    """What ``encode_now`` read at the snapshot point: the caches' entries and the sources to write.
+
+    A live snapshot's entries are planned later, by whoever calls ``resolved`` (the writer): at the call the
+    engine's thread only records each cache's offset and evaluates its buffers (``LiveCapture``).
+    """
 
     provider: CodecProvider
     entries: list[fmt.CacheEntry]
     attachments: list[fmt.AttachmentEntry]
     sources: list[AnySource]
+    capture: LiveCapture | None = None
 
-    @property
-    def data_bytes(self) -> int:
-        """The tensor bytes the file will hold (what a pending live snapshot counts against a queue cap)."""
-        slots = [s for e in self.entries for s in e.walk_slots()] + [s for a in self.attachments for s in a.tensors]
-        return sum(s.nbytes for s in slots)
+    def resolved(self) -> Encoded:
+        """This, with a live capture's entries planned (cache sources first, then the attachments')."""
+        if self.capture is None:
+            return self
+        parts = self.capture.encode()
+        srcs: list[AnySource] = [a for p in parts for a in p.sources]
+        return Encoded(self.provider, [p.entry for p in parts], self.attachments, srcs + self.sources)
 
 
 def encode_now(
@@ -530,11 +568,20 @@ def encode_now(
     """
     import mlx.core as mx
 
-    from .codecs.base import LiveSource, rows, slot_for
+    from .codecs.base import rows, slot_for
 
     p = provider or default_provider()
-    encoded = [p.encode_live(c) if live else p.encode(c) for c in caches]
-    sources: list[AnySource] = [a for e in encoded for a in e.sources]
+    capture = None
+    sources: list[AnySource] = []
+    entries = []
+    if live:
+        from .codecs.live import LiveCapture
+
+        capture = LiveCapture(p, caches)
+    else:
+        encoded = [p.encode(c) for c in caches]
+        entries = [e.entry for e in encoded]
+        sources = [a for e in encoded for a in e.sources]
     att_entries = []
     for a in attachments:
         srcs = [rows(t) for t in a.tensors]
@@ -543,8 +590,8 @@ def encode_now(
     # The engine's pending work, if any, runs here on the caller's thread (a no-op for
     # evaluated caches and clones): no other thread can evaluate it, and the steps then
     # only read finished buffers. One call for all of them.
-    mx.eval(_arrays(sources), [s.fetch() for s in sources if isinstance(s, LiveSource)])
-    return Encoded(p, [e.entry for e in encoded], att_entries, sources)
+    mx.eval(_arrays(sources), capture.arrays if capture else [])
+    return Encoded(p, entries, att_entries, sources, capture)
 
 
 def finish_plan(
@@ -556,6 +603,7 @@ def finish_plan(
     checkpoint: fmt.GenerationCheckpoint | None = None,
 ) -> tuple[fmt.Header, list[AnySource]]:
     """Build the header (placeholder hashes, final offsets) from what ``encode_now`` read; pure bookkeeping."""
+    enc = enc.resolved()
     header = fmt.Header(
         version=fmt.FORMAT_VERSION,
         created_at_ms=time.time_ns() // 1_000_000,
@@ -623,7 +671,7 @@ def save_steps(
     sources = list(sources)
     head_bytes = fmt.pack_header(header)
     header_len = len(head_bytes)
-    _, data_start = fmt.encode_prefix(head_bytes)
+    _, data_start = fmt.encode_prefix(head_bytes, header.version)
     slots = header.slots()
     data_end = fmt.plan_offsets(slots)  # the layout rule itself: a trailing empty tensor does not extend the file
     if direct is None:

@@ -41,7 +41,7 @@ class Snapshot:
     held: int = 0  # bytes its clones pin
     plan: Callable[[], Plan] | None = None  # a clone's plan, made by the writer (off the engine's thread)
     planned: Plan | None = None  # the plan once made
-    live_bytes: int | None = None  # a live snapshot's pending write (it pins no memory); None for clones
+    live: bool = False  # a live snapshot: it pins no memory, its pending write counts instead
     outcome: asyncio.Future[Settled] | None = None  # AsyncClient: settles with the daemon's answer to the commit
 
 
@@ -75,8 +75,8 @@ def new_item(
     Everything the engine handed over is evaluated or copied here, on its own
     thread (mlx evaluates a graph only on the thread that built it): token ids
     become ints, attachments and caches become evaluated views (cheap clones),
-    a ``live`` snapshot's caches are encoded now (the header is built later,
-    by the writer). ``live`` reads append-only buffers at
+    a ``live`` snapshot records each cache's offset and evaluates its buffers
+    (the entries and header are planned later, by the writer). ``live`` reads append-only buffers at
     write time, inside the lease; without one (``leased=False``) nothing keeps
     the engine out while they are read, so the caches are cloned instead.
     """
@@ -100,7 +100,7 @@ def new_item(
     snap = item.payload = Snapshot(held=held)
     if live:  # read the caches now, at the snapshot point; the header is built by the writer, off this thread
         enc = encode_now(caches, attachments=item.attachments, provider=provider, live=True)
-        snap.live_bytes = enc.data_bytes
+        snap.live = True
         snap.plan = functools.partial(finish_plan, enc, item.tokens, meta=meta, identity=ident, checkpoint=checkpoint)
     else:  # clones are planned whole by the writer
         snap.plan = functools.partial(
@@ -123,8 +123,8 @@ def planned(item: SpillItem) -> tuple[fmt.Header, list[AnySource]]:
 def item_bytes(item: SpillItem, provider: CodecProvider) -> int:
     """What an item counts against a queue cap: the memory it pins, or a live snapshot's pending write."""
     snap = snapshot_of(item)
-    if snap.live_bytes is not None:  # a live snapshot pins no memory: count its pending write
-        return snap.live_bytes
+    if snap.live:  # a live snapshot pins no memory: count its pending write (planned now, on the writer's loop)
+        return sum(s.nbytes for s in planned(item)[0].slots())
     return snap.held + held_bytes([], item.attachments, provider)
 
 

@@ -28,14 +28,15 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import errors, fileio
+from . import blocks, errors, fileio
 from . import format as fmt
+from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .lease import RunStep, off_loop
 from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
 from .queue import unpin
-from .saver import AnySource, Attachment, SaveResult, Staging, save_async
+from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
 
 log = logging.getLogger("spilld.store")
 
@@ -99,16 +100,31 @@ class Entry:
     last_used: float
     checkpoint: fmt.GenerationCheckpoint | None = None
     codec_provider: str = ""
+    blocks: list[bytes] = field(default_factory=list)  # v2: the prefix blocks it names, in order
+    block_size: int = 0
+    whole: bool = False  # every cache positional: its blocks alone restore a prefix (attachments aside)
 
     @property
     def ntokens(self) -> int:
         return len(self.tokens)
 
 
+@dataclass(eq=False)
+class Block:
+    """A prefix block on disk, and the manifests that name it (it goes when none does)."""
+
+    key: bytes
+    path: str
+    nbytes: int
+    refs: set[str] = field(default_factory=set)  # paths of the manifests that name it
+    pins: int = 0  # puts that will name it once their manifest is published
+
+
 @dataclass
 class Hit:
     entry: Entry
     matched: int  # tokens usable from this entry (the entry is cut back to this on load)
+    blocks_only: bool = False  # restore ``matched`` tokens from the entry's blocks alone (another conversation's)
 
     @property
     def trimmed(self) -> bool:
@@ -168,18 +184,53 @@ class _Found:
 
 @dataclass
 class _Query:
-    """A lookup's inputs, taken from the index on its own thread; ``match`` reads only these."""
+    """A lookup's inputs, taken from the index on its own thread; ``match`` reads only these (and the block
+    index, with single reads that are safe from any thread)."""
 
     want: np.ndarray
     fp: str
     provider_id: str
-    candidates: list[Entry]
+    by_start: dict[str, Entry]
     evicted: list[np.ndarray]
+    roots: list[tuple[bytes, int, bool]]  # (root key, block size, whole) of the layouts stored for this prompt
+    blocks: dict[bytes, Block]
+    by_path: dict[str, Entry]
+
+    def chain(self) -> tuple[int, Block | None, bool]:
+        """The longest run of stored blocks that starts the prompt: tokens covered, its last block, whole."""
+        best: tuple[int, Block | None, bool] = (0, None, False)
+        toks = self.want
+        for root, size, whole in self.roots:
+            key, last, i = root, None, 0
+            while (i + 1) * size <= len(toks) - 1:  # one token must be left to compute
+                key = blocks.next_key(key, toks[i * size : (i + 1) * size].tolist())
+                rec = self.blocks.get(key)
+                if rec is None:
+                    break
+                last, i = rec, i + 1
+            if i * size > best[0]:
+                best = (i * size, last, whole)
+        return best
 
     def match(self) -> _Found:
         found = _Found()
         limit = len(self.want) - 1
-        for e in self.candidates:
+        covered, last, whole = self.chain()
+        if last is not None:  # the manifests that share the chain: O(their number), not O(the index)
+            candidates = [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None]
+        else:
+            candidates = list(self.by_start.values())
+        self._compare(found, candidates, limit)
+        if last is not None and whole and (found.best is None or found.best.matched < covered):
+            owner = next((e for p in list(last.refs) if (e := self.by_path.get(p)) is not None and e.whole), None)
+            if owner is not None:
+                found.best = Hit(owner, covered, blocks_only=True)
+        if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
+            found.evicted = any(_common_prefix(t, self.want) > 0 for t in self.evicted)
+        return found
+
+    def _compare(self, found: _Found, candidates: list[Entry], limit: int) -> None:
+        for e in candidates:
             usable = min(_common_prefix(e.tokens, self.want), limit)
             if usable <= 0:
                 continue
@@ -193,9 +244,6 @@ class _Query:
             best = found.best
             if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
                 found.best = Hit(e, usable)
-        if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
-            found.evicted = any(_common_prefix(t, self.want) > 0 for t in self.evicted)
-        return found
 
 
 @dataclass
@@ -208,6 +256,10 @@ class StoreCounters:
     quarantined: int = 0
     quarantine_removed: int = 0  # quarantined files removed to keep the quarantine within its caps
     reaped_temp: int = 0
+    bytes_written: int = 0  # file bytes published: manifests, blocks and v1 files
+    blocks_written: int = 0
+    blocks_reused: int = 0  # blocks a spill named without writing them (already on disk)
+    blocks_reclaimed: int = 0  # blocks removed because no manifest named them any more
     store_errors: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
 
@@ -224,7 +276,11 @@ class Store:
         provider: CodecProvider | None = None,
         verify: bool = True,
         ops: fileio.FileOps = fileio.DEFAULT_OPS,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
+        if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
+            raise ValueError(f"block_tokens must be 0 (no blocks) or in [{fmt.MIN_BLOCK_TOKENS}, {fmt.MAX_BLOCK_TOKENS}]")
+        self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
         self.root = os.path.abspath(os.fspath(root))
         self.durability = fileio.Durability(durability)
         self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
@@ -237,6 +293,10 @@ class Store:
         # The index: changed only on the thread that owns the store (the event loop), read anywhere.
         self._by_path: dict[str, Entry] = {}
         self._by_start: dict[tuple[str, int], dict[str, Entry]] = {}  # (namespace, first token): lookup candidates
+        self._blocks: dict[bytes, Block] = {}  # prefix blocks by key
+        self._roots: dict[tuple[str, str, str], dict[bytes, tuple[int, bool]]] = {}  # layouts stored per prompt space
+        self._entry_bytes = 0  # running sums: the cap is checked on every put
+        self._block_bytes = 0
         self._doomed: list[str] = []  # files whose entries left the index, still to unlink (off the loop)
         self._busy: Counter[str] = Counter()  # folders a save writes into: never removed as empty
         self._folders = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
@@ -298,7 +358,16 @@ class Store:
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self._by_path.values())
+        """Bytes on disk, each block once (what the disk cap counts)."""
+        return self._entry_bytes + self._block_bytes
+
+    @property
+    def blocks(self) -> list[Block]:
+        return list(self._blocks.values())
+
+    def block_path(self, key: bytes) -> str | None:
+        rec = self._blocks.get(key)
+        return rec.path if rec is not None else None
 
     # --- scan ----------------------------------------------------------------------
 
@@ -325,6 +394,7 @@ class Store:
             return False
 
     def _scan_folders(self, reap: bool) -> None:
+        manifests: list[tuple[str, fmt.Header, float]] = []
         for fp in sorted(os.listdir(self.root)):
             fp_dir = os.path.join(self.root, fp)
             if fp.startswith(".") or not os.path.isdir(fp_dir):
@@ -334,30 +404,66 @@ class Store:
                 if not os.path.isdir(ns_dir):
                     continue
                 for name in os.listdir(ns_dir):
-                    self._scan_file(os.path.join(ns_dir, name), fp, ns, reap)
+                    if (got := self._scan_file(os.path.join(ns_dir, name), fp, ns, reap)) is not None:
+                        manifests.append(got)
+        for path, header, mtime in manifests:  # once every block is known
+            missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in self._blocks]
+            if missing:
+                self.quarantine(path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path))
+                continue
+            self._index(path, header, mtime)
+        orphans = [b for b in self._blocks.values() if not b.refs]
+        for b in orphans:  # written before a crash took their manifest, or left by evicted ones
+            self._drop_block(b)
+        if reap:
+            self.counters.blocks_reclaimed += len(orphans)
+        else:  # another spilld owns the folder: its blocks are not ours to remove
+            self._doomed = [p for p in self._doomed if not p.endswith(BLOCK_EXT)]
 
-    def _scan_file(self, path: str, fp: str, ns_dir: str, reap: bool = True) -> None:
+    def _scan_block(self, path: str, name: str, reap: bool) -> None:
+        """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
+        try:
+            key = bytes.fromhex(name.split("-", 1)[0])
+            size = os.stat(path).st_size
+        except (ValueError, OSError):
+            return
+        if len(key) != fmt.KEY_LEN:
+            return
+        if key in self._blocks:  # two puts wrote the same block: keep one
+            if reap:
+                fileio.remove_quietly(self.ops, path)
+            return
+        self._blocks[key] = Block(key, path, size)
+        self._block_bytes += size
+
+    def _scan_file(self, path: str, fp: str, ns_dir: str, reap: bool = True) -> tuple[str, fmt.Header, float] | None:
         name = os.path.basename(path)
         if fileio.is_temp_name(name):
             if reap:  # under the folder's lock: no other spilld is writing it
                 fileio.remove_quietly(self.ops, path)
                 self.counters.reaped_temp += 1
-            return
+            return None
+        if name.endswith(BLOCK_EXT):
+            self._scan_block(path, name, reap)
+            return None
         if not name.endswith(EXT):
-            return
+            return None
         try:
             header = read_header(path)
             if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns_dir:
                 raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
+            if header.block is not None:
+                raise errors.BlockInvalid("a block under a manifest's name", path=path)
         except errors.FileFormatError as exc:
             self.quarantine(path, exc)
-            return
+            return None
         except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO...): left alone, not indexed
             log.warning("skipped %s: %s", path, exc)
-            return
-        self._index(path, header, os.stat(path).st_mtime)
+            return None
+        return path, header, os.stat(path).st_mtime
 
     def _index(self, path: str, header: fmt.Header, last_used: float) -> Entry:
+        b = header.blocks
         e = Entry(
             path=path,
             fingerprint=identity_fingerprint(header.identity),
@@ -369,14 +475,52 @@ class Store:
             last_used=last_used,
             checkpoint=header.checkpoint,
             codec_provider=header.codec_provider,
+            blocks=list(b.keys) if b else [],
+            block_size=b.size if b else 0,
+            whole=blocks.whole(header),
         )
+        if b is not None:
+            for k in b.keys:
+                self._blocks[k].refs.add(path)
+            roots = self._roots.setdefault((e.fingerprint, e.namespace, e.codec_provider), {})
+            roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
         self._by_path[path] = e
+        self._entry_bytes += e.nbytes
         self._by_start.setdefault(_start_key(e.namespace, e.tokens), {})[path] = e
         return e
+
+    def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
+        rec = self._blocks.get(key)
+        if rec is not None:  # another put published the same block meanwhile: ours is a spare
+            self._doomed.append(path)
+            return rec
+        rec = self._blocks[key] = Block(key, path, nbytes)
+        self._block_bytes += nbytes
+        return rec
+
+    def _drop_block(self, rec: Block) -> None:
+        if self._blocks.get(rec.key) is rec:
+            del self._blocks[rec.key]
+            self._block_bytes -= rec.nbytes
+            self._doomed.append(rec.path)
+
+    def _unref(self, e: Entry) -> None:
+        """The entry's blocks lose a reference; those no manifest names (or put pins) any more go."""
+        for k in e.blocks:
+            rec = self._blocks.get(k)
+            if rec is None:
+                continue
+            rec.refs.discard(e.path)
+            if not rec.refs and not rec.pins:
+                self._drop_block(rec)
+                self.counters.blocks_reclaimed += 1
 
     def _clear_index(self) -> None:
         self._by_path = {}
         self._by_start = {}
+        self._blocks = {}
+        self._roots = {}
+        self._entry_bytes = self._block_bytes = 0
 
     # --- lookup ------------------------------------------------------------------------
 
@@ -397,14 +541,17 @@ class Store:
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
         q = self._query(ident, namespace, tokens, codec_provider)
-        found = await off_loop(q.match) if q.candidates or q.evicted else _Found()
+        found = await off_loop(q.match) if q.by_start or q.evicted or q.roots else _Found()
         return self._settle(q, found)
 
     def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> _Query:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
-        cands = list(self._by_start.get(_start_key(namespace, want), {}).values()) if len(want) > 1 else []
-        return _Query(want, fp, provider or self.provider_id, cands, list(self._evicted.get((fp, namespace), ())))
+        prov = provider or self.provider_id
+        group = self._by_start.get(_start_key(namespace, want), {}) if len(want) > 1 else {}
+        roots = [(r, size, whole) for r, (size, whole) in self._roots.get((fp, namespace, prov), {}).items()]
+        evicted = list(self._evicted.get((fp, namespace), ()))
+        return _Query(want, fp, prov, group, evicted, roots if len(want) > 1 else [], self._blocks, self._by_path)
 
     def _settle(self, q: _Query, found: _Found) -> Hit | Miss:
         if found.best is not None:
@@ -436,7 +583,10 @@ class Store:
     def read_hit(self, hit: Hit, ident: fmt.Identity) -> Loaded:
         """The file read alone: touches no index state, so it may run on a worker thread."""
         e = hit.entry
-        return load(e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider)
+        return load(
+            e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider,
+            blocks=self.block_path, blocks_only=hit.blocks_only,
+        )  # fmt: skip
 
     def restore_done(self, hit: Hit, outcome: Loaded | errors.SpillError) -> Loaded | Miss:
         """Account for a read (on the index's own thread): a hit, or a miss with its reason."""
@@ -446,9 +596,23 @@ class Store:
             self.counters.hits += 1
             return outcome
         if isinstance(outcome, errors.FileFormatError):
-            self.quarantine(e.path, outcome)
+            self.quarantine(self._bad_file(e, outcome), outcome)
             return self._miss(MissReason.CORRUPT)
         return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and not os.path.exists(e.path))
+
+    def _bad_file(self, e: Entry, exc: errors.FileFormatError) -> str:
+        """The file a failed read blames: a bad block takes every manifest that names it out of the index."""
+        rec = next((self._blocks[k] for k in e.blocks if k in self._blocks and self._blocks[k].path == exc.path), None)
+        if rec is None:
+            return e.path
+        for p in list(rec.refs):
+            if (other := self._by_path.get(p)) is not None:
+                self._remove(other)
+        self._blocks.pop(rec.key, None)
+        self._block_bytes -= rec.nbytes
+        if rec.path in self._doomed:
+            self._doomed.remove(rec.path)
+        return rec.path
 
     async def restore_async(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
         """``restore`` on an event loop: the read, the mtime, the existence check and a quarantine's move run on
@@ -463,7 +627,8 @@ class Store:
             self.counters.hits += 1
             return outcome
         if isinstance(outcome, errors.FileFormatError):
-            await self.quarantine_async(e.path, outcome)
+            await self.quarantine_async(self._bad_file(e, outcome), outcome)
+            await self.delete_doomed_async()
             return self._miss(MissReason.CORRUPT)
         gone = isinstance(outcome, errors.StorageError) and not await off_loop(lambda: os.path.exists(e.path))
         return self._failed_read(e, outcome, gone)
@@ -513,25 +678,38 @@ class Store:
         ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. Files are written
         through the store's file layer (``self.ops``); folders, writes and unlinks run off the event loop.
         """
-        if planned is not None:
-            ident = planned[0].identity
+        if planned is None:
+            planned = plan(
+                tokens, caches, meta=meta, identity=ident, attachments=attachments, checkpoint=checkpoint,
+                provider=self.provider,
+            )  # fmt: skip
+        ident = planned[0].identity
+        cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
         path = self.new_path(ident, ident.namespace)
         folder = os.path.dirname(path)
+        kw: dict[str, Any] = {"run_step": run_step, "write_in_lease": write_in_lease, "staging": staging}
+        pinned: list[Block] = []
         self.claim_folder(folder)  # from here to the rename, no sweep removes the folder under the write
         try:
-            result = await self._write(path, folder, tokens, caches, ident, planned, **{
-                "meta": meta, "attachments": attachments, "checkpoint": checkpoint, "run_step": run_step,
-                "write_in_lease": write_in_lease, "staging": staging,
-            })  # fmt: skip
+            if cut is not None:  # the blocks first, each durable before the manifest that names it
+                pinned = await self._put_blocks(cut, folder, ident, kw)
+                planned = cut.manifest()
+            result = await self._write(path, folder, ident, planned, **kw)
         except asyncio.CancelledError:
             # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
             # no durable file the index does not know.
             fileio.remove_quietly(self.ops, path)
+            self._unpin(pinned)
+            raise
+        except BaseException:
+            self._unpin(pinned)
             raise
         finally:
             self.release_folder(folder)
         entry = self._index(path, result.header, time.time())  # no await between the save's end and this
+        self._unpin(pinned)
         self.counters.stored += 1
+        self.counters.bytes_written += result.file_bytes
         self._ok()
         self._supersede(entry, has_attachments=bool(result.header.attachments))
         self.evict_to_cap(keep=entry)
@@ -542,14 +720,44 @@ class Store:
                 task.uncancel()
         return result
 
+    async def _put_blocks(
+        self, cut: blocks.Split, folder: str, ident: fmt.Identity, kw: dict[str, Any]
+    ) -> list[Block]:
+        """Write the blocks of ``cut`` not on disk yet; every block it names is pinned until its manifest is indexed."""
+        pinned: list[Block] = []
+        try:
+            for i, key in enumerate(cut.keys):
+                rec = self._blocks.get(key)
+                if rec is None:
+                    bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
+                    result = await self._write(bpath, folder, ident, cut.block(i), **kw)
+                    rec = self._add_block(key, bpath, result.file_bytes)
+                    self.counters.blocks_written += 1
+                    self.counters.bytes_written += result.file_bytes
+                else:
+                    self.counters.blocks_reused += 1
+                rec.pins += 1
+                pinned.append(rec)
+        except BaseException:
+            self._unpin(pinned)
+            raise
+        return pinned
+
+    def _unpin(self, pinned: list[Block]) -> None:
+        """A put is done with its blocks: one that no manifest names (the put failed) goes."""
+        for rec in pinned:
+            rec.pins -= 1
+            if not rec.refs and not rec.pins:
+                self._drop_block(rec)
+                self.counters.blocks_reclaimed += 1
+        pinned.clear()
+
     async def _write(
         self,
         path: str,
         folder: str,
-        tokens: Sequence[int],
-        caches: Sequence[Any],
         ident: fmt.Identity,
-        planned: tuple[fmt.Header, list[AnySource]] | None,
+        planned: tuple[fmt.Header, list[AnySource]],
         **kw: Any,
     ) -> SaveResult:
         """Create the folders, then save; on ENOSPC evict once and retry. Every failure is counted."""
@@ -557,11 +765,11 @@ class Store:
             try:
                 await off_loop(lambda: self.make_folder(folder))
                 return await save_async(
-                    path, tokens, caches, identity=ident, durability=self.durability, provider=self._provider,
+                    path, [], [], identity=ident, durability=self.durability, provider=self._provider,
                     ops=self.ops, planned=planned, **kw,
                 )  # fmt: skip
             except errors.DiskFull as exc:
-                needed = planned[0].data_bytes if planned is not None else 0
+                needed = planned[0].data_bytes
                 if attempt == 2 or not self.make_room(needed):
                     self._count_error(exc)
                     raise
@@ -614,32 +822,29 @@ class Store:
         Their files join the ones to delete (``delete_doomed_async``, or at once by the sync callers).
         """
         n = 0
-        total = self.total_bytes
-        if total <= self.disk_cap:
+        if self.total_bytes <= self.disk_cap:
             return 0
         for e in sorted(self._by_path.values(), key=lambda x: x.last_used):
-            if total <= self.disk_cap:
+            if self.total_bytes <= self.disk_cap:
                 break
             if e is keep:
                 continue
             self._remember_evicted(e)
-            self._remove(e)
-            total -= e.nbytes
+            self._remove(e)  # and the blocks no other entry names
             self.counters.evicted += 1
             n += 1
         return n
 
     def make_room(self, nbytes: int) -> bool:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
-        freed = 0
+        start = self.total_bytes
         gone = 0
         for e in sorted(self._by_path.values(), key=lambda x: x.last_used):
-            if gone and freed >= nbytes:
+            if gone and start - self.total_bytes >= nbytes:
                 break
             self._remember_evicted(e)
             self._remove(e)
             self.counters.evicted += 1
-            freed += e.nbytes
             gone += 1
         return gone > 0
 
@@ -649,6 +854,8 @@ class Store:
     def _forget(self, e: Entry) -> None:
         if self._by_path.get(e.path) is e:
             del self._by_path[e.path]
+            self._entry_bytes -= e.nbytes
+            self._unref(e)
             group = self._by_start.get(_start_key(e.namespace, e.tokens))
             if group is not None:
                 group.pop(e.path, None)
@@ -806,6 +1013,12 @@ class Store:
             "quarantined": c.quarantined,
             "quarantine_removed": c.quarantine_removed,
             "reaped_temp": c.reaped_temp,
+            "blocks": len(self._blocks),
+            "block_bytes": self._block_bytes,
+            "bytes_written": c.bytes_written,
+            "blocks_written": c.blocks_written,
+            "blocks_reused": c.blocks_reused,
+            "blocks_reclaimed": c.blocks_reclaimed,
             "store_errors": c.store_errors,
             "errors": dict(c.errors),
         }

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from . import errors
+from . import blocks, errors
 from . import format as fmt
 from .codecs.rules import (
     MAX_ARRAY_SLOTS,
@@ -66,14 +66,57 @@ def _validate(header: fmt.Header, file_size: int | None, prefix_version: int) ->
                 f"tensor {i} declares {s.nbytes} bytes; shape {list(s.shape)} {s.dtype} is {want}"
             )
     table = rules_for(header.codec_provider)
+    base = _blocks(header, table)
     for i, e in enumerate(header.caches):
-        _entry(e, table, len(header.tokens), f"cache {i}")
+        _entry(e, table, len(header.tokens), f"cache {i}", base)
+    if header.block is not None:
+        _block(header)
     # last, so a header refused for what it says gets the same code from a file and from a spill
     if file_size is not None:
         fmt.check_layout(slots, header.data_start, file_size)
 
 
-def _entry(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str) -> None:
+# --- v2: a manifest's blocks, a block's own key ------------------------------------
+
+
+def _blocks(header: fmt.Header, table: Mapping[str, KindRule] | None) -> int:
+    """The token rows a manifest's blocks hold (0 for any other header): its positional caches store the rest."""
+    b = header.blocks
+    if b is None:
+        return 0
+    if header.block is not None:
+        raise errors.BlockInvalid("a file is a manifest or a block, not both")
+    if table is None:
+        raise errors.BlockInvalid(f"blocks of codec provider {header.codec_provider!r}, whose rules this build lacks")
+    if not b.keys:
+        raise errors.BlockInvalid("a manifest that names no blocks")
+    if b.rows > len(header.tokens):
+        raise errors.BlockInvalid(f"{len(b.keys)} blocks of {b.size} tokens, the file records {len(header.tokens)}")
+    if not blocks.positional_leaves(header):
+        raise errors.BlockInvalid("a manifest with blocks but no positional cache")
+    return b.rows
+
+
+def _block(header: fmt.Header) -> None:
+    info = header.block
+    assert info is not None
+    size = len(header.tokens)
+    if not fmt.MIN_BLOCK_TOKENS <= size <= fmt.MAX_BLOCK_TOKENS:
+        raise errors.BlockInvalid(f"a block of {size} tokens (limits {fmt.MIN_BLOCK_TOKENS}..{fmt.MAX_BLOCK_TOKENS})")
+    if header.attachments or header.checkpoint is not None or not header.caches:
+        raise errors.BlockInvalid("a block holds positional caches only (no attachments, no checkpoint)")
+    for i, e in enumerate(header.caches):
+        if not blocks.is_positional(e, header.codec_provider) or e.offset != size:
+            raise errors.BlockInvalid(f"block cache {i} ({e.kind}) is not {size} rows of a positional cache")
+    if blocks.next_key(info.parent, header.tokens) != info.key:
+        raise errors.BlockKeyMismatch("the block's key is not the hash of its parent and its tokens")
+    if info.index == 0 and info.parent != blocks.header_root(header, size):
+        raise errors.BlockKeyMismatch("block 0 does not chain from the root key of its identity and layout")
+
+
+def _entry(
+    e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str, base: int = 0
+) -> None:
     if e.offset is not None and ntokens and e.offset > ntokens:
         # A file saved without tokens (the mlx-lm prompt-cache drop-in) records none to compare with.
         raise errors.OffsetBeyondTokens(f"{where} ({e.kind}) encodes {e.offset} tokens, the file records {ntokens}")
@@ -81,15 +124,16 @@ def _entry(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int
         rule = table.get(e.kind)
         if rule is None:
             raise errors.KindNotInProvider(f"{where}: kind {e.kind!r} is not one of {sorted(table)}")
-        _check_rule(e, rule, where)
+        _check_rule(e, rule, where, base if rule.rows is Rows.OFFSET and not e.children else 0)
     for j, c in enumerate(e.children):
-        _entry(c, table, ntokens, f"{where}.{j}")
+        _entry(c, table, ntokens, f"{where}.{j}", base)
 
 
 # --- one entry against its kind's rule --------------------------------------------
 
 
-def _check_rule(e: fmt.CacheEntry, rule: KindRule, where: str) -> None:
+def _check_rule(e: fmt.CacheEntry, rule: KindRule, where: str, base: int = 0) -> None:
+    """``base``: token rows held by a manifest's blocks (a positional cache stores the ones after them)."""
     where = f"{where} ({e.kind})"
     if e.version not in rule.reads:
         raise errors.CodecVersionUnsupported(f"{where}: codec version {e.version} (readable: {sorted(rule.reads)})")
@@ -97,7 +141,9 @@ def _check_rule(e: fmt.CacheEntry, rule: KindRule, where: str) -> None:
         raise errors.FieldInvalid(f"{where}: a {e.kind} entry has no children")
     f = _fields(e, rule, where)
     present = _tensors(e, rule, f, where)
-    rows = _token_rows(present, where)
+    if base and not present:
+        raise errors.TensorCountMismatch(f"{where}: a manifest's positional cache keeps its tensors (rows after the blocks)")
+    rows = _token_rows(present, where, empty_ok=base > 0) + base
     if rule.quantized and present:
         _quantization(present, f, where)
     if rule.batch:
@@ -149,7 +195,7 @@ def _tensors(e: fmt.CacheEntry, rule: KindRule, f: dict[str, Any], where: str) -
     return list(zip(wanted, e.tensors, strict=True))
 
 
-def _token_rows(present: list[tuple[Tensor, fmt.Slot]], where: str) -> int:
+def _token_rows(present: list[tuple[Tensor, fmt.Slot]], where: str, empty_ok: bool = False) -> int:
     """The rows every token tensor holds (0 for none); batch, heads and rows must agree."""
     shapes = [s.shape for t, s in present if t.token_axis]
     if not shapes:
@@ -158,7 +204,7 @@ def _token_rows(present: list[tuple[Tensor, fmt.Slot]], where: str) -> int:
         raise errors.ShapeMismatch(
             f"{where}: token tensors disagree on batch, heads or rows: {[list(s) for s in shapes]}"
         )
-    if shapes[0][2] == 0:  # writers store an empty cache as no tensors; zero rows would size nothing they paid for
+    if shapes[0][2] == 0 and not empty_ok:  # writers store an empty cache as no tensors; zero rows would size nothing they paid for
         raise errors.ShapeMismatch(f"{where}: token tensors of shape {list(shapes[0])} hold no rows")
     return shapes[0][2]
 

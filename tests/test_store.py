@@ -766,7 +766,7 @@ async def test_lookup_compares_only_entries_that_start_like_the_prompt(tmp_path:
         await s.put(toks(4, start=10 * i), kv_layers(4), IDENT)
         await s.put(toks(4, start=10 * i), kv_layers(4), ident("other"))
     q = s._query(IDENT, "", [*toks(4, start=70), 1], None)
-    assert [e.tokens.tolist() for e in q.candidates] == [toks(4, start=70)]
+    assert [e.tokens.tolist() for e in q.by_start.values()] == [toks(4, start=70)]
     hit = await s.lookup_async(IDENT, "", [*toks(4, start=70), 1])
     assert isinstance(hit, Hit) and hit.matched == 4
     miss = await s.lookup_async(IDENT, "", [5, 6, 7])

@@ -1,5 +1,6 @@
-"""The engine thread's share of a live spill, with the header built by the writer (now) or on the calling thread
-(before the split), side by side in one process: ``snapshot.new_item`` alone, arms interleaved.
+"""The engine thread's share of a live spill, with the plan made by the writer (now: the call only records offsets
+and evaluates buffers) or on the calling thread too, side by side in one process: ``snapshot.new_item`` alone, arms
+interleaved.
 
     python scripts/bench/live_split.py [--layers 32 --tokens 8191 --calls 30 --runs 3] [--smoke]
 """
@@ -39,8 +40,8 @@ def main() -> None:
     provider, ident, tokens = default_provider(), spilld.Identity("bench"), list(range(args.tokens))
     arms: dict[str, Callable[[], Any]] = {
         "clone": lambda: new_item(ident, provider, tokens, caches),
-        "live, header by the writer": lambda: new_item(ident, provider, tokens, caches, live=True),
-        "live, header on this thread (before)": lambda: planned(new_item(ident, provider, tokens, caches, live=True)),
+        "live, planned by the writer": lambda: new_item(ident, provider, tokens, caches, live=True),
+        "live, planned on this thread too": lambda: planned(new_item(ident, provider, tokens, caches, live=True)),
     }
     for run in range(args.runs):
         times: dict[str, list[float]] = {name: [] for name in arms}

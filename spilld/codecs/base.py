@@ -32,6 +32,7 @@ class Source:
 
     array: mx.array
     rows: int | None = None
+    start: int = 0  # the first row stored (a block's rows start past the ones before it)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -41,6 +42,10 @@ class Source:
     @property
     def dtype(self) -> mx.Dtype:
         return self.array.dtype
+
+    def row_slice(self, start: int, rows: int) -> Source:
+        """Rows ``[start, start + rows)`` of what this source stores."""
+        return Source(self.array, rows, self.start + start)
 
 
 @dataclass
@@ -60,10 +65,15 @@ class LiveSource:
     rows: int
     full_shape: tuple[int, ...]
     dtype: mx.Dtype
+    start: int = 0  # the first row stored (a block's rows start past the ones before it)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.full_shape[:-2], self.rows, self.full_shape[-1])
+
+    def row_slice(self, start: int, rows: int) -> LiveSource:
+        """Rows ``[start, start + rows)`` of what this source stores (read inside the lease, as the whole)."""
+        return LiveSource(self.fetch, rows, self.full_shape, self.dtype, self.start + start)
 
 
 # How a codec's cache class is snapshotted with ``live=True`` (``Codec.snapshot``).
@@ -120,20 +130,36 @@ class CutWatch:
         return out
 
 
-def live_rows(cache: Any, attr: str, n: int, part: int | None = None) -> LiveSource:
+@dataclass(frozen=True)
+class AtCall:
+    """What a live snapshot keeps of a cache at the ``spill()`` call: its offset and its count of cuts."""
+
+    offset: int
+    watch: CutWatch
+    mark: int
+
+    @classmethod
+    def of(cls, cache: Any) -> AtCall:
+        watch = CutWatch.of(cache)
+        return cls(cache.offset, watch, watch.mark())
+
+
+def live_rows(cache: Any, attr: str, n: int, part: int | None = None, at: AtCall | None = None) -> LiveSource:
     """A LiveSource over ``cache.<attr>`` (or its ``part``-th array), first ``n`` rows.
 
-    Call it on the engine's thread at the snapshot point, and evaluate what
-    ``fetch`` returns there (``saver.plan`` does): a graph the engine left lazy
-    can be evaluated by no other thread.
+    ``at`` is the cache's state at the snapshot point (taken now when not given):
+    cuts made after it, even ones grown back past ``n``, fail the read. The
+    caller evaluates the buffer on the engine's thread at that point
+    (``LiveCapture`` does): a graph the engine left lazy can be evaluated by no
+    other thread.
     """
 
     def current() -> mx.array:
         arr = getattr(cache, attr)
         return arr if part is None else arr[part]
 
-    watch = CutWatch.of(cache)
-    mark = watch.mark()
+    at = at or AtCall.of(cache)
+    watch, mark = at.watch, at.mark
 
     def fetch() -> mx.array:
         arr = current()
@@ -170,6 +196,14 @@ class EncodeContext(Protocol):
     def encode(self, cache: Any) -> Encoded: ...
 
     def clone(self, cache: Any) -> Any: ...
+
+    def offset_of(self, cache: Any) -> int:
+        """The cache's offset at the snapshot point (for a live snapshot planned later, the one at the call)."""
+        ...
+
+    def live_rows(self, cache: Any, attr: str, n: int, part: int | None = None) -> LiveSource:
+        """``live_rows`` with the cache's state at the snapshot point."""
+        ...
 
 
 def slot_for(src: Source | LiveSource) -> Slot:
@@ -235,6 +269,14 @@ class Codec:
 
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         raise NotImplementedError
+
+    def live_arrays(self, cache: Any) -> list[mx.array]:
+        """SNAPSHOT_ROWS: the buffers a live snapshot reads later (evaluated on the engine's thread at the call)."""
+        return []
+
+    def children(self, cache: Any) -> Sequence[Any]:
+        """SNAPSHOT_NESTED: the caches inside this one."""
+        return ()
 
     # helpers shared by the codecs
 

@@ -18,7 +18,6 @@ from .base import (
     expect_tensors,
     field,
     grown,
-    live_rows,
     new_instance,
     rows,
     view,
@@ -47,12 +46,12 @@ class KVCacheCodec(Codec):
         return C.KVCache
 
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
-        if cache.keys is None or cache.offset == 0:  # empty: no tensors (zero rows are never stored)
+        n = ctx.offset_of(cache)
+        if cache.keys is None or n == 0:  # empty: no tensors (zero rows are never stored)
             return self.entry(offset=0, trimmable=True, arrays=[])
-        n = cache.offset
         arrays: list[Source | LiveSource]
         if ctx.live:
-            arrays = [live_rows(cache, "keys", n), live_rows(cache, "values", n)]
+            arrays = [ctx.live_rows(cache, "keys", n), ctx.live_rows(cache, "values", n)]
         else:
             arrays = [rows(cache.keys, n), rows(cache.values, n)]
         return self.entry(offset=n, trimmable=True, arrays=arrays)
@@ -68,6 +67,9 @@ class KVCacheCodec(Codec):
             cache.values = ctx.read(entry.tensors[1], cap)
             cache.offset = n
         return cache
+
+    def live_arrays(self, cache: Any) -> list[Any]:
+        return [] if cache.keys is None else [cache.keys, cache.values]
 
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         out = self.cache_type()()

@@ -36,5 +36,8 @@ class CacheListCodec(Codec):
             raise errors.HeaderMalformed("list entry carries tensors of its own")
         return C.CacheList(*(ctx.decode(c) for c in entry.children))
 
+    def children(self, cache: Any) -> list[Any]:
+        return list(cache.caches)
+
     def clone(self, cache: Any, ctx: EncodeContext) -> Any:
         return C.CacheList(*(ctx.clone(c) for c in cache.caches))

@@ -16,7 +16,6 @@ from .base import (
     expect_tensors,
     field,
     grown,
-    live_rows,
     rows,
     view,
 )
@@ -37,13 +36,17 @@ class QuantizedKVCodec(Codec):
     def encode(self, cache: Any, ctx: EncodeContext) -> Encoded:
         fields = {"group_size": cache.group_size, "bits": cache.bits}
         arrays: list[Any] = []
-        if cache.keys is None or cache.offset == 0:  # empty: no tensors (zero rows are never stored)
+        n = ctx.offset_of(cache)
+        if cache.keys is None or n == 0:  # empty: no tensors (zero rows are never stored)
             pass
         elif ctx.live:
-            arrays = [live_rows(cache, s, cache.offset, i) for s in ("keys", "values") for i in range(3)]
+            arrays = [ctx.live_rows(cache, s, n, i) for s in ("keys", "values") for i in range(3)]
         else:
-            arrays = [*_rows(cache.keys, cache.offset), *_rows(cache.values, cache.offset)]
-        return self.entry(offset=cache.offset, trimmable=True, arrays=arrays, fields=fields)
+            arrays = [*_rows(cache.keys, n), *_rows(cache.values, n)]
+        return self.entry(offset=n, trimmable=True, arrays=arrays, fields=fields)
+
+    def live_arrays(self, cache: Any) -> list[Any]:
+        return [] if cache.keys is None else [*cache.keys, *cache.values]
 
     def decode(self, entry: CacheEntry, ctx: DecodeContext) -> Any:
         expect_tensors(entry, 0, 6)

@@ -15,7 +15,7 @@ from ..format import CacheEntry
 from .rules import MLX_LM_PROVIDER_ID
 
 if TYPE_CHECKING:
-    from .base import Codec, Encoded
+    from .base import Codec, Encoded, LiveSource
 
 
 class CodecProvider:
@@ -55,9 +55,14 @@ class CodecProvider:
         """A zero-copy clone: a new object of the same class holding views of the same buffers."""
         return self.for_cache(cache).clone(cache, self)
 
-    def encode_live(self, cache: Any) -> Encoded:
-        """Plan a snapshot of a cache the engine keeps extending (codecs that support it give LiveSources)."""
-        return _LiveContext(self).encode(cache)
+    def offset_of(self, cache: Any) -> int:
+        off: int = cache.offset
+        return off
+
+    def live_rows(self, cache: Any, attr: str, n: int, part: int | None = None) -> LiveSource:
+        from .base import live_rows  # the codecs are mlx's: this runs engine-side only
+
+        return live_rows(cache, attr, n, part)
 
     def for_entry(self, entry: CacheEntry, path: str | None = None) -> Codec:
         codec = self._by_kind.get(entry.kind)
@@ -78,26 +83,6 @@ class CodecProvider:
     @property
     def kinds(self) -> list[str]:
         return sorted(self._by_kind)
-
-
-class _LiveContext:
-    live = True
-
-    def __init__(self, provider: CodecProvider) -> None:
-        self.provider = provider
-
-    def encode(self, cache: Any) -> Encoded:
-        from .base import SNAPSHOT_CLONE  # the codecs are mlx's: this runs engine-side only
-
-        codec = self.provider.for_cache(cache)
-        if codec.snapshot == SNAPSHOT_CLONE:
-            # Rows this class overwrites in place cannot be read later: a clone taken now (views the
-            # caller evaluates on its thread, as ``clone_caches`` does).
-            return codec.encode(self.provider.clone(cache), self.provider)
-        return codec.encode(cache, self)
-
-    def clone(self, cache: Any) -> Any:
-        return self.provider.clone(cache)
 
 
 _default: CodecProvider | None = None

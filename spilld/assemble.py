@@ -1,0 +1,178 @@
+"""Reading a v2 manifest: its blocks checked against it, and each positional tensor assembled from pieces.
+
+The codecs never see blocks: a manifest's positional caches are handed to them as ordinary entries whose
+tensors hold every row (the blocks' and the manifest's tail), and each such tensor is read piece by piece
+straight into its one buffer, every piece's hash checked. What may be read is decided here, before any
+allocation: each block named is opened, its header validated (its own key, its chain, its tokens) and
+compared with the manifest (identity, provider, layout, tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import blocks, errors
+from . import format as fmt
+
+BlockPaths = Callable[[bytes], str | None]  # a block key -> its file (None: not on disk)
+
+
+@dataclass
+class Piece:
+    """Rows of one tensor, contiguous in one file: ``rows`` rows per leading index, at ``off``."""
+
+    fd: int
+    path: str
+    off: int
+    rows: int
+    slot: fmt.Slot  # as stored (its bytes and hash)
+
+
+@dataclass
+class Plan:
+    """A manifest made whole: the entries the codecs decode, and where each positional tensor's rows are."""
+
+    header: fmt.Header  # tokens, caches (positional tensors with every row they load), attachments
+    pieces: dict[int, list[Piece]]  # id(slot of ``header``) -> its pieces, in row order
+    fds: list[int]
+
+
+def beside(manifest_path: str) -> BlockPaths:
+    """Blocks in the manifest's own folder (``<key hex>-<suffix>.spilld-block``): a standalone load's resolver.
+
+    The folder is listed once, on the first block asked for.
+    """
+    folder = os.path.dirname(manifest_path)
+    found: dict[str, str] = {}
+
+    def find(key: bytes) -> str | None:
+        if not found:
+            try:
+                with os.scandir(folder) as it:
+                    for d in it:
+                        if d.name.endswith(blocks.BLOCK_EXT):
+                            found.setdefault(d.name.split("-", 1)[0], d.path)
+            except OSError:
+                return None
+        return found.get(key.hex())
+
+    return find
+
+
+def blocks_wanted(header: fmt.Header, upto: int | None, blocks_only: bool) -> tuple[int, bool]:
+    """How many of a manifest's blocks a load reads, and whether it reads the tail (the rows after them).
+
+    A load cut to ``upto`` tokens reads only the blocks that hold them when every top-level cache is positional
+    (each is then cut on its own); ``blocks_only`` (a restore from another conversation's blocks) reads those
+    blocks and nothing of the manifest's own.
+    """
+    b = header.blocks
+    assert b is not None
+    if blocks_only:
+        if upto is None or upto % b.size or upto > b.rows or not blocks.whole(header):
+            raise errors.NotReusable("a restore from blocks alone needs whole blocks of an all-positional layout")
+        return upto // b.size, False
+    flat = all(blocks.is_positional(e, header.codec_provider) for e in header.caches)
+    if upto is not None and upto <= b.rows and flat and not header.attachments:
+        return math.ceil(upto / b.size), False
+    return len(b.keys), True
+
+
+def open_plan(
+    header: fmt.Header,
+    fd: int,
+    path: str,
+    resolve: BlockPaths,
+    read_block: Callable[[int, str], fmt.Header],
+    opener: Callable[[str], int],
+    closer: Callable[[int], None],
+    *,
+    upto: int | None = None,
+    blocks_only: bool = False,
+) -> Plan:
+    """Check the blocks a load needs against the manifest and plan every positional tensor's pieces."""
+    b = header.blocks
+    assert b is not None
+    use, tail = blocks_wanted(header, upto, blocks_only)
+    leaves = [e for e, _ in blocks.positional_leaves(header)]
+    layout = blocks.layout_of(leaves)
+    root = blocks.header_root(header, b.size)
+    fds: list[int] = []
+    stored: list[tuple[int, str, fmt.Header]] = []
+    try:
+        for i in range(use):
+            bpath = resolve(b.keys[i])
+            if bpath is None:
+                raise errors.BlockMissing(f"block {i} ({b.keys[i].hex()[:16]}) is not on disk", path=path)
+            bfd = opener(bpath)
+            fds.append(bfd)
+            bh = read_block(bfd, bpath)
+            _check_block(bh, header, i, root, layout, bpath)
+            stored.append((bfd, bpath, bh))
+        return _plan(header, fd, path, stored, use, tail, fds)
+    except BaseException:
+        for f in fds:
+            closer(f)
+        raise
+
+
+def _check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list[object], path: str) -> None:
+    b = m.blocks
+    assert b is not None
+    info = bh.block
+    if info is None:
+        raise errors.BlockInvalid("a manifest names a file that is not a block", path=path)
+    want_parent = b.keys[i - 1] if i else root
+    if info.key != b.keys[i] or info.index != i or info.parent != want_parent:
+        raise errors.BlockKeyMismatch(f"block {i} is not the one the manifest names", path=path)
+    if bh.tokens != m.tokens[i * b.size : (i + 1) * b.size]:
+        raise errors.BlockKeyMismatch(f"block {i} holds other tokens than the manifest", path=path)
+    if bh.identity != m.identity or bh.codec_provider != m.codec_provider:
+        raise errors.BlockInvalid(f"block {i} belongs to another identity or codec provider", path=path)
+    if blocks.layout_of(bh.caches) != layout:
+        raise errors.BlockInvalid(f"block {i} has another cache layout than the manifest", path=path)
+
+
+def _plan(
+    m: fmt.Header, fd: int, path: str, stored: list[tuple[int, str, fmt.Header]], use: int, tail: bool, fds: list[int]
+) -> Plan:
+    b = m.blocks
+    assert b is not None
+    size = b.size
+    pieces: dict[int, list[Piece]] = {}
+    leaves = blocks.positional_leaves(m)
+    index = {id(e): n for n, (e, _) in enumerate(leaves)}
+    rows_loaded = use * size
+
+    def entry(e: fmt.CacheEntry) -> fmt.CacheEntry:
+        n = index.get(id(e))
+        if n is None:
+            kids = [entry(c) for c in e.children]
+            if not kids:
+                return e
+            offs = [c.offset for c in kids if c.offset is not None]
+            return dataclasses.replace(e, children=kids, offset=max(offs) if offs else None)
+        slots = []
+        for j, s in enumerate(e.tensors):
+            parts = [Piece(bfd, bp, bh.data_start + bh.caches[n].tensors[j].off, size, bh.caches[n].tensors[j])
+                     for bfd, bp, bh in stored]  # fmt: skip
+            if tail:
+                parts.append(Piece(fd, path, m.data_start + s.off, s.shape[-2], s))
+            rows = sum(p.rows for p in parts)
+            shape = (*s.shape[:-2], rows, s.shape[-1])
+            v = fmt.Slot(0, fmt.DTYPE_SIZES[s.dtype] * math.prod(shape), shape, s.dtype)
+            pieces[id(v)] = parts
+            slots.append(v)
+        off = (e.offset or 0) if tail else rows_loaded
+        return dataclasses.replace(e, tensors=slots, offset=off)
+
+    caches = [entry(e) for e in m.caches]
+    tokens = m.tokens if tail else m.tokens[:rows_loaded]
+    attachments = m.attachments if tail else []
+    checkpoint = m.checkpoint if tail else None
+    v = dataclasses.replace(m, caches=caches, tokens=tokens, attachments=attachments, checkpoint=checkpoint)
+    return Plan(v, pieces, fds)

@@ -1,0 +1,167 @@
+"""Prefix blocks (format v2): keys, layouts, and the split of a planned entry into blocks and a manifest.
+
+A block holds the rows of ``size`` consecutive tokens of every *positional* cache of an entry: a cache whose
+rows are a pure function of the token prefix and stored as ``rows == offset`` (kv, concat, quantized, and those
+inside a list). Keys chain: ``key_i = SHA-256(key_{i-1} + token ids of block i)``, ``key_{-1}`` = the layout's
+root key, a SHA-256 of the identity, the codec provider, the block size and the positional layout. Two entries
+that share k full blocks of prefix name the same k block files.
+
+Pure: no mlx, no I/O. Sources are sliced through their ``row_slice`` (mlx arrays, live caches, received bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from . import format as fmt
+from .codecs.rules import Rows, rules_for
+
+DEFAULT_BLOCK_TOKENS = 256  # chosen by scripts/bench/chat_wear.py (docs/benchmarks.md)
+BLOCK_EXT = ".spilld-block"
+_KEY_DOMAIN = "spilld-blocks/1"
+
+
+def is_positional(entry: fmt.CacheEntry, provider: str) -> bool:
+    """Rows stored as ``rows == offset`` and never rewritten below it: a pure function of the token prefix."""
+    table = rules_for(provider)
+    rule = table.get(entry.kind) if table is not None else None
+    return rule is not None and rule.rows is Rows.OFFSET and not entry.children
+
+
+def walk(entries: Sequence[fmt.CacheEntry], start: int = 0) -> Iterator[tuple[fmt.CacheEntry, int]]:
+    """Every entry depth first, with the index of its first slot in the header's slot order."""
+    i = start
+    for e in entries:
+        yield e, i
+        i += len(e.tensors)
+        for child, j in walk(e.children, i):
+            yield child, j
+        i += sum(len(c.walk_slots()) for c in e.children)
+
+
+def positional_leaves(header: fmt.Header) -> list[tuple[fmt.CacheEntry, int]]:
+    return [(e, i) for e, i in walk(header.caches) if is_positional(e, header.codec_provider)]
+
+
+def whole(header: fmt.Header) -> bool:
+    """Every cache with state is positional: its blocks alone restore it (attachments aside)."""
+    return bool(header.caches) and all(
+        e.children or is_positional(e, header.codec_provider) for e, _ in walk(header.caches)
+    )
+
+
+def layout_of(leaves: Sequence[fmt.CacheEntry]) -> list[Any]:
+    """What a block's bytes mean, without their rows: kind, codec version, fields, dtypes, other dimensions."""
+    return [
+        [e.kind, e.version, sorted(e.fields.items()), [[s.dtype, [*s.shape[:-2], s.shape[-1]]] for s in e.tensors]]
+        for e in leaves
+    ]
+
+
+def root_key(identity: fmt.Identity, provider: str, size: int, layout: list[Any]) -> bytes:
+    ident = [identity.model_id, identity.config_fingerprint, identity.tokenizer_hash, identity.namespace]
+    blob = msgpack.packb([_KEY_DOMAIN, *ident, provider, size, layout], use_bin_type=True)
+    return hashlib.sha256(blob).digest()
+
+
+def next_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + fmt.encode_tokens(list(tokens))).digest()
+
+
+def chain(root: bytes, tokens: Sequence[int], size: int, count: int) -> list[bytes]:
+    """The keys of the first ``count`` full blocks of ``tokens``."""
+    keys, key = [], root
+    for i in range(count):
+        key = next_key(key, tokens[i * size : (i + 1) * size])
+        keys.append(key)
+    return keys
+
+
+def header_root(header: fmt.Header, size: int) -> bytes:
+    """The root key of a manifest (its positional leaves) or of a block (its own entries)."""
+    leaves = [e for e, _ in positional_leaves(header)]
+    return root_key(header.identity, header.codec_provider, size, layout_of(leaves))
+
+
+def full_blocks(header: fmt.Header, size: int) -> int:
+    """How many whole blocks of ``size`` tokens every positional cache of a planned entry holds."""
+    leaves = positional_leaves(header)
+    if not leaves or size <= 0:
+        return 0
+    rows = min(e.offset or 0 for e, _ in leaves)
+    return min(rows, len(header.tokens)) // size
+
+
+@dataclass
+class Split:
+    """A planned entry cut into its blocks (planned on demand: most already exist) and its manifest."""
+
+    header: fmt.Header
+    sources: list[Any]
+    size: int
+    keys: list[bytes]
+    root: bytes
+
+    def block(self, i: int) -> tuple[fmt.Header, list[Any]]:
+        """Block ``i``: a v2 file of its own (the same identity and provider), rows ``[i*size, (i+1)*size)``."""
+        lo = i * self.size
+        entries, srcs = [], []
+        for e, first in positional_leaves(self.header):
+            slots = [_rows_slot(s, self.size) for s in e.tensors]
+            entries.append(fmt.CacheEntry(e.kind, e.version, self.size, 0, True, dict(e.fields), slots))
+            srcs += [self.sources[first + j].row_slice(lo, self.size) for j in range(len(e.tensors))]
+        h = self.header
+        info = fmt.BlockInfo(self.keys[i], self.keys[i - 1] if i else self.root, i)
+        bh = fmt.Header(
+            fmt.FORMAT_VERSION, h.created_at_ms, h.codec_provider, h.identity,
+            list(h.tokens[lo : lo + self.size]), entries, block=info,
+        )  # fmt: skip
+        fmt.plan_offsets(bh.slots())
+        return bh, srcs
+
+    def manifest(self) -> tuple[fmt.Header, list[Any]]:
+        """The entry with its positional caches cut to the rows after the blocks, and the keys of the blocks."""
+        base = len(self.keys) * self.size
+        srcs = list(self.sources)
+        cut = {id(e) for e, _ in positional_leaves(self.header)}
+        for e, first in positional_leaves(self.header):
+            rows = (e.offset or 0) - base
+            for j in range(len(e.tensors)):
+                srcs[first + j] = srcs[first + j].row_slice(base, rows)
+
+        def entry(e: fmt.CacheEntry) -> fmt.CacheEntry:
+            if id(e) in cut:
+                tail = (e.offset or 0) - base
+                return dataclasses.replace(e, tensors=[_rows_slot(s, tail) for s in e.tensors])
+            return dataclasses.replace(e, children=[entry(c) for c in e.children])
+
+        m = dataclasses.replace(
+            self.header, caches=[entry(e) for e in self.header.caches], blocks=fmt.BlockList(self.size, self.keys)
+        )
+        fmt.plan_offsets(m.slots())
+        return m, srcs
+
+
+def split(header: fmt.Header, sources: Sequence[Any], size: int) -> Split | None:
+    """The blocks and manifest of a planned entry; None when it holds no full block (write it whole)."""
+    if header.block is not None or header.blocks is not None or header.version < 2:
+        return None
+    k = full_blocks(header, size)
+    if k == 0:
+        return None
+    root = header_root(header, size)
+    return Split(header, list(sources), size, chain(root, header.tokens, size, k), root)
+
+
+def _rows_slot(s: fmt.Slot, rows: int) -> fmt.Slot:
+    shape = (*s.shape[:-2], rows, s.shape[-1])
+    nbytes = fmt.DTYPE_SIZES[s.dtype]
+    for d in shape:
+        nbytes *= d
+    return fmt.Slot(0, nbytes, shape, s.dtype)
