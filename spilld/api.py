@@ -45,6 +45,7 @@ class Hit:
     matched: int
     tokens: int
     trimmable: bool
+    blocks_only: bool = False  # the prefix is restored from the entry's blocks alone (another conversation's)
 
 
 class AsyncTier(Protocol):

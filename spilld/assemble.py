@@ -111,7 +111,7 @@ def open_plan(
             bfd = opener(bpath)
             fds.append(bfd)
             bh = read_block(bfd, bpath)
-            _check_block(bh, header, i, root, layout, bpath)
+            check_block(bh, header, i, root, layout, bpath)
             stored.append((bfd, bpath, bh))
         return _plan(header, fd, path, stored, use, tail, fds)
     except BaseException:
@@ -120,7 +120,8 @@ def open_plan(
         raise
 
 
-def _check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list[object], path: str) -> None:
+def check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list[object], path: str) -> None:
+    """Block ``i`` of manifest ``m`` is the one it names: key, chain, index, tokens, identity and layout."""
     b = m.blocks
     assert b is not None
     info = bh.block

@@ -40,8 +40,7 @@ def walk(entries: Sequence[fmt.CacheEntry], start: int = 0) -> Iterator[tuple[fm
     for e in entries:
         yield e, i
         i += len(e.tensors)
-        for child, j in walk(e.children, i):
-            yield child, j
+        yield from walk(e.children, i)
         i += sum(len(c.walk_slots()) for c in e.children)
 
 

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from . import __version__, errors
 from . import format as fmt
+from .blocks import DEFAULT_BLOCK_TOKENS
 from .config import check_socket_path, format_size, parse_duration, parse_size
 from .fileio import Durability
 
@@ -347,6 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             drain_deadline=args.drain_deadline,
             idle_timeout=args.idle_timeout,
             metrics_file=_metrics_file(args.metrics_file),
+            block_tokens=args.block_tokens,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -433,6 +435,11 @@ def _print_status(st: dict[str, Any]) -> None:
     )
     entries = plural(int(d["entries"]), "entry", "entries")
     print(f"disk    {entries}, {format_size(d['bytes'])} of {format_size(d['disk_cap'])} cap in {st['dir']}")
+    if "blocks" in d:
+        print(
+            f"blocks  {d['blocks']} ({format_size(d['block_bytes'])}), written {d['blocks_written']}, "
+            f"reused {d['blocks_reused']}, reclaimed {d['blocks_reclaimed']}; files written {format_size(d['bytes_written'])}"
+        )
     lookups = f"{st['lookups']}, " if "lookups" in st else ""
     print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
     by_code = ", ".join(f"{k} {v}" for k, v in d.get("errors", {}).items() if v)
@@ -738,6 +745,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="fsync",
         choices=[d.value for d in Durability],
         help="full (F_FULLFSYNC on macOS), fsync (default) or none",
+    )
+    srv.add_argument(
+        "--block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help=f"tokens per prefix block: conversations that share a prefix share its blocks on disk, and a turn "
+        f"writes only its new blocks (default {DEFAULT_BLOCK_TOKENS}; 0 writes every entry whole)",
     )
     srv.add_argument(
         "--drain-deadline",

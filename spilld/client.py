@@ -476,7 +476,9 @@ class AsyncClient:
         )
         if not r["hit"]:
             return Miss(MissReason(str(r["reason"])))
-        return Hit(str(r["path"]), int(r["matched"]), int(r["tokens"]), bool(r["trimmable"]))
+        return Hit(
+            str(r["path"]), int(r["matched"]), int(r["tokens"]), bool(r["trimmable"]), r.get("blocks_only") is True
+        )
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss.
@@ -488,9 +490,11 @@ class AsyncClient:
         if isinstance(found, Miss) or found.matched <= longer_than:
             return None
         ident = dataclasses.replace(self.identity, namespace=namespace)
-        path, matched = found.path, found.matched
+        path, matched, only = found.path, found.matched, found.blocks_only
         try:
-            loaded = await off_loop(lambda: load(path, expect=ident, upto=matched, provider=self.provider))
+            loaded = await off_loop(
+                lambda: load(path, expect=ident, upto=matched, provider=self.provider, blocks_only=only)
+            )
         except errors.FileFormatError as exc:
             await self.call("report_bad", {"path": path, "code": exc.code})
             return None

@@ -8,7 +8,9 @@ import re
 import sys
 from dataclasses import dataclass
 
+from .blocks import DEFAULT_BLOCK_TOKENS
 from .fileio import Durability
+from .format import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 
 _UNITS = {
     "": 1,
@@ -132,6 +134,7 @@ class Config:
     drain_deadline: float = 60.0  # graceful stop: time to finish queued work
     max_clients: int = 512
     metrics_file: str | None = None  # a Prometheus textfile rewritten every few seconds (node_exporter's collector)
+    block_tokens: int = DEFAULT_BLOCK_TOKENS  # B: tokens per prefix block (0: entries are written whole)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -143,5 +146,9 @@ class Config:
             check_duration(getattr(self, name), name.replace("_", " "), positive=True)
         if self.metrics_file:
             self.metrics_file = os.path.abspath(os.path.expanduser(self.metrics_file))
+        if self.block_tokens and not MIN_BLOCK_TOKENS <= self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise ValueError(
+                f"block tokens must be 0 (no blocks) or from {MIN_BLOCK_TOKENS} to {MAX_BLOCK_TOKENS}, not {self.block_tokens}"
+            )
         if self.max_clients < 1:
             raise ValueError(f"max clients must be at least 1, not {self.max_clients}")

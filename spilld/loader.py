@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from . import assemble, errors, fileio
+from . import blocks as spilld_blocks
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
@@ -68,9 +69,27 @@ LOAD_THREADS = 2  # tensors allocated, read and hashed in parallel (each step re
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
-def verify_file(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt.Header:
-    """Check a whole file without building caches: header, layout and every tensor hash."""
+def verify_file(
+    path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS, blocks: assemble.BlockPaths | None = None
+) -> fmt.Header:
+    """Check a whole file without building caches: header, layout and every tensor hash; for a v2 manifest,
+    every block it names as well (found through ``blocks``, default: its own folder)."""
     p = os.fspath(path)
+    header = _verify_one(p, ops)
+    b = header.blocks
+    if b is not None:
+        resolve = blocks or assemble.beside(p)
+        leaves = [e for e, _ in spilld_blocks.positional_leaves(header)]
+        root, layout = spilld_blocks.header_root(header, b.size), spilld_blocks.layout_of(leaves)
+        for i, key in enumerate(b.keys):
+            bpath = resolve(key)
+            if bpath is None:
+                raise errors.BlockMissing(f"block {i} ({key.hex()[:16]}) is not on disk", path=p)
+            assemble.check_block(_verify_one(bpath, ops), header, i, root, layout, bpath)
+    return header
+
+
+def _verify_one(p: str, ops: FileOps) -> fmt.Header:
     fd = _open(ops, p)
     try:
         header = _read_header_fd(fd, p)
@@ -169,8 +188,15 @@ class _Reader(_Decoding):
 
         from . import dtypes
 
-        pieces = self.pieces.get(id(slot)) or [assemble.Piece(self.fd, self.path, self.header.data_start + slot.off,
-                                                               slot.shape[-2] if len(slot.shape) >= 2 else 0, slot)]
+        pieces = self.pieces.get(id(slot)) or [
+            assemble.Piece(
+                self.fd,
+                self.path,
+                self.header.data_start + slot.off,
+                slot.shape[-2] if len(slot.shape) >= 2 else 0,
+                slot,
+            )
+        ]
         alloc = alloc_shape(slot, capacity, self.path)
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
         mx.eval(arr)
@@ -198,7 +224,9 @@ class _Reader(_Decoding):
                 for r in runs:
                     h.update(r)
                 if h.digest() != p.slot.hash:
-                    raise errors.TensorHashMismatch(f"tensor at offset {p.slot.off} does not match its hash", path=p.path)
+                    raise errors.TensorHashMismatch(
+                        f"tensor at offset {p.slot.off} does not match its hash", path=p.path
+                    )
         finally:
             for r in runs:
                 r.release()

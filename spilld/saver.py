@@ -52,7 +52,9 @@ class BytesSource:
         count = math.prod(self.shape)
         itemsize = total // count if count else 0
         spans = fmt.row_spans(self.shape, itemsize, rows, start)
-        return BytesSource(_cut_runs([memoryview(c).cast("B") for c in self.chunks], spans), (*self.shape[:-2], rows, self.shape[-1]))
+        return BytesSource(
+            _cut_runs([memoryview(c).cast("B") for c in self.chunks], spans), (*self.shape[:-2], rows, self.shape[-1])
+        )
 
 
 def _cut_runs(runs: list[memoryview], spans: list[tuple[int, int]]) -> list[bytes | bytearray | memoryview]:

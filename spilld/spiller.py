@@ -19,6 +19,7 @@ from typing import Any
 
 from . import api, fileio
 from . import format as fmt
+from .blocks import DEFAULT_BLOCK_TOKENS
 from .codecs import CodecProvider, default_provider
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
@@ -47,10 +48,14 @@ class Spiller:
         durability: fileio.Durability | str = fileio.Durability.FSYNC,
         provider: CodecProvider | None = None,
         verify: bool = True,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         self.identity = identity
         self.provider = provider or default_provider()
-        self.store = Store(folder, disk_cap=disk_cap, durability=durability, provider=self.provider, verify=verify)
+        self.store = Store(
+            folder, disk_cap=disk_cap, durability=durability, provider=self.provider, verify=verify,
+            block_tokens=block_tokens,
+        )  # fmt: skip
         self.lease: RunStep = lease or NoLease()
         self.write_in_lease = write_in_lease
         self.queue = SpillQueue(queue_cap, self._write, bytes_of=self._bytes_of)
@@ -162,7 +167,7 @@ class Spiller:
         if isinstance(found, Miss):
             return found
         e = found.entry
-        return api.Hit(e.path, found.matched, e.ntokens, e.trimmable)
+        return api.Hit(e.path, found.matched, e.ntokens, e.trimmable, found.blocks_only)
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the

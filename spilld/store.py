@@ -30,7 +30,7 @@ import xxhash
 
 from . import blocks, errors, fileio
 from . import format as fmt
-from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS
+from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .lease import RunStep, off_loop
 from .loader import Loaded, load, read_header
@@ -279,7 +279,9 @@ class Store:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
-            raise ValueError(f"block_tokens must be 0 (no blocks) or in [{fmt.MIN_BLOCK_TOKENS}, {fmt.MAX_BLOCK_TOKENS}]")
+            raise ValueError(
+                f"block_tokens must be 0 (no blocks) or in [{fmt.MIN_BLOCK_TOKENS}, {fmt.MAX_BLOCK_TOKENS}]"
+            )
         self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
         self.root = os.path.abspath(os.fspath(root))
         self.durability = fileio.Durability(durability)
@@ -720,9 +722,7 @@ class Store:
                 task.uncancel()
         return result
 
-    async def _put_blocks(
-        self, cut: blocks.Split, folder: str, ident: fmt.Identity, kw: dict[str, Any]
-    ) -> list[Block]:
+    async def _put_blocks(self, cut: Split, folder: str, ident: fmt.Identity, kw: dict[str, Any]) -> list[Block]:
         """Write the blocks of ``cut`` not on disk yet; every block it names is pinned until its manifest is indexed."""
         pinned: list[Block] = []
         try:

@@ -114,9 +114,7 @@ def _block(header: fmt.Header) -> None:
         raise errors.BlockKeyMismatch("block 0 does not chain from the root key of its identity and layout")
 
 
-def _entry(
-    e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str, base: int = 0
-) -> None:
+def _entry(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str, base: int = 0) -> None:
     if e.offset is not None and ntokens and e.offset > ntokens:
         # A file saved without tokens (the mlx-lm prompt-cache drop-in) records none to compare with.
         raise errors.OffsetBeyondTokens(f"{where} ({e.kind}) encodes {e.offset} tokens, the file records {ntokens}")
@@ -142,7 +140,9 @@ def _check_rule(e: fmt.CacheEntry, rule: KindRule, where: str, base: int = 0) ->
     f = _fields(e, rule, where)
     present = _tensors(e, rule, f, where)
     if base and not present:
-        raise errors.TensorCountMismatch(f"{where}: a manifest's positional cache keeps its tensors (rows after the blocks)")
+        raise errors.TensorCountMismatch(
+            f"{where}: a manifest's positional cache keeps its tensors (rows after the blocks)"
+        )
     rows = _token_rows(present, where, empty_ok=base > 0) + base
     if rule.quantized and present:
         _quantization(present, f, where)
@@ -204,7 +204,9 @@ def _token_rows(present: list[tuple[Tensor, fmt.Slot]], where: str, empty_ok: bo
         raise errors.ShapeMismatch(
             f"{where}: token tensors disagree on batch, heads or rows: {[list(s) for s in shapes]}"
         )
-    if shapes[0][2] == 0 and not empty_ok:  # writers store an empty cache as no tensors; zero rows would size nothing they paid for
+    # writers store an empty cache as no tensors (zero rows would size nothing they paid for); a manifest's
+    # positional caches alone may hold none after their blocks
+    if shapes[0][2] == 0 and not empty_ok:
         raise errors.ShapeMismatch(f"{where}: token tensors of shape {list(shapes[0])} hold no rows")
     return shapes[0][2]
 

@@ -46,6 +46,8 @@ def with_ignored_fields(wire: Any) -> Any:
     if not isinstance(wire, dict):
         return wire
     wire.setdefault("created_at_ms", 0)
+    wire.setdefault("blocks", None)
+    wire.setdefault("block", None)
     groups = [e for e in _items(wire.get("caches")) if isinstance(e, dict)]
     groups += [a for a in _items(wire.get("attachments")) if isinstance(a, dict)]
     while groups:
@@ -62,6 +64,9 @@ def accept_header(wire: Any) -> fmt.Header:
     """A spill's header as the daemon will write it, or a typed error: parsed, hashes and layout the daemon's own,
     then the readers' checks (``validate_header``), so a spill a loader would refuse is never stored. Pure."""
     header = fmt.header_from_wire(with_ignored_fields(wire))
+    if header.blocks is not None or header.block is not None:
+        raise errors.BlockInvalid("a spill sends every row: the daemon cuts it into blocks itself")
+    header.version = fmt.FORMAT_VERSION  # a v1 client's spill is written as this build's format
     header.created_at_ms = time.time_ns() // 1_000_000
     for s in header.slots():
         s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted

@@ -47,7 +47,7 @@ EXPIRE_EVERY_S = 1.0  # how often open spills are checked for silence
 def open_store(cfg: Config) -> Store:
     """The store on ``--dir``, its folder made (0700) if missing; a folder that cannot be is ``UnusableFolder``."""
     try:
-        return Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability)
+        return Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability, block_tokens=cfg.block_tokens)
     except (errors.StorageError, OSError) as exc:
         why = exc.reason if isinstance(exc, errors.SpillError) else (exc.strerror or str(exc))
         raise errors.UnusableFolder(f"--dir {cfg.dir} cannot be used: {why}") from None
@@ -298,7 +298,10 @@ class Daemon:
             log.debug(
                 "lookup: hit", extra={"client": conn.id, "tokens": len(tokens), "matched": hit.matched, "path": e.path}
             )
-            return {"hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable}
+            return {
+                "hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable,
+                "blocks_only": hit.blocks_only,
+            }  # fmt: skip
         log.debug("lookup: miss", extra={"client": conn.id, "tokens": len(tokens), "reason": hit.reason.value})
         return {"hit": False, "reason": hit.reason.value}
 
