@@ -37,6 +37,7 @@ from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
 from .queue import unpin
 from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
+from .validate import validate_header
 
 log = logging.getLogger("spilld.store")
 
@@ -149,6 +150,14 @@ def _start_key(namespace: str, tokens: np.ndarray) -> tuple[str, int]:
     return namespace, int(tokens[0]) if len(tokens) else -1
 
 
+def _pop(index: dict[Any, dict[str, Entry]], where: Any, path: str) -> None:
+    group = index.get(where)
+    if group is not None:
+        group.pop(path, None)
+        if not group:
+            del index[where]
+
+
 def _set_mtime(path: str, when: float) -> None:
     with contextlib.suppress(OSError):
         os.utime(path, (when, when))
@@ -196,9 +205,9 @@ class _Query:
     blocks: dict[bytes, Block]
     by_path: dict[str, Entry]
 
-    def chain(self) -> tuple[int, Block | None, bool]:
-        """The longest run of stored blocks that starts the prompt: tokens covered, its last block, whole."""
-        best: tuple[int, Block | None, bool] = (0, None, False)
+    def chains(self) -> list[tuple[int, Block, bool]]:
+        """Per stored layout, the longest run of its blocks that starts the prompt: (tokens, last block, whole)."""
+        out = []
         toks = self.want
         for root, size, whole in self.roots:
             key, last, i = root, None, 0
@@ -208,23 +217,25 @@ class _Query:
                 if rec is None:
                     break
                 last, i = rec, i + 1
-            if i * size > best[0]:
-                best = (i * size, last, whole)
-        return best
+            if last is not None:
+                out.append((i * size, last, whole))
+        return out
 
     def match(self) -> _Found:
+        """Entries with blocks are found through their chain (O(prompt / B) probes, then the manifests naming its
+        last block), entries without through the first-token index; a whole layout's chain alone is a hit too."""
         found = _Found()
         limit = len(self.want) - 1
-        covered, last, whole = self.chain()
-        if last is not None:  # the manifests that share the chain: O(their number), not O(the index)
-            candidates = [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None]
-        else:
-            candidates = list(self.by_start.values())
+        chains = self.chains()
+        candidates = list(self.by_start.values())
+        for _, last, _ in chains:
+            candidates += [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None]
         self._compare(found, candidates, limit)
-        if last is not None and whole and (found.best is None or found.best.matched < covered):
-            owner = next((e for p in list(last.refs) if (e := self.by_path.get(p)) is not None and e.whole), None)
-            if owner is not None:
-                found.best = Hit(owner, covered, blocks_only=True)
+        for covered, last, whole in chains:
+            if whole and (found.best is None or found.best.matched < covered):
+                refs = [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None and e.whole]
+                if refs:
+                    found.best = Hit(refs[0], covered, blocks_only=True)
         if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
             found.evicted = any(_common_prefix(t, self.want) > 0 for t in self.evicted)
         return found
@@ -296,6 +307,7 @@ class Store:
         self._by_path: dict[str, Entry] = {}
         self._by_start: dict[tuple[str, int], dict[str, Entry]] = {}  # (namespace, first token): lookup candidates
         self._blocks: dict[bytes, Block] = {}  # prefix blocks by key
+        self._by_last: dict[bytes, dict[str, Entry]] = {}  # entries with blocks, by their last block
         self._roots: dict[tuple[str, str, str], dict[bytes, tuple[int, bool]]] = {}  # layouts stored per prompt space
         self._entry_bytes = 0  # running sums: the cap is checked on every put
         self._block_bytes = 0
@@ -488,7 +500,10 @@ class Store:
             roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
         self._by_path[path] = e
         self._entry_bytes += e.nbytes
-        self._by_start.setdefault(_start_key(e.namespace, e.tokens), {})[path] = e
+        if e.blocks:  # found through its chain; supersede finds it through its last block
+            self._by_last.setdefault(e.blocks[-1], {})[path] = e
+        else:
+            self._by_start.setdefault(_start_key(e.namespace, e.tokens), {})[path] = e
         return e
 
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
@@ -521,6 +536,7 @@ class Store:
         self._by_path = {}
         self._by_start = {}
         self._blocks = {}
+        self._by_last = {}
         self._roots = {}
         self._entry_bytes = self._block_bytes = 0
 
@@ -607,13 +623,11 @@ class Store:
         rec = next((self._blocks[k] for k in e.blocks if k in self._blocks and self._blocks[k].path == exc.path), None)
         if rec is None:
             return e.path
+        del self._blocks[rec.key]  # out first: it is moved aside, never unlinked with the manifests' own
+        self._block_bytes -= rec.nbytes
         for p in list(rec.refs):
             if (other := self._by_path.get(p)) is not None:
                 self._remove(other)
-        self._blocks.pop(rec.key, None)
-        self._block_bytes -= rec.nbytes
-        if rec.path in self._doomed:
-            self._doomed.remove(rec.path)
         return rec.path
 
     async def restore_async(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
@@ -696,6 +710,7 @@ class Store:
             if cut is not None:  # the blocks first, each durable before the manifest that names it
                 pinned = await self._put_blocks(cut, folder, ident, kw)
                 planned = cut.manifest()
+                validate_header(planned[0])  # never publish a manifest our readers would refuse
             result = await self._write(path, folder, ident, planned, **kw)
         except asyncio.CancelledError:
             # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
@@ -730,7 +745,9 @@ class Store:
                 rec = self._blocks.get(key)
                 if rec is None:
                     bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
-                    result = await self._write(bpath, folder, ident, cut.block(i), **kw)
+                    block = cut.block(i)
+                    validate_header(block[0])  # its own key and chain included
+                    result = await self._write(bpath, folder, ident, block, **kw)
                     rec = self._add_block(key, bpath, result.file_bytes)
                     self.counters.blocks_written += 1
                     self.counters.bytes_written += result.file_bytes
@@ -798,7 +815,11 @@ class Store:
         self._error_run = 0
 
     def _supersede(self, new: Entry, *, has_attachments: bool) -> None:
-        for e in list(self._by_start.get(_start_key(new.namespace, new.tokens), {}).values()):
+        # an entry with blocks that is a prefix of this one ends at one of its blocks (keys chain the whole prefix)
+        cands = list(self._by_start.get(_start_key(new.namespace, new.tokens), {}).values())
+        for k in new.blocks:
+            cands += self._by_last.get(k, {}).values()
+        for e in cands:
             if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace:
                 continue
             if e.codec_provider != new.codec_provider:
@@ -856,11 +877,10 @@ class Store:
             del self._by_path[e.path]
             self._entry_bytes -= e.nbytes
             self._unref(e)
-            group = self._by_start.get(_start_key(e.namespace, e.tokens))
-            if group is not None:
-                group.pop(e.path, None)
-                if not group:
-                    del self._by_start[_start_key(e.namespace, e.tokens)]
+            if e.blocks:
+                _pop(self._by_last, e.blocks[-1], e.path)
+            else:
+                _pop(self._by_start, _start_key(e.namespace, e.tokens), e.path)
 
     def _remove(self, e: Entry) -> None:
         """Out of the index now; the file joins those to delete."""

@@ -86,8 +86,8 @@ def _blocks(header: fmt.Header, table: Mapping[str, KindRule] | None) -> int:
         return 0
     if header.block is not None:
         raise errors.BlockInvalid("a file is a manifest or a block, not both")
-    if table is None:
-        raise errors.BlockInvalid(f"blocks of codec provider {header.codec_provider!r}, whose rules this build lacks")
+    if table is None:  # not a bad file: one this build cannot read (left alone, never quarantined)
+        raise errors.CodecProviderMismatch(f"a manifest of codec provider {header.codec_provider!r}, unknown here")
     if not b.keys:
         raise errors.BlockInvalid("a manifest that names no blocks")
     if b.rows > len(header.tokens):
