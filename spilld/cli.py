@@ -349,6 +349,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout,
             metrics_file=_metrics_file(args.metrics_file),
             block_tokens=args.block_tokens,
+            write_budget=args.write_budget,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -438,7 +439,13 @@ def _print_status(st: dict[str, Any]) -> None:
     if "blocks" in d:
         print(
             f"blocks  {d['blocks']} ({format_size(d['block_bytes'])}), written {d['blocks_written']}, "
-            f"reused {d['blocks_reused']}, reclaimed {d['blocks_reclaimed']}; files written {format_size(d['bytes_written'])}"
+            f"reused {d['blocks_reused']}, reclaimed {d['blocks_reclaimed']}"
+        )
+    if "written_day" in d:
+        budget = f" of a {format_size(d['write_budget'])} budget" if d.get("write_budget") else ""
+        print(
+            f"wear    written {format_size(d['written_day'])} in 24 h{budget}, {format_size(d['written_week'])} in 7 days,"
+            f" {format_size(d['bytes_written'])} since start; shed for the budget {d['dropped_budget']}"
         )
     lookups = f"{st['lookups']}, " if "lookups" in st else ""
     print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
@@ -752,6 +759,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BLOCK_TOKENS,
         help=f"tokens per prefix block: conversations that share a prefix share its blocks on disk, and a turn "
         f"writes only its new blocks (default {DEFAULT_BLOCK_TOKENS}; 0 writes every entry whole)",
+    )
+    srv.add_argument(
+        "--write-budget",
+        type=size_arg,
+        default=None,
+        help="bytes written a day, at most (e.g. 20GiB): past it, droppable spills are shed and counted, "
+        "non-droppable ones still written; the count restarts with the daemon (default: no budget)",
     )
     srv.add_argument(
         "--drain-deadline",

@@ -135,6 +135,7 @@ class Config:
     max_clients: int = 512
     metrics_file: str | None = None  # a Prometheus textfile rewritten every few seconds (node_exporter's collector)
     block_tokens: int = DEFAULT_BLOCK_TOKENS  # B: tokens per prefix block (0: entries are written whole)
+    write_budget: int | None = None  # bytes a day; past it droppable spills are shed (None: no budget)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -142,6 +143,8 @@ class Config:
         check_size(self.cap, "cap")
         if self.disk_cap is not None:
             check_size(self.disk_cap, "disk cap")
+        if self.write_budget is not None:
+            check_size(self.write_budget, "write budget")
         for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline"):
             check_duration(getattr(self, name), name.replace("_", " "), positive=True)
         if self.metrics_file:

@@ -237,6 +237,18 @@ class PlanDrift(SpillError):
     code = "plan_drift"
 
 
+class Shed(SpillError):
+    """A droppable spill the store chose not to write (its outcome is DROPPED, not FAILED)."""
+
+    code = "shed"
+
+
+class WriteBudgetSpent(Shed):
+    """The store's write budget for the last 24 hours is spent: droppable spills are not written."""
+
+    code = "write_budget_spent"
+
+
 class StorageError(SpillError):
     """An I/O error while writing or reading (errno kept in ``errno``)."""
 

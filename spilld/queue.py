@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import errors
+
 if TYPE_CHECKING:
     from .codecs import CodecProvider
 
@@ -249,6 +251,9 @@ class SpillQueue:
             except asyncio.CancelledError:
                 self._finish(rec, Settled(Outcome.CANCELLED))
                 raise
+            except errors.Shed as exc:  # the store declined a droppable item (e.g. its write budget is spent)
+                self.dropped += 1
+                self._finish(rec, Settled(Outcome.DROPPED, error=exc))
             except Exception as exc:
                 self.failed += 1
                 log.warning(

@@ -216,8 +216,11 @@ class Staging:
 class _File:
     """The temp file being written: opened on the first write, removed unless published."""
 
-    def __init__(self, path: str, size: int, durability: Durability, ops: FileOps, direct: bool) -> None:
+    def __init__(
+        self, path: str, size: int, durability: Durability, ops: FileOps, direct: bool, sync_folder: bool = True
+    ) -> None:
         self.path = path
+        self.sync_folder = sync_folder  # False: the caller syncs the folder once for several files
         self.temp = temp_path_for(path)
         self.size = size
         self.durability = durability
@@ -268,7 +271,8 @@ class _File:
         with fileio.io_errors("rename", self.path):
             self.ops.rename(self.temp, self.path)
         self.renamed = True
-        fileio.sync_dir(self.ops, os.path.dirname(self.path), self.durability)
+        if self.sync_folder:
+            fileio.sync_dir(self.ops, os.path.dirname(self.path), self.durability)
         self.published = True
 
     def abort(self) -> None:
@@ -657,6 +661,7 @@ def save_steps(
     planned: tuple[fmt.Header, list[AnySource]] | None = None,
     staging: Staging | None = None,
     direct: bool | None = None,
+    sync_folder: bool = True,
 ) -> Generator[SaveStep, None, SaveResult]:
     """Yield N tensor steps and one publish step; return the ``SaveResult``.
 
@@ -664,7 +669,9 @@ def save_steps(
     asking for the next one. ``planned`` is a ``plan(...)`` made earlier (then
     ``tokens``, ``caches`` and the header arguments are ignored). ``direct``
     writes with O_DIRECT through aligned buffers (default: for files of 8 MiB
-    or more, where the filesystem supports it).
+    or more, where the filesystem supports it). ``sync_folder=False`` leaves the
+    folder's sync (what makes the new name durable) to the caller, who syncs it
+    once for several files (a manifest's blocks).
     """
     dest = os.fspath(path)
     header, sources = planned or plan(
@@ -678,7 +685,7 @@ def save_steps(
     data_end = fmt.plan_offsets(slots)  # the layout rule itself: a trailing empty tensor does not extend the file
     if direct is None:
         direct = data_end >= directio.DIRECT_MIN_BYTES
-    file = _File(dest, data_start + data_end, Durability(durability), ops, direct)
+    file = _File(dest, data_start + data_end, Durability(durability), ops, direct, sync_folder)
     step: SaveStep | None = None
     try:
         for i, slot in enumerate(slots):

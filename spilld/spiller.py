@@ -93,6 +93,7 @@ class Spiller:
             write_in_lease=self.write_in_lease,
             planned=planned(item),
             staging=self._staging,
+            droppable=item.droppable,
         )
 
     def spill(

@@ -80,6 +80,33 @@ def default_disk_cap(root: str) -> int:
     return min(DEFAULT_DISK_CAP, shutil.disk_usage(root).free // 4)
 
 
+WEAR_BUCKET_S = 3600  # bytes written are counted per hour, for the last day and week
+
+
+class Wear:
+    """Bytes this store wrote, per hour, for the last 7 days (in memory: a restart starts a new count)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._hours: dict[int, int] = {}
+
+    def add(self, nbytes: int) -> None:
+        hour = int(self._clock() // WEAR_BUCKET_S)
+        self._hours[hour] = self._hours.get(hour, 0) + nbytes
+        for h in [h for h in self._hours if h <= hour - 7 * 24]:
+            del self._hours[h]
+
+    def _since(self, hours: int) -> int:
+        now = int(self._clock() // WEAR_BUCKET_S)
+        return sum(n for h, n in self._hours.items() if h > now - hours)
+
+    def last_day(self) -> int:
+        return self._since(24)
+
+    def last_week(self) -> int:
+        return self._since(7 * 24)
+
+
 class MissReason(StrEnum):
     NO_ENTRY = "no_entry"
     IDENTITY_MISMATCH = "identity_mismatch"
@@ -271,6 +298,7 @@ class StoreCounters:
     blocks_written: int = 0
     blocks_reused: int = 0  # blocks a spill named without writing them (already on disk)
     blocks_reclaimed: int = 0  # blocks removed because no manifest named them any more
+    dropped_budget: int = 0  # droppable spills shed because the write budget was spent
     store_errors: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
 
@@ -288,12 +316,15 @@ class Store:
         verify: bool = True,
         ops: fileio.FileOps = fileio.DEFAULT_OPS,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        write_budget: int | None = None,
     ) -> None:
         if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
             raise ValueError(
                 f"block_tokens must be 0 (no blocks) or in [{fmt.MIN_BLOCK_TOKENS}, {fmt.MAX_BLOCK_TOKENS}]"
             )
         self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
+        self.write_budget = write_budget  # bytes a day; once written, droppable spills are shed (None: no budget)
+        self.wear = Wear()
         self.root = os.path.abspath(os.fspath(root))
         self.durability = fileio.Durability(durability)
         self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
@@ -688,12 +719,19 @@ class Store:
         write_in_lease: bool = False,
         planned: tuple[fmt.Header, list[AnySource]] | None = None,
         staging: Staging | None = None,
+        droppable: bool = False,
     ) -> SaveResult:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
-        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. Files are written
+        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. A ``droppable`` spill is
+        shed (``WriteBudgetSpent``, a DROPPED outcome) once the day's write budget is spent. Files are written
         through the store's file layer (``self.ops``); folders, writes and unlinks run off the event loop.
         """
+        if droppable and self.write_budget is not None and self.wear.last_day() >= self.write_budget:
+            self.counters.dropped_budget += 1
+            raise errors.WriteBudgetSpent(
+                f"{self.wear.last_day()} bytes written in the last 24 h (budget {self.write_budget}): a droppable spill is shed"
+            )
         if planned is None:
             planned = plan(
                 tokens, caches, meta=meta, identity=ident, attachments=attachments, checkpoint=checkpoint,
@@ -726,7 +764,7 @@ class Store:
         entry = self._index(path, result.header, time.time())  # no await between the save's end and this
         self._unpin(pinned)
         self.counters.stored += 1
-        self.counters.bytes_written += result.file_bytes
+        self._wrote(result.file_bytes)
         self._ok()
         self._supersede(entry, has_attachments=bool(result.header.attachments))
         self.evict_to_cap(keep=entry)
@@ -740,6 +778,7 @@ class Store:
     async def _put_blocks(self, cut: Split, folder: str, ident: fmt.Identity, kw: dict[str, Any]) -> list[Block]:
         """Write the blocks of ``cut`` not on disk yet; every block it names is pinned until its manifest is indexed."""
         pinned: list[Block] = []
+        written = self.counters.blocks_written
         try:
             for i, key in enumerate(cut.keys):
                 rec = self._blocks.get(key)
@@ -747,18 +786,24 @@ class Store:
                     bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
                     block = cut.block(i)
                     validate_header(block[0])  # its own key and chain included
-                    result = await self._write(bpath, folder, ident, block, **kw)
+                    result = await self._write(bpath, folder, ident, block, sync_folder=False, **kw)
                     rec = self._add_block(key, bpath, result.file_bytes)
                     self.counters.blocks_written += 1
-                    self.counters.bytes_written += result.file_bytes
+                    self._wrote(result.file_bytes)
                 else:
                     self.counters.blocks_reused += 1
                 rec.pins += 1
                 pinned.append(rec)
+            if self.counters.blocks_written > written:  # one folder sync makes every new block's name durable
+                await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
         except BaseException:
             self._unpin(pinned)
             raise
         return pinned
+
+    def _wrote(self, nbytes: int) -> None:
+        self.counters.bytes_written += nbytes
+        self.wear.add(nbytes)
 
     def _unpin(self, pinned: list[Block]) -> None:
         """A put is done with its blocks: one that no manifest names (the put failed) goes."""
@@ -1039,6 +1084,10 @@ class Store:
             "blocks_written": c.blocks_written,
             "blocks_reused": c.blocks_reused,
             "blocks_reclaimed": c.blocks_reclaimed,
+            "written_day": self.wear.last_day(),
+            "written_week": self.wear.last_week(),
+            "write_budget": self.write_budget,
+            "dropped_budget": c.dropped_budget,
             "store_errors": c.store_errors,
             "errors": dict(c.errors),
         }

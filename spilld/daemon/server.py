@@ -47,7 +47,10 @@ EXPIRE_EVERY_S = 1.0  # how often open spills are checked for silence
 def open_store(cfg: Config) -> Store:
     """The store on ``--dir``, its folder made (0700) if missing; a folder that cannot be is ``UnusableFolder``."""
     try:
-        return Store(cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability, block_tokens=cfg.block_tokens)
+        return Store(
+            cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability, block_tokens=cfg.block_tokens,
+            write_budget=cfg.write_budget,
+        )  # fmt: skip
     except (errors.StorageError, OSError) as exc:
         why = exc.reason if isinstance(exc, errors.SpillError) else (exc.strerror or str(exc))
         raise errors.UnusableFolder(f"--dir {cfg.dir} cannot be used: {why}") from None
@@ -251,7 +254,9 @@ class Daemon:
             # Each write step (hash, write; the publish's fsync) runs inside the lease: a granting engine is
             # kept from decoding during the daemon's disk work, not only while bytes are taken.
             planned: tuple[fmt.Header, list[AnySource]] = (header, list(sources))
-            result = await self.store.put([], [], header.identity, planned=planned, run_step=lease, write_in_lease=True)
+            result = await self.store.put(
+                [], [], header.identity, planned=planned, run_step=lease, write_in_lease=True, droppable=item.droppable
+            )
         except Exception as exc:
             log.debug("store failed", extra={"error": repr(exc)[:200], "tokens": len(header.tokens)})
             raise

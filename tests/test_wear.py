@@ -1,0 +1,68 @@
+"""The write budget: once a day's bytes are written, droppable spills are shed (DROPPED, counted); others written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors
+from spilld.queue import Outcome
+from spilld.store import WEAR_BUCKET_S, Store, Wear
+from tests.caches import fill
+
+IDENT = spilld.Identity("wear")
+
+
+def caches(n: int, seed: int = 0) -> list[C.KVCache]:
+    return [fill(C.KVCache(), n, seed=seed + i) for i in range(2)]
+
+
+@pytest.mark.asyncio
+async def test_a_spent_budget_sheds_droppable_puts_and_writes_the_others(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, write_budget=1)  # one byte: spent by the first file
+    await s.put(list(range(8)), caches(8), IDENT, droppable=True)  # the budget was not spent yet
+    assert s.stats()["written_day"] > 1
+    with pytest.raises(errors.WriteBudgetSpent) as got:
+        await s.put(list(range(100, 108)), caches(8, seed=5), IDENT, droppable=True)
+    assert got.value.code == "write_budget_spent" and isinstance(got.value, errors.Shed)
+    assert s.count == 1 and s.counters.dropped_budget == 1
+    await s.put(list(range(200, 208)), caches(8, seed=9), IDENT, droppable=False)  # never shed
+    assert s.count == 2
+
+
+@pytest.mark.asyncio
+async def test_no_budget_sheds_nothing(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40)
+    for i in range(3):
+        await s.put([i, *range(8)], caches(9, seed=i), IDENT, droppable=True)
+    assert s.count == 3 and s.counters.dropped_budget == 0
+
+
+@pytest.mark.asyncio
+async def test_a_shed_spill_settles_dropped_through_the_spiller(tmp_path: Path) -> None:
+    sp = await spilld.Spiller.open(tmp_path, identity=IDENT)
+    sp.store.write_budget = 1
+    first = await sp.spill(list(range(8)), caches(8))
+    shed = await sp.spill(list(range(50, 58)), caches(8, seed=3))
+    kept = await sp.spill(list(range(90, 98)), caches(8, seed=6), droppable=False)
+    assert (first.outcome, shed.outcome, kept.outcome) == (Outcome.STORED, Outcome.DROPPED, Outcome.STORED)
+    assert isinstance(shed.error, errors.WriteBudgetSpent)
+    assert sp.queue.dropped == 1 and sp.store.stats()["dropped_budget"] == 1
+    await sp.close()
+
+
+def test_wear_counts_the_last_day_and_week_by_the_hour() -> None:
+    now = [1_000_000.0 * WEAR_BUCKET_S]
+    w = Wear(clock=lambda: now[0])
+    w.add(100)
+    now[0] += 23 * WEAR_BUCKET_S
+    w.add(10)
+    assert (w.last_day(), w.last_week()) == (110, 110)
+    now[0] += 2 * WEAR_BUCKET_S  # the first hour is now more than a day old
+    assert (w.last_day(), w.last_week()) == (10, 110)
+    now[0] += 7 * 24 * WEAR_BUCKET_S
+    w.add(1)
+    assert (w.last_day(), w.last_week()) == (1, 1)
