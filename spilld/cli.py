@@ -350,6 +350,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics_file=_metrics_file(args.metrics_file),
             block_tokens=args.block_tokens,
             write_budget=args.write_budget,
+            namespace_quota=args.namespace_quota,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -766,6 +767,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes written a day, at most (e.g. 20GiB): past it, droppable spills are shed and counted, "
         "non-droppable ones still written; the count restarts with the daemon (default: no budget)",
+    )
+    srv.add_argument(
+        "--namespace-quota",
+        type=size_arg,
+        default=None,
+        help="bytes on disk one namespace (tenant) may hold, e.g. 8GiB: its own least recently used entries go "
+        "first, so one tenant's spills never evict another's (default: only the disk cap)",
     )
     srv.add_argument(
         "--drain-deadline",

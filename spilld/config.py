@@ -136,6 +136,7 @@ class Config:
     metrics_file: str | None = None  # a Prometheus textfile rewritten every few seconds (node_exporter's collector)
     block_tokens: int = DEFAULT_BLOCK_TOKENS  # B: tokens per prefix block (0: entries are written whole)
     write_budget: int | None = None  # bytes a day; past it droppable spills are shed (None: no budget)
+    namespace_quota: int | None = None  # bytes on disk one namespace may hold (None: only the disk cap)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -145,6 +146,8 @@ class Config:
             check_size(self.disk_cap, "disk cap")
         if self.write_budget is not None:
             check_size(self.write_budget, "write budget")
+        if self.namespace_quota is not None:
+            check_size(self.namespace_quota, "namespace quota")
         for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline"):
             check_duration(getattr(self, name), name.replace("_", " "), positive=True)
         if self.metrics_file:

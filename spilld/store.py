@@ -177,6 +177,11 @@ def _start_key(namespace: str, tokens: np.ndarray) -> tuple[str, int]:
     return namespace, int(tokens[0]) if len(tokens) else -1
 
 
+def _ns_dir(path: str) -> str:
+    """The namespace folder's name (its hash) of a file in the store."""
+    return os.path.basename(os.path.dirname(path))
+
+
 def _pop(index: dict[Any, dict[str, Entry]], where: Any, path: str) -> None:
     group = index.get(where)
     if group is not None:
@@ -299,6 +304,7 @@ class StoreCounters:
     blocks_reused: int = 0  # blocks a spill named without writing them (already on disk)
     blocks_reclaimed: int = 0  # blocks removed because no manifest named them any more
     dropped_budget: int = 0  # droppable spills shed because the write budget was spent
+    quota_evicted: int = 0  # entries evicted to keep their namespace within its quota
     store_errors: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
 
@@ -317,6 +323,7 @@ class Store:
         ops: fileio.FileOps = fileio.DEFAULT_OPS,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         write_budget: int | None = None,
+        namespace_quota: int | None = None,
     ) -> None:
         if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
             raise ValueError(
@@ -325,6 +332,7 @@ class Store:
         self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
         self.write_budget = write_budget  # bytes a day; once written, droppable spills are shed (None: no budget)
         self.wear = Wear()
+        self.namespace_quota = namespace_quota  # bytes on disk one namespace may hold (None: only the disk cap)
         self.root = os.path.abspath(os.fspath(root))
         self.durability = fileio.Durability(durability)
         self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
@@ -342,6 +350,7 @@ class Store:
         self._roots: dict[tuple[str, str, str], dict[bytes, tuple[int, bool]]] = {}  # layouts stored per prompt space
         self._entry_bytes = 0  # running sums: the cap is checked on every put
         self._block_bytes = 0
+        self._ns_bytes: Counter[str] = Counter()  # per namespace folder name (its hash): what a quota counts
         self._doomed: list[str] = []  # files whose entries left the index, still to unlink (off the loop)
         self._busy: Counter[str] = Counter()  # folders a save writes into: never removed as empty
         self._folders = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
@@ -479,7 +488,7 @@ class Store:
                 fileio.remove_quietly(self.ops, path)
             return
         self._blocks[key] = Block(key, path, size)
-        self._block_bytes += size
+        self._count(path, size, block=True)
 
     def _scan_file(self, path: str, fp: str, ns_dir: str, reap: bool = True) -> tuple[str, fmt.Header, float] | None:
         name = os.path.basename(path)
@@ -530,7 +539,7 @@ class Store:
             roots = self._roots.setdefault((e.fingerprint, e.namespace, e.codec_provider), {})
             roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
         self._by_path[path] = e
-        self._entry_bytes += e.nbytes
+        self._count(path, e.nbytes, block=False)
         if e.blocks:  # found through its chain; supersede finds it through its last block
             self._by_last.setdefault(e.blocks[-1], {})[path] = e
         else:
@@ -543,13 +552,21 @@ class Store:
             self._doomed.append(path)
             return rec
         rec = self._blocks[key] = Block(key, path, nbytes)
-        self._block_bytes += nbytes
+        self._count(path, nbytes, block=True)
         return rec
+
+    def _count(self, path: str, nbytes: int, *, block: bool) -> None:
+        """Bytes on disk, in all and per namespace folder (each block once): what the caps count."""
+        if block:
+            self._block_bytes += nbytes
+        else:
+            self._entry_bytes += nbytes
+        self._ns_bytes[_ns_dir(path)] += nbytes
 
     def _drop_block(self, rec: Block) -> None:
         if self._blocks.get(rec.key) is rec:
             del self._blocks[rec.key]
-            self._block_bytes -= rec.nbytes
+            self._count(rec.path, -rec.nbytes, block=True)
             self._doomed.append(rec.path)
 
     def _unref(self, e: Entry) -> None:
@@ -570,6 +587,7 @@ class Store:
         self._by_last = {}
         self._roots = {}
         self._entry_bytes = self._block_bytes = 0
+        self._ns_bytes = Counter()
 
     # --- lookup ------------------------------------------------------------------------
 
@@ -655,7 +673,7 @@ class Store:
         if rec is None:
             return e.path
         del self._blocks[rec.key]  # out first: it is moved aside, never unlinked with the manifests' own
-        self._block_bytes -= rec.nbytes
+        self._count(rec.path, -rec.nbytes, block=True)
         for p in list(rec.refs):
             if (other := self._by_path.get(p)) is not None:
                 self._remove(other)
@@ -767,6 +785,7 @@ class Store:
         self._wrote(result.file_bytes)
         self._ok()
         self._supersede(entry, has_attachments=bool(result.header.attachments))
+        self._evict_to_quota(entry)
         self.evict_to_cap(keep=entry)
         try:
             await self.delete_doomed_async()
@@ -901,6 +920,30 @@ class Store:
             n += 1
         return n
 
+    def namespace_bytes(self, namespace: str) -> int:
+        """Bytes on disk of one namespace (all models; each of its blocks once)."""
+        return self._ns_bytes[namespace_hash(namespace)]
+
+    def _evict_to_quota(self, new: Entry) -> int:
+        """Least recently used entries of ``new``'s namespace go until it fits its quota: one tenant's spills never
+        evict another's (the disk cap, over all of them, is checked after)."""
+        ns = _ns_dir(new.path)
+        if self.namespace_quota is None or self._ns_bytes[ns] <= self.namespace_quota:
+            return 0
+        n = 0
+        mine = sorted((e for e in self._by_path.values() if _ns_dir(e.path) == ns), key=lambda x: x.last_used)
+        for e in mine:
+            if self._ns_bytes[ns] <= self.namespace_quota:
+                break
+            if e is new:
+                continue
+            self._remember_evicted(e)
+            self._remove(e)
+            self.counters.evicted += 1
+            self.counters.quota_evicted += 1
+            n += 1
+        return n
+
     def make_room(self, nbytes: int) -> bool:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
         start = self.total_bytes
@@ -920,7 +963,7 @@ class Store:
     def _forget(self, e: Entry) -> None:
         if self._by_path.get(e.path) is e:
             del self._by_path[e.path]
-            self._entry_bytes -= e.nbytes
+            self._count(e.path, -e.nbytes, block=False)
             self._unref(e)
             if e.blocks:
                 _pop(self._by_last, e.blocks[-1], e.path)
@@ -1088,6 +1131,8 @@ class Store:
             "written_week": self.wear.last_week(),
             "write_budget": self.write_budget,
             "dropped_budget": c.dropped_budget,
+            "namespace_quota": self.namespace_quota,
+            "quota_evicted": c.quota_evicted,
             "store_errors": c.store_errors,
             "errors": dict(c.errors),
         }

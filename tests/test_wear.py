@@ -66,3 +66,22 @@ def test_wear_counts_the_last_day_and_week_by_the_hour() -> None:
     now[0] += 7 * 24 * WEAR_BUCKET_S
     w.add(1)
     assert (w.last_day(), w.last_week()) == (1, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_namespace_quota_evicts_only_that_namespace(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    other = spilld.Identity("wear", namespace="other")
+    await s.put(list(range(1000, 1040)), caches(40), other)  # another tenant's entry: never touched below
+    one = s.namespace_bytes("tenant")
+    assert one == 0 and s.namespace_bytes("other") > 0
+    tenant = spilld.Identity("wear", namespace="tenant")
+    await s.put(list(range(40)), caches(40, seed=1), tenant)
+    per_entry = s.namespace_bytes("tenant")
+    s.namespace_quota = per_entry * 2 + per_entry // 2  # room for two entries of this size, not three
+    for i in range(1, 4):
+        await s.put([i * 100, *range(39)], caches(40, seed=i + 1), tenant)
+        assert s.namespace_bytes("tenant") <= s.namespace_quota
+    assert s.counters.quota_evicted == 2
+    assert [e.namespace for e in s.entries].count("other") == 1  # the other tenant kept its entry
+    assert s.namespace_bytes("tenant") + s.namespace_bytes("other") == s.total_bytes

@@ -49,7 +49,7 @@ def open_store(cfg: Config) -> Store:
     try:
         return Store(
             cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability, block_tokens=cfg.block_tokens,
-            write_budget=cfg.write_budget,
+            write_budget=cfg.write_budget, namespace_quota=cfg.namespace_quota,
         )  # fmt: skip
     except (errors.StorageError, OSError) as exc:
         why = exc.reason if isinstance(exc, errors.SpillError) else (exc.strerror or str(exc))
