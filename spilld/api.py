@@ -63,6 +63,7 @@ class AsyncTier(Protocol):
         attachments: Sequence[Attachment] = (),
         checkpoint: GenerationCheckpoint | None = None,
         live: bool = False,
+        pin: bool = False,
     ) -> asyncio.Future[Settled]: ...
 
     async def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...
@@ -89,6 +90,7 @@ class SyncTier(Protocol):
         attachments: Sequence[Attachment] = (),
         checkpoint: GenerationCheckpoint | None = None,
         live: bool = False,
+        pin: bool = False,
     ) -> concurrent.futures.Future[Settled]: ...
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...

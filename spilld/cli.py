@@ -351,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             block_tokens=args.block_tokens,
             write_budget=args.write_budget,
             namespace_quota=args.namespace_quota,
+            pin_cap=args.pin_cap,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -422,6 +423,17 @@ def cmd_drain(args: argparse.Namespace) -> int:
     left = plural(int(r["pending_items"]), "item")
     print(f"timeout: {left} ({format_size(r['pending_bytes'])}) still queued")
     return EXIT_TIMEOUT
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    """Pin or unpin an entry through the daemon (evicted last, never superseded; kept across restarts)."""
+    path = os.path.abspath(args.path)
+    r = _ask(args, "pin", {"path": path, "on": not args.unpin})
+    if not r["found"]:
+        print(f"spilld: {path}: not an entry of the daemon's store (see spilld ls)", file=sys.stderr)
+        return EXIT_BAD_FILE
+    print(f"{'unpinned' if args.unpin else 'pinned'} {path}")
+    return EXIT_OK
 
 
 def _print_status(st: dict[str, Any]) -> None:
@@ -776,6 +788,13 @@ def build_parser() -> argparse.ArgumentParser:
         "first, so one tenant's spills never evict another's (default: only the disk cap)",
     )
     srv.add_argument(
+        "--pin-cap",
+        type=size_arg,
+        default=None,
+        help="pinned entries (spill(pin=True), spilld pin) are evicted last, up to this many bytes with their "
+        "blocks; older pins beyond it are evicted like the rest (default: a quarter of the disk cap)",
+    )
+    srv.add_argument(
         "--drain-deadline",
         type=positive_duration_arg,
         default=60.0,
@@ -842,6 +861,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quarantine", action="store_true", help="remove the files moved aside as bad")
     ev.add_argument("--json", action="store_true", help="print what was removed as one JSON line (no progress)")
     ev.set_defaults(func=cmd_evict)
+
+    for name, what in (
+        ("pin", "pin an entry: evicted last (within --pin-cap), never superseded"),
+        ("unpin", "unpin an entry"),
+    ):
+        pn = add(name, what)
+        with_socket(pn)
+        pn.add_argument("path", help="the entry's file (see spilld ls)")
+        pn.set_defaults(func=cmd_pin, unpin=name == "unpin")
 
     ins = add("inspect", "show a cache file's header and tensors, and check its hashes")
     ins.add_argument("file")

@@ -312,6 +312,7 @@ class AsyncClient:
         attachments: Sequence[Attachment] = (),
         checkpoint: fmt.GenerationCheckpoint | None = None,
         live: bool = False,
+        pin: bool = False,
     ) -> asyncio.Future[Settled]:
         """Clone now, ship behind; a future of the daemon's outcome (its ``value`` a ``SaveResult``).
 
@@ -320,7 +321,7 @@ class AsyncClient:
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
-            droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live,
+            droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live, pin=pin,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
         return on_loop(self._bound(), lambda: self._enqueue(item))
@@ -363,7 +364,8 @@ class AsyncClient:
         for attempt in range(BUSY_RETRIES):
             try:
                 started = await self._call(
-                    "spill", {"header": header.to_wire(), "droppable": item.droppable, "key": item.key}
+                    "spill",
+                    {"header": header.to_wire(), "droppable": item.droppable, "key": item.key, "pin": item.pin},
                 )
                 break
             except P.Busy:
@@ -594,11 +596,12 @@ class Client:
         attachments: Sequence[Attachment] = (),
         checkpoint: fmt.GenerationCheckpoint | None = None,
         live: bool = False,
+        pin: bool = False,
     ) -> concurrent.futures.Future[Settled]:
         """Clone now, on the calling (engine's) thread; a future of the daemon's outcome."""
         return self._async.spill_threadsafe(
             tokens, caches, meta, namespace=namespace, key=key, droppable=droppable, attachments=attachments,
-            checkpoint=checkpoint, live=live,
+            checkpoint=checkpoint, live=live, pin=pin,
         )  # fmt: skip
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:

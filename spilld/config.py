@@ -137,6 +137,7 @@ class Config:
     block_tokens: int = DEFAULT_BLOCK_TOKENS  # B: tokens per prefix block (0: entries are written whole)
     write_budget: int | None = None  # bytes a day; past it droppable spills are shed (None: no budget)
     namespace_quota: int | None = None  # bytes on disk one namespace may hold (None: only the disk cap)
+    pin_cap: int | None = None  # pinned bytes evicted last (None: a quarter of the disk cap)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -146,6 +147,8 @@ class Config:
             check_size(self.disk_cap, "disk cap")
         if self.write_budget is not None:
             check_size(self.write_budget, "write budget")
+        if self.pin_cap is not None:
+            check_size(self.pin_cap, "pin cap", minimum=0)
         if self.namespace_quota is not None:
             check_size(self.namespace_quota, "namespace quota")
         for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline"):

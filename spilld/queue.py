@@ -58,6 +58,7 @@ class SpillItem:
     namespace: str = ""
     key: str = ""
     droppable: bool = True
+    pin: bool = False  # once stored, evicted last and never superseded (a shared system prompt)
     barrier: Callable[[], Awaitable[Any]] | None = None  # runs instead of a store
     payload: Any = None  # the writer's own: a snapshot.Snapshot engine-side, a daemon.connection.Received there
     nbytes: int = 0

@@ -64,6 +64,7 @@ def new_item(
     namespace: str = "",
     key: str = "",
     droppable: bool = True,
+    pin: bool = False,
     attachments: Sequence[Attachment] = (),
     checkpoint: fmt.GenerationCheckpoint | None = None,
     clone: bool = True,
@@ -90,6 +91,7 @@ def new_item(
         namespace=ns,
         key=key or (checkpoint.key if checkpoint else ""),
         droppable=droppable,
+        pin=pin,
     )
     held = 0
     if not live:

@@ -94,6 +94,7 @@ class Spiller:
             planned=planned(item),
             staging=self._staging,
             droppable=item.droppable,
+            pin=item.pin,
         )
 
     def spill(
@@ -109,6 +110,7 @@ class Spiller:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         clone: bool = True,
         live: bool = False,
+        pin: bool = False,
     ) -> asyncio.Future[Settled]:
         """Clone the caches, queue them and return at once with a future of the outcome.
 
@@ -130,7 +132,7 @@ class Spiller:
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
-            droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live,
+            droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live, pin=pin,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
         return self._submit(lambda: self.queue.enqueue(item))

@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -47,6 +47,7 @@ QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
 EVICT_PROGRESS_S = 0.5  # an evict's unlinks report their progress at most this often
 QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the oldest go first (counted)
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
+PINS_FILE = ".spilld-pins"  # in the root: the pinned entries' paths, relative to the root, one a line
 DEFAULT_DISK_CAP = 64 * 1024**3
 CHECKPOINT_NS_PREFIX = "\0checkpoint:"
 EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of the event loop
@@ -324,6 +325,7 @@ class Store:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         write_budget: int | None = None,
         namespace_quota: int | None = None,
+        pin_cap: int | None = None,
     ) -> None:
         if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
             raise ValueError(
@@ -338,6 +340,8 @@ class Store:
         self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
         fileio.make_dirs(self.ops, self.root, self.durability)
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
+        self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
+        self._pins: set[str] = set()  # paths of pinned entries (kept in PINS_FILE)
         self._provider = provider  # built on first use: the daemon only moves bytes and never needs codecs
         self.verify = verify
         self.counters = StoreCounters()
@@ -436,6 +440,7 @@ class Store:
         finally:
             if took:
                 self.lock.release()
+        self._pins = {p for p in self._read_pins() if p in self._by_path}
         log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
         self.evict_to_cap()
         self._delete_doomed()
@@ -665,7 +670,8 @@ class Store:
         if isinstance(outcome, errors.FileFormatError):
             self.quarantine(self._bad_file(e, outcome), outcome)
             return self._miss(MissReason.CORRUPT)
-        return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and not os.path.exists(e.path))
+        where = self._read_path(e, outcome)
+        return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and not os.path.exists(where))
 
     def _bad_file(self, e: Entry, exc: errors.FileFormatError) -> str:
         """The file a failed read blames: a bad block takes every manifest that names it out of the index."""
@@ -695,10 +701,23 @@ class Store:
             await self.quarantine_async(self._bad_file(e, outcome), outcome)
             await self.delete_doomed_async()
             return self._miss(MissReason.CORRUPT)
-        gone = isinstance(outcome, errors.StorageError) and not await off_loop(lambda: os.path.exists(e.path))
+        where = self._read_path(e, outcome)
+        gone = isinstance(outcome, errors.StorageError) and not await off_loop(lambda: os.path.exists(where))
         return self._failed_read(e, outcome, gone)
 
+    def _read_path(self, e: Entry, exc: errors.SpillError) -> str:
+        """The file a failed read of ``e`` was reading: one of its blocks, or the entry's own file."""
+        return exc.path if exc.path and any(self.block_path(k) == exc.path for k in e.blocks) else e.path
+
     def _failed_read(self, e: Entry, outcome: errors.SpillError, gone: bool) -> Miss:
+        lost = self._read_path(e, outcome)
+        if gone and lost != e.path:  # a block removed under us: every entry naming it is unusable
+            rec = next(r for k in e.blocks if (r := self._blocks.get(k)) is not None and r.path == lost)
+            log.warning("a block of %d entries is gone: %s", len(rec.refs), lost)
+            for p in list(rec.refs):
+                if (other := self._by_path.get(p)) is not None:
+                    self._remove(other)
+            return self._miss(MissReason.CORRUPT)
         if gone:
             self._remember_evicted(e)  # evicted between lookup and open
             self._forget(e)
@@ -738,6 +757,7 @@ class Store:
         planned: tuple[fmt.Header, list[AnySource]] | None = None,
         staging: Staging | None = None,
         droppable: bool = False,
+        pin: bool = False,
     ) -> SaveResult:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
@@ -781,6 +801,8 @@ class Store:
             self.release_folder(folder)
         entry = self._index(path, result.header, time.time())  # no await between the save's end and this
         self._unpin(pinned)
+        if pin:
+            self._pins.add(path)
         self.counters.stored += 1
         self._wrote(result.file_bytes)
         self._ok()
@@ -788,6 +810,9 @@ class Store:
         self._evict_to_quota(entry)
         self.evict_to_cap(keep=entry)
         try:
+            if pin:
+                pins = sorted(self._pins)
+                await off_loop(lambda: self._write_pins(pins))
             await self.delete_doomed_async()
         except asyncio.CancelledError:  # the entry is stored and indexed: say so (the unlinks still finish)
             if (task := asyncio.current_task()) is not None:
@@ -884,7 +909,7 @@ class Store:
         for k in new.blocks:
             cands += self._by_last.get(k, {}).values()
         for e in cands:
-            if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace:
+            if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace or e.path in self._pins:
                 continue
             if e.codec_provider != new.codec_provider:
                 continue  # another engine's codecs: its readers cannot use ours
@@ -909,7 +934,7 @@ class Store:
         n = 0
         if self.total_bytes <= self.disk_cap:
             return 0
-        for e in sorted(self._by_path.values(), key=lambda x: x.last_used):
+        for e in self._evict_order(self._by_path.values()):
             if self.total_bytes <= self.disk_cap:
                 break
             if e is keep:
@@ -919,6 +944,68 @@ class Store:
             self.counters.evicted += 1
             n += 1
         return n
+
+    def _evict_order(self, entries: Iterable[Entry]) -> list[Entry]:
+        """Least recently used first, pinned entries last: the newest pins, as long as they fit the pin cap (with
+        their blocks); older pins beyond it take their place among the others."""
+        order = sorted(entries, key=lambda x: x.last_used)
+        kept: set[str] = set()
+        used = 0
+        for e in reversed(order):
+            if e.path in self._pins:
+                size = e.nbytes + sum(self._blocks[k].nbytes for k in e.blocks if k in self._blocks)
+                if used + size <= self.pin_cap:
+                    kept.add(e.path)
+                    used += size
+        return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]
+
+    # --- pins -------------------------------------------------------------------------
+
+    def is_pinned(self, e: Entry) -> bool:
+        return e.path in self._pins
+
+    def pin(self, path: str, on: bool = True) -> bool:
+        """Pin (or unpin) an indexed entry: evicted last and never superseded; kept across restarts. False if the
+        path is not an entry here. Writes the pins file (blocking: ``pin_async`` on a loop)."""
+        if not self._set_pin(path, on):
+            return False
+        self._write_pins(sorted(self._pins))
+        return True
+
+    async def pin_async(self, path: str, on: bool = True) -> bool:
+        if not self._set_pin(path, on):
+            return False
+        pins = sorted(self._pins)
+        await off_loop(lambda: self._write_pins(pins))
+        return True
+
+    def _set_pin(self, path: str, on: bool) -> bool:
+        if path not in self._by_path:
+            return False
+        (self._pins.add if on else self._pins.discard)(path)
+        return True
+
+    def _read_pins(self) -> list[str]:
+        try:
+            with open(os.path.join(self.root, PINS_FILE), encoding="utf-8") as f:
+                names = f.read(1 << 24).splitlines()
+        except (OSError, UnicodeDecodeError):
+            return []
+        return [os.path.join(self.root, n) for n in names if n and not os.path.isabs(n) and ".." not in n.split("/")]
+
+    def _write_pins(self, pins: list[str]) -> None:
+        """Atomically and durably: a temp file beside it, renamed over it, the root synced."""
+        text = "".join(os.path.relpath(p, self.root) + "\n" for p in pins).encode()
+        dest = os.path.join(self.root, PINS_FILE)
+        tmp = fileio.temp_path_for(dest)
+        fd = self.ops.open_new(tmp)
+        try:
+            fileio.write_all(self.ops, fd, [memoryview(text)], 0, tmp)
+            fileio.sync(self.ops, fd, self.durability, tmp)
+        finally:
+            self.ops.close(fd)
+        self.ops.rename(tmp, dest)
+        fileio.sync_dir(self.ops, self.root, self.durability)
 
     def namespace_bytes(self, namespace: str) -> int:
         """Bytes on disk of one namespace (all models; each of its blocks once)."""
@@ -931,8 +1018,7 @@ class Store:
         if self.namespace_quota is None or self._ns_bytes[ns] <= self.namespace_quota:
             return 0
         n = 0
-        mine = sorted((e for e in self._by_path.values() if _ns_dir(e.path) == ns), key=lambda x: x.last_used)
-        for e in mine:
+        for e in self._evict_order([e for e in self._by_path.values() if _ns_dir(e.path) == ns]):
             if self._ns_bytes[ns] <= self.namespace_quota:
                 break
             if e is new:
@@ -948,7 +1034,7 @@ class Store:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
         start = self.total_bytes
         gone = 0
-        for e in sorted(self._by_path.values(), key=lambda x: x.last_used):
+        for e in self._evict_order(self._by_path.values()):
             if gone and start - self.total_bytes >= nbytes:
                 break
             self._remember_evicted(e)
@@ -963,6 +1049,7 @@ class Store:
     def _forget(self, e: Entry) -> None:
         if self._by_path.get(e.path) is e:
             del self._by_path[e.path]
+            self._pins.discard(e.path)
             self._count(e.path, -e.nbytes, block=False)
             self._unref(e)
             if e.blocks:
@@ -1133,6 +1220,8 @@ class Store:
             "dropped_budget": c.dropped_budget,
             "namespace_quota": self.namespace_quota,
             "quota_evicted": c.quota_evicted,
+            "pinned": len(self._pins),
+            "pin_cap": self.pin_cap,
             "store_errors": c.store_errors,
             "errors": dict(c.errors),
         }

@@ -94,6 +94,9 @@ def _blocks(header: fmt.Header, table: Mapping[str, KindRule] | None) -> int:
         raise errors.BlockInvalid(f"{len(b.keys)} blocks of {b.size} tokens, the file records {len(header.tokens)}")
     if not blocks.positional_leaves(header):
         raise errors.BlockInvalid("a manifest with blocks but no positional cache")
+    # its keys are the chain of its own tokens: a manifest cannot name blocks of another prefix (SHA-256 a block)
+    if blocks.chain(blocks.header_root(header, b.size), header.tokens, b.size, len(b.keys)) != b.keys:
+        raise errors.BlockKeyMismatch("the manifest's block keys are not the chain of its tokens and layout")
     return b.rows
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,73 @@ async def test_a_namespace_quota_evicts_only_that_namespace(tmp_path: Path) -> N
     assert s.counters.quota_evicted == 2
     assert [e.namespace for e in s.entries].count("other") == 1  # the other tenant kept its entry
     assert s.namespace_bytes("tenant") + s.namespace_bytes("other") == s.total_bytes
+
+
+def entry_bytes(s: Store) -> int:
+    return s.total_bytes // max(1, s.count)
+
+
+@pytest.mark.asyncio
+async def test_a_pinned_entry_is_evicted_last_and_kept_across_a_restart(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0)
+    first = await s.put(list(range(8)), caches(8), IDENT)
+    assert s.pin(first.path) and not s.pin(str(tmp_path / "nothing.spilld"))
+    for i in range(1, 3):
+        await s.put([i * 100, *range(7)], caches(8, seed=i), IDENT)
+    s.disk_cap = entry_bytes(s) * 2  # room for two of three: the oldest unpinned entry goes, not the pinned one
+    s.evict_to_cap()
+    assert first.path in [e.path for e in s.entries] and s.count == 2
+    assert s.stats()["pinned"] == 1
+
+    again = Store(tmp_path, disk_cap=2**40, block_tokens=0)  # a restart: the pin is in the root's pins file
+    again.scan()
+    e = again.entry_at(first.path)
+    assert e is not None and again.is_pinned(e)
+    assert again.pin(first.path, on=False)
+    third = Store(tmp_path, disk_cap=2**40, block_tokens=0)
+    third.scan()
+    e = third.entry_at(first.path)
+    assert e is not None and not third.is_pinned(e)
+
+
+@pytest.mark.asyncio
+async def test_pins_beyond_the_pin_cap_are_evicted_like_the_rest(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0, pin_cap=0)  # no pinned byte protected
+    first = await s.put(list(range(8)), caches(8), IDENT, pin=True)
+    await s.put([100, *range(7)], caches(8, seed=1), IDENT)
+    s.disk_cap = entry_bytes(s)
+    s.evict_to_cap()
+    assert [e.path for e in s.entries] != [first.path]  # the older entry went, pinned or not
+
+
+@pytest.mark.asyncio
+async def test_a_pinned_prefix_is_never_superseded(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    system = list(range(40))
+    pinned = await s.put(system, caches(40), IDENT, pin=True)
+    plain = await s.put([1000, *range(39)], caches(40, seed=2), IDENT)
+    await s.put([*system, 7, 8], caches(42), IDENT)  # extends both kinds of prefix
+    await s.put([1000, *range(39), 7, 8], caches(42, seed=2), IDENT)
+    paths = [e.path for e in s.entries]
+    assert pinned.path in paths and plain.path not in paths and s.counters.superseded == 1
+
+
+def test_spilld_pin_and_unpin_through_the_daemon(tmp_path: Path) -> None:
+    from tests.daemons import Daemon, cleanup, new_root
+
+    d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "none"]).start()
+    try:
+        with spilld.Client(d.socket, identity=IDENT, name="pins") as client:
+            assert client.spill(list(range(8)), caches(8), droppable=False).result(60).stored
+            path = client.lookup([*range(8), 1]).path  # type: ignore[union-attr]
+        out = d.cli("pin", path, "--socket", d.socket)
+        assert out.returncode == 0 and "pinned" in out.stdout, out.stderr
+        pins = Path(d.dir, ".spilld-pins")
+        assert pins.read_text().strip() == os.path.relpath(path, d.dir)
+        missing = d.cli("pin", str(tmp_path / "x.spilld"), "--socket", d.socket)
+        assert missing.returncode == 1 and "not an entry" in missing.stderr
+        out = d.cli("unpin", path, "--socket", d.socket)
+        assert out.returncode == 0 and pins.read_text() == ""
+    finally:
+        d.stop()
+        cleanup(d.root)

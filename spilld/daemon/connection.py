@@ -30,8 +30,8 @@ MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say wh
 class Incoming:
     """A spill being received: its header, one buffer per tensor, and how much of each arrived."""
 
-    def __init__(self, header: fmt.Header, droppable: bool, key: str, parsed: int = 0) -> None:
-        self.header, self.droppable, self.key = header, droppable, key
+    def __init__(self, header: fmt.Header, droppable: bool, key: str, parsed: int = 0, pin: bool = False) -> None:
+        self.header, self.droppable, self.key, self.pin = header, droppable, key, pin
         self.slots = header.slots()
         self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
         self.last = asyncio.get_running_loop().time()  # when it last received something

@@ -138,7 +138,7 @@ class Ingest:
             raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
         droppable = bool(p.get("droppable", True))
         parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
-        sp = Incoming(header, droppable, str(p.get("key", "")), parsed)
+        sp = Incoming(header, droppable, str(p.get("key", "")), parsed, pin=p.get("pin") is True)
         self.admit(conn, sp)
         sid = next(conn.spill_ids)
         conn.spills[sid] = sp
@@ -226,6 +226,7 @@ class Ingest:
             namespace=sp.header.identity.namespace,
             key=sp.key,
             droppable=sp.droppable,
+            pin=sp.pin,
             payload=Received(sp.header, sp.chunks, sp.nbytes, conn if conn.lease_grantor else None, conn),
         )
         settled = await self.queue.enqueue(item)  # (enqueue takes the item before its first await)

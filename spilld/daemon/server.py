@@ -49,7 +49,7 @@ def open_store(cfg: Config) -> Store:
     try:
         return Store(
             cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability, block_tokens=cfg.block_tokens,
-            write_budget=cfg.write_budget, namespace_quota=cfg.namespace_quota,
+            write_budget=cfg.write_budget, namespace_quota=cfg.namespace_quota, pin_cap=cfg.pin_cap,
         )  # fmt: skip
     except (errors.StorageError, OSError) as exc:
         why = exc.reason if isinstance(exc, errors.SpillError) else (exc.strerror or str(exc))
@@ -92,6 +92,7 @@ class Daemon:
             "status",
             "shutdown",
             "evict",
+            "pin",
         ]
         self.methods: dict[str, Any] = {n: getattr(self, f"_{n}") for n in names}
         self.methods |= {"spill": self.ingest.spill, "commit": self.ingest.commit, "abort": self.ingest.abort}
@@ -255,8 +256,9 @@ class Daemon:
             # kept from decoding during the daemon's disk work, not only while bytes are taken.
             planned: tuple[fmt.Header, list[AnySource]] = (header, list(sources))
             result = await self.store.put(
-                [], [], header.identity, planned=planned, run_step=lease, write_in_lease=True, droppable=item.droppable
-            )
+                [], [], header.identity, planned=planned, run_step=lease, write_in_lease=True,
+                droppable=item.droppable, pin=item.pin,
+            )  # fmt: skip
         except Exception as exc:
             log.debug("store failed", extra={"error": repr(exc)[:200], "tokens": len(header.tokens)})
             raise
@@ -329,6 +331,12 @@ class Daemon:
         else:
             raise P.BadParams("delete needs a path or a key")
         return {"deleted": n}
+
+    async def _pin(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        """Pin (``on`` true, the default) or unpin the entry at ``path``: ``found`` false if there is none."""
+        if not isinstance(p.get("path"), str):
+            raise P.BadParams("pin: path must be a string")
+        return {"found": await self.store.pin_async(p["path"], p.get("on", True) is not False)}
 
     async def _report_bad(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         path = str(p["path"])
