@@ -22,7 +22,9 @@ import msgpack
 from . import format as fmt
 from .codecs.rules import Rows, rules_for
 
-DEFAULT_BLOCK_TOKENS = 256  # chosen by scripts/bench/chat_wear.py (docs/benchmarks.md)
+DEFAULT_BLOCK_TOKENS = (
+    64  # chosen by scripts/bench/chat_wear.py (docs/benchmarks.md): the smallest write and disk amplification
+)
 BLOCK_EXT = ".spilld-block"
 _KEY_DOMAIN = "spilld-blocks/1"
 

@@ -148,5 +148,13 @@ def file_outcome(path: str) -> str:
 
 def spill_blind(edits: list[tuple[Path, Any]]) -> bool:
     """True when an edit is to something a spill never carries or the daemon fills in itself (a tensor's ``off``
-    or ``hash``, the header's ``created_at_ms``, the prefix): a file can then be refused for it, a spill not."""
-    return any(p == PREFIX_VERSION or (p and p[-1] in ("off", "hash", "created_at_ms")) for p, _ in edits)
+    or ``hash``, the header's ``created_at_ms``, the prefix, a v2 header's ``blocks`` and ``block`` left out, a
+    ``format`` the daemon reads): a file can then be refused for it, a spill not."""
+    filled = ("off", "hash", "created_at_ms")
+    return any(
+        p == PREFIX_VERSION
+        or (p and p[-1] in filled)
+        or (p in (("blocks",), ("block",)) and v is DROP)
+        or (p == ("format",) and v in fmt.SUPPORTED_VERSIONS)  # the daemon writes any version it reads as its own
+        for p, v in edits
+    )

@@ -149,11 +149,13 @@ def check_mutant(wire: Any, body: bytes, version: int, blind: bool, scratch: str
     else:
         assert outcome(spilld.load, path) == file
     # the daemon refuses what a reader refuses, for the same reason; a spill carries no offsets, hashes
-    # or prefix, and the daemon lays the file out itself, so only those may differ
+    # or prefix, and the daemon lays the file out itself (in its own format version: any version it reads
+    # is written as that), so only those may differ
     if spill != OK:
         assert file != OK and (file == spill or blind), (file, spill)
     elif file != OK and not blind:
-        assert issubclass(errors.ERRORS_BY_CODE[file], (errors.LayoutError, errors.TruncatedFile)), file
+        laid_out = (errors.LayoutError, errors.TruncatedFile, errors.VersionMismatch)
+        assert issubclass(errors.ERRORS_BY_CODE[file], laid_out), file
     if seen.n < 400:  # a scan of every mutant would only repeat the header check; a few hundred per codec
         seen.n += 1
         seen.place(data, wire, file)

@@ -67,8 +67,12 @@ async def restore_arms(args: argparse.Namespace, folder: str) -> None:
         await s.put(tokens, caches, IDENT)
         stores[name] = s
     del caches
-    print(f"restore: {args.layers} layers x 2 x (1, 8, {args.tokens}, 128) f16 = {gib:.3f} GiB, B = {args.block_tokens}")
-    print(f"  files: one file {stores['one file'].count} + 0 blocks; blocks {len(stores['blocks'].blocks)} + 1 manifest")
+    print(
+        f"restore: {args.layers} layers x 2 x (1, 8, {args.tokens}, 128) f16 = {gib:.3f} GiB, B = {args.block_tokens}"
+    )
+    print(
+        f"  files: one file {stores['one file'].count} + 0 blocks; blocks {len(stores['blocks'].blocks)} + 1 manifest"
+    )
     can_drop = drop_page_cache()
     times: dict[tuple[str, str], list[float]] = {}
     for run in range(args.runs):
@@ -109,7 +113,9 @@ def tiny(n: int, seed: int) -> list[Any]:
 async def lookup_arms(args: argparse.Namespace, folder: str) -> None:
     rng = random.Random(7)
     preamble = list(range(8))
-    convs = [preamble + [rng.randrange(1000, 60000) for _ in range(args.conv_tokens - 8)] for _ in range(args.conversations)]
+    convs = [
+        preamble + [rng.randrange(1000, 60000) for _ in range(args.conv_tokens - 8)] for _ in range(args.conversations)
+    ]
     cache = tiny(args.conv_tokens, 0)  # the same rows for every conversation: the lookup never reads them
     print(f"lookup: {args.conversations} conversations of {args.conv_tokens} tokens, B = {args.lookup_block}")
     for name, b in (("blocks", args.lookup_block), ("one file", 0)):

@@ -65,7 +65,7 @@ def accept_header(wire: Any) -> fmt.Header:
     then the readers' checks (``validate_header``), so a spill a loader would refuse is never stored. Pure."""
     header = fmt.header_from_wire(with_ignored_fields(wire))
     if header.version not in fmt.SUPPORTED_VERSIONS:
-        raise errors.UnsupportedVersion(f"format {header.version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
+        raise errors.VersionMismatch(f"format {header.version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
     if header.blocks is not None or header.block is not None:
         raise errors.BlockInvalid("a spill sends every row: the daemon cuts it into blocks itself")
     header.version = fmt.FORMAT_VERSION  # a v1 client's spill is written as this build's format
