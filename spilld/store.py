@@ -19,10 +19,10 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -40,6 +40,7 @@ from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
 from .validate import validate_header
 
 log = logging.getLogger("spilld.store")
+T = TypeVar("T")
 
 EXT = ".spilld"
 QUARANTINE = ".quarantine"
@@ -795,7 +796,8 @@ class Store:
             self._unpin(pinned)
             raise
         except BaseException:
-            self._unpin(pinned)
+            self._unpin(pinned)  # the blocks it wrote that nothing names: removed now, not at the next put
+            await self.delete_doomed_async()
             raise
         finally:
             self.release_folder(folder)
@@ -839,7 +841,7 @@ class Store:
                 rec.pins += 1
                 pinned.append(rec)
             if self.counters.blocks_written > written:  # one folder sync makes every new block's name durable
-                await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+                await self._with_room(lambda: off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability)), 0)
         except BaseException:
             self._unpin(pinned)
             raise
@@ -867,15 +869,23 @@ class Store:
         **kw: Any,
     ) -> SaveResult:
         """Create the folders, then save; on ENOSPC evict once and retry. Every failure is counted."""
+
+        async def save() -> SaveResult:
+            await off_loop(lambda: self.make_folder(folder))
+            return await save_async(
+                path, [], [], identity=ident, durability=self.durability, provider=self._provider,
+                ops=self.ops, planned=planned, **kw,
+            )  # fmt: skip
+
+        return await self._with_room(save, planned[0].data_bytes)
+
+    async def _with_room(self, work: Callable[[], Awaitable[T]], needed: int) -> T:
+        """Run ``work``; on ENOSPC evict least recently used entries worth ``needed`` bytes once and run it again.
+        Every failure is counted."""
         for attempt in (1, 2):
             try:
-                await off_loop(lambda: self.make_folder(folder))
-                return await save_async(
-                    path, [], [], identity=ident, durability=self.durability, provider=self._provider,
-                    ops=self.ops, planned=planned, **kw,
-                )  # fmt: skip
+                return await work()
             except errors.DiskFull as exc:
-                needed = planned[0].data_bytes
                 if attempt == 2 or not self.make_room(needed):
                     self._count_error(exc)
                     raise

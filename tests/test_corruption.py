@@ -157,7 +157,7 @@ def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tup
         (lambda h: h["caches"][0].update(min_reusable=10**6), errors.HeaderMalformed),
         (lambda h: h["caches"][0]["tensors"][0].update(hash=b"short"), errors.HeaderMalformed),
         (lambda h: h.pop("identity"), errors.HeaderMalformed),
-        (lambda h: h.update(format=2), errors.HeaderMalformed),
+        (lambda h: h.update(format=3), errors.HeaderMalformed),
         (
             lambda h: h.update(
                 checkpoint={

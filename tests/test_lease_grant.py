@@ -32,7 +32,7 @@ STEP_S = 0.004  # an engine step: the lock is held this long, then let go for a 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "256MiB", "--log-level", "debug"]).start()
+    d = Daemon(new_root(), ["--cap", "256MiB", "--log-level", "debug", "--block-tokens", "0"]).start()
     try:
         yield d
     finally:

@@ -89,7 +89,7 @@ CASES = [
         lambda w: (w["caches"][1].update(offset=4_194_304), w.update(tokens=b"")),
         errors.OffsetMismatch,
     ),
-    Case("format_2_under_prefix_1", lambda w: w.update(format=2), errors.VersionMismatch),
+    Case("format_3_under_prefix_2", lambda w: w.update(format=3), errors.VersionMismatch),
     Case(
         "slot_bytes_999_for_1x4x8x64_f16",
         lambda w: w["caches"][0]["tensors"][0].update(bytes=999),
