@@ -30,6 +30,7 @@ from spilld.store import (
     identity_fingerprint,
     namespace_hash,
 )
+from tests.blocks_corpus import files
 from tests.caches import chunked, fill, live, same
 
 IDENT = spilld.Identity("model-a", "cfg-a", "tok-a", "")
@@ -66,11 +67,7 @@ def wrapped_rotating(n: int, seed: int = 0) -> list[Any]:
 
 def spilld_files(root: Path) -> list[str]:
     """Every published entry under the root (quarantine excluded), sorted."""
-    out = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d != QUARANTINE]
-        out += [os.path.join(folder, n) for n in names if n.endswith(EXT)]
-    return sorted(out)
+    return files(str(root), EXT)
 
 
 def quarantined(root: Path) -> list[str]:

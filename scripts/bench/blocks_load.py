@@ -2,8 +2,8 @@
 
 restore: one cache (default 32 layers of ``KVCache``, K and V float16 ``(1, 8, 8192, 128)``, 1 GiB) is put into a
   store with whole files (``block_tokens=0``, a v1-style single file) and into one with blocks (B = 256: 32 block
-  files + a manifest); both restore the same prefix (``Store.restore``, hashes verified), arms alternating run by
-  run, cold (``echo 3 > /proc/sys/vm/drop_caches`` before each, when permitted) then warm. The ratio is blocks / one
+  files + a manifest); both restore the same prefix (``Store.restore_async``, hashes verified), arms alternating
+  run by run, each cold (``echo 3 > /proc/sys/vm/drop_caches`` before it, when permitted) then at once warm. The ratio is blocks / one
   file, per run, and its median.
 lookup: a store with N conversations (distinct prompts of ``--conv-tokens`` tokens sharing their first 8 tokens,
   as a chat template's preamble does; tiny caches), looked up by prompts that extend a stored one; latency of
@@ -77,8 +77,8 @@ async def restore_arms(args: argparse.Namespace, folder: str) -> None:
     times: dict[tuple[str, str], list[float]] = {}
     for run in range(args.runs):
         order = list(stores) if run % 2 == 0 else list(reversed(stores))
-        for temp in ("cold", "warm"):
-            for name in order:
+        for name in order:  # each arm cold, then at once warm (its pages are still cached)
+            for temp in ("cold", "warm"):
                 s = stores[name]
                 if temp == "cold" and can_drop:
                     drop_page_cache()
