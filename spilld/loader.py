@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,6 +48,30 @@ def _read_header_fd(fd: int, path: str) -> fmt.Header:
     header = fmt.decode_header(header_bytes, prefix, size, path)
     validate_header(header, size, prefix_version=prefix.version, path=path)
     fmt.check_padding(pad, path)
+    return header
+
+
+BLOCK_HEADERS_CACHED = 1024  # validated block headers kept per process (a block is immutable once published)
+_block_headers: OrderedDict[tuple[str, int, int, int, int], fmt.Header] = OrderedDict()
+_block_headers_lock = threading.Lock()
+
+
+def _read_block_header(fd: int, path: str) -> fmt.Header:
+    """``_read_header_fd`` for block files, remembered by (path, device, inode, size, mtime): the blocks a restore
+    reads are mostly ones read before (a shared prefix, the previous turn's). Only a header this process validated
+    is remembered, and every tensor is still checked against its hash on each read."""
+    st = os.fstat(fd)
+    key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _block_headers_lock:
+        got = _block_headers.get(key)
+        if got is not None:
+            _block_headers.move_to_end(key)
+            return got
+    header = _read_header_fd(fd, path)
+    with _block_headers_lock:
+        _block_headers[key] = header
+        while len(_block_headers) > BLOCK_HEADERS_CACHED:
+            _block_headers.popitem(last=False)
     return header
 
 
@@ -184,52 +210,76 @@ class _Reader(_Decoding):
         self.pieces = pieces or {}
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
+        arr, reads = self.alloc(slot, capacity)
+        try:
+            for p, runs in reads:
+                self.read_piece(p, runs)
+        finally:
+            release(reads)
+        return arr
+
+    def alloc(
+        self, slot: fmt.Slot, capacity: int | None
+    ) -> tuple[mx.array, list[tuple[assemble.Piece, list[memoryview]]]]:
+        """A new buffer for ``slot`` (grown to ``capacity`` rows) and, for each of its pieces, the views of the
+        buffer its bytes go to (rows ``[first, first + rows)`` of every leading index)."""
         import mlx.core as mx
 
         from . import dtypes
 
-        pieces = self.pieces.get(id(slot)) or [
-            assemble.Piece(
-                self.fd,
-                self.path,
-                self.header.data_start + slot.off,
-                slot.shape[-2] if len(slot.shape) >= 2 else 0,
-                slot,
-            )
-        ]
+        pieces = self.pieces.get(id(slot)) or [self.whole_piece(slot)]
         alloc = alloc_shape(slot, capacity, self.path)
         arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
         mx.eval(arr)
         if arr.nbytes == 0:
-            return arr
+            return arr, []
         mv = dtypes.buffer(arr).cast("B")
-        try:
-            first = 0
-            for p in pieces:
-                self._read_piece(mv, alloc, slot, p, first)
-                first += p.rows
-        finally:
-            mv.release()
-        return arr
+        reads, first = [], 0
+        for p in pieces:
+            whole = len(alloc) < 2 or list(p.slot.shape) == alloc
+            spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], None if whole else p.rows, 0 if whole else first)
+            reads.append((p, [mv[o : o + n] for o, n in spans]))
+            first += p.rows
+        mv.release()
+        return arr, reads
 
-    def _read_piece(self, mv: memoryview, alloc: list[int], slot: fmt.Slot, p: assemble.Piece, first: int) -> None:
-        """Rows ``[first, first + p.rows)`` of the buffer from ``p``'s file; its hash checked."""
-        whole = len(alloc) < 2 or (list(p.slot.shape) == alloc)
-        spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], None if whole else p.rows, 0 if whole else first)
-        runs = [mv[o : o + n] for o, n in spans]
-        try:
-            fileio.read_all(self.ops, p.fd, runs, p.off, p.path)
-            if self.verify:
-                h = xxhash.xxh3_64()
-                for r in runs:
-                    h.update(r)
-                if h.digest() != p.slot.hash:
-                    raise errors.TensorHashMismatch(
-                        f"tensor at offset {p.slot.off} does not match its hash", path=p.path
-                    )
-        finally:
+    def whole_piece(self, slot: fmt.Slot) -> assemble.Piece:
+        rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
+        return assemble.Piece(self.fd, self.path, self.header.data_start + slot.off, rows, slot)
+
+    def read_piece(self, p: assemble.Piece, runs: list[memoryview]) -> None:
+        """``p``'s bytes into ``runs`` (in file order), its hash checked."""
+        fileio.read_all(self.ops, p.fd, runs, p.off, p.path)
+        self.check(p, runs)
+
+    def check(self, p: assemble.Piece, runs: list[memoryview]) -> None:
+        if self.verify:
+            h = xxhash.xxh3_64()
             for r in runs:
-                r.release()
+                h.update(r)
+            if h.digest() != p.slot.hash:
+                raise errors.TensorHashMismatch(f"tensor at offset {p.slot.off} does not match its hash", path=p.path)
+
+    def read_file(self, reads: list[tuple[assemble.Piece, list[memoryview]]]) -> None:
+        """Pieces of one file, in file order: each run of adjacent pieces in one vectored read, then each hashed."""
+        reads = sorted(reads, key=lambda r: r[0].off)
+        i = 0
+        while i < len(reads):
+            j, end = i + 1, reads[i][0].off + reads[i][0].slot.nbytes
+            while j < len(reads) and reads[j][0].off == end:
+                end += reads[j][0].slot.nbytes
+                j += 1
+            p = reads[i][0]
+            fileio.read_all(self.ops, p.fd, [r for _, runs in reads[i:j] for r in runs], p.off, p.path)
+            for q, runs in reads[i:j]:
+                self.check(q, runs)
+            i = j
+
+
+def release(reads: list[tuple[assemble.Piece, list[memoryview]]]) -> None:
+    for _, runs in reads:
+        for r in runs:
+            r.release()
 
 
 class _Recorder(_Decoding):
@@ -266,15 +316,45 @@ def _decode_parallel(reader: _Reader, entries: list[fmt.CacheEntry], threads: in
     for e in entries:
         plan.decode(e)
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="spilld-load") as pool:
-        futs = {k: pool.submit(reader.read, slot, cap) for k, (slot, cap) in plan.wants.items()}
-        try:
-            arrays = {k: f.result() for k, f in futs.items()}
-        except BaseException:
-            for f in futs.values():
-                f.cancel()
-            raise
+        if reader.pieces:
+            arrays = _read_by_file(reader, plan.wants, pool)
+        else:
+            futs = {k: pool.submit(reader.read, slot, cap) for k, (slot, cap) in plan.wants.items()}
+            arrays = _results(futs)
     ctx = _Prefetched(reader, arrays)
     return [ctx.decode(e) for e in entries]
+
+
+def _read_by_file(
+    reader: _Reader, wants: dict[int, tuple[fmt.Slot, int | None]], pool: concurrent.futures.ThreadPoolExecutor
+) -> dict[int, mx.array]:
+    """A manifest's tensors: every buffer allocated first, then each file (a block, the manifest) read by one
+    task straight into the buffers at their row offsets, adjacent pieces in one vectored read."""
+    arrays: dict[int, mx.array] = {}
+    by_file: dict[int, list[tuple[assemble.Piece, list[memoryview]]]] = {}
+    try:
+        allocated = _results({k: pool.submit(reader.alloc, slot, cap) for k, (slot, cap) in wants.items()})
+        for k, (arr, reads) in allocated.items():  # (zero fill and page faults on both cores)
+            arrays[k] = arr
+            for p, runs in reads:
+                by_file.setdefault(p.fd, []).append((p, runs))
+        _results({fd: pool.submit(reader.read_file, reads) for fd, reads in by_file.items()})
+    finally:
+        for reads in by_file.values():
+            release(reads)
+    return arrays
+
+
+def _results(futs: dict[Any, concurrent.futures.Future[Any]]) -> dict[Any, Any]:
+    """Every task's result; on a failure the others are cancelled, or waited for if running (they write into
+    buffers the caller releases next)."""
+    try:
+        return {k: f.result() for k, f in futs.items()}
+    except BaseException:
+        for f in futs.values():
+            f.cancel()
+        concurrent.futures.wait(futs.values())
+        raise
 
 
 def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
@@ -333,7 +413,7 @@ def load(
         whole, pieces = header, None
         if header.blocks is not None:
             plan = assemble.open_plan(
-                header, fd, p, blocks or assemble.beside(p), _read_header_fd, lambda b: _open(ops, b), ops.close,
+                header, fd, p, blocks or assemble.beside(p), _read_block_header, lambda b: _open(ops, b), ops.close,
                 upto=upto, blocks_only=blocks_only,
             )  # fmt: skip
             extra, whole, pieces = plan.fds, plan.header, plan.pieces
