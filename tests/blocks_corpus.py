@@ -177,14 +177,6 @@ def rewrite(path: str, edit: Callable[[dict[str, Any]], None], dest: str | None 
     return out
 
 
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def as_v1(path: str, dest: str) -> str:
     """A v1 file of a v2 entry written whole (no blocks): what a store of spilld 0.1 holds."""
 

@@ -37,7 +37,6 @@ from tests.blocks_corpus import (
     copy_to,
     disk_bytes,
     entry_name,
-    flip,
     key_of,
     manifests_on_disk,
     prefill,
@@ -49,6 +48,7 @@ from tests.caches import live, same
 from tests.daemons import Daemon, cleanup, new_root
 from tests.golden_cases import GOLDEN, GOLDEN_TOKENS
 from tests.models import next_logits, random_tokens, tiny_llama
+from tests.test_store import flip
 
 IDENT = spilld.Identity("model-b", "cfg-b", "tok-b", "")
 OTHER = spilld.Identity("model-o", "cfg-o", "tok-o", "")
