@@ -25,7 +25,7 @@ BlockPaths = Callable[[bytes], str | None]  # a block key -> its file (None: not
 class Piece:
     """Rows of one tensor, contiguous in one file: ``rows`` rows per leading index, at ``off``."""
 
-    fd: int
+    fd: int | None  # None: opened by path when read (a load holds no fd per block: a long prefix has hundreds)
     path: str
     off: int
     rows: int
@@ -38,7 +38,6 @@ class Plan:
 
     header: fmt.Header  # tokens, caches (positional tensors with every row they load), attachments
     pieces: dict[int, list[Piece]]  # id(slot of ``header``) -> its pieces, in row order
-    fds: list[int]
 
 
 def beside(manifest_path: str) -> BlockPaths:
@@ -101,23 +100,19 @@ def open_plan(
     leaves = [e for e, _ in blocks.positional_leaves(header)]
     layout = blocks.layout_of(leaves)
     root = blocks.header_root(header, b.size)
-    fds: list[int] = []
-    stored: list[tuple[int, str, fmt.Header]] = []
-    try:
-        for i in range(use):
-            bpath = resolve(b.keys[i])
-            if bpath is None:
-                raise errors.BlockMissing(f"block {i} ({b.keys[i].hex()[:16]}) is not on disk", path=path)
-            bfd = opener(bpath)
-            fds.append(bfd)
+    stored: list[tuple[str, fmt.Header]] = []
+    for i in range(use):
+        bpath = resolve(b.keys[i])
+        if bpath is None:
+            raise errors.BlockMissing(f"block {i} ({b.keys[i].hex()[:16]}) is not on disk", path=path)
+        bfd = opener(bpath)
+        try:
             bh = read_block(bfd, bpath)
-            check_block(bh, header, i, root, layout, bpath)
-            stored.append((bfd, bpath, bh))
-        return _plan(header, fd, path, stored, use, tail, fds)
-    except BaseException:
-        for f in fds:
-            closer(f)
-        raise
+        finally:
+            closer(bfd)
+        check_block(bh, header, i, root, layout, bpath)
+        stored.append((bpath, bh))
+    return _plan(header, fd, path, stored, use, tail)
 
 
 def check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list[object], path: str) -> None:
@@ -138,9 +133,7 @@ def check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list
         raise errors.BlockInvalid(f"block {i} has another cache layout than the manifest", path=path)
 
 
-def _plan(
-    m: fmt.Header, fd: int, path: str, stored: list[tuple[int, str, fmt.Header]], use: int, tail: bool, fds: list[int]
-) -> Plan:
+def _plan(m: fmt.Header, fd: int, path: str, stored: list[tuple[str, fmt.Header]], use: int, tail: bool) -> Plan:
     b = m.blocks
     assert b is not None
     size = b.size
@@ -159,8 +152,8 @@ def _plan(
             return dataclasses.replace(e, children=kids, offset=max(offs) if offs else None)
         slots = []
         for j, s in enumerate(e.tensors):
-            parts = [Piece(bfd, bp, bh.data_start + bh.caches[n].tensors[j].off, size, bh.caches[n].tensors[j])
-                     for bfd, bp, bh in stored]  # fmt: skip
+            parts = [Piece(None, bp, bh.data_start + bh.caches[n].tensors[j].off, size, bh.caches[n].tensors[j])
+                     for bp, bh in stored]  # fmt: skip
             if tail:
                 parts.append(Piece(fd, path, m.data_start + s.off, s.shape[-2], s))
             rows = sum(p.rows for p in parts)
@@ -176,4 +169,4 @@ def _plan(
     attachments = m.attachments if tail else []
     checkpoint = m.checkpoint if tail else None
     v = dataclasses.replace(m, caches=caches, tokens=tokens, attachments=attachments, checkpoint=checkpoint)
-    return Plan(v, pieces, fds)
+    return Plan(v, pieces)

@@ -249,8 +249,7 @@ class _Reader(_Decoding):
 
     def read_piece(self, p: assemble.Piece, runs: list[memoryview]) -> None:
         """``p``'s bytes into ``runs`` (in file order), its hash checked."""
-        fileio.read_all(self.ops, p.fd, runs, p.off, p.path)
-        self.check(p, runs)
+        self.read_file([(p, runs)])
 
     def check(self, p: assemble.Piece, runs: list[memoryview]) -> None:
         if self.verify:
@@ -263,17 +262,23 @@ class _Reader(_Decoding):
     def read_file(self, reads: list[tuple[assemble.Piece, list[memoryview]]]) -> None:
         """Pieces of one file, in file order: each run of adjacent pieces in one vectored read, then each hashed."""
         reads = sorted(reads, key=lambda r: r[0].off)
-        i = 0
-        while i < len(reads):
-            j, end = i + 1, reads[i][0].off + reads[i][0].slot.nbytes
-            while j < len(reads) and reads[j][0].off == end:
-                end += reads[j][0].slot.nbytes
-                j += 1
-            p = reads[i][0]
-            fileio.read_all(self.ops, p.fd, [r for _, runs in reads[i:j] for r in runs], p.off, p.path)
-            for q, runs in reads[i:j]:
-                self.check(q, runs)
-            i = j
+        first = reads[0][0]
+        fd = first.fd if first.fd is not None else _open(self.ops, first.path)
+        try:
+            i = 0
+            while i < len(reads):
+                j, end = i + 1, reads[i][0].off + reads[i][0].slot.nbytes
+                while j < len(reads) and reads[j][0].off == end:
+                    end += reads[j][0].slot.nbytes
+                    j += 1
+                p = reads[i][0]
+                fileio.read_all(self.ops, fd, [r for _, runs in reads[i:j] for r in runs], p.off, p.path)
+                for q, runs in reads[i:j]:
+                    self.check(q, runs)
+                i = j
+        finally:
+            if first.fd is None:
+                self.ops.close(fd)
 
 
 def release(reads: list[tuple[assemble.Piece, list[memoryview]]]) -> None:
@@ -331,14 +336,14 @@ def _read_by_file(
     """A manifest's tensors: every buffer allocated first, then each file (a block, the manifest) read by one
     task straight into the buffers at their row offsets, adjacent pieces in one vectored read."""
     arrays: dict[int, mx.array] = {}
-    by_file: dict[int, list[tuple[assemble.Piece, list[memoryview]]]] = {}
+    by_file: dict[str, list[tuple[assemble.Piece, list[memoryview]]]] = {}
     try:
         allocated = _results({k: pool.submit(reader.alloc, slot, cap) for k, (slot, cap) in wants.items()})
         for k, (arr, reads) in allocated.items():  # (zero fill and page faults on both cores)
             arrays[k] = arr
             for p, runs in reads:
-                by_file.setdefault(p.fd, []).append((p, runs))
-        _results({fd: pool.submit(reader.read_file, reads) for fd, reads in by_file.items()})
+                by_file.setdefault(p.path, []).append((p, runs))
+        _results({f: pool.submit(reader.read_file, reads) for f, reads in by_file.items()})
     finally:
         for reads in by_file.values():
             release(reads)
@@ -399,7 +404,6 @@ def load(
     p = os.fspath(path)
     prov = provider or default_provider()
     fd = _open(ops, p)
-    extra: list[int] = []
     try:
         header = _read_header_fd(fd, p)
         if header.block is not None:
@@ -416,7 +420,7 @@ def load(
                 header, fd, p, blocks or assemble.beside(p), _read_block_header, lambda b: _open(ops, b), ops.close,
                 upto=upto, blocks_only=blocks_only,
             )  # fmt: skip
-            extra, whole, pieces = plan.fds, plan.header, plan.pieces
+            whole, pieces = plan.header, plan.pieces
         reader = _Reader(fd, whole, prov, verify, ops, p, pieces)
         if threads > 1 and whole.data_bytes >= PARALLEL_MIN_BYTES:
             caches = _decode_parallel(reader, whole.caches, threads)
@@ -426,8 +430,6 @@ def load(
             Attachment(a.schema, dict(a.metadata), [reader.read(s) for s in a.tensors]) for a in whole.attachments
         ]
     finally:
-        for f in extra:
-            ops.close(f)
         ops.close(fd)
     tokens = whole.tokens
     if upto is not None:

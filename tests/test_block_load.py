@@ -88,3 +88,26 @@ async def test_a_block_header_is_remembered_only_for_the_same_file(tmp_path: Pat
     Path(path).write_bytes(data)  # the same bytes in a new file: another inode, another entry
     restored(s, tokens)
     assert len(L._block_headers) == seen + 1
+
+
+@pytest.mark.asyncio
+async def test_a_load_holds_no_fd_per_block(tmp_path: Path) -> None:
+    """300 blocks read by a process allowed 64 open files (macOS's default is 256): each block's file is open only
+    while its header or its bytes are read."""
+    import subprocess
+    import sys
+
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    tokens = list(range(300 * 16 + 5))
+    c = C.KVCache()
+    c.update_and_fetch(mx.ones((1, 1, len(tokens), 8)), mx.ones((1, 1, len(tokens), 8)))
+    manifest = (await s.put(tokens, [c], IDENT)).path
+    assert len(s.blocks) == 300
+    code = (
+        "import resource, sys, spilld; from spilld.codecs import default_provider; default_provider(); "
+        # mlx-lm raises the soft limit when imported (above): lowered once it is
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+        "got = spilld.load(sys.argv[1]); assert got.caches[0].offset == int(sys.argv[2]); print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, manifest, str(len(tokens))], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
