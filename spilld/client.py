@@ -498,7 +498,7 @@ class AsyncClient:
                 lambda: load(path, expect=ident, upto=matched, provider=self.provider, blocks_only=only)
             )
         except errors.FileFormatError as exc:
-            await self.call("report_bad", {"path": path, "code": exc.code})
+            await self.call("report_bad", {"path": path, "code": exc.code, "file": exc.path or path})
             return None
         except errors.StorageError:
             return None  # evicted between lookup and open

@@ -674,6 +674,12 @@ class Store:
         where = self._read_path(e, outcome)
         return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and not os.path.exists(where))
 
+    async def bad_read_async(self, e: Entry, exc: errors.FileFormatError) -> None:
+        """A read of ``e`` found a bad file (``exc.path``: the entry's own, or one of its blocks): it is moved
+        aside, and a bad block takes every entry naming it out of the index."""
+        await self.quarantine_async(self._bad_file(e, exc), exc)
+        await self.delete_doomed_async()
+
     def _bad_file(self, e: Entry, exc: errors.FileFormatError) -> str:
         """The file a failed read blames: a bad block takes every manifest that names it out of the index."""
         rec = next((self._blocks[k] for k in e.blocks if k in self._blocks and self._blocks[k].path == exc.path), None)
@@ -699,8 +705,7 @@ class Store:
             self.counters.hits += 1
             return outcome
         if isinstance(outcome, errors.FileFormatError):
-            await self.quarantine_async(self._bad_file(e, outcome), outcome)
-            await self.delete_doomed_async()
+            await self.bad_read_async(e, outcome)
             return self._miss(MissReason.CORRUPT)
         where = self._read_path(e, outcome)
         gone = isinstance(outcome, errors.StorageError) and not await off_loop(lambda: os.path.exists(where))

@@ -111,3 +111,32 @@ async def test_a_load_holds_no_fd_per_block(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code, manifest, str(len(tokens))], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_client_that_finds_a_bad_block_has_the_daemon_move_the_block_aside() -> None:
+    from spilld.client import Client
+    from tests.daemons import Daemon, cleanup, new_root
+
+    d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "none", "--block-tokens", "16"]).start()
+    try:
+        with Client(d.socket, identity=IDENT, name="bad-block") as client:
+            shared = list(range(40))
+            convs = [[*shared, 1000 + i, 7, 8] for i in range(2)]  # two conversations naming the same 2 blocks
+            for i, t in enumerate(convs):
+                c = C.KVCache()
+                mx.random.seed(i)
+                c.update_and_fetch(*(mx.random.normal((1, 2, len(t), 8)) for _ in range(2)))
+                assert client.spill(t, [c], droppable=False).result(60).stored
+            st = client.status()["store"]
+            assert (st["entries"], st["blocks"]) == (2, 2)
+            block = sorted(str(p) for p in Path(d.dir).rglob("*.spilld-block"))[0]
+            data = bytearray(Path(block).read_bytes())
+            data[-1] ^= 0xFF
+            Path(block).write_bytes(bytes(data))
+            assert client.load([*convs[0], 5]) is None  # the client's own read found it: a miss
+            st = client.status()["store"]
+            assert st["quarantined"] == 1 and st["entries"] == 0 and st["blocks"] == 0
+            assert not Path(block).exists() and any(Path(d.dir, ".quarantine").iterdir())
+    finally:
+        d.stop()
+        cleanup(d.root)

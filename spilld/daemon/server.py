@@ -345,7 +345,10 @@ class Daemon:
             return {"quarantined": False}
         self.store.counters.misses[MissReason.CORRUPT.value] += 1
         why = errors.error_from_code(str(p.get("code", "bad_file")), "reported by a client")
-        await self.store.quarantine_async(path, why)
+        if not isinstance(why, errors.FileFormatError):
+            why = errors.FileFormatError(f"reported by a client: {why.code}")
+        why.path = str(p.get("file", path))  # the file found bad: the entry's own or one of its blocks
+        await self.store.bad_read_async(e, why)
         return {"quarantined": True}
 
     async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
