@@ -29,6 +29,7 @@ from . import errors
 from . import format as fmt
 from . import protocol as P
 from .api import Deadline, Hit
+from .assemble import beside
 from .codecs import CodecProvider, default_provider
 from .config import default_socket
 from .lease import NoLease, RunStep, off_loop
@@ -465,6 +466,10 @@ class AsyncClient:
 
     async def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
         """The daemon's longest usable prefix for ``tokens`` (the file is not read)."""
+        return (await self._lookup(tokens, namespace))[0]
+
+    async def _lookup(self, tokens: Sequence[int], namespace: str) -> tuple[Hit | Miss, dict[str, str]]:
+        """The hit, and the files of its blocks the daemon named (key hex -> path; may be empty)."""
         r = dict(
             await self.call(
                 "lookup",
@@ -477,10 +482,13 @@ class AsyncClient:
             )
         )
         if not r["hit"]:
-            return Miss(MissReason(str(r["reason"])))
-        return Hit(
+            return Miss(MissReason(str(r["reason"]))), {}
+        hit = Hit(
             str(r["path"]), int(r["matched"]), int(r["tokens"]), bool(r["trimmable"]), r.get("blocks_only") is True
         )
+        named = r.get("blocks")
+        paths = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
+        return hit, {os.path.basename(p).split("-", 1)[0]: p for p in paths}
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss.
@@ -488,14 +496,17 @@ class AsyncClient:
         ``longer_than``: a prefix of at most this many tokens is not worth reading (the engine has as much in
         memory): None, and the daemon does not count it as a hit."""
         t0 = time.perf_counter()
-        found = await self.lookup(tokens, namespace)
+        found, named = await self._lookup(tokens, namespace)
         if isinstance(found, Miss) or found.matched <= longer_than:
             return None
         ident = dataclasses.replace(self.identity, namespace=namespace)
         path, matched, only = found.path, found.matched, found.blocks_only
+        # the daemon's index names the blocks (a folder of many files is not listed); any it did not: listed
+        fallback = beside(path)
+        resolve = (lambda key: named.get(key.hex()) or fallback(key)) if named else None
         try:
             loaded = await off_loop(
-                lambda: load(path, expect=ident, upto=matched, provider=self.provider, blocks_only=only)
+                lambda: load(path, expect=ident, upto=matched, provider=self.provider, blocks_only=only, blocks=resolve)
             )
         except errors.FileFormatError as exc:
             await self.call("report_bad", {"path": path, "code": exc.code, "file": exc.path or path})

@@ -115,6 +115,7 @@ async def test_a_load_holds_no_fd_per_block(tmp_path: Path) -> None:
 
 def test_a_client_that_finds_a_bad_block_has_the_daemon_move_the_block_aside() -> None:
     from spilld.client import Client
+    from spilld.control import Control
     from tests.daemons import Daemon, cleanup, new_root
 
     d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "none", "--block-tokens", "16"]).start()
@@ -129,7 +130,12 @@ def test_a_client_that_finds_a_bad_block_has_the_daemon_move_the_block_aside() -
                 assert client.spill(t, [c], droppable=False).result(60).stored
             st = client.status()["store"]
             assert (st["entries"], st["blocks"]) == (2, 2)
-            block = sorted(str(p) for p in Path(d.dir).rglob("*.spilld-block"))[0]
+            on_disk = sorted(str(p) for p in Path(d.dir).rglob("*.spilld-block"))
+            with Control(d.socket, name="lookup") as c:  # the reply names the entry's block files: a client
+                params = {"identity": IDENT.to_wire(), "tokens": spilld.format.encode_tokens([*convs[0], 5])}
+                reply = c.call("lookup", params)  # reads them without listing the folder
+            assert reply["hit"] and sorted(reply["blocks"]) == on_disk
+            block = on_disk[0]
             data = bytearray(Path(block).read_bytes())
             data[-1] ^= 0xFF
             Path(block).write_bytes(bytes(data))

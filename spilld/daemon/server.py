@@ -56,6 +56,9 @@ def open_store(cfg: Config) -> Store:
         raise errors.UnusableFolder(f"--dir {cfg.dir} cannot be used: {why}") from None
 
 
+MAX_LOOKUP_BLOCK_PATHS = 4096  # block files a lookup reply names at most (the client lists the folder for more)
+
+
 class Daemon:
     """The service state shared by every connection. ``listener``: a listening socket handed over by a service
     manager (socket activation), served instead of binding ``cfg.socket``."""
@@ -305,9 +308,10 @@ class Daemon:
             log.debug(
                 "lookup: hit", extra={"client": conn.id, "tokens": len(tokens), "matched": hit.matched, "path": e.path}
             )
+            named = [self.store.block_path(k) for k in e.blocks[:MAX_LOOKUP_BLOCK_PATHS]]
             return {
                 "hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable,
-                "blocks_only": hit.blocks_only,
+                "blocks_only": hit.blocks_only, "blocks": [b for b in named if b is not None],
             }  # fmt: skip
         log.debug("lookup: miss", extra={"client": conn.id, "tokens": len(tokens), "reason": hit.reason.value})
         return {"hit": False, "reason": hit.reason.value}
