@@ -422,8 +422,9 @@ def load(
             )  # fmt: skip
             whole, pieces = plan.header, plan.pieces
         reader = _Reader(fd, whole, prov, verify, ops, p, pieces)
-        if threads > 1 and whole.data_bytes >= PARALLEL_MIN_BYTES:
-            caches = _decode_parallel(reader, whole.caches, threads)
+        big = threads > 1 and whole.data_bytes >= PARALLEL_MIN_BYTES
+        if big or pieces:  # a manifest's files are read one task each (a small one's on one thread: no GIL hand-offs)
+            caches = _decode_parallel(reader, whole.caches, threads if big else 1)
         else:
             caches = [reader.decode(e) for e in whole.caches]
         attachments = [
