@@ -81,38 +81,39 @@ def blocks_wanted(header: fmt.Header, upto: int | None, blocks_only: bool) -> tu
     return len(b.keys), True
 
 
+def checked_blocks(
+    m: fmt.Header, path: str, resolve: BlockPaths, read: Callable[[str], fmt.Header], count: int
+) -> list[tuple[str, fmt.Header]]:
+    """The first ``count`` blocks manifest ``m`` (at ``path``) names: each found, read (``read`` validates its
+    header) and checked against ``m``; ``BlockMissing`` for one not on disk."""
+    b = m.blocks
+    assert b is not None
+    layout = blocks.header_layout(m)
+    root = blocks.header_root(m, b.size, layout)
+    out = []
+    for i in range(count):
+        bpath = resolve(b.keys[i])
+        if bpath is None:
+            raise errors.BlockMissing(f"block {i} ({b.keys[i].hex()[:16]}) is not on disk", path=path)
+        bh = read(bpath)
+        check_block(bh, m, i, root, layout, bpath)
+        out.append((bpath, bh))
+    return out
+
+
 def open_plan(
     header: fmt.Header,
     fd: int,
     path: str,
     resolve: BlockPaths,
-    read_block: Callable[[int, str], fmt.Header],
-    opener: Callable[[str], int],
-    closer: Callable[[int], None],
+    read_block: Callable[[str], fmt.Header],
     *,
     upto: int | None = None,
     blocks_only: bool = False,
 ) -> Plan:
     """Check the blocks a load needs against the manifest and plan every positional tensor's pieces."""
-    b = header.blocks
-    assert b is not None
     use, tail = blocks_wanted(header, upto, blocks_only)
-    leaves = [e for e, _ in blocks.positional_leaves(header)]
-    layout = blocks.layout_of(leaves)
-    root = blocks.header_root(header, b.size)
-    stored: list[tuple[str, fmt.Header]] = []
-    for i in range(use):
-        bpath = resolve(b.keys[i])
-        if bpath is None:
-            raise errors.BlockMissing(f"block {i} ({b.keys[i].hex()[:16]}) is not on disk", path=path)
-        bfd = opener(bpath)
-        try:
-            bh = read_block(bfd, bpath)
-        finally:
-            closer(bfd)
-        check_block(bh, header, i, root, layout, bpath)
-        stored.append((bpath, bh))
-    return _plan(header, fd, path, stored, use, tail)
+    return _plan(header, fd, path, checked_blocks(header, path, resolve, read_block, use), use, tail)
 
 
 def check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list[object], path: str) -> None:

@@ -84,19 +84,14 @@ def chain(root: bytes, tokens: Sequence[int], size: int, count: int) -> list[byt
     return keys
 
 
-def header_root(header: fmt.Header, size: int) -> bytes:
-    """The root key of a manifest (its positional leaves) or of a block (its own entries)."""
-    leaves = [e for e, _ in positional_leaves(header)]
-    return root_key(header.identity, header.codec_provider, size, layout_of(leaves))
+def header_layout(header: fmt.Header) -> list[Any]:
+    """The layout of a manifest's positional leaves, or of a block's own entries."""
+    return layout_of([e for e, _ in positional_leaves(header)])
 
 
-def full_blocks(header: fmt.Header, size: int) -> int:
-    """How many whole blocks of ``size`` tokens every positional cache of a planned entry holds."""
-    leaves = positional_leaves(header)
-    if not leaves or size <= 0:
-        return 0
-    rows = min(e.offset or 0 for e, _ in leaves)
-    return min(rows, len(header.tokens)) // size
+def header_root(header: fmt.Header, size: int, layout: list[Any] | None = None) -> bytes:
+    """The root key of a manifest or a block (``layout``: its ``header_layout``, when already made)."""
+    return root_key(header.identity, header.codec_provider, size, header_layout(header) if layout is None else layout)
 
 
 @dataclass
@@ -108,12 +103,13 @@ class Split:
     size: int
     keys: list[bytes]
     root: bytes
+    leaves: list[tuple[fmt.CacheEntry, int]]  # the positional leaves and their first slot index
 
     def block(self, i: int) -> tuple[fmt.Header, list[Any]]:
         """Block ``i``: a v2 file of its own (the same identity and provider), rows ``[i*size, (i+1)*size)``."""
         lo = i * self.size
         entries, srcs = [], []
-        for e, first in positional_leaves(self.header):
+        for e, first in self.leaves:
             slots = [_rows_slot(s, self.size) for s in e.tensors]
             entries.append(fmt.CacheEntry(e.kind, e.version, self.size, 0, True, dict(e.fields), slots))
             srcs += [self.sources[first + j].row_slice(lo, self.size) for j in range(len(e.tensors))]
@@ -130,8 +126,8 @@ class Split:
         """The entry with its positional caches cut to the rows after the blocks, and the keys of the blocks."""
         base = len(self.keys) * self.size
         srcs = list(self.sources)
-        cut = {id(e) for e, _ in positional_leaves(self.header)}
-        for e, first in positional_leaves(self.header):
+        cut = {id(e) for e, _ in self.leaves}
+        for e, first in self.leaves:
             rows = (e.offset or 0) - base
             for j in range(len(e.tensors)):
                 srcs[first + j] = srcs[first + j].row_slice(base, rows)
@@ -151,13 +147,15 @@ class Split:
 
 def split(header: fmt.Header, sources: Sequence[Any], size: int) -> Split | None:
     """The blocks and manifest of a planned entry; None when it holds no full block (write it whole)."""
-    if header.block is not None or header.blocks is not None or header.version < 2:
+    if header.block is not None or header.blocks is not None or header.version < 2 or size <= 0:
         return None
-    k = full_blocks(header, size)
+    leaves = positional_leaves(header)
+    # whole blocks every positional cache holds (rows of the prefix, so never past the tokens)
+    k = min([e.offset or 0 for e, _ in leaves] + [len(header.tokens)]) // size if leaves else 0
     if k == 0:
         return None
-    root = header_root(header, size)
-    return Split(header, list(sources), size, chain(root, header.tokens, size, k), root)
+    root = root_key(header.identity, header.codec_provider, size, layout_of([e for e, _ in leaves]))
+    return Split(header, list(sources), size, chain(root, header.tokens, size, k), root, leaves)
 
 
 def _rows_slot(s: fmt.Slot, rows: int) -> fmt.Slot:

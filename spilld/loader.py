@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from . import assemble, errors, fileio
-from . import blocks as spilld_blocks
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
@@ -75,6 +74,15 @@ def _read_block_header(fd: int, path: str) -> fmt.Header:
     return header
 
 
+def _block_header_at(path: str, ops: FileOps) -> fmt.Header:
+    """A block's validated header; its file is open only while it is read (a load holds no fd per block)."""
+    fd = _open(ops, path)
+    try:
+        return _read_block_header(fd, path)
+    finally:
+        ops.close(fd)
+
+
 def _open(ops: FileOps, path: str) -> int:
     with fileio.io_errors("open", path):
         return ops.open_read(path)
@@ -102,16 +110,9 @@ def verify_file(
     every block it names as well (found through ``blocks``, default: its own folder)."""
     p = os.fspath(path)
     header = _verify_one(p, ops)
-    b = header.blocks
-    if b is not None:
+    if header.blocks is not None:
         resolve = blocks or assemble.beside(p)
-        leaves = [e for e, _ in spilld_blocks.positional_leaves(header)]
-        root, layout = spilld_blocks.header_root(header, b.size), spilld_blocks.layout_of(leaves)
-        for i, key in enumerate(b.keys):
-            bpath = resolve(key)
-            if bpath is None:
-                raise errors.BlockMissing(f"block {i} ({key.hex()[:16]}) is not on disk", path=p)
-            assemble.check_block(_verify_one(bpath, ops), header, i, root, layout, bpath)
+        assemble.checked_blocks(header, p, resolve, lambda b: _verify_one(b, ops), len(header.blocks.keys))
     return header
 
 
@@ -417,7 +418,7 @@ def load(
         whole, pieces = header, None
         if header.blocks is not None:
             plan = assemble.open_plan(
-                header, fd, p, blocks or assemble.beside(p), _read_block_header, lambda b: _open(ops, b), ops.close,
+                header, fd, p, blocks or assemble.beside(p), lambda b: _block_header_at(b, ops),
                 upto=upto, blocks_only=blocks_only,
             )  # fmt: skip
             whole, pieces = plan.header, plan.pieces

@@ -582,9 +582,13 @@ class Store:
             if rec is None:
                 continue
             rec.refs.discard(e.path)
-            if not rec.refs and not rec.pins:
-                self._drop_block(rec)
-                self.counters.blocks_reclaimed += 1
+            self._reclaim_if_unused(rec)
+
+    def _reclaim_if_unused(self, rec: Block) -> None:
+        """A block no manifest names and no put is about to name goes."""
+        if not rec.refs and not rec.pins:
+            self._drop_block(rec)
+            self.counters.blocks_reclaimed += 1
 
     def _clear_index(self) -> None:
         self._by_path = {}
@@ -682,15 +686,23 @@ class Store:
 
     def _bad_file(self, e: Entry, exc: errors.FileFormatError) -> str:
         """The file a failed read blames: a bad block takes every manifest that names it out of the index."""
-        rec = next((self._blocks[k] for k in e.blocks if k in self._blocks and self._blocks[k].path == exc.path), None)
+        rec = self._block_of(e, exc.path)
         if rec is None:
             return e.path
         del self._blocks[rec.key]  # out first: it is moved aside, never unlinked with the manifests' own
         self._count(rec.path, -rec.nbytes, block=True)
+        self._remove_naming(rec)
+        return rec.path
+
+    def _block_of(self, e: Entry, path: str | None) -> Block | None:
+        """The block of ``e`` stored at ``path`` (the file a failed read names), if it is one."""
+        return next((r for k in e.blocks if (r := self._blocks.get(k)) is not None and r.path == path), None)
+
+    def _remove_naming(self, rec: Block) -> None:
+        """Every entry that names ``rec`` out of the index (its block is bad or gone: none of them can be read)."""
         for p in list(rec.refs):
             if (other := self._by_path.get(p)) is not None:
                 self._remove(other)
-        return rec.path
 
     async def restore_async(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
         """``restore`` on an event loop: the read, the mtime, the existence check and a quarantine's move run on
@@ -713,16 +725,14 @@ class Store:
 
     def _read_path(self, e: Entry, exc: errors.SpillError) -> str:
         """The file a failed read of ``e`` was reading: one of its blocks, or the entry's own file."""
-        return exc.path if exc.path and any(self.block_path(k) == exc.path for k in e.blocks) else e.path
+        rec = self._block_of(e, exc.path)
+        return rec.path if rec is not None else e.path
 
     def _failed_read(self, e: Entry, outcome: errors.SpillError, gone: bool) -> Miss:
-        lost = self._read_path(e, outcome)
-        if gone and lost != e.path:  # a block removed under us: every entry naming it is unusable
-            rec = next(r for k in e.blocks if (r := self._blocks.get(k)) is not None and r.path == lost)
-            log.warning("a block of %d entries is gone: %s", len(rec.refs), lost)
-            for p in list(rec.refs):
-                if (other := self._by_path.get(p)) is not None:
-                    self._remove(other)
+        rec = self._block_of(e, outcome.path)
+        if gone and rec is not None:  # a block removed under us: every entry naming it is unusable
+            log.warning("a block of %d entries is gone: %s", len(rec.refs), rec.path)
+            self._remove_naming(rec)
             return self._miss(MissReason.CORRUPT)
         if gone:
             self._remember_evicted(e)  # evicted between lookup and open
@@ -860,9 +870,7 @@ class Store:
         """A put is done with its blocks: one that no manifest names (the put failed) goes."""
         for rec in pinned:
             rec.pins -= 1
-            if not rec.refs and not rec.pins:
-                self._drop_block(rec)
-                self.counters.blocks_reclaimed += 1
+            self._reclaim_if_unused(rec)
         pinned.clear()
 
     async def _write(
@@ -946,19 +954,26 @@ class Store:
 
         Their files join the ones to delete (``delete_doomed_async``, or at once by the sync callers).
         """
+        return self._evict_until(self._by_path.values(), lambda: self.total_bytes <= self.disk_cap, keep)
+
+    def _evict_until(self, entries: Iterable[Entry], fits: Callable[[], bool], keep: Entry | None) -> int:
+        """Evict ``entries`` in eviction order (all but ``keep``) until ``fits()``: how many went."""
         n = 0
-        if self.total_bytes <= self.disk_cap:
+        if fits():
             return 0
-        for e in self._evict_order(self._by_path.values()):
-            if self.total_bytes <= self.disk_cap:
+        for e in self._evict_order(entries):
+            if fits():
                 break
-            if e is keep:
-                continue
-            self._remember_evicted(e)
-            self._remove(e)  # and the blocks no other entry names
-            self.counters.evicted += 1
-            n += 1
+            if e is not keep:
+                self._evict(e)
+                n += 1
         return n
+
+    def _evict(self, e: Entry) -> None:
+        """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed."""
+        self._remember_evicted(e)
+        self._remove(e)
+        self.counters.evicted += 1
 
     def _evict_order(self, entries: Iterable[Entry]) -> list[Entry]:
         """Least recently used first, pinned entries last: the newest pins, as long as they fit the pin cap (with
@@ -1029,20 +1044,12 @@ class Store:
     def _evict_to_quota(self, new: Entry) -> int:
         """Least recently used entries of ``new``'s namespace go until it fits its quota: one tenant's spills never
         evict another's (the disk cap, over all of them, is checked after)."""
-        ns = _ns_dir(new.path)
-        if self.namespace_quota is None or self._ns_bytes[ns] <= self.namespace_quota:
+        quota, ns = self.namespace_quota, _ns_dir(new.path)
+        if quota is None or self._ns_bytes[ns] <= quota:
             return 0
-        n = 0
-        for e in self._evict_order([e for e in self._by_path.values() if _ns_dir(e.path) == ns]):
-            if self._ns_bytes[ns] <= self.namespace_quota:
-                break
-            if e is new:
-                continue
-            self._remember_evicted(e)
-            self._remove(e)
-            self.counters.evicted += 1
-            self.counters.quota_evicted += 1
-            n += 1
+        mine = [e for e in self._by_path.values() if _ns_dir(e.path) == ns]
+        n = self._evict_until(mine, lambda: self._ns_bytes[ns] <= quota, new)
+        self.counters.quota_evicted += n
         return n
 
     def make_room(self, nbytes: int) -> bool:
@@ -1052,9 +1059,7 @@ class Store:
         for e in self._evict_order(self._by_path.values()):
             if gone and start - self.total_bytes >= nbytes:
                 break
-            self._remember_evicted(e)
-            self._remove(e)
-            self.counters.evicted += 1
+            self._evict(e)
             gone += 1
         return gone > 0
 
@@ -1138,9 +1143,7 @@ class Store:
 
     def _evict_entries(self, gone: Sequence[Entry]) -> None:
         for e in gone:
-            self._remember_evicted(e)
-            self._remove(e)
-        self.counters.evicted += len(gone)
+            self._evict(e)
 
     def remove_empty_folders(self) -> None:
         """Folders of models no longer in use go when their last entry does (blocking: a worker thread).
