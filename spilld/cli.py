@@ -352,6 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             write_budget=args.write_budget,
             namespace_quota=args.namespace_quota,
             pin_cap=args.pin_cap,
+            admit_after=args.admit_after,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -460,6 +461,14 @@ def _print_status(st: dict[str, Any]) -> None:
             f"wear    written {format_size(d['written_day'])} in 24 h{budget}, {format_size(d['written_week'])} in 7 days,"
             f" {format_size(d['bytes_written'])} since start; shed for the budget {d['dropped_budget']}"
         )
+        unique = int(d.get("unique_added", 0))
+        amp = f"{int(d['bytes_written']) / unique:.2f}x" if unique else "-"
+        gate = (
+            f", shed by the gate (--admit-after {d['admit_after']}) {d['dropped_admit']}"
+            if d.get("admit_after")
+            else ""
+        )
+        print(f"        unique bytes added {format_size(unique)}, write amplification {amp}{gate}")
     lookups = f"{st['lookups']}, " if "lookups" in st else ""
     print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
     by_code = ", ".join(f"{k} {v}" for k, v in d.get("errors", {}).items() if v)
@@ -793,6 +802,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pinned entries (spill(pin=True), spilld pin) are evicted last, up to this many bytes with their "
         "blocks; older pins beyond it are evicted like the rest (default: a quarter of the disk cap)",
+    )
+    srv.add_argument(
+        "--admit-after",
+        type=int,
+        default=0,
+        help="the write gate: a droppable spill's new blocks are written only once a lookup asked for their prefix "
+        "this many times (one-off prompts never reach the disk); the counts are kept in memory (default 0: off)",
     )
     srv.add_argument(
         "--drain-deadline",

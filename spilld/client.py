@@ -407,8 +407,9 @@ class AsyncClient:
         r = commit.result()
         if r["outcome"] == "stored":
             outcome.set_result(Settled(Outcome.STORED, value=SaveResult(str(r["path"]), header, int(r["file_bytes"]))))
-        elif r["outcome"] in ("dropped", "cancelled"):
-            outcome.set_result(Settled(Outcome(r["outcome"])))
+        elif r["outcome"] in ("dropped", "cancelled"):  # with the reason when there is one (a store's shed)
+            why = errors.error_from_code(str(r["code"]), str(r.get("message", ""))) if "code" in r else None
+            outcome.set_result(Settled(Outcome(r["outcome"]), error=why))
         else:
             err = errors.error_from_code(str(r.get("code", "error")), str(r.get("message", r["outcome"])))
             outcome.set_result(Settled(Outcome.FAILED, error=err))

@@ -8,6 +8,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from .admission import MAX_ADMIT_AFTER
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .fileio import Durability
 from .format import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
@@ -138,6 +139,7 @@ class Config:
     write_budget: int | None = None  # bytes a day; past it droppable spills are shed (None: no budget)
     namespace_quota: int | None = None  # bytes on disk one namespace may hold (None: only the disk cap)
     pin_cap: int | None = None  # pinned bytes evicted last (None: a quarter of the disk cap)
+    admit_after: int = 0  # the write gate: a droppable spill's new prefix is written once asked this often (0: off)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -159,5 +161,7 @@ class Config:
             raise ValueError(
                 f"block tokens must be 0 (no blocks) or from {MIN_BLOCK_TOKENS} to {MAX_BLOCK_TOKENS}, not {self.block_tokens}"
             )
+        if not 0 <= self.admit_after <= MAX_ADMIT_AFTER:
+            raise ValueError(f"admit after must be from 0 (off) to {MAX_ADMIT_AFTER}, not {self.admit_after}")
         if self.max_clients < 1:
             raise ValueError(f"max clients must be at least 1, not {self.max_clients}")

@@ -249,6 +249,12 @@ class WriteBudgetSpent(Shed):
     code = "write_budget_spent"
 
 
+class NotAdmitted(Shed):
+    """The write gate (``--admit-after``): the spill's new prefix was not asked for often enough to be written."""
+
+    code = "not_admitted"
+
+
 class StorageError(SpillError):
     """An I/O error while writing or reading (errno kept in ``errno``)."""
 

@@ -30,6 +30,7 @@ import xxhash
 
 from . import blocks, errors, fileio
 from . import format as fmt
+from .admission import Admission
 from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .lease import RunStep, off_loop
@@ -306,6 +307,8 @@ class StoreCounters:
     blocks_reused: int = 0  # blocks a spill named without writing them (already on disk)
     blocks_reclaimed: int = 0  # blocks removed because no manifest named them any more
     dropped_budget: int = 0  # droppable spills shed because the write budget was spent
+    dropped_admit: int = 0  # droppable spills shed by the write gate (their prefix not asked for often enough)
+    unique_added: int = 0  # cache bytes of tokens the store did not hold before (what written bytes are against)
     quota_evicted: int = 0  # entries evicted to keep their namespace within its quota
     store_errors: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
@@ -327,6 +330,7 @@ class Store:
         write_budget: int | None = None,
         namespace_quota: int | None = None,
         pin_cap: int | None = None,
+        admit_after: int = 0,
     ) -> None:
         if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
             raise ValueError(
@@ -335,6 +339,8 @@ class Store:
         self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
         self.write_budget = write_budget  # bytes a day; once written, droppable spills are shed (None: no budget)
         self.wear = Wear()
+        # the write gate: counts of lookups per prefix (None: every spill is written)
+        self.admission = Admission(admit_after, block_tokens or DEFAULT_BLOCK_TOKENS) if admit_after else None
         self.namespace_quota = namespace_quota  # bytes on disk one namespace may hold (None: only the disk cap)
         self.root = os.path.abspath(os.fspath(root))
         self.durability = fileio.Durability(durability)
@@ -624,6 +630,8 @@ class Store:
     def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> _Query:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
+        if self.admission is not None:
+            self.admission.asked(self._ask_scope(ident, namespace), want)
         prov = provider or self.provider_id
         group = self._by_start.get(_start_key(namespace, want), {}) if len(want) > 1 else {}
         roots = [(r, size, whole) for r, (size, whole) in self._roots.get((fp, namespace, prov), {}).items()]
@@ -793,6 +801,10 @@ class Store:
             )  # fmt: skip
         ident = planned[0].identity
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
+        held = self._held_blocks(cut)
+        if droppable and self.admission is not None:
+            self._admit(planned[0], held)
+        logical = planned[0].data_bytes
         path = self.new_path(ident, ident.namespace)
         folder = os.path.dirname(path)
         kw: dict[str, Any] = {"run_step": run_step, "write_in_lease": write_in_lease, "staging": staging}
@@ -823,7 +835,8 @@ class Store:
         self.counters.stored += 1
         self._wrote(result.file_bytes)
         self._ok()
-        self._supersede(entry, has_attachments=bool(result.header.attachments))
+        held = max(held * self.block_tokens, self._supersede(entry, has_attachments=bool(result.header.attachments)))
+        self.counters.unique_added += logical * max(entry.ntokens - held, 0) // max(entry.ntokens, 1)
         self._evict_to_quota(entry)
         self.evict_to_cap(keep=entry)
         try:
@@ -926,8 +939,30 @@ class Store:
             log.warning("writes to %s succeed again after %d failures in a row", self.root, self._error_run)
         self._error_run = 0
 
-    def _supersede(self, new: Entry, *, has_attachments: bool) -> None:
+    def _held_blocks(self, cut: Split | None) -> int:
+        """How many leading blocks of ``cut`` the store holds already."""
+        if cut is None:
+            return 0
+        return next((i for i, k in enumerate(cut.keys) if k not in self._blocks), len(cut.keys))
+
+    def _admit(self, header: fmt.Header, held: int) -> None:
+        """Shed a droppable spill whose first new block's prefix was not asked for ``--admit-after`` times."""
+        assert self.admission is not None
+        if not self.admission.admits(self._ask_scope(header.identity), header.tokens, held):
+            self.counters.dropped_admit += 1
+            raise errors.NotAdmitted(
+                f"the prefix of its new blocks was not asked for {self.admission.after} times yet (--admit-after): "
+                "a droppable spill is not written"
+            )
+
+    def _ask_scope(self, ident: fmt.Identity, namespace: str | None = None) -> str:
+        """What asks are counted within: the model and the namespace."""
+        return f"{identity_fingerprint(ident)}/{ident.namespace if namespace is None else namespace}"
+
+    def _supersede(self, new: Entry, *, has_attachments: bool) -> int:
+        """Remove the entries ``new`` replaces (exact copies; prefixes it extends): the most tokens one held."""
         # an entry with blocks that is a prefix of this one ends at one of its blocks (keys chain the whole prefix)
+        held = 0
         cands = list(self._by_start.get(_start_key(new.namespace, new.tokens), {}).values())
         for k in new.blocks:
             cands += self._by_last.get(k, {}).values()
@@ -947,7 +982,9 @@ class Store:
             )
             if exact or ancestor:
                 self.counters.superseded += 1
+                held = max(held, e.ntokens)
                 self._remove(e)
+        return held
 
     def evict_to_cap(self, keep: Entry | None = None) -> int:
         """Take least recently used entries out of the index until the root fits the disk cap.
@@ -1236,6 +1273,9 @@ class Store:
             "written_week": self.wear.last_week(),
             "write_budget": self.write_budget,
             "dropped_budget": c.dropped_budget,
+            "admit_after": self.admission.after if self.admission is not None else 0,
+            "dropped_admit": c.dropped_admit,
+            "unique_added": c.unique_added,
             "namespace_quota": self.namespace_quota,
             "quota_evicted": c.quota_evicted,
             "pinned": len(self._pins),

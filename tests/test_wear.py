@@ -156,3 +156,102 @@ def test_spilld_pin_and_unpin_through_the_daemon(tmp_path: Path) -> None:
     finally:
         d.stop()
         cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_the_gate_writes_a_droppable_prefix_once_it_was_asked_for_n_times(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, admit_after=2)
+    toks = list(range(40))
+    with pytest.raises(errors.NotAdmitted) as got:
+        await s.put(toks, caches(40), IDENT, droppable=True)  # never asked for: not written
+    assert got.value.code == "not_admitted" and isinstance(got.value, errors.Shed)
+    assert s.count == 0 and not s.blocks and s.counters.bytes_written == 0 and s.counters.dropped_admit == 1
+    s.lookup(IDENT, "", [*toks, 7])
+    with pytest.raises(errors.NotAdmitted):
+        await s.put(toks, caches(40), IDENT, droppable=True)  # asked once: not yet
+    s.lookup(IDENT, "other", [*toks, 7])  # another namespace's asks do not count for this one
+    with pytest.raises(errors.NotAdmitted):
+        await s.put(toks, caches(40), IDENT, droppable=True)
+    s.lookup(IDENT, "", toks[:20])  # a shorter prompt: its first block (the first one the spill adds) asked twice
+    await s.put(toks, caches(40), IDENT, droppable=True)
+    assert s.count == 1 and len(s.blocks) == 2 and s.stats()["dropped_admit"] == 3
+    # past stored blocks, the first new one counts: [40, 80) was asked for once
+    longer = list(range(80))
+    s.lookup(IDENT, "", [*longer, 1])
+    with pytest.raises(errors.NotAdmitted):
+        await s.put(longer, caches(80), IDENT, droppable=True)
+    s.lookup(IDENT, "", [*longer, 2])
+    await s.put(longer, caches(80), IDENT, droppable=True)
+    assert len(s.blocks) == 5
+    # the next turn adds less than one block past what is stored: cheap, always written
+    await s.put([*longer, 80, 81, 82], caches(83), IDENT, droppable=True)
+    assert s.counters.stored == 3
+    # a spill its engine needs kept is never gated
+    await s.put(list(range(500, 540)), caches(40, seed=4), IDENT, droppable=False)
+    assert s.counters.stored == 4
+
+
+@pytest.mark.asyncio
+async def test_without_a_gate_no_asks_are_counted(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    assert s.admission is None
+    await s.put(list(range(40)), caches(40), IDENT, droppable=True)
+    assert s.count == 1 and s.stats()["admit_after"] == 0
+
+
+def test_the_gate_forgets_the_least_recently_asked_prefix_first() -> None:
+    from spilld.admission import Admission
+
+    gate = Admission(1, 4, tracked=3)
+    gate.asked("m", [1, 2, 3, 4, 5, 6, 7, 8])  # two prefixes
+    gate.asked("m", [9, 9, 9, 9])  # a third
+    assert gate.asks("m", [1, 2, 3, 4]) == 1
+    gate.asked("m", [1, 2, 3, 4])  # the oldest asked again: now the newest
+    gate.asked("m", [5, 5, 5, 5])  # a fourth: the least recently asked ([1..8]) goes
+    assert gate.asks("m", [1, 2, 3, 4, 5, 6, 7, 8]) == 0
+    assert gate.asks("m", [1, 2, 3, 4]) == 2 and gate.asks("m", [9, 9, 9, 9]) == 1
+    assert gate.asks("n", [1, 2, 3, 4]) == 0  # another scope
+
+
+@pytest.mark.asyncio
+async def test_unique_bytes_count_the_tokens_the_store_did_not_hold(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    first = await s.put(list(range(64)), caches(64), IDENT)
+    per_token = first.header.data_bytes // 64 if first.header.blocks is None else None
+    assert s.counters.unique_added > 0
+    one = s.counters.unique_added
+    assert per_token is None or one == per_token * 64
+    await s.put(list(range(64)), caches(64), IDENT)  # the same again: nothing new
+    assert s.counters.unique_added == one
+    await s.put(list(range(96)), caches(96), IDENT)  # 32 new tokens past 4 stored blocks
+    assert s.counters.unique_added == one + one // 2
+    st = s.stats()
+    assert st["bytes_written"] > st["unique_added"]  # headers and block files cost a little more
+
+
+@pytest.mark.asyncio
+async def test_unique_bytes_count_a_superseded_prefix_as_held(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0)  # whole files: what is held comes from supersede
+    await s.put(list(range(10)), caches(10), IDENT)
+    one = s.counters.unique_added
+    await s.put(list(range(20)), caches(20), IDENT)
+    assert s.counters.superseded == 1 and s.counters.unique_added == 2 * one
+
+
+def test_the_gate_through_the_daemon_and_its_status(tmp_path: Path) -> None:
+    from tests.daemons import Daemon, cleanup, new_root
+
+    d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "none", "--admit-after", "1"]).start()
+    try:
+        toks = list(range(200))
+        with spilld.Client(d.socket, identity=IDENT, name="gate") as client:
+            shed = client.spill(toks, caches(200)).result(60)
+            assert shed.outcome is Outcome.DROPPED and isinstance(shed.error, errors.NotAdmitted)
+            assert client.lookup([*toks, 1]) is not None  # a miss, and an ask
+            assert client.spill(toks, caches(200)).result(60).stored
+        out = d.cli("status", "--socket", d.socket)
+        assert out.returncode == 0, out.stderr
+        assert "shed by the gate (--admit-after 1) 1" in out.stdout and "write amplification " in out.stdout
+    finally:
+        d.stop()
+        cleanup(d.root)
