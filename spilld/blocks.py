@@ -110,7 +110,7 @@ class Split:
         lo = i * self.size
         entries, srcs = [], []
         for e, first in self.leaves:
-            slots = [_rows_slot(s, self.size) for s in e.tensors]
+            slots = [rows_slot(s, self.size) for s in e.tensors]
             entries.append(fmt.CacheEntry(e.kind, e.version, self.size, 0, True, dict(e.fields), slots))
             srcs += [self.sources[first + j].row_slice(lo, self.size) for j in range(len(e.tensors))]
         h = self.header
@@ -135,7 +135,7 @@ class Split:
         def entry(e: fmt.CacheEntry) -> fmt.CacheEntry:
             if id(e) in cut:
                 tail = (e.offset or 0) - base
-                return dataclasses.replace(e, tensors=[_rows_slot(s, tail) for s in e.tensors])
+                return dataclasses.replace(e, tensors=[rows_slot(s, tail) for s in e.tensors])
             return dataclasses.replace(e, children=[entry(c) for c in e.children])
 
         m = dataclasses.replace(
@@ -158,7 +158,13 @@ def split(header: fmt.Header, sources: Sequence[Any], size: int) -> Split | None
     return Split(header, list(sources), size, chain(root, header.tokens, size, k), root, leaves)
 
 
-def _rows_slot(s: fmt.Slot, rows: int) -> fmt.Slot:
+def positional_slots(header: fmt.Header) -> list[int]:
+    """The indices (in slot order) of the tensors of the positional caches: those whose rows blocks hold."""
+    return [first + j for e, first in positional_leaves(header) for j in range(len(e.tensors))]
+
+
+def rows_slot(s: fmt.Slot, rows: int) -> fmt.Slot:
+    """``s`` with ``rows`` rows (axis -2), unplaced."""
     shape = (*s.shape[:-2], rows, s.shape[-1])
     nbytes = fmt.DTYPE_SIZES[s.dtype]
     for d in shape:

@@ -454,6 +454,7 @@ def _print_status(st: dict[str, Any]) -> None:
         print(
             f"blocks  {d['blocks']} ({format_size(d['block_bytes'])}), written {d['blocks_written']}, "
             f"reused {d['blocks_reused']}, reclaimed {d['blocks_reclaimed']}"
+            + (f"; not sent by clients (held) {format_size(st['ingest']['held_bytes'])}" if "ingest" in st else "")
         )
     if "written_day" in d:
         budget = f" of a {format_size(d['write_budget'])} budget" if d.get("write_budget") else ""

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from . import errors
+from . import blocks, errors
 from . import format as fmt
 from . import protocol as P
 from .api import Deadline, Hit
@@ -37,7 +37,7 @@ from .loader import Loaded, load
 from .loopthread import LoopThread
 from .peer import refuse_foreign
 from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
-from .saver import LIVE_CHUNK_BYTES, Attachment, SaveResult, Staging, TensorBytes
+from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes
 from .shm import ShmPool
 from .snapshot import item_bytes, new_item, on_loop, planned, snapshot_of, threadsafe
 from .store import Miss, MissReason, check_namespace
@@ -364,10 +364,9 @@ class AsyncClient:
             await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED)
         for attempt in range(BUSY_RETRIES):
             try:
-                started = await self._call(
-                    "spill",
-                    {"header": header.to_wire(), "droppable": item.droppable, "key": item.key, "pin": item.pin},
-                )
+                # "held": the daemon may answer the rows it holds as blocks (those are not sent)
+                params = {"header": header.to_wire(), "droppable": item.droppable, "key": item.key, "pin": item.pin}
+                started = await self._call("spill", params | {"held": True})
                 break
             except P.Busy:
                 if attempt == BUSY_RETRIES - 1:
@@ -375,7 +374,7 @@ class AsyncClient:
                 await asyncio.sleep(BUSY_BACKOFF_S * (attempt + 1))
         sid = started["spill"]
         try:
-            for i, (slot, src) in enumerate(zip(header.slots(), sources, strict=True)):
+            for i, (slot, src) in enumerate(_unheld(header, sources, started.get("held_rows", 0))):
                 tb = TensorBytes(i, slot, src, self._staging)
                 try:
                     await tb.take_in_lease(self.lease, LIVE_CHUNK_BYTES)
@@ -560,6 +559,20 @@ def _drop(fut: asyncio.Future[Any]) -> None:
         fut.cancel()
     elif not fut.cancelled():
         fut.exception()
+
+
+def _unheld(header: fmt.Header, sources: list[AnySource], held: Any) -> list[tuple[fmt.Slot, AnySource]]:
+    """Each tensor's slot and source, its positional ones cut to the rows after the ``held`` the daemon has."""
+    out = list(zip(header.slots(), sources, strict=True))
+    if type(held) is not int or held <= 0:
+        return out
+    for i in blocks.positional_slots(header):
+        slot, src = out[i]
+        rows = slot.shape[-2] - held
+        if rows < 0:
+            raise errors.ProtocolError(f"the daemon holds {held} rows of a tensor of {slot.shape[-2]}")
+        out[i] = (blocks.rows_slot(slot, rows), src.row_slice(held, rows))
+    return out
 
 
 def _fill(seg: memoryview, runs: list[memoryview]) -> tuple[int, list[memoryview]]:

@@ -249,6 +249,13 @@ class WriteBudgetSpent(Shed):
     code = "write_budget_spent"
 
 
+class HeldBlockGone(SpillError):
+    """A block the daemon told the client it held (so its rows were not sent) was gone when the spill was
+    written: the spill fails; the engine's next spill sends those rows again."""
+
+    code = "held_block_gone"
+
+
 class NotAdmitted(Shed):
     """The write gate (``--admit-after``): the spill's new prefix was not asked for often enough to be written."""
 

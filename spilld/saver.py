@@ -45,13 +45,17 @@ class BytesSource:
 
     chunks: list[bytes | bytearray | memoryview]
     shape: tuple[int, ...]
+    base: int = 0  # the entry row its first row is (a client sends no rows of the blocks the daemon holds)
 
     def row_slice(self, start: int, rows: int) -> BytesSource:
-        """Rows ``[start, start + rows)`` (axis -2), as views of these chunks (a block cut from a received tensor)."""
+        """Entry rows ``[start, start + rows)`` (axis -2), as views of these chunks (a block cut from a received
+        tensor)."""
+        if start < self.base:
+            raise ValueError(f"rows from {start} asked of received bytes that start at row {self.base}")
         total = sum(len(c) for c in self.chunks)
         count = math.prod(self.shape)
         itemsize = total // count if count else 0
-        spans = fmt.row_spans(self.shape, itemsize, rows, start)
+        spans = fmt.row_spans(self.shape, itemsize, rows, start - self.base)
         return BytesSource(
             _cut_runs([memoryview(c).cast("B") for c in self.chunks], spans), (*self.shape[:-2], rows, self.shape[-1])
         )

@@ -782,10 +782,13 @@ class Store:
         staging: Staging | None = None,
         droppable: bool = False,
         pin: bool = False,
+        held_rows: int = 0,
     ) -> SaveResult:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
-        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. A ``droppable`` spill is
+        ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. ``held_rows``: the rows of
+        its positional caches its sources lack because the store held their blocks (``held_rows``, for the daemon's
+        ingest); the put fails (``HeldBlockGone``) if one of those blocks went since. A ``droppable`` spill is
         shed (``WriteBudgetSpent``, a DROPPED outcome) once the day's write budget is spent. Files are written
         through the store's file layer (``self.ops``); folders, writes and unlinks run off the event loop.
         """
@@ -802,6 +805,10 @@ class Store:
         ident = planned[0].identity
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
         held = self._held_blocks(cut)
+        if held_rows and (cut is None or held * cut.size < held_rows):
+            raise errors.HeldBlockGone(
+                f"a block of the first {held_rows} tokens went (evicted) after the client was told it was held"
+            )
         if droppable and self.admission is not None:
             self._admit(planned[0], held)
         logical = planned[0].data_bytes
@@ -938,6 +945,12 @@ class Store:
         if self._error_run > 1:
             log.warning("writes to %s succeed again after %d failures in a row", self.root, self._error_run)
         self._error_run = 0
+
+    def held_rows(self, header: fmt.Header) -> int:
+        """How many leading tokens of a planned entry's ``header`` this store holds as blocks: the rows of its
+        positional caches a writer need not have (a multiple of ``block_tokens``; 0 without blocks)."""
+        cut = blocks.split(header, [], self.block_tokens) if self.block_tokens else None
+        return self._held_blocks(cut) * self.block_tokens
 
     def _held_blocks(self, cut: Split | None) -> int:
         """How many leading blocks of ``cut`` the store holds already."""

@@ -23,10 +23,10 @@ from mlx_lm.models.cache import make_prompt_cache
 import spilld
 from spilld import errors
 from spilld import format as fmt
-from spilld.blocks import BLOCK_EXT
+from spilld.blocks import BLOCK_EXT, positional_slots
 from spilld.client import AsyncClient
 from spilld.loader import read_header
-from spilld.saver import Attachment
+from spilld.saver import Attachment, plan
 from spilld.store import Hit, Miss, MissReason, Store, identity_fingerprint, namespace_hash
 from tests.blocks_corpus import (
     MODEL_CASES,
@@ -641,6 +641,53 @@ async def test_the_daemon_writes_shared_blocks_once_and_restores_exactly() -> No
             await client.close()
         d.kill()
         cleanup(d.root)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("shm", [False, True])
+async def test_a_client_sends_only_the_rows_the_daemon_does_not_hold(shm: bool) -> None:
+    kinds = ("kv", "quantized", "hybrid_list", "rotating")  # cut and uncut caches, a list with both
+    d = Daemon(new_root(), ["--cap", "256MiB", "--block-tokens", str(B), "--durability", "none"]).start()
+    client = None
+    try:
+        client = await AsyncClient.open(d.socket, identity=IDENT, name="held", shm=shm)
+        first, turn = toks(3 * B + 5), toks(5 * B + 3)  # the turn extends the first: 3 blocks held
+        assert (await client.spill(first, conversation(first, kinds), droppable=False)).stored
+        before = (await client.status())["ingest"]["held_bytes"]
+        assert before == 0
+        assert (await client.spill(turn, conversation(turn, kinds), droppable=False)).stored
+        st = await client.status()
+        header, _ = plan(turn, conversation(turn, kinds), identity=IDENT)
+        slots = header.slots()
+        held = sum(slots[i].nbytes * 3 * B // slots[i].shape[-2] for i in positional_slots(header))
+        assert held > 0 and st["ingest"]["held_bytes"] == held  # 3 blocks' rows of every cut tensor, not sent
+        assert st["store"]["blocks_reused"] == 3 and st["store"]["blocks_written"] == 5
+        for prompt, want in ((first, conversation(first, kinds)), (turn, conversation(turn, kinds))):
+            got = await client.load([*prompt, 1])
+            assert got is not None and got.tokens == prompt
+            assert same(lives(got.caches), lives(want))
+        assert not same(lives((await client.load([*first, 1])).caches), lives(conversation(turn, kinds)))  # type: ignore[union-attr]
+    finally:
+        if client is not None:
+            await client.close()
+        d.kill()
+        cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_a_put_whose_held_blocks_went_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    first, turn = toks(2 * B + 3), toks(4 * B)
+    await s.put(first, conversation(first), IDENT)
+    header, _ = plan(turn, conversation(turn), identity=IDENT)
+    assert s.held_rows(header) == 2 * B
+    s.remove_where(lambda e: True)  # evicted after the client was told the daemon held them
+    await s.delete_doomed_async()
+    assert s.held_rows(header) == 0
+    with pytest.raises(errors.HeldBlockGone) as got:
+        await s.put(turn, conversation(turn), IDENT, held_rows=2 * B)
+    assert got.value.code == "held_block_gone"
+    assert s.count == 0 and not blocks_on_disk(str(tmp_path)) and not manifests_on_disk(str(tmp_path))
 
 
 # --- 8. v1 files beside v2 ones ------------------------------------------------------------------

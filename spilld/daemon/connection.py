@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import __version__, errors, shm
+from .. import __version__, blocks, errors, shm
 from .. import format as fmt
 from .. import protocol as P
 from ..lease import off_loop
 from ..queue import SpillItem
+from ..saver import BytesSource
 from .listen import PeerRefused, peer_uid
 
 if TYPE_CHECKING:
@@ -30,9 +31,15 @@ MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say wh
 class Incoming:
     """A spill being received: its header, one buffer per tensor, and how much of each arrived."""
 
-    def __init__(self, header: fmt.Header, droppable: bool, key: str, parsed: int = 0, pin: bool = False) -> None:
+    def __init__(
+        self, header: fmt.Header, droppable: bool, key: str, parsed: int = 0, pin: bool = False, held_rows: int = 0
+    ) -> None:
         self.header, self.droppable, self.key, self.pin = header, droppable, key, pin
         self.slots = header.slots()
+        self.held_rows = held_rows  # rows of its positional caches the daemon holds as blocks: not sent
+        self.expect = [s.nbytes for s in self.slots]  # the bytes each tensor is sent
+        for i in blocks.positional_slots(header) if held_rows else ():
+            self.expect[i] = blocks.rows_slot(self.slots[i], self.slots[i].shape[-2] - held_rows).nbytes
         self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
         self.last = asyncio.get_running_loop().time()  # when it last received something
         self.released = False  # its bytes were handed back to the daemon's count
@@ -43,11 +50,11 @@ class Incoming:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
+        return sum(self.expect)
 
     def claim(self, index: int, offset: int, n: int) -> None:
         """Check that ``n`` bytes at ``offset`` of tensor ``index`` are the next ones, within it; count them."""
-        if not 0 <= index < len(self.slots) or offset != self.got[index] or offset + n > self.slots[index].nbytes:
+        if not 0 <= index < len(self.slots) or offset != self.got[index] or offset + n > self.expect[index]:
             raise P.BadParams(f"put out of order or out of range (tensor {index}, offset {offset}, {n} bytes)")
         self.got[index] += n
         self.last = asyncio.get_running_loop().time()
@@ -68,7 +75,7 @@ class Incoming:
             await asyncio.wait(list(self.reads))
 
     def complete(self) -> bool:
-        return all(g == s.nbytes for g, s in zip(self.got, self.slots, strict=True))
+        return self.got == self.expect
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -444,6 +451,15 @@ class Received:
     nbytes: int  # what it counts against --cap
     grantor: Connection | None  # the client whose engine grants the lease for its write steps, if any
     conn: Connection  # the client that sent it (for the logs)
+    held_rows: int = 0  # its positional tensors start at this row: the store held the blocks before it
+
+    def sources(self) -> list[BytesSource]:
+        """Each tensor's received bytes as a source; positional ones start at ``held_rows``."""
+        out = [BytesSource(c, s.shape) for c, s in zip(self.chunks, self.header.slots(), strict=True)]
+        for i in blocks.positional_slots(self.header) if self.held_rows else ():
+            shape = out[i].shape
+            out[i] = BytesSource(out[i].chunks, (*shape[:-2], shape[-2] - self.held_rows, shape[-1]), self.held_rows)
+        return out
 
 
 def received_bytes(item: SpillItem) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import errors
@@ -80,12 +80,16 @@ def accept_header(wire: Any) -> fmt.Header:
 class Ingest:
     """The ``spill``, ``commit`` and ``abort`` methods and the byte accounting of spills being received."""
 
-    def __init__(self, cfg: Config, queue: SpillQueue, stopping: asyncio.Event) -> None:
+    def __init__(
+        self, cfg: Config, queue: SpillQueue, stopping: asyncio.Event, held_rows: Callable[[fmt.Header], int]
+    ) -> None:
         self.cfg, self.queue, self.stopping = cfg, queue, stopping
+        self.held_rows = held_rows  # the store's: leading tokens it holds as blocks (a client need not send them)
         self.receiving = 0  # what spills being received hold: declared tensor bytes + parsed headers
         self.reserved = 0  # declared bytes of the non-droppable ones: queue room held for their commit
         self.buffers = 0  # big messages being received or decoded (counted from their frame head)
         self.expired = 0  # open spills aborted for silence
+        self.held_bytes = 0  # tensor bytes clients did not send: the store held their blocks
         self.committing: set[asyncio.Future[None]] = set()  # commits waiting for their segment copies
 
     @property
@@ -138,14 +142,16 @@ class Ingest:
             raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
         droppable = bool(p.get("droppable", True))
         parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
-        sp = Incoming(header, droppable, str(p.get("key", "")), parsed, pin=p.get("pin") is True)
+        held = self.held_rows(header) if p.get("held") is True else 0  # the client sends only the rows past it
+        sp = Incoming(header, droppable, str(p.get("key", "")), parsed, pin=p.get("pin") is True, held_rows=held)
         self.admit(conn, sp)
+        self.held_bytes += sum(s.nbytes for s in slots) - sp.nbytes
         sid = next(conn.spill_ids)
         conn.spills[sid] = sp
         self.receiving += sp.cost
         if not droppable:  # its room is held from now, so the commit of its last byte is never refused
             self.reserved += sp.nbytes
-        return {"spill": sid, "tensors": len(slots), "bytes": sp.nbytes}
+        return {"spill": sid, "tensors": len(slots), "bytes": sp.nbytes, "held_rows": held}
 
     def admit(self, conn: Connection, sp: Incoming) -> None:
         """Raise ``busy`` unless the connection's limits and the daemon's memory budget have room for ``sp``."""
@@ -187,6 +193,7 @@ class Ingest:
             "reserved": self.reserved,
             "buffers": self.buffers,
             "expired": self.expired,
+            "held_bytes": self.held_bytes,
         }
 
     def forget(self, sp: Incoming) -> None:
@@ -227,7 +234,7 @@ class Ingest:
             key=sp.key,
             droppable=sp.droppable,
             pin=sp.pin,
-            payload=Received(sp.header, sp.chunks, sp.nbytes, conn if conn.lease_grantor else None, conn),
+            payload=Received(sp.header, sp.chunks, sp.nbytes, conn if conn.lease_grantor else None, conn, sp.held_rows),
         )
         settled = await self.queue.enqueue(item)  # (enqueue takes the item before its first await)
         out: dict[str, Any] = {"outcome": settled.outcome.value}

@@ -26,7 +26,7 @@ from ..lease import off_loop
 from ..lockfile import FileLock
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
-from ..saver import AnySource, BytesSource
+from ..saver import AnySource
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
 from ..store import Hit, MissReason, Store
@@ -73,7 +73,7 @@ class Daemon:
         self.lease = BackgroundLease()
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
-        self.ingest = Ingest(cfg, self.queue, self.stopping)
+        self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.held_rows)
         self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
         self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
         self.writing = 0  # saves under way (a drain that is writing is making progress)
@@ -248,7 +248,7 @@ class Daemon:
         got = item.payload
         assert isinstance(got, Received)  # barriers never reach the writer
         header = got.header
-        sources = [BytesSource(c, s.shape) for c, s in zip(got.chunks, header.slots(), strict=True)]
+        sources = got.sources()
         grantor = got.grantor
         lease: Any = GrantorLease(grantor, self.cfg.request_timeout) if grantor is not None else self.lease
         if log.isEnabledFor(logging.DEBUG):
@@ -261,7 +261,7 @@ class Daemon:
             planned: tuple[fmt.Header, list[AnySource]] = (header, list(sources))
             result = await self.store.put(
                 [], [], header.identity, planned=planned, run_step=lease, write_in_lease=True,
-                droppable=item.droppable, pin=item.pin,
+                droppable=item.droppable, pin=item.pin, held_rows=got.held_rows,
             )  # fmt: skip
         except Exception as exc:
             log.debug("store failed", extra={"error": repr(exc)[:200], "tokens": len(header.tokens)})
