@@ -12,5 +12,9 @@ BLAS=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 if [ "$(uname -s)" = Linux ] && [ ! -e "$BLAS" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) || true
 fi
+# The remote-tier tests (tests/test_remote.py) start real redis-server processes, and a Redis Cluster with redis-cli.
+if [ "$(uname -s)" = Linux ] && ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) || true
+fi
 if [ -e "$BLAS" ]; then export LD_PRELOAD="$BLAS"; fi
 exec .venv/bin/python -m pytest -q "$@"

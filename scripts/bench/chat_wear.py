@@ -324,6 +324,8 @@ def run_chat(arm: ChatArm, args: argparse.Namespace, bpt: int, vocab: int) -> tu
                     "blocks_written": s["blocks_written"],
                     "blocks_reused": s["blocks_reused"],
                     "prompt_tokens": usage["prompt_tokens"],
+                    "held_bytes": st["ingest"]["held_bytes"],  # tensor bytes the client did not send (held blocks)
+                    "unique_added": s["unique_added"],
                 },
             )
         )
@@ -361,7 +363,8 @@ def chat_part(args: argparse.Namespace, work: str) -> tuple[list[Wear], list[str
             for w in rows:
                 print(
                     f"  B={w.block_tokens:<4} after turn {w.turns:>3}: {w.spills} spills, {mib(w.written)} MiB "
-                    f"written, {mib(w.disk)} MiB on disk, cache {mib(w.cache)} MiB ({w.wall_s:.1f} s)",
+                    f"written, {mib(w.disk)} MiB on disk, cache {mib(w.cache)} MiB, not sent (held) "
+                    f"{mib(w.extra['held_bytes'])} MiB ({w.wall_s:.1f} s)",
                     flush=True,
                 )
         same = all(t == transcripts[0] for t in transcripts)

@@ -1,0 +1,71 @@
+"""Settings of the remote tier, every limit a named default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+from .breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD
+from .errors import RemoteConfigError
+from .pushqueue import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS
+
+CONNECT_TIMEOUT_S = 0.1  # a LAN connect takes well under a millisecond; longer means the host is gone
+SOCKET_TIMEOUT_S = 0.5  # one read that waits longer is a stalled server (a transfer keeps reading)
+PROBE_TIMEOUT_S = 0.05  # a probe of a chain: one pipelined round trip; a miss beats a stalled lookup
+FETCH_TIMEOUT_S = 2.0  # pipelined GETs of a whole prefix (hundreds of megabytes at LAN speed)
+PUSH_TIMEOUT_S = 2.0  # one batch of the push worker, and one event
+TRIAL_TIMEOUT_S = 0.25  # the background PING that closes an open breaker
+HEALTH_INTERVAL_S = 0.25  # how often the background task looks at an open breaker
+PUSH_BATCH = 32  # pushes per pipeline of the worker
+MAX_CONNECTIONS = 32  # per server: probes, fetches and the worker at once
+EVENTS_MAXLEN = 100_000  # entries kept per events stream (XADD MAXLEN ~)
+SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the remote tier is and how long it may take. ``url``: ``redis://[user@]host:port/db``,
+    ``rediss://`` (TLS), ``unix:///path``; ``cluster``: the URL names one node of a Redis Cluster."""
+
+    url: str
+    cluster: bool = False
+    ttl_s: int | None = None  # set on every push and refreshed on every fetch; None: keys live until evicted
+    password_file: str | None = None  # else $SPILLD_REMOTE_PASSWORD
+    key_file: str | None = None  # encrypt everything pushed (AES-GCM)
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    socket_timeout_s: float = SOCKET_TIMEOUT_S
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    fetch_timeout_s: float = FETCH_TIMEOUT_S
+    push_timeout_s: float = PUSH_TIMEOUT_S
+    trial_timeout_s: float = TRIAL_TIMEOUT_S
+    health_interval_s: float = HEALTH_INTERVAL_S
+    breaker_threshold: int = DEFAULT_FAILURE_THRESHOLD
+    breaker_cooldown_s: float = DEFAULT_COOLDOWN_S
+    queue_items: int = DEFAULT_QUEUE_ITEMS
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
+    push_batch: int = PUSH_BATCH
+    max_connections: int = MAX_CONNECTIONS
+    events_maxlen: int = EVENTS_MAXLEN
+
+    def check(self) -> None:
+        """Raise ``RemoteConfigError`` for settings that cannot work (checked once, at start-up)."""
+        check_url(self.url, self.cluster)
+        if self.ttl_s is not None and self.ttl_s < 1:
+            raise RemoteConfigError(f"the remote TTL is a whole number of seconds >= 1, not {self.ttl_s}")
+        if self.push_batch < 1 or self.max_connections < 1 or self.events_maxlen < 1:
+            raise RemoteConfigError("push_batch, max_connections and events_maxlen are at least 1")
+
+
+def check_url(url: str, cluster: bool) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise RemoteConfigError(f"the remote URL's scheme is one of {', '.join(SCHEMES)}, not {parts.scheme!r}")
+    if parts.password is not None or "password" in parse_qs(parts.query):
+        raise RemoteConfigError(
+            "the remote URL holds a password, which every user sees in the process list; "
+            "put it in $SPILLD_REMOTE_PASSWORD or a 0600 password file"
+        )
+    if cluster and parts.scheme == "unix":
+        raise RemoteConfigError("a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket")
+    if cluster and parts.path not in ("", "/", "/0"):
+        raise RemoteConfigError("a Redis Cluster has one database (0): drop the /DB from the URL")

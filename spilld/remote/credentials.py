@@ -1,0 +1,44 @@
+"""Secrets of the remote tier (the password, the encryption key file): read from files only their owner can read,
+or the password from the environment; never from the command line, where ``ps`` shows it."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+
+from .errors import RemoteConfigError
+
+PASSWORD_ENV = "SPILLD_REMOTE_PASSWORD"
+MAX_SECRET_FILE_BYTES = 64 * 1024  # a password or key file is small; a larger one is the wrong file
+_OPEN_TO_OTHERS = stat.S_IRWXG | stat.S_IRWXO
+
+
+def read_private_file(path: str, what: str) -> bytes:
+    """The bytes of a regular file that neither its group nor others may read, write or run (0600, 0400)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise RemoteConfigError(f"{what} {path!r} cannot be opened: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RemoteConfigError(f"{what} {path!r} is not a regular file")
+        if st.st_mode & _OPEN_TO_OTHERS:
+            mode = stat.S_IMODE(st.st_mode)
+            raise RemoteConfigError(f"{what} {path!r} is open to its group or others (mode {mode:04o}); chmod 600 it")
+        if st.st_uid != os.geteuid():
+            raise RemoteConfigError(f"{what} {path!r} belongs to another user (uid {st.st_uid})")
+        data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise RemoteConfigError(f"{what} {path!r} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+    return data
+
+
+def password(path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The password: from ``path`` when given (its first line), else from $SPILLD_REMOTE_PASSWORD, else None."""
+    if path is not None:
+        text = read_private_file(path, "the remote password file").decode("utf-8", "strict")
+        lines = text.splitlines()
+        return lines[0] if lines else ""
+    return environ.get(PASSWORD_ENV) or None

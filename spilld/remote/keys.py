@@ -1,0 +1,59 @@
+"""The Redis key scheme of the remote tier.
+
+Every key sits under ``spilld:1:<namespace tag>:``, so one ACL pattern per tenant (``~spilld:1:<tag>:*``)
+grants a tenant its own blocks, manifests and events and nothing else. No hash tag (``{...}``) is used: a
+cluster spreads one namespace's blocks over all its masters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from enum import StrEnum
+
+KEY_PREFIX = "spilld"
+SCHEME_VERSION = 1  # bump when a key's meaning changes: old and new daemons then never read each other's keys
+NS_TAG_HEX = 16  # hex digits of the namespace tag: 64 bits, ample for the tenants of one Redis
+BLOCK_KEY_BYTES = 32  # a block key is a SHA-256 (blocks.next_key)
+_NS_DOMAIN = b"spilld-remote-ns/1\0"
+
+
+class Kind(StrEnum):
+    """What a value under a key is: one letter in the key, so a block and a manifest never share one."""
+
+    BLOCK = "b"
+    MANIFEST = "m"
+
+
+def namespace_tag(namespace: str) -> str:
+    """The hex tag of a namespace in every key: SHA-256, since tags are shared by hosts and tenants."""
+    return hashlib.sha256(_NS_DOMAIN + namespace.encode()).hexdigest()[:NS_TAG_HEX]
+
+
+def namespace_prefix(namespace: str) -> str:
+    """The prefix of every key of one namespace (what a tenant's ACL pattern names, ``*`` appended)."""
+    return f"{KEY_PREFIX}:{SCHEME_VERSION}:{namespace_tag(namespace)}:"
+
+
+def value_key(namespace: str, key: bytes, kind: Kind = Kind.BLOCK) -> str:
+    """The Redis key of a block (or a manifest) named by its 32-byte key."""
+    if len(key) != BLOCK_KEY_BYTES:
+        raise ValueError(f"a block key has {BLOCK_KEY_BYTES} bytes, not {len(key)}")
+    return f"{namespace_prefix(namespace)}{kind.value}:{key.hex()}"
+
+
+def block_key(namespace: str, key: bytes) -> str:
+    return value_key(namespace, key, Kind.BLOCK)
+
+
+def manifest_key(namespace: str, key: bytes) -> str:
+    return value_key(namespace, key, Kind.MANIFEST)
+
+
+def events_key(namespace: str) -> str:
+    """The stream of one namespace's "prefix stored" and "prefix evicted" events."""
+    return f"{namespace_prefix(namespace)}events"
+
+
+def acl_pattern(namespace: str) -> str:
+    """The key pattern of one tenant, for ``ACL SETUSER <user> on >password ~<pattern> +@read +@write``."""
+    return namespace_prefix(namespace) + "*"

@@ -1,0 +1,82 @@
+"""The bounded write-behind queue of pushes: an offer never waits; when full, the oldest pushes are dropped."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+from .keys import Kind
+
+DEFAULT_QUEUE_ITEMS = 1024  # pushes waiting at most
+DEFAULT_QUEUE_BYTES = 256 * 1024**2  # and their bytes at most: blocks of a large model are megabytes each
+
+
+@dataclass(frozen=True)
+class Push:
+    namespace: str
+    key: bytes
+    data: bytes
+    kind: Kind = Kind.BLOCK
+
+
+class PushQueue:
+    """A FIFO bounded by items and bytes. ``offer`` drops the oldest to make room (the newest prefixes are the
+    likeliest to be asked for next) and never waits; ``take`` waits for the next batch."""
+
+    def __init__(self, max_items: int = DEFAULT_QUEUE_ITEMS, max_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+        if max_items < 1 or max_bytes < 1:
+            raise ValueError("a push queue holds at least one item and one byte")
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._items: deque[Push] = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+        self.dropped = 0  # pushes dropped to make room for newer ones
+        self.refused = 0  # pushes larger than the whole queue
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def offer(self, push: Push) -> bool:
+        """Queue ``push``, dropping the oldest while the queue is full; False when it alone exceeds the bound."""
+        size = len(push.data)
+        if size > self.max_bytes:
+            self.refused += 1
+            return False
+        while self._items and (len(self._items) >= self.max_items or self._bytes + size > self.max_bytes):
+            self._bytes -= len(self._items.popleft().data)
+            self.dropped += 1
+        self._items.append(push)
+        self._bytes += size
+        self._ready.set()
+        return True
+
+    def take_now(self, limit: int) -> list[Push]:
+        """Up to ``limit`` of the oldest pushes, without waiting."""
+        out: list[Push] = []
+        while self._items and len(out) < limit:
+            push = self._items.popleft()
+            self._bytes -= len(push.data)
+            out.append(push)
+        if not self._items:
+            self._ready.clear()
+        return out
+
+    async def take(self, limit: int) -> list[Push]:
+        """The next batch of at most ``limit`` pushes, waiting for one when the queue is empty."""
+        while not self._items:
+            await self._ready.wait()
+        return self.take_now(limit)
+
+    def clear(self) -> int:
+        """Drop every waiting push (the tier is disabled); returns how many."""
+        n = len(self._items)
+        self._items.clear()
+        self._bytes = 0
+        self._ready.clear()
+        return n

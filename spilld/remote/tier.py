@@ -1,0 +1,421 @@
+"""The remote tier: block and manifest bytes shared by every host through Redis (or Valkey, or a Redis Cluster).
+
+It can only make a host faster: every failure is a miss and a counter, never an exception to the caller and
+never a wait past its bound. A circuit breaker turns a down or slow server into fast misses; a background task
+tries it again. Fetched bytes are returned as they are (decrypted): verifying them is the store's job, which
+reports a refusal through ``note_bad_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from redis import exceptions as rx
+
+from . import credentials
+from . import keys as rkeys
+from .breaker import Breaker, State
+from .client import Client, close_client, make_client
+from .config import RemoteConfig
+from .crypto import Sealer
+from .errors import DecryptError
+from .keys import Kind
+from .pushqueue import Push, PushQueue
+from .stats import Reason, Stats
+
+log = logging.getLogger("spilld.remote")
+T = TypeVar("T")
+
+OFFLOAD_BYTES = 1024**2  # encrypt or decrypt more than this on a worker thread, off the event loop
+DRAIN_POLL_S = 0.005  # how often drain() looks at the queue
+MAX_EVENT_KEYS = 1024  # block keys per stream entry (64 hex digits each); a longer list takes several entries
+
+
+class EventKind(StrEnum):
+    """What an event on a namespace's stream says of its blocks: a host stored them, or evicted them."""
+
+    STORED = "stored"
+    EVICTED = "evicted"
+
+
+@dataclass(frozen=True)
+class _Failed:
+    reason: Reason
+
+
+class RemoteTier:
+    """Probe, fetch and push blocks (and manifests) named by their 32-byte keys, per namespace.
+
+    ``RemoteConfigError`` (a bad URL, a password file open to others, a short key file) is raised here, at
+    construction; nothing after it raises for a remote failure.
+    """
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        *,
+        environ: Mapping[str, str] = os.environ,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.check()
+        self.config = config
+        self._password = credentials.password(config.password_file, environ)
+        self._sealer = Sealer.from_file(config.key_file) if config.key_file else None
+        self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock)
+        self.queue = PushQueue(config.queue_items, config.queue_bytes)
+        self.stats = Stats()
+        self._client: Client | None = None
+        self._disabled: str | None = None  # why, once the server refused our credentials
+        self._tasks: list[asyncio.Task[None]] = []
+        self._busy = 0  # pushes taken by the worker and not finished
+        self._closing: set[asyncio.Task[None]] = set()  # old clients being closed
+
+    # --- life ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect (within ``trial_timeout_s``) and start the push worker and the reconnection task.
+
+        A server that cannot be reached leaves the breaker open (the tier retries in the background); one that
+        refuses the password disables the tier, with one log line.
+        """
+        self._client = make_client(self.config, self._password)
+        if isinstance(await self._call(_ping, self.config.trial_timeout_s), _Failed) and not self._disabled:
+            self.breaker.trip()
+            log.warning("remote tier %s unreachable; misses until it answers", self._where())
+        self._tasks = [asyncio.create_task(self._push_worker()), asyncio.create_task(self._health_loop())]
+
+    async def close(self) -> None:
+        """Stop the tasks (waiting pushes are dropped) and close the connections."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        for t in list(self._closing):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self.queue.clear()
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await close_client(client)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every offered push is done (written or failed); False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.queue) or self._busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    @property
+    def state(self) -> str:
+        """``disabled``, ``stopped`` (not started or closed), else the breaker's state."""
+        if self._disabled:
+            return "disabled"
+        if self._client is None:
+            return "stopped"
+        return self.breaker.state.value
+
+    # --- lookups ------------------------------------------------------------------------------------------
+
+    async def probe_chain(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (a chain, in order) exist from the first on: one pipelined round trip of EXISTS,
+        bounded by ``probe_timeout_s``. 0 on any failure."""
+        if not keys:
+            return 0
+        cmds = [_cmd("exists", rkeys.block_key(namespace, k)) for k in keys]
+        r = await self._call(_pipeline(cmds), self.config.probe_timeout_s)
+        self.stats.probes += 1
+        if isinstance(r, _Failed):
+            self.stats.misses[r.reason] += 1
+            return 0
+        found = _leading_ones(r)
+        self.stats.probe_blocks_found += found
+        if not found:
+            self.stats.misses[Reason.ABSENT] += 1
+        return found
+
+    async def fetch(self, namespace: str, keys: Sequence[bytes], kind: Kind = Kind.BLOCK) -> list[bytes | None]:
+        """The values of ``keys`` (None for each one absent, undecryptable or lost), through pipelined GETs
+        bounded by ``fetch_timeout_s``; with a TTL, each one found has its TTL refreshed (GETEX)."""
+        if not keys:
+            return []
+        names = [rkeys.value_key(namespace, k, kind) for k in keys]
+        ttl = self.config.ttl_s
+        cmds = [_cmd("get", n) if ttl is None else _cmd("getex", n, ex=ttl) for n in names]
+        r = await self._call(_pipeline(cmds), self.config.fetch_timeout_s)
+        if isinstance(r, _Failed):
+            self.stats.misses[r.reason] += len(keys)
+            return [None] * len(keys)
+        values = [v if isinstance(v, bytes) else None for v in r]
+        for v in r:
+            if isinstance(v, Exception):
+                self.stats.misses[_reason_of(v)] += 1
+            elif v is None:
+                self.stats.misses[Reason.ABSENT] += 1
+        out = await self._open_all(namespace, keys, values, kind)
+        for v in out:
+            if v is not None:
+                self.stats.hits += 1
+                self.stats.bytes_fetched += len(v)
+        return out
+
+    def note_bad_bytes(self, count: int = 1) -> None:
+        """The store refused ``count`` fetched values (wrong bytes under their key): counted as misses."""
+        self.stats.hits -= count  # fetch counted them as hits before they were checked
+        self.stats.misses[Reason.BAD_BYTES] += count
+
+    # --- pushes -------------------------------------------------------------------------------------------
+
+    def offer(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
+        """Queue a push for the background worker; never waits. When the queue is full the oldest pushes are
+        dropped (counted). False, at once, while the tier is disabled, stopped or its breaker open."""
+        rkeys.value_key(namespace, key, kind)  # a malformed key is the caller's bug: say so now
+        if self.state in ("disabled", "stopped", State.OPEN.value) or not self.queue.offer(
+            Push(namespace, key, data, kind)
+        ):
+            self.stats.offers_refused += 1
+            return False
+        return True
+
+    async def push(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
+        """Write one value if its key is absent (EXISTS, then SET NX, with the tier's TTL): True if written."""
+        return (await self._push_batch([Push(namespace, key, data, kind)]))[0]
+
+    async def _push_worker(self) -> None:
+        while True:
+            batch = await self.queue.take(self.config.push_batch)
+            self._busy = len(batch)
+            try:
+                await self._push_batch(batch)
+            except Exception:  # a bug here must not end the worker: the pushes are lost, the tier lives
+                log.exception("remote push worker")
+                self.stats.push_failed[Reason.REFUSED] += len(batch)
+            finally:
+                self._busy = 0
+
+    async def _push_batch(self, batch: Sequence[Push]) -> list[bool]:
+        """Probe the batch's keys, then write the absent ones: shared prefixes cross the network once."""
+        names = [rkeys.value_key(p.namespace, p.key, p.kind) for p in batch]
+        timeout_s = self.config.push_timeout_s
+        present = await self._call(_pipeline([_cmd("exists", n) for n in names]), timeout_s)
+        if isinstance(present, _Failed):
+            self.stats.push_failed[present.reason] += len(batch)
+            return [False] * len(batch)
+        todo = [i for i, r in enumerate(present) if r != 1]
+        self.stats.push_present += len(batch) - len(todo)
+        sealed = await self._seal_all([batch[i] for i in todo])
+        ttl = self.config.ttl_s
+        cmds = [_cmd("set", names[i], v, nx=True, ex=ttl) for i, v in zip(todo, sealed, strict=True)]
+        if ttl is not None:  # a push of a value already there is a use of it: its TTL starts again
+            cmds += [_cmd("expire", names[i], ttl) for i, r in enumerate(present) if r == 1]
+        written = await self._call(_pipeline(cmds), timeout_s) if cmds else []
+        return self._count_writes(len(batch), todo, sealed, written)
+
+    def _count_writes(self, n: int, todo: list[int], sealed: list[bytes], written: list[Any] | _Failed) -> list[bool]:
+        out = [False] * n
+        if isinstance(written, _Failed):
+            self.stats.push_failed[written.reason] += len(todo)
+            return out
+        for i, v, r in zip(todo, sealed, written, strict=False):
+            if isinstance(r, Exception):
+                self.stats.push_failed[_reason_of(r)] += 1
+            elif r:
+                out[i] = True
+                self.stats.pushed += 1
+                self.stats.bytes_pushed += len(v)
+            else:  # SET NX found it: another host wrote it between our probe and our write
+                self.stats.push_present += 1
+        return out
+
+    # --- events -------------------------------------------------------------------------------------------
+
+    async def publish_event(self, kind: EventKind, namespace: str, keys: Sequence[bytes], host: str) -> bool:
+        """Tell routers that ``host`` now holds (or no longer holds) the blocks ``keys`` of ``namespace``: one
+        XADD per ``MAX_EVENT_KEYS`` keys on the namespace's stream, trimmed to about ``events_maxlen``. Fields:
+        ``kind``, ``ns`` (the namespace tag), ``host``, ``keys`` (hex, comma separated), ``t_ms``."""
+        stream = rkeys.events_key(namespace)
+        t_ms = str(int(time.time() * 1000))
+        cmds = []
+        for lo in range(0, max(len(keys), 1), MAX_EVENT_KEYS):
+            fields = {"kind": str(kind), "ns": rkeys.namespace_tag(namespace), "host": host, "t_ms": t_ms}
+            fields["keys"] = ",".join(k.hex() for k in keys[lo : lo + MAX_EVENT_KEYS])
+            cmds.append(_cmd("xadd", stream, fields, maxlen=self.config.events_maxlen, approximate=True))
+        r = await self._call(_pipeline(cmds), self.config.push_timeout_s)
+        ok = not isinstance(r, _Failed) and not any(isinstance(x, Exception) for x in r)
+        if ok:
+            self.stats.events_published += len(cmds)
+        else:
+            self.stats.events_failed += len(cmds)
+        return ok
+
+    # --- status -------------------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        """Everything ``spilld status`` shows of the remote tier."""
+        out = self.stats.as_dict()
+        out["state"] = self.state
+        out["disabled_reason"] = self._disabled
+        out["breaker_opened"] = self.breaker.entered[State.OPEN]
+        out["queue"] = {
+            "len": len(self.queue),
+            "bytes": self.queue.nbytes,
+            "dropped": self.queue.dropped,
+            "refused": self.queue.refused,
+        }
+        out["encrypted"] = self._sealer is not None
+        return out
+
+    # --- the one way to the server --------------------------------------------------------------------------
+
+    async def _call(self, op: Callable[[Client], Awaitable[T]], timeout_s: float) -> T | _Failed:
+        """Run ``op`` if the breaker lets it, within ``timeout_s``; every failure becomes a reason."""
+        client = self._client
+        if self._disabled or client is None or not self.breaker.allow():
+            return _Failed(Reason.DOWN)
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await op(client)
+        except rx.AuthenticationError as e:
+            self._disable(self._auth_problem(e))
+            return _Failed(Reason.DOWN)
+        except (TimeoutError, rx.TimeoutError):
+            self.breaker.failure()
+            return _Failed(Reason.TIMEOUT)
+        except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, OSError):
+            self.breaker.failure()
+            return _Failed(Reason.DOWN)
+        except rx.ResponseError as e:  # the server answered: it is up, it said no
+            self.breaker.success()
+            return _Failed(_reason_of(e))
+        except Exception:
+            log.exception("remote tier: unexpected failure")
+            self.breaker.failure()
+            return _Failed(Reason.DOWN)
+        self.breaker.success()
+        return result
+
+    def _disable(self, why: str) -> None:
+        if self._disabled is None:
+            self._disabled = why
+            dropped = self.queue.clear()
+            log.error("remote tier %s disabled: %s; the local tier serves alone", self._where(), why)
+            self.stats.push_failed[Reason.DOWN] += dropped
+
+    async def _health_loop(self) -> None:
+        """While the breaker is open, try the server once per cooldown (on a new client: the old connections
+        may be half-dead); a PING that answers closes the breaker."""
+        while not self._disabled:
+            await asyncio.sleep(self.config.health_interval_s)
+            if self.breaker.state is not State.HALF_OPEN:
+                continue
+            old, self._client = self._client, make_client(self.config, self._password)
+            if old is not None:  # closed aside: a socket to a hung server may take its timeout to close
+                task = asyncio.create_task(_close_quietly(old))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            if not isinstance(await self._call(_ping, self.config.trial_timeout_s), _Failed):
+                log.info("remote tier %s answers again", self._where())
+
+    def _auth_problem(self, e: Exception) -> str:
+        if self._password is None:
+            return f"the server requires a password: set ${credentials.PASSWORD_ENV} or a password file (it said: {e})"
+        return f"the server refused the password (it said: {e})"
+
+    def _where(self) -> str:
+        return self.config.url
+
+    # --- encryption, off the loop when large ------------------------------------------------------------------
+
+    async def _seal_all(self, pushes: Sequence[Push]) -> list[bytes]:
+        sealer = self._sealer
+        if sealer is None:
+            return [p.data for p in pushes]
+
+        def run() -> list[bytes]:
+            return [sealer.seal(p.namespace, p.key, p.data, p.kind) for p in pushes]
+
+        return await _maybe_thread(run, sum(len(p.data) for p in pushes))
+
+    async def _open_all(
+        self, namespace: str, keys: Sequence[bytes], values: list[bytes | None], kind: Kind
+    ) -> list[bytes | None]:
+        sealer = self._sealer
+        if sealer is None:
+            return values
+
+        def one(key: bytes, v: bytes | None) -> bytes | None:
+            if v is None:
+                return None
+            try:
+                return sealer.open(namespace, key, v, kind)
+            except DecryptError:
+                self.stats.misses[Reason.DECRYPT] += 1
+                return None
+
+        def run() -> list[bytes | None]:
+            return [one(k, v) for k, v in zip(keys, values, strict=True)]
+
+        return await _maybe_thread(run, sum(len(v) for v in values if v is not None))
+
+
+async def _maybe_thread(fn: Callable[[], T], nbytes: int) -> T:
+    return await asyncio.to_thread(fn) if nbytes > OFFLOAD_BYTES else fn()
+
+
+async def _ping(c: Client) -> Any:
+    return await c.ping()
+
+
+_Cmd = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def _cmd(name: str, *args: Any, **kwargs: Any) -> _Cmd:
+    return name, args, kwargs
+
+
+def _pipeline(cmds: Sequence[_Cmd]) -> Callable[[Client], Awaitable[list[Any]]]:
+    """One round trip (per node, in a cluster) of ``cmds``; a command's own error is returned in its place."""
+
+    async def run(c: Client) -> list[Any]:
+        pipe = c.pipeline(transaction=False)
+        for name, args, kwargs in cmds:
+            getattr(pipe, name)(*args, **kwargs)
+        return await pipe.execute(raise_on_error=False)
+
+    return run
+
+
+async def _close_quietly(client: Client) -> None:
+    with contextlib.suppress(Exception):
+        await close_client(client)
+
+
+def _leading_ones(results: Sequence[Any]) -> int:
+    n = 0
+    for r in results:
+        if r != 1 or isinstance(r, Exception):
+            break
+        n += 1
+    return n
+
+
+def _reason_of(e: BaseException) -> Reason:
+    if isinstance(e, rx.OutOfMemoryError) or str(e).startswith("OOM"):
+        return Reason.OOM
+    if isinstance(e, (rx.ConnectionError, rx.ClusterError)):
+        return Reason.DOWN
+    if isinstance(e, (TimeoutError, rx.TimeoutError)):
+        return Reason.TIMEOUT
+    return Reason.REFUSED

@@ -1,0 +1,499 @@
+"""The remote tier's library layer (issue 15) against real redis-server processes: one server, or a 3-master
+Redis Cluster, started by the tests on free localhost ports. No mock of Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
+from spilld.remote.breaker import Breaker, State
+from spilld.remote.crypto import Sealer
+from spilld.remote.errors import DecryptError
+from tests.redis_servers import Cluster, RedisServer, redis_cluster, redis_server
+
+NS = "tenant-a"
+PROBE_BOUND_S = 0.5  # what the issue asks of a probe against a hung server
+FAST_S = 0.05  # a call refused by an open breaker, or an offer: no network at all
+
+
+def chain(n: int, seed: bytes = b"root") -> list[bytes]:
+    """``n`` chained 32-byte keys, like blocks.chain's."""
+    out, key = [], hashlib.sha256(seed).digest()
+    for i in range(n):
+        key = hashlib.sha256(key + i.to_bytes(4, "little")).digest()
+        out.append(key)
+    return out
+
+
+def relaxed(url: str, **kw: Any) -> RemoteConfig:
+    """Bounds loose enough for a loaded 2-core CI box, for the tests that are not about the bounds."""
+    base = RemoteConfig(url, connect_timeout_s=2, socket_timeout_s=5, probe_timeout_s=5, fetch_timeout_s=10)
+    return replace(base, push_timeout_s=10, trial_timeout_s=5, **kw)
+
+
+async def started(config: RemoteConfig, **kw: Any) -> RemoteTier:
+    tier = RemoteTier(config, environ=kw.pop("environ", {}), **kw)
+    await tier.start()
+    return tier
+
+
+async def wait_for(cond: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def eventually(call: Any, expected: Any, timeout_s: float = 10.0) -> None:
+    """``await call()`` until it gives ``expected``: a probe bounded to tens of milliseconds may miss on a loaded
+    CI box, which is what the bound is for."""
+    deadline = time.monotonic() + timeout_s
+    while (got := await call()) != expected:
+        assert time.monotonic() < deadline, got
+        await asyncio.sleep(0.05)
+
+
+def secret_file(tmp_path: Any, name: str, data: bytes, mode: int = 0o600) -> str:
+    path = os.path.join(tmp_path, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+@pytest.fixture
+def server(shared_server: RedisServer) -> RedisServer:
+    with shared_server.client() as c:
+        c.flushall()
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def module_cluster() -> Iterator[Cluster]:
+    with redis_cluster(3) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster(module_cluster: Cluster) -> Cluster:
+    for n in module_cluster.nodes:
+        with n.client() as c:
+            c.flushall()
+    return module_cluster
+
+
+@pytest_asyncio.fixture
+async def tier(server: RedisServer) -> AsyncIterator[RemoteTier]:
+    t = await started(relaxed(server.url))
+    yield t
+    await t.close()
+
+
+# --- the pieces, without a server -------------------------------------------------------------------------------
+
+
+def test_key_scheme() -> None:
+    k = chain(1)[0]
+    name = keys.block_key(NS, k)
+    assert name == f"spilld:1:{keys.namespace_tag(NS)}:b:{k.hex()}"
+    assert keys.manifest_key(NS, k) != name and keys.manifest_key(NS, k).endswith(":m:" + k.hex())
+    assert keys.namespace_tag("tenant-b") != keys.namespace_tag(NS)
+    assert len(keys.namespace_tag("")) == keys.NS_TAG_HEX
+    assert "{" not in name  # no hash tag: a cluster spreads a namespace over every master
+    for n in (name, keys.manifest_key(NS, k), keys.events_key(NS)):
+        assert n.startswith(keys.acl_pattern(NS)[:-1])
+    with pytest.raises(ValueError):
+        keys.block_key(NS, k[:31])
+
+
+def test_breaker_closed_open_half_open() -> None:
+    now = [0.0]
+    b = Breaker(threshold=3, cooldown_s=10, clock=lambda: now[0])
+    b.failure()
+    b.failure()
+    b.success()  # a success ends the run of failures
+    b.failure()
+    b.failure()
+    assert b.state is State.CLOSED and b.allow()
+    b.failure()
+    assert b.state is State.OPEN and not b.allow()
+    now[0] = 9.9
+    assert not b.allow()
+    now[0] = 10.0
+    assert b.state is State.HALF_OPEN
+    assert b.allow() and not b.allow()  # one trial call at a time
+    b.failure()
+    assert b.state is State.OPEN and not b.allow()
+    now[0] = 20.0
+    assert b.allow()
+    b.success()
+    assert b.state is State.CLOSED and b.allow() and b.allow()
+    assert b.entered[State.OPEN] == 2 and b.entered[State.HALF_OPEN] == 2 and b.entered[State.CLOSED] == 1
+
+
+def test_crypto_binds_key_namespace_and_kind() -> None:
+    k1, k2 = chain(2)
+    a, b = Sealer(os.urandom(32)), Sealer(os.urandom(32))
+    plain = b"the cache of a secret system prompt " * 10
+    sealed = a.seal(NS, k1, plain)
+    assert plain[:16] not in sealed and len(sealed) == len(plain) + 12 + 16
+    assert a.open(NS, k1, sealed) == plain
+    assert a.seal(NS, k1, plain)[:12] != sealed[:12]  # a fresh nonce each time
+    for bad in (
+        lambda: b.open(NS, k1, sealed),  # another key file
+        lambda: a.open("tenant-b", k1, sealed),  # another namespace's key
+        lambda: a.open(NS, k2, sealed),  # moved under another block key
+        lambda: a.open(NS, k1, sealed, Kind.MANIFEST),  # a block passed off as a manifest
+        lambda: a.open(NS, k1, sealed[:-1] + bytes([sealed[-1] ^ 1])),  # tampered
+        lambda: a.open(NS, k1, sealed[:20]),  # truncated
+    ):
+        with pytest.raises(DecryptError):
+            bad()
+
+
+def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> None:
+    url = "redis://127.0.0.1:1/0"
+    open_pw = secret_file(tmp_path, "pw-open", b"hunter2\n", 0o644)
+    with pytest.raises(RemoteConfigError, match="chmod 600"):
+        RemoteTier(RemoteConfig(url, password_file=open_pw), environ={})
+    private = secret_file(tmp_path, "pw", b"hunter2\n")
+    assert RemoteTier(RemoteConfig(url, password_file=private), environ={})._password == "hunter2"
+    assert RemoteTier(RemoteConfig(url), environ={"SPILLD_REMOTE_PASSWORD": "pw2"})._password == "pw2"
+    with pytest.raises(RemoteConfigError, match="process list"):
+        RemoteTier(RemoteConfig("redis://:hunter2@127.0.0.1:1/0"), environ={})
+    with pytest.raises(RemoteConfigError, match="scheme"):
+        RemoteTier(RemoteConfig("http://127.0.0.1:1"), environ={})
+    with pytest.raises(RemoteConfigError, match="one database"):
+        RemoteTier(RemoteConfig("redis://127.0.0.1:1/3", cluster=True), environ={})
+    with pytest.raises(RemoteConfigError, match="fewer than"):
+        RemoteTier(RemoteConfig(url, key_file=secret_file(tmp_path, "short", b"x" * 31)), environ={})
+    with pytest.raises(RemoteConfigError, match="chmod 600"):
+        RemoteTier(RemoteConfig(url, key_file=secret_file(tmp_path, "k", os.urandom(32), 0o640)), environ={})
+
+
+# --- one server -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_push_probe_fetch_round_trip(tier: RemoteTier, server: RedisServer) -> None:
+    ks = chain(10)
+    for i in (0, 1, 2, 3, 4, 7):  # a chain of 5, a gap, one more
+        assert await tier.push(NS, ks[i], b"block %d" % i)
+    assert await tier.probe_chain(NS, ks) == 5
+    assert await tier.probe_chain(NS, ks[:3]) == 3
+    assert await tier.probe_chain(NS, ks[5:]) == 0
+    assert await tier.probe_chain("tenant-b", ks) == 0  # another namespace sees nothing
+    got = await tier.fetch(NS, ks[:6])
+    assert got == [b"block 0", b"block 1", b"block 2", b"block 3", b"block 4", None]
+    with server.client() as c:
+        assert c.get(keys.block_key(NS, ks[0])) == b"block 0"
+    c_ = tier.counters()
+    assert c_["hits"] == 5 and c_["misses"]["absent"] == 3  # two empty probes, one key and c_["bytes_fetched"] == 35
+    assert c_["pushed"] == 6 and c_["bytes_pushed"] == 42 and c_["state"] == "closed"
+    tier.note_bad_bytes()  # the store refused one of them
+    assert tier.counters()["hits"] == 4 and tier.counters()["misses"]["bad_bytes"] == 1
+
+
+@pytest.mark.asyncio
+async def test_push_never_overwrites(tier: RemoteTier, server: RedisServer) -> None:
+    k = chain(1)[0]
+    assert await tier.push(NS, k, b"first")
+    assert not await tier.push(NS, k, b"second")
+    assert await tier.fetch(NS, [k]) == [b"first"]
+    assert tier.stats.push_present == 1 and tier.stats.bytes_pushed == len(b"first")
+    # A value already there is not sent again: the fleet uploads a shared prefix once.
+    big = os.urandom(1024**2)
+    with server.client() as c:
+        before = int(c.info("stats")["total_net_input_bytes"])
+        assert not await tier.push(NS, k, big)
+        assert int(c.info("stats")["total_net_input_bytes"]) - before < len(big) // 100
+    # Two hosts writing one key at once: both probes say absent, SET NX lets the first write win.
+    k2 = chain(2)[1]
+    assert tier.offer(NS, k2, b"host a") and tier.offer(NS, k2, b"host b")  # one batch of the worker
+    assert await tier.drain(10)
+    assert await tier.fetch(NS, [k2]) == [b"host a"] and tier.stats.push_present == 3
+    # Manifests live beside blocks under their own keys.
+    assert await tier.push(NS, k, b"manifest", Kind.MANIFEST)
+    assert await tier.fetch(NS, [k], Kind.MANIFEST) == [b"manifest"]
+    assert await tier.fetch(NS, [k]) == [b"first"]
+
+
+@pytest.mark.asyncio
+async def test_ttl_set_on_push_and_refreshed_on_fetch(server: RedisServer) -> None:
+    ks = chain(2)
+    tier = await started(relaxed(server.url, ttl_s=1000))
+    try:
+        assert await tier.push(NS, ks[0], b"hot")
+        with server.client() as c:
+            name = keys.block_key(NS, ks[0])
+            assert 990 < c.ttl(name) <= 1000
+            c.expire(name, 5)
+            assert await tier.fetch(NS, ks[:1]) == [b"hot"]
+            assert c.ttl(name) > 990  # a fetch is a use: the TTL starts again
+            c.expire(name, 5)
+            assert not await tier.push(NS, ks[0], b"hot")  # a push of what is there is a use too
+            assert c.ttl(name) > 990
+    finally:
+        await tier.close()
+    untimed = await started(relaxed(server.url))
+    try:
+        assert await untimed.push(NS, ks[1], b"cold")
+        assert await untimed.fetch(NS, ks[1:]) == [b"cold"]
+        with server.client() as c:
+            assert c.ttl(keys.block_key(NS, ks[1])) == -1
+    finally:
+        await untimed.close()
+
+
+@pytest.mark.asyncio
+async def test_encryption_round_trip_and_other_hosts_get_misses(server: RedisServer, tmp_path: Any) -> None:
+    ks = chain(3)
+    plain = [b"system prompt KV rows %d " % i * 50 for i in range(3)]
+    key_a = secret_file(tmp_path, "a.key", os.urandom(32))
+    key_b = secret_file(tmp_path, "b.key", os.urandom(32))
+    a = await started(relaxed(server.url, key_file=key_a))
+    b = await started(relaxed(server.url, key_file=key_b))
+    bare = await started(relaxed(server.url))
+    try:
+        for k, p in zip(ks, plain, strict=True):
+            assert await a.push(NS, k, p)
+        assert await a.fetch(NS, ks) == plain
+        assert await b.probe_chain(NS, ks) == 3  # the keys are there...
+        assert await b.fetch(NS, ks) == [None] * 3  # ...but not for another key file
+        assert b.counters()["misses"]["decrypt"] == 3 and b.counters()["hits"] == 0
+        raw = await bare.fetch(NS, ks)  # no key: ciphertext, which the store's validator refuses
+        assert all(r is not None and r not in plain and b"system prompt" not in r for r in raw)
+        with server.client() as c:  # nothing in Redis holds the plaintext
+            for name in c.scan_iter(match="spilld:*"):
+                assert b"system prompt" not in c.get(name)
+        assert a.counters()["encrypted"] and not bare.counters()["encrypted"]
+    finally:
+        for t in (a, b, bare):
+            await t.close()
+
+
+@pytest.mark.asyncio
+async def test_wrong_password_disables_the_tier(caplog: pytest.LogCaptureFixture) -> None:
+    ks = chain(2)
+    with redis_server(password="right-one") as s:
+        good = await started(relaxed(s.url), environ={"SPILLD_REMOTE_PASSWORD": "right-one"})
+        assert good.state == "closed" and await good.push(NS, ks[0], b"x")
+        await good.close()
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="spilld.remote"):
+            bad = await started(relaxed(s.url), environ={"SPILLD_REMOTE_PASSWORD": "wrong"})
+            try:
+                assert bad.state == "disabled"
+                assert await bad.probe_chain(NS, ks) == 0
+                assert await bad.fetch(NS, ks) == [None, None]
+                assert not await bad.push(NS, ks[1], b"y")
+                assert not bad.offer(NS, ks[1], b"y")
+                c = bad.counters()
+                assert c["state"] == "disabled" and "refused the password" in c["disabled_reason"]
+                assert c["misses"]["down"] == 3 and c["offers_refused"] == 1
+            finally:
+                await bad.close()
+        lines = [r for r in caplog.records if r.name == "spilld.remote" and r.levelno >= logging.ERROR]
+        assert len(lines) == 1 and "disabled" in lines[0].getMessage()
+        assert "right-one" not in lines[0].getMessage() and "wrong" not in lines[0].getMessage()
+        nopw = await started(relaxed(s.url))
+        try:
+            assert nopw.state == "disabled" and "requires a password" in str(nopw.counters()["disabled_reason"])
+        finally:
+            await nopw.close()
+
+
+@pytest.mark.asyncio
+async def test_redis_killed_mid_push() -> None:
+    ks = chain(200)
+    data = os.urandom(256 * 1024)
+    with redis_server() as s:
+        tier = await started(relaxed(s.url, push_batch=4, breaker_cooldown_s=0.2, health_interval_s=0.05))
+        try:
+            t0 = time.monotonic()
+            assert all(tier.offer(NS, k, data) for k in ks)
+            assert time.monotonic() - t0 < len(ks) * FAST_S  # the caller never waits on the network
+            await wait_for(lambda: tier.stats.pushed > 0)
+            s.kill()
+            assert await tier.drain(30)
+            c = tier.counters()
+            failed = sum(c["push_failed"].values())
+            assert failed > 0 and c["pushed"] < len(ks)
+            assert c["pushed"] + failed + c["queue"]["dropped"] == len(ks)
+            t0 = time.monotonic()
+            assert await tier.probe_chain(NS, ks) == 0 and await tier.fetch(NS, ks[:2]) == [None, None]
+            assert time.monotonic() - t0 < PROBE_BOUND_S
+            assert tier.state == "open"
+            s.start()  # restarted empty, on the same port: misses, then pushes work again
+            await wait_for(lambda: tier.state == "closed")
+            assert await tier.probe_chain(NS, ks) == 0
+            assert await tier.push(NS, ks[0], b"again") and await tier.probe_chain(NS, ks) == 1
+        finally:
+            await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_hung_redis_probe_bounded_breaker_opens_and_recovers() -> None:
+    ks = chain(8)
+    with redis_server() as s:
+        # Default probe timeout (tens of milliseconds); a quick cooldown so the test does not wait.
+        config = replace(RemoteConfig(s.url), breaker_cooldown_s=0.3, health_interval_s=0.05, trial_timeout_s=1.0)
+        tier = await started(config)
+        try:
+            for k in ks:
+                assert await tier.push(NS, k, b"b")
+            await eventually(lambda: tier.probe_chain(NS, ks), 8)
+            s.signal(signal.SIGSTOP)
+            took = []
+            while tier.state != "open":
+                t0 = time.monotonic()
+                assert await tier.probe_chain(NS, ks) == 0
+                took.append(time.monotonic() - t0)
+                assert len(took) <= config.breaker_threshold
+            assert max(took) < PROBE_BOUND_S, took
+            assert tier.counters()["misses"]["timeout"] == config.breaker_threshold
+            t0 = time.monotonic()
+            assert await tier.probe_chain(NS, ks) == 0 and await tier.fetch(NS, ks) == [None] * 8
+            assert time.monotonic() - t0 < FAST_S  # open: a miss without the network
+            assert not tier.offer(NS, ks[0], b"b")
+            await asyncio.sleep(1.0)  # trials while hung fail: the breaker stays open
+            assert tier.state == "open" and tier.breaker.entered[State.HALF_OPEN] >= 1
+            s.signal(signal.SIGCONT)
+            await wait_for(lambda: tier.state == "closed")
+            await eventually(lambda: tier.probe_chain(NS, ks), 8)
+            assert tier.breaker.entered[State.CLOSED] >= 1 and tier.counters()["breaker_opened"] >= 2
+        finally:
+            s.signal(signal.SIGCONT)
+            await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_maxmemory_noeviction_pushes_fail_and_are_counted() -> None:
+    ks = chain(100)
+    with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "noeviction") as s:
+        tier = await started(relaxed(s.url, push_batch=8))
+        try:
+            for k in ks:
+                tier.offer(NS, k, os.urandom(64 * 1024))
+            assert await tier.drain(30)
+            c = tier.counters()
+            assert c["pushed"] > 0 and c["push_failed"].get("oom", 0) > 0
+            assert c["pushed"] + c["push_failed"]["oom"] == len(ks)
+            assert c["state"] == "closed"  # a full server is up: no breaker, lookups still served
+            assert await tier.probe_chain(NS, ks) == c["pushed"]
+        finally:
+            await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_push_queue_drops_oldest_and_never_blocks(server: RedisServer) -> None:
+    ks = chain(10)
+    tier = await started(relaxed(server.url, queue_items=4))
+    try:
+        # Offered in one turn of the loop: the worker cannot take any before the queue is full.
+        assert all(tier.offer(NS, k, b"v%d" % i) for i, k in enumerate(ks))
+        assert tier.counters()["queue"] == {"len": 4, "bytes": 8, "dropped": 6, "refused": 0}
+        assert await tier.drain(10)
+        with server.client() as c:
+            there = [bool(c.exists(keys.block_key(NS, k))) for k in ks]
+        assert there == [False] * 6 + [True] * 4
+    finally:
+        await tier.close()
+    small = await started(relaxed(server.url, queue_bytes=100))
+    try:
+        assert not small.offer(NS, ks[0], b"x" * 101)  # larger than the whole queue
+        assert small.offer(NS, ks[0], b"x" * 60) and small.offer(NS, ks[1], b"x" * 60)
+        assert small.counters()["queue"]["dropped"] == 1 and small.counters()["queue"]["refused"] == 1
+    finally:
+        await small.close()
+    hung = await started(replace(relaxed(server.url, queue_items=8), push_timeout_s=2.0))
+    server.signal(signal.SIGSTOP)
+    try:  # a hung server: offers return at once, whatever the worker is stuck on
+        t0 = time.monotonic()
+        for i in range(1000):
+            assert hung.offer(NS, chain(1, b"%d" % i)[0], b"z" * 1000)
+            if i % 100 == 0:
+                await asyncio.sleep(0)  # let the worker take a batch and hang on it
+        assert time.monotonic() - t0 < 1000 * FAST_S / 10
+        assert hung._busy > 0 and len(hung.queue) == 8 and hung.queue.dropped == 1000 - 8 - hung._busy
+    finally:
+        server.signal(signal.SIGCONT)
+        await hung.close()
+
+
+@pytest.mark.asyncio
+async def test_events_on_the_namespace_stream(tier: RemoteTier, server: RedisServer) -> None:
+    ks = chain(3)
+    assert await tier.publish_event(EventKind.STORED, NS, ks, "host-a")
+    assert await tier.publish_event(EventKind.EVICTED, NS, ks[:1], "host-a")
+    with server.client() as c:
+        entries = c.xrange(keys.events_key(NS))
+    assert len(entries) == 2
+    first = {k.decode(): v.decode() for k, v in entries[0][1].items()}
+    assert first["kind"] == "stored" and first["host"] == "host-a" and first["ns"] == keys.namespace_tag(NS)
+    assert first["keys"].split(",") == [k.hex() for k in ks]
+    assert entries[1][1][b"kind"] == b"evicted"
+    assert tier.counters()["events_published"] == 2
+
+
+# --- a 3-master cluster ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_cluster_round_trip_spreads_over_every_master(cluster: Cluster) -> None:
+    ks = chain(60)
+    tier = await started(relaxed(cluster.url, cluster=True, ttl_s=1000))
+    try:
+        for k in ks[:50]:
+            assert tier.offer(NS, k, k * 4)
+        assert await tier.drain(30)
+        assert tier.stats.pushed == 50
+        sizes = cluster.dbsizes()
+        assert sum(sizes) == 50 and all(n > 0 for n in sizes), sizes
+        assert await tier.probe_chain(NS, ks) == 50
+        assert await tier.fetch(NS, ks[48:52]) == [ks[48] * 4, ks[49] * 4, None, None]
+        assert not await tier.push(NS, ks[0], b"other")  # SET NX across the cluster too
+        assert await tier.fetch(NS, ks[:1]) == [ks[0] * 4]
+        assert await tier.publish_event(EventKind.STORED, NS, ks, "host-a")
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_cluster_node_killed_is_a_miss_never_an_error() -> None:
+    ks = chain(30)
+    with redis_cluster(3) as cl:
+        config = relaxed(cl.url, cluster=True, breaker_cooldown_s=0.2, health_interval_s=0.05)
+        tier = await started(replace(config, trial_timeout_s=1.0, probe_timeout_s=PROBE_BOUND_S))
+        try:
+            for k in ks:
+                assert await tier.push(NS, k, k)
+            cl.nodes[2].kill()
+            t0 = time.monotonic()
+            got = await tier.fetch(NS, ks)
+            found = await tier.probe_chain(NS, ks)
+            assert time.monotonic() - t0 < 2 * PROBE_BOUND_S + 2 * FAST_S
+            assert all(v in (None, k) for v, k in zip(got, ks, strict=True)) and found < len(ks)
+            for k in ks:  # pushes to the dead node's slots fail and are counted; the rest still work
+                tier.offer(NS, chain(1, k)[0], b"v")
+            assert await tier.drain(30)
+            assert sum(tier.counters()["push_failed"].values()) > 0 or tier.counters()["offers_refused"] > 0
+        finally:
+            await tier.close()
