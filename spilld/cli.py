@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from . import __version__, errors
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
-from .config import check_socket_path, format_size, parse_duration, parse_size
+from .config import Config, check_socket_path, format_size, parse_duration, parse_size
 from .fileio import Durability
 
 EXIT_OK = 0
@@ -353,10 +353,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             namespace_quota=args.namespace_quota,
             pin_cap=args.pin_cap,
             admit_after=args.admit_after,
+            remote=args.remote,
+            remote_cluster=args.remote_cluster,
+            remote_push=args.remote_push,
+            remote_ttl=args.remote_ttl,
+            remote_password_file=args.remote_password_file,
+            remote_key_file=args.remote_key_file,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _check_socket_target(cfg.socket)
+    _check_remote(cfg)
     setup_logging(args.log_level, {"json": True, "text": False, "auto": None}[args.log_format])
     try:
         return run(cfg)
@@ -369,6 +376,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot serve: {exc}") from None
     except OSError as exc:
         raise UsageError(f"cannot serve: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}") from None
+
+
+def _check_remote(cfg: Config) -> None:
+    """``--remote``: the extra installed, the URL, the password and key files usable (nothing is connected)."""
+    if not cfg.remote:
+        return
+    try:
+        from .remote import RemoteConfigError
+        from .remote.link import check_remote
+    except ImportError:
+        raise UsageError("--remote needs the remote extra: pip install 'spilld[remote]'") from None
+    try:
+        check_remote(cfg)
+    except RemoteConfigError as exc:
+        raise UsageError(f"--remote: {exc}") from None
 
 
 def _metrics_file(path: str | None) -> str | None:
@@ -470,6 +492,14 @@ def _print_status(st: dict[str, Any]) -> None:
             else ""
         )
         print(f"        unique bytes added {format_size(unique)}, write amplification {amp}{gate}")
+    if "remote" in st:
+        r = st["remote"]
+        misses = ", ".join(f"{k} {v}" for k, v in {**r.get("misses", {}), **r.get("fill_misses", {})}.items() if v)
+        print(
+            f"remote  {r.get('state')}, push {r.get('push')}: fills {r.get('fills')}, hits {r.get('hits')}, "
+            f"fetched {format_size(int(r.get('bytes_fetched', 0)))}, pushed {format_size(int(r.get('bytes_pushed', 0)))}"
+            f", queue {r.get('queue', {}).get('len', 0)}; misses: {misses or 'none'}"
+        )
     lookups = f"{st['lookups']}, " if "lookups" in st else ""
     print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
     by_code = ", ".join(f"{k} {v}" for k, v in d.get("errors", {}).items() if v)
@@ -810,6 +840,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the write gate: a droppable spill's new blocks are written only once a lookup asked for their prefix "
         "this many times (one-off prompts never reach the disk); the counts are kept in memory (default 0: off)",
+    )
+    srv.add_argument(
+        "--remote",
+        metavar="URL",
+        default=None,
+        help="a shared tier on Redis or Valkey (redis://HOST:PORT/DB, rediss:// for TLS, unix:///path): entries "
+        "stored here are pushed there, and a prompt another host stored is fetched from there; needs the remote "
+        "extra. A password comes from $SPILLD_REMOTE_PASSWORD or --remote-password-file, never the URL",
+    )
+    srv.add_argument("--remote-cluster", action="store_true", help="the --remote URL names a node of a Redis Cluster")
+    srv.add_argument(
+        "--remote-push",
+        choices=["all", "none"],
+        default="all",
+        help="all (default): push every entry stored with blocks; none: only fetch",
+    )
+    srv.add_argument(
+        "--remote-ttl",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="keys pushed expire after this long unused (each fetch renews them; default: kept until Redis evicts)",
+    )
+    srv.add_argument(
+        "--remote-password-file", default=None, help="a file (mode 0600) holding the remote tier's password"
+    )
+    srv.add_argument(
+        "--remote-key-file",
+        default=None,
+        help="a file (mode 0600, 32 bytes or more) whose key encrypts everything pushed (AES-GCM, a key per "
+        "namespace): a host without it gets misses, never plaintext",
     )
     srv.add_argument(
         "--drain-deadline",

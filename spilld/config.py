@@ -140,6 +140,12 @@ class Config:
     namespace_quota: int | None = None  # bytes on disk one namespace may hold (None: only the disk cap)
     pin_cap: int | None = None  # pinned bytes evicted last (None: a quarter of the disk cap)
     admit_after: int = 0  # the write gate: a droppable spill's new prefix is written once asked this often (0: off)
+    remote: str | None = None  # the shared tier: redis://HOST:PORT/DB, rediss://..., unix:///path (None: none)
+    remote_cluster: bool = False  # the URL names a node of a Redis Cluster
+    remote_push: str = "all"  # all: push every entry stored with blocks; none: fetch only
+    remote_ttl: int | None = None  # seconds a pushed key lives unless used (refreshed on every fetch)
+    remote_password_file: str | None = None  # else $SPILLD_REMOTE_PASSWORD (never on the command line)
+    remote_key_file: str | None = None  # encrypt everything pushed (AES-GCM, a key per namespace)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))

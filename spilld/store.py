@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -22,19 +23,19 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 import numpy as np
 import xxhash
 
-from . import blocks, errors, fileio
+from . import blocks, errors, fileio, validate
 from . import format as fmt
 from .admission import Admission
 from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .lease import RunStep, off_loop
-from .loader import Loaded, load, read_header
+from .loader import Loaded, load, read_header, verify_file
 from .lockfile import LOCK_NAME, FileLock
 from .queue import unpin
 from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
@@ -292,6 +293,12 @@ class _Query:
                 found.best = Hit(e, usable)
 
 
+class StoreListener(Protocol):
+    def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
+        """``entry`` (a manifest) was stored and indexed; ``written``: the blocks its put wrote; ``root``: the
+        root key of its chain. Called on the store's loop; must not block."""
+
+
 @dataclass
 class StoreCounters:
     hits: int = 0
@@ -305,6 +312,8 @@ class StoreCounters:
     bytes_written: int = 0  # file bytes published: manifests, blocks and v1 files
     blocks_written: int = 0
     blocks_reused: int = 0  # blocks a spill named without writing them (already on disk)
+    blocks_fetched: int = 0  # blocks kept from another tier (the remote one)
+    adopted: int = 0  # manifests kept from another tier
     blocks_reclaimed: int = 0  # blocks removed because no manifest named them any more
     dropped_budget: int = 0  # droppable spills shed because the write budget was spent
     dropped_admit: int = 0  # droppable spills shed by the write gate (their prefix not asked for often enough)
@@ -368,6 +377,7 @@ class Store:
         self._error_run = 0  # writes failed in a row
         self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
+        self.listeners: list[StoreListener] = []  # told of each entry stored with blocks (the remote tier's push)
 
     @property
     def provider(self) -> CodecProvider:
@@ -816,10 +826,11 @@ class Store:
         folder = os.path.dirname(path)
         kw: dict[str, Any] = {"run_step": run_step, "write_in_lease": write_in_lease, "staging": staging}
         pinned: list[Block] = []
+        written: list[Block] = []
         self.claim_folder(folder)  # from here to the rename, no sweep removes the folder under the write
         try:
             if cut is not None:  # the blocks first, each durable before the manifest that names it
-                pinned = await self._put_blocks(cut, folder, ident, kw)
+                pinned = await self._put_blocks(cut, folder, ident, kw, written)
                 planned = cut.manifest()
                 validate_header(planned[0])  # never publish a manifest our readers would refuse
             result = await self._write(path, folder, ident, planned, **kw)
@@ -846,6 +857,9 @@ class Store:
         self.counters.unique_added += logical * max(entry.ntokens - held, 0) // max(entry.ntokens, 1)
         self._evict_to_quota(entry)
         self.evict_to_cap(keep=entry)
+        if cut is not None:
+            for listener in self.listeners:
+                listener.stored(entry, written, cut.root)
         try:
             if pin:
                 pins = sorted(self._pins)
@@ -856,10 +870,12 @@ class Store:
                 task.uncancel()
         return result
 
-    async def _put_blocks(self, cut: Split, folder: str, ident: fmt.Identity, kw: dict[str, Any]) -> list[Block]:
-        """Write the blocks of ``cut`` not on disk yet; every block it names is pinned until its manifest is indexed."""
+    async def _put_blocks(
+        self, cut: Split, folder: str, ident: fmt.Identity, kw: dict[str, Any], written: list[Block]
+    ) -> list[Block]:
+        """Write the blocks of ``cut`` not on disk yet (added to ``written``); every block it names is pinned until
+        its manifest is indexed."""
         pinned: list[Block] = []
-        written = self.counters.blocks_written
         try:
             for i, key in enumerate(cut.keys):
                 rec = self._blocks.get(key)
@@ -869,18 +885,88 @@ class Store:
                     validate_header(block[0])  # its own key and chain included
                     result = await self._write(bpath, folder, ident, block, sync_folder=False, **kw)
                     rec = self._add_block(key, bpath, result.file_bytes)
+                    written.append(rec)
                     self.counters.blocks_written += 1
                     self._wrote(result.file_bytes)
                 else:
                     self.counters.blocks_reused += 1
                 rec.pins += 1
                 pinned.append(rec)
-            if self.counters.blocks_written > written:  # one folder sync makes every new block's name durable
+            if written:  # one folder sync makes every new block's name durable
                 await self._with_room(lambda: off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability)), 0)
         except BaseException:
             self._unpin(pinned)
             raise
         return pinned
+
+    # --- files from another tier ------------------------------------------------------------------
+
+    async def adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, fetched: dict[bytes, bytes]) -> Entry:
+        """Keep a manifest fetched from another tier, with the blocks it names that this store lacks (``fetched``,
+        by key). Each new block is checked whole (header, its key, identity, every hash) and published durably
+        before the manifest, which is checked against its blocks and published last: the order of a put. A check
+        that fails raises (``FileFormatError`` for wrong bytes, ``BlockMissing`` for a block neither held nor
+        fetched) and leaves nothing behind."""
+        m = validate.header_from_bytes(manifest, len(manifest))
+        if m.blocks is None:
+            raise errors.BlockInvalid("a fetched manifest names no blocks")
+        folder = self.folder(ident, namespace)
+        path = self.new_path(ident, namespace)
+        scope = (identity_fingerprint(ident), namespace)
+        pinned: list[Block] = []
+        self.claim_folder(folder)
+        try:
+            await off_loop(lambda: self.make_folder(folder))
+            for key in m.blocks.keys:
+                rec = self._blocks.get(key)
+                if rec is None:
+                    if key not in fetched:
+                        raise errors.BlockMissing(f"block {key.hex()} is neither held nor fetched")
+                    bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
+                    data = fetched[key]
+                    await off_loop(functools.partial(self._publish_fetched, bpath, data, scope, key), background=True)
+                    rec = self._add_block(key, bpath, len(data))
+                    self.counters.blocks_fetched += 1
+                rec.pins += 1
+                pinned.append(rec)
+            header = await off_loop(functools.partial(self._publish_fetched, path, manifest, scope), background=True)
+            await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+        except BaseException:
+            fileio.remove_quietly(self.ops, path)
+            self._unpin(pinned)
+            await self.delete_doomed_async()
+            raise
+        finally:
+            self.release_folder(folder)
+        entry = self._index(path, header, time.time())
+        self._unpin(pinned)
+        self.counters.adopted += 1
+        self._supersede(entry, has_attachments=bool(header.attachments))
+        self._evict_to_quota(entry)
+        self.evict_to_cap(keep=entry)
+        await self.delete_doomed_async()
+        return entry
+
+    def _publish_fetched(self, path: str, data: bytes, scope: tuple[str, str], key: bytes | None = None) -> fmt.Header:
+        """Write fetched bytes to a temp file, check it whole (a block: that it is block ``key``; a manifest: with
+        the blocks it names, from the index), then rename it to ``path`` (blocking: a worker thread)."""
+        tmp = fileio.temp_path_for(path)
+        try:
+            fd = self.ops.open_new(tmp)
+            try:
+                fileio.write_all(self.ops, fd, [memoryview(data)], 0, tmp)
+                fileio.sync(self.ops, fd, self.durability, tmp)
+            finally:
+                self.ops.close(fd)
+            header = verify_file(tmp, self.ops, blocks=lambda k: r.path if (r := self._blocks.get(k)) else None)
+            if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
+                raise errors.BlockInvalid("a fetched file of another identity or namespace", path=path)
+            if (header.block.key if header.block is not None else None) != key:
+                raise errors.BlockKeyMismatch("a fetched file is not the one asked for", path=path)
+            self.ops.rename(tmp, path)
+            return header
+        finally:
+            fileio.remove_quietly(self.ops, tmp)
 
     def _wrote(self, nbytes: int) -> None:
         self.counters.bytes_written += nbytes
@@ -946,6 +1032,13 @@ class Store:
             log.warning("writes to %s succeed again after %d failures in a row", self.root, self._error_run)
         self._error_run = 0
 
+    def has_block(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def leading_blocks(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (a chain, in order) this store holds, from the first on."""
+        return next((i for i, k in enumerate(keys) if k not in self._blocks), len(keys))
+
     def held_rows(self, header: fmt.Header) -> int:
         """How many leading tokens of a planned entry's ``header`` this store holds as blocks: the rows of its
         positional caches a writer need not have (a multiple of ``block_tokens``; 0 without blocks)."""
@@ -956,7 +1049,7 @@ class Store:
         """How many leading blocks of ``cut`` the store holds already."""
         if cut is None:
             return 0
-        return next((i for i, k in enumerate(cut.keys) if k not in self._blocks), len(cut.keys))
+        return self.leading_blocks(cut.keys)
 
     def _admit(self, header: fmt.Header, held: int) -> None:
         """Shed a droppable spill whose first new block's prefix was not asked for ``--admit-after`` times."""
@@ -1282,6 +1375,8 @@ class Store:
             "blocks_written": c.blocks_written,
             "blocks_reused": c.blocks_reused,
             "blocks_reclaimed": c.blocks_reclaimed,
+            "blocks_fetched": c.blocks_fetched,
+            "adopted": c.adopted,
             "written_day": self.wear.last_day(),
             "written_week": self.wear.last_week(),
             "write_budget": self.write_budget,

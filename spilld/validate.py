@@ -295,3 +295,17 @@ def _ring(offset: int, how: Rows, f: dict[str, Any], rows: int, where: str) -> N
         raise errors.OffsetMismatch(f"{where}: offset {offset}, max_size {size}, but {rows} rows stored")
     if f["idx"] > rows:
         raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} past the {rows} rows stored")
+
+
+def header_from_bytes(data: bytes | memoryview, file_size: int, path: str | None = None) -> fmt.Header:
+    """The checked header of a file whose first bytes (at least its prefix and header) are ``data``: prefix,
+    header, padding and every rule here. A file fetched from another tier is read with this before it is kept."""
+    raw = memoryview(data)
+    prefix = fmt.decode_prefix(bytes(raw[: fmt.PREFIX_LEN]), file_size, path)
+    if len(raw) < prefix.data_start:
+        raise errors.TruncatedFile("file ended inside the header", path=path)
+    header_end = fmt.PREFIX_LEN + prefix.header_len
+    header = fmt.decode_header(bytes(raw[fmt.PREFIX_LEN : header_end]), prefix, file_size, path)
+    validate_header(header, file_size, prefix_version=prefix.version, path=path)
+    fmt.check_padding(bytes(raw[header_end : prefix.data_start]), path)
+    return header

@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__, errors, fileio
 from .. import format as fmt
@@ -34,6 +34,9 @@ from .connection import BackgroundLease, Connection, GrantorLease, Received, Ste
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
 from .listen import bind, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
+
+if TYPE_CHECKING:
+    from ..remote.link import RemoteLink
 
 log = logging.getLogger("spilld.daemon")
 
@@ -57,6 +60,7 @@ def open_store(cfg: Config) -> Store:
         raise errors.UnusableFolder(f"--dir {cfg.dir} cannot be used: {why}") from None
 
 
+REMOTE_CLOSE_S = 5.0  # a stop waits this long for queued pushes to the remote tier
 MAX_LOOKUP_BLOCK_PATHS = 4096  # block files a lookup reply names at most (the client lists the folder for more)
 
 
@@ -73,6 +77,7 @@ class Daemon:
         self.lease = BackgroundLease()
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
+        self.remote: RemoteLink | None = None  # the shared tier (--remote), once started
         self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.held_rows)
         self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
         self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
@@ -109,6 +114,10 @@ class Daemon:
             await off_loop(self._own_folder)
             async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan (a big store)
                 await off_loop(self.store.scan)
+            if self.cfg.remote:
+                from ..remote.link import open_link  # needs the remote extra (redis): imported only when asked
+
+                self.remote = await open_link(self.cfg, self.store)
             await self._listen()
         except BaseException:
             self._release_locks()
@@ -206,6 +215,8 @@ class Daemon:
         async with self.service.extending(self._drain_progress, budget_s=self.cfg.drain_deadline):
             await self.ingest.committed(timeout=self.cfg.request_timeout)  # a commit received is not cancelled
             report = await self.queue.close(timeout=self.cfg.drain_deadline)
+            if self.remote is not None:  # what was stored is pushed while the deadline lasts; the rest is not
+                await self.remote.close(REMOTE_CLOSE_S)
         for conn in list(self.connections):
             if conn.tasks:  # commits answered before the connections go
                 await asyncio.wait(list(conn.tasks), timeout=1.0)
@@ -303,6 +314,8 @@ class Daemon:
         tokens = fmt.decode_tokens(p["tokens"])
         ns, provider = str(p.get("namespace", "")), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
+        if self.remote is not None and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id):
+            hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
         self.lookups += 1
         if isinstance(hit, Hit):
             e = hit.entry
@@ -415,6 +428,7 @@ class Daemon:
             "queue": self.queue.counters(),
             "ingest": self.ingest.counters(sum(len(c.spills) for c in self.connections)),
             "store": self.store.stats(),
+            **({"remote": self.remote.counters()} if self.remote is not None else {}),
             "restore_seconds": self.restore_seconds.to_wire(),
         }
 

@@ -21,7 +21,9 @@ class Kind(StrEnum):
     """What a value under a key is: one letter in the key, so a block and a manifest never share one."""
 
     BLOCK = "b"
-    MANIFEST = "m"
+    MANIFEST = "m"  # under the key of the last block it names
+    REF = "p"  # under a block's key: the key of a manifest naming it (32 bytes), for blocks-only restores
+    ROOT = "r"  # under a layout space's key: the root key of its chains (``link.root_space``)
 
 
 def namespace_tag(namespace: str) -> str:

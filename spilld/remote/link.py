@@ -1,0 +1,226 @@
+"""The store's side of the remote tier: push what the store wrote, and fill the store from the tier when a lookup
+finds more of a prompt's chain there than on the local disk.
+
+What is pushed, per entry stored with blocks: the blocks its put wrote (``b:<key>``), its manifest under the key of
+its last block (``m:<key>``), for each block it wrote the key of that manifest (``p:<key>``: a prompt that ends
+inside another conversation finds a manifest naming its blocks), and its layout's root key under the layout space
+(``r:<space>``: a host with an empty disk cannot compute a root key, which hashes the cache layout). All are written
+only if absent (SET NX): shared prefixes are uploaded once by the fleet.
+
+A fill probes the chain of the prompt's block keys (one round trip), fetches the manifest that ends where the
+remote chain ends (or one that names that block), then the blocks it names that this store lacks, and hands them to
+``Store.adopt``, which checks every byte before keeping anything. Every failure is a miss and a counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+import socket
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from .. import blocks, errors
+from .. import format as fmt
+from ..config import Config
+from ..lease import off_loop
+from ..store import Block, Entry, Store, identity_fingerprint
+from ..validate import header_from_bytes
+from .config import RemoteConfig
+from .keys import BLOCK_KEY_BYTES, Kind
+from .tier import EventKind, RemoteTier
+
+log = logging.getLogger("spilld.remote")
+
+PUSH_MODES = ("all", "none")  # all: every entry stored with blocks is pushed; none: fetch only
+MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming more is not fetched: a miss)
+_SPACE_DOMAIN = "spilld-remote-roots/1"
+
+
+def root_space(fingerprint: str, namespace: str, provider: str, size: int) -> bytes:
+    """The key under which a layout's root key is kept: what a lookup knows (model, namespace, codecs, B)."""
+    blob = msgpack.packb([_SPACE_DOMAIN, fingerprint, namespace, provider, size], use_bin_type=True)
+    return hashlib.sha256(blob).digest()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class RemoteLink:
+    """Binds a ``RemoteTier`` to a ``Store``: registered as its listener (pushes), and asked by lookups (fills)."""
+
+    def __init__(self, tier: RemoteTier, store: Store, push: str = "all", host: str | None = None) -> None:
+        if push not in PUSH_MODES:
+            raise ValueError(f"remote push is one of {', '.join(PUSH_MODES)}, not {push!r}")
+        self.tier, self.store, self.push = tier, store, push
+        self.host = host or socket.gethostname()
+        self._roots: dict[bytes, tuple[bytes, bool]] = {}  # layout space -> (root key, whole): learnt once
+        self._pushing: set[asyncio.Task[None]] = set()
+        self.fills = 0  # manifests (and their blocks) kept from the remote tier
+        self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
+        if push != "none":
+            store.listeners.append(self)
+
+    # --- push ---------------------------------------------------------------------------------------------
+
+    def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
+        """A store listener: queue the pushes of ``entry`` (its files are read off the loop)."""
+        task = asyncio.get_running_loop().create_task(self._push(entry, list(written), root))
+        self._pushing.add(task)
+        task.add_done_callback(self._pushing.discard)
+
+    async def _push(self, entry: Entry, written: list[Block], root: bytes) -> None:
+        ns = entry.namespace
+        space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
+        if self._roots.get(space) != (root, entry.whole):
+            self._roots[space] = (root, entry.whole)
+            self.tier.offer(ns, space, msgpack.packb([root, entry.whole]), Kind.ROOT)
+        last = entry.blocks[-1]
+        try:
+            for rec in written:
+                self.tier.offer(ns, rec.key, await off_loop(functools.partial(_read, rec.path), background=True))
+                self.tier.offer(ns, rec.key, last, Kind.REF)
+            self.tier.offer(
+                ns, last, await off_loop(functools.partial(_read, entry.path), background=True), Kind.MANIFEST
+            )
+        except OSError:  # evicted or superseded meanwhile: what was not read is not pushed
+            return
+        if written:
+            await self.tier.publish_event(EventKind.STORED, ns, [r.key for r in written], self.host)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait for the pushes being read and queued, then for the tier's queue."""
+        if self._pushing:
+            await asyncio.wait(list(self._pushing), timeout=timeout_s)
+        return await self.tier.drain(timeout_s)
+
+    # --- fill ---------------------------------------------------------------------------------------------
+
+    async def fill(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
+        """Fetch into the store the longest prefix of ``tokens`` the remote tier has beyond the local one: True
+        if a manifest was kept (a lookup then finds it). Never raises for a remote or a content failure."""
+        size = self.store.block_tokens
+        count = (len(tokens) - 1) // size if size else 0  # one token is always left to compute
+        if count == 0:
+            return False
+        space = root_space(identity_fingerprint(ident), namespace, provider, size)
+        root = await self._root(namespace, space)
+        if root is None:
+            return self._missed("no_root")
+        keys = await off_loop(lambda: blocks.chain(root, list(tokens), size, count))
+        local = self.store.leading_blocks(keys)
+        if local == count:
+            return False
+        found = await self.tier.probe_chain(namespace, keys)
+        if found <= local:
+            return self._missed("no_longer_chain")
+        manifest = await self._manifest_for(namespace, keys[found - 1])
+        if manifest is None:
+            return self._missed("no_manifest")
+        return await self._adopt(ident, namespace, manifest)
+
+    async def _root(self, namespace: str, space: bytes) -> bytes | None:
+        if space in self._roots:
+            return self._roots[space][0]
+        (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT)
+        try:
+            root, whole = msgpack.unpackb(raw) if raw is not None else (None, False)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            self.tier.note_bad_bytes()
+            return None
+        if not isinstance(root, bytes) or len(root) != BLOCK_KEY_BYTES:
+            return None
+        self._roots[space] = (root, bool(whole))
+        return root
+
+    async def _manifest_for(self, namespace: str, key: bytes) -> bytes | None:
+        """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too)."""
+        (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST)
+        if m is not None:
+            return m
+        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF)
+        if ref is None or len(ref) != BLOCK_KEY_BYTES:
+            return None
+        (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST)
+        return m
+
+    async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes) -> bool:
+        try:
+            keys = _named_blocks(manifest)
+        except errors.SpillError:
+            self.tier.note_bad_bytes()
+            return self._missed("bad_bytes")
+        want = [k for k in keys if not self.store.has_block(k)]
+        if len(want) > MAX_FILL_BLOCKS:
+            return self._missed("too_many_blocks")
+        got = await self.tier.fetch(namespace, want)
+        if any(v is None for v in got):
+            return self._missed("blocks_absent")
+        try:
+            await self.store.adopt(ident, namespace, manifest, {k: v for k, v in zip(want, got, strict=True) if v})
+        except errors.FileFormatError as exc:
+            self.tier.note_bad_bytes()
+            log.warning("refused a manifest or block from the remote tier: %s", exc)
+            return self._missed("bad_bytes")
+        except errors.SpillError as exc:
+            log.warning("could not keep what the remote tier sent: %s", exc)
+            return self._missed("store_error")
+        self.fills += 1
+        return True
+
+    def _missed(self, why: str) -> bool:
+        self.fill_misses[why] += 1
+        return False
+
+    async def close(self, timeout_s: float) -> None:
+        """Push what is queued within ``timeout_s``, then stop the tier."""
+        await self.drain(timeout_s)
+        for t in list(self._pushing):
+            t.cancel()
+        await self.tier.close()
+
+    def counters(self) -> dict[str, Any]:
+        return self.tier.counters() | {
+            "push": self.push,
+            "fills": self.fills,
+            "fill_misses": dict(self.fill_misses),
+            "pushing": len(self._pushing),
+        }
+
+
+def _named_blocks(manifest: bytes) -> list[bytes]:
+    """The block keys a fetched manifest names (its header checked first)."""
+    header = header_from_bytes(manifest, len(manifest))
+    if header.blocks is None:
+        raise errors.BlockInvalid("a fetched manifest names no blocks")
+    return list(header.blocks.keys)
+
+
+async def open_link(cfg: Config, store: Store) -> RemoteLink:
+    """The daemon's remote tier (``--remote``), started: a server that cannot be reached, or refuses the
+    password, leaves it missing (logged), never the daemon down. ``RemoteConfigError`` for settings that
+    cannot work (a password in the URL, a key file open to others)."""
+    tier = RemoteTier(remote_config(cfg))
+    await tier.start()
+    return RemoteLink(tier, store, cfg.remote_push)
+
+
+def remote_config(cfg: Config) -> RemoteConfig:
+    """The tier's settings from the daemon's (``--remote*``)."""
+    return RemoteConfig(
+        cfg.remote or "", cluster=cfg.remote_cluster, ttl_s=cfg.remote_ttl,
+        password_file=cfg.remote_password_file, key_file=cfg.remote_key_file,
+    )  # fmt: skip
+
+
+def check_remote(cfg: Config) -> None:
+    """Raise ``RemoteConfigError`` now for settings that cannot work (the URL, the password and key files),
+    before the daemon starts; nothing is connected."""
+    RemoteTier(remote_config(cfg))

@@ -1,0 +1,243 @@
+"""The shared tier end to end (issue 15): real daemons as hosts (each its own folder and socket), a real
+``redis-server`` between them, a tiny random-weight model, exact restores checked by next-step logits with a
+negative control. Faults: wrong bytes under a key, Redis gone or stopped (a miss, never an error), another host's
+key file (a miss, never plaintext)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import pytest_asyncio
+from mlx_lm.models.cache import make_prompt_cache
+
+import spilld
+from spilld.client import AsyncClient
+from tests.blocks_corpus import blocks_on_disk, manifests_on_disk, prefill
+from tests.daemons import Daemon, cleanup, new_root
+from tests.models import next_logits, random_tokens, tiny_llama
+from tests.redis_servers import RedisServer, redis_server
+
+B = 16
+SETTLE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def shared_redis() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+@pytest.fixture
+def server(shared_redis: RedisServer) -> RedisServer:
+    if shared_redis.proc is None or shared_redis.proc.poll() is not None:
+        shared_redis.start()  # a test killed it
+    with shared_redis.client() as c:
+        c.flushall()
+    return shared_redis
+
+
+def host(url: str, *extra: str) -> Daemon:
+    args = ["--cap", "256MiB", "--block-tokens", str(B), "--durability", "none", "--remote", url, *extra]
+    return Daemon(new_root(), args).start()
+
+
+@pytest_asyncio.fixture
+async def model() -> AsyncIterator[Any]:
+    yield tiny_llama()
+
+
+async def client_of(d: Daemon, model: Any) -> AsyncClient:
+    return await AsyncClient.open(d.socket, identity=spilld.model_identity(model, model_id="m"), name="host")
+
+
+async def pushed(c: AsyncClient, at_least: int) -> dict[str, Any]:
+    """The host's remote counters once ``at_least`` values were written and nothing is left to push."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        r = (await c.status())["remote"]
+        if r["pushed"] + r["push_present"] >= at_least and r["queue"]["len"] == 0 and r["pushing"] == 0:
+            return dict(r)
+        assert time.monotonic() < deadline, r
+        await asyncio.sleep(0.05)
+
+
+def equal(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.array_equal(a, b).item())
+
+
+@pytest.mark.asyncio
+async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(server: RedisServer, model: Any) -> None:
+    a, b = host(server.url), host(server.url)
+    ca = cb = None
+    try:
+        ca, cb = await client_of(a, model), await client_of(b, model)
+        conv = random_tokens(5 * B + 7, seed=1)  # 5 blocks and a tail
+        cache = prefill(model, make_prompt_cache, conv)
+        assert (await ca.spill(conv, cache, droppable=False)).stored
+        r = await pushed(ca, 5 + 5 + 2)  # blocks, their refs, the manifest and the root
+        assert r["pushed"] == 12 and r["bytes_pushed"] > 0
+        assert not blocks_on_disk(b.dir)
+        got = await cb.load([*conv, 3])  # host B's disk is empty: the remote tier fills it
+        assert got is not None and got.tokens == conv
+        want = next_logits(model, cache, 3)
+        assert equal(next_logits(model, got.caches, 3), want)
+        other = prefill(model, make_prompt_cache, random_tokens(5 * B + 7, seed=2))
+        assert not equal(next_logits(model, other, 3), want)  # the negative control
+        st = await cb.status()
+        assert st["remote"]["fills"] == 1 and st["store"]["blocks_fetched"] == 5 and st["store"]["adopted"] == 1
+        assert len(blocks_on_disk(b.dir)) == 5 and len(manifests_on_disk(b.dir)) == 1
+        again = await cb.load([*conv, 3])  # now local: no second fill
+        assert again is not None and (await cb.status())["remote"]["fills"] == 1
+    finally:
+        for c in (ca, cb):
+            if c is not None:
+                await c.close()
+        for d in (a, b):
+            d.kill()
+            cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_a_system_prompt_another_host_stored_restores_from_its_blocks(server: RedisServer, model: Any) -> None:
+    a, b = host(server.url), host(server.url)
+    ca = cb = None
+    try:
+        ca, cb = await client_of(a, model), await client_of(b, model)
+        system = random_tokens(3 * B, seed=5)
+        first = [*system, *random_tokens(2 * B + 4, seed=6)]
+        assert (
+            await ca.spill(first, prefill(model, make_prompt_cache, system, first[3 * B :]), droppable=False)
+        ).stored
+        await pushed(ca, 5 + 5 + 2)
+        mine = [*system, *random_tokens(9, seed=7)]  # a new conversation under the same system prompt
+        hit = await cb.lookup(mine)
+        assert isinstance(hit, spilld.Hit) and hit.matched == 3 * B  # the other conversation's, cut to the prompt
+        got = await cb.load(mine)
+        assert got is not None and got.tokens == system
+        want = next_logits(model, prefill(model, make_prompt_cache, system), mine[3 * B])
+        assert equal(next_logits(model, got.caches, mine[3 * B]), want)
+        assert not equal(next_logits(model, prefill(model, make_prompt_cache, first), mine[3 * B]), want)
+    finally:
+        for c in (ca, cb):
+            if c is not None:
+                await c.close()
+        for d in (a, b):
+            d.kill()
+            cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_wrong_bytes_under_a_key_are_refused_and_nothing_is_kept(server: RedisServer, model: Any) -> None:
+    a, b = host(server.url), host(server.url)
+    ca = cb = None
+    try:
+        ca, cb = await client_of(a, model), await client_of(b, model)
+        conv = random_tokens(3 * B + 2, seed=11)
+        assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
+        await pushed(ca, 3 + 3 + 2)
+        with server.client() as r:
+            names = sorted(k for k in r.keys("spilld:*:b:*"))
+            good = r.get(names[1])
+            assert good is not None
+            bad = bytearray(good)
+            bad[-5] ^= 0xFF  # one bit of a tensor
+            r.set(names[1], bytes(bad))
+        assert await cb.load([*conv, 1]) is None  # a miss, never an error
+        st = await cb.status()
+        assert st["remote"]["fill_misses"].get("bad_bytes") == 1 and st["remote"]["misses"]["bad_bytes"] == 1
+        assert st["store"]["adopted"] == 0 and not blocks_on_disk(b.dir) and not manifests_on_disk(b.dir)
+        with server.client() as r:
+            r.set(names[1], good)  # put right: the next lookup fills
+        got = await cb.load([*conv, 1])
+        assert got is not None and got.tokens == conv
+    finally:
+        for c in (ca, cb):
+            if c is not None:
+                await c.close()
+        for d in (a, b):
+            d.kill()
+            cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_redis_gone_or_stopped_is_a_miss_and_local_work_goes_on(server: RedisServer, model: Any) -> None:
+    a = host(server.url)
+    ca = None
+    try:
+        ca = await client_of(a, model)
+        local = random_tokens(2 * B + 3, seed=21)
+        assert (await ca.spill(local, prefill(model, make_prompt_cache, local), droppable=False)).stored
+        await pushed(ca, 2 + 2 + 2)
+        server.signal(signal.SIGSTOP)  # hung: probes must time out within their bound
+        try:
+            unknown = random_tokens(4 * B, seed=22)
+            t0 = time.monotonic()
+            assert isinstance(await ca.lookup(unknown), spilld.Miss)
+            assert time.monotonic() - t0 < 0.5
+            t0 = time.monotonic()
+            got = await ca.load([*local, 1])  # a local restore: untouched by the remote tier
+            assert got is not None and got.tokens == local and time.monotonic() - t0 < 2.0
+            more = random_tokens(2 * B + 1, seed=23)
+            assert (await ca.spill(more, prefill(model, make_prompt_cache, more), droppable=False)).stored
+        finally:
+            server.signal(signal.SIGCONT)
+        server.kill()  # gone: misses again, spills still stored
+        assert isinstance(await ca.lookup(random_tokens(4 * B, seed=24)), spilld.Miss)
+        last = random_tokens(2 * B + 5, seed=25)
+        assert (await ca.spill(last, prefill(model, make_prompt_cache, last), droppable=False)).stored
+        st = (await ca.status())["remote"]
+        assert st["state"] in ("open", "half_open", "closed") and st["misses"]["down"] + st["misses"]["timeout"] > 0
+    finally:
+        if ca is not None:
+            await ca.close()
+        a.kill()
+        cleanup(a.root)
+
+
+@pytest.mark.asyncio
+async def test_a_host_without_the_key_gets_misses_never_plaintext(
+    server: RedisServer, model: Any, tmp_path: Path
+) -> None:
+    keys = []
+    for name, seed in (("one", b"\x01"), ("two", b"\x02")):
+        p = tmp_path / name
+        p.write_bytes(seed * 32)
+        p.chmod(0o600)
+        keys.append(str(p))
+    a, b, c = host(server.url, "--remote-key-file", keys[0]), host(server.url, "--remote-key-file", keys[0]), None
+    ca = cb = cc = None
+    try:
+        c = host(server.url, "--remote-key-file", keys[1])
+        ca, cb, cc = await client_of(a, model), await client_of(b, model), await client_of(c, model)
+        conv = random_tokens(2 * B + 5, seed=31)
+        assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
+        await pushed(ca, 2 + 2 + 2)
+        assert await cc.load([*conv, 1]) is None  # another key: a miss
+        assert (await cc.status())["remote"]["misses"]["decrypt"] >= 1
+        got = await cb.load([*conv, 1])  # the same key: a hit
+        assert got is not None and got.tokens == conv
+    finally:
+        for cl in (ca, cb, cc):
+            if cl is not None:
+                await cl.close()
+        for d in (a, b, c):
+            if d is not None:
+                d.kill()
+                cleanup(d.root)
+
+
+def test_a_password_in_the_url_is_refused_at_start(tmp_path: Path) -> None:
+    d = Daemon(new_root(), ["--remote", "redis://:secret@127.0.0.1:1/0"])
+    try:
+        out = d.cli("--dir", d.dir, "--socket", d.socket, "--remote", "redis://:secret@127.0.0.1:1/0", timeout=60)
+        assert out.returncode == 2 and "--remote" in out.stderr and "password" in out.stderr
+        assert "secret" not in out.stderr
+    finally:
+        cleanup(d.root)
