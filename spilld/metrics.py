@@ -102,11 +102,58 @@ def families(st: dict[str, Any]) -> list[Metric]:
     ]
     if "quarantine_removed" in d:
         out.append(_counter("quarantine_removed", "quarantined files removed to keep its cap", d["quarantine_removed"]))
+    if "blocks" in d:
+        out += _blocks_and_wear(d)
+    if "remote" in st:
+        out += _remote(st["remote"])
     if "restore_seconds" in st:
         out.append(
             _histogram("restore_seconds", "seconds from a client's lookup to its loaded caches", st["restore_seconds"])
         )
     return out
+
+
+def _blocks_and_wear(d: dict[str, Any]) -> list[Metric]:
+    return [
+        _gauge("blocks", "prefix blocks on disk", d["blocks"]),
+        _gauge("block_bytes", "bytes of the prefix blocks on disk (each once)", d.get("block_bytes", 0)),
+        _labelled(
+            "block_events",
+            "prefix blocks written, named without writing, reclaimed, fetched from the remote tier",
+            "event",
+            {k: d.get(f"blocks_{k}", 0) for k in ("written", "reused", "reclaimed", "fetched")},
+        ),
+        _counter("store_written_bytes", "bytes of every file the store published, blocks included", d["bytes_written"]),
+        _counter("unique_added_bytes", "cache bytes of tokens the store did not hold before", d.get("unique_added", 0)),
+        _gauge("written_day_bytes", "bytes written in the last 24 hours", d.get("written_day", 0)),
+        _labelled(
+            "shed",
+            "droppable spills the store declined, by why",
+            "reason",
+            {"write_budget": d.get("dropped_budget", 0), "admit_after": d.get("dropped_admit", 0)},
+        ),
+    ]
+
+
+def _remote(r: dict[str, Any]) -> list[Metric]:
+    state = GaugeMetricFamily(
+        f"{PREFIX}_remote_state", "the remote tier's state (1 for the current one)", labels=["state"]
+    )
+    for s in ("closed", "half_open", "open", "disabled", "stopped"):
+        state.add_metric([s], 1 if r.get("state") == s else 0)
+    return [
+        state,
+        _counter("remote_hits", "values fetched from the remote tier", r.get("hits", 0)),
+        _labelled(
+            "remote_misses", "values asked of the remote tier and not had, by why", "reason", r.get("misses", {})
+        ),
+        _counter("remote_fills", "prompts filled into the local tier from the remote one", r.get("fills", 0)),
+        _counter("remote_fetched_bytes", "bytes fetched from the remote tier", r.get("bytes_fetched", 0)),
+        _counter("remote_pushed_bytes", "bytes pushed to the remote tier", r.get("bytes_pushed", 0)),
+        _labelled("remote_push_failed", "pushes that failed, by why", "reason", r.get("push_failed", {})),
+        _gauge("remote_queue_items", "pushes waiting", r.get("queue", {}).get("len", 0)),
+        _counter("remote_queue_dropped", "pushes dropped from a full queue", r.get("queue", {}).get("dropped", 0)),
+    ]
 
 
 ENGINE_COUNTERS = {

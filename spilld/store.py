@@ -150,6 +150,7 @@ class Block:
     nbytes: int
     refs: set[str] = field(default_factory=set)  # paths of the manifests that name it
     pins: int = 0  # puts that will name it once their manifest is published
+    namespace: str = ""  # of the manifests that name it (keys include the namespace: one per block)
 
 
 @dataclass
@@ -297,6 +298,9 @@ class StoreListener(Protocol):
     def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
         """``entry`` (a manifest) was stored and indexed; ``written``: the blocks its put wrote; ``root``: the
         root key of its chain. Called on the store's loop; must not block."""
+
+    def reclaimed(self, block: Block) -> None:
+        """``block`` left the store (no manifest names it any more). Called on the store's loop; must not block."""
 
 
 @dataclass
@@ -558,6 +562,7 @@ class Store:
         if b is not None:
             for k in b.keys:
                 self._blocks[k].refs.add(path)
+                self._blocks[k].namespace = e.namespace
             roots = self._roots.setdefault((e.fingerprint, e.namespace, e.codec_provider), {})
             roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
         self._by_path[path] = e
@@ -605,6 +610,8 @@ class Store:
         if not rec.refs and not rec.pins:
             self._drop_block(rec)
             self.counters.blocks_reclaimed += 1
+            for listener in self.listeners:
+                listener.reclaimed(rec)
 
     def _clear_index(self) -> None:
         self._by_path = {}

@@ -74,6 +74,8 @@ def test_metrics_file_status_prometheus_and_debug_logs(daemon: Daemon) -> None:
     assert got[("spilld_queue_outcomes_total", (("outcome", "stored"),))] == 1
     assert got[("spilld_written_bytes_total", ())] > 0 and got[("spilld_disk_entries", ())] == 1
     assert got[("spilld_restore_seconds_count", ())] == 1 and got[("spilld_restore_seconds_sum", ())] > 0
+    assert got[("spilld_store_written_bytes_total", ())] > 0 and ("spilld_blocks", ()) in got
+    assert got[("spilld_shed_total", (("reason", "admit_after"),))] == 0
     # the textfile catches up within a few seconds, and is never seen half written
     prom = os.path.join(daemon.root, "spilld.prom")
     deadline = time.monotonic() + 3 * METRICS_EVERY_S

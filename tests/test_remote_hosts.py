@@ -95,6 +95,12 @@ async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(server:
         assert len(blocks_on_disk(b.dir)) == 5 and len(manifests_on_disk(b.dir)) == 1
         again = await cb.load([*conv, 3])  # now local: no second fill
         assert again is not None and (await cb.status())["remote"]["fills"] == 1
+        prom = b.cli("status", "--format", "prometheus", "--socket", b.socket)
+        assert (
+            "spilld_remote_fills_total 1.0" in prom.stdout and 'spilld_remote_state{state="closed"} 1.0' in prom.stdout
+        )
+        text = b.cli("status", "--socket", b.socket)
+        assert "remote  closed, push all: fills 1" in text.stdout, text.stdout
     finally:
         for c in (ca, cb):
             if c is not None:
@@ -241,3 +247,67 @@ def test_a_password_in_the_url_is_refused_at_start(tmp_path: Path) -> None:
         assert "secret" not in out.stderr
     finally:
         cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_hosts_publish_stored_and_evicted_events_for_routers(server: RedisServer, model: Any) -> None:
+    from spilld.remote.keys import events_key
+
+    a = host(server.url)
+    ca = None
+    try:
+        ca = await client_of(a, model)
+        conv = random_tokens(3 * B + 1, seed=41)
+        stored = await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
+        assert stored.stored
+        await pushed(ca, 3 + 3 + 2)
+        path = stored.value.path
+        assert (await ca.call("delete", {"path": path}))["deleted"] == 1  # its blocks go with it
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            with server.client() as r:
+                events = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(events_key(""))]
+            if len(events) >= 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert [e["kind"] for e in events] == ["stored", "evicted"]
+        assert events[0]["keys"] == events[1]["keys"] and len(events[0]["keys"].split(",")) == 3
+        assert events[0]["host"] == events[1]["host"] != ""
+    finally:
+        if ca is not None:
+            await ca.close()
+        a.kill()
+        cleanup(a.root)
+
+
+@pytest.mark.asyncio
+async def test_two_hosts_share_through_a_three_master_cluster(model: Any) -> None:
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster(3) as cluster:
+        a, b = host(cluster.url, "--remote-cluster"), host(cluster.url, "--remote-cluster")
+        ca = cb = None
+        try:
+            ca, cb = await client_of(a, model), await client_of(b, model)
+            conv = random_tokens(8 * B + 3, seed=51)
+            cache = prefill(model, make_prompt_cache, conv)
+            assert (await ca.spill(conv, cache, droppable=False)).stored
+            await pushed(ca, 8 + 8 + 2)
+            assert all(n > 0 for n in cluster.dbsizes())  # the keys spread over every master
+            got = await cb.load([*conv, 9])
+            assert got is not None and got.tokens == conv
+            assert equal(next_logits(model, got.caches, 9), next_logits(model, cache, 9))
+            cluster.nodes[1].kill()  # a master gone mid-test: misses, never errors
+            fresh = random_tokens(4 * B, seed=52)
+            assert isinstance(await cb.lookup(fresh), spilld.Miss)
+            more = random_tokens(2 * B + 2, seed=53)
+            assert (await ca.spill(more, prefill(model, make_prompt_cache, more), droppable=False)).stored
+            again = await cb.load([*conv, 9])  # held locally since the fill
+            assert again is not None and again.tokens == conv
+        finally:
+            for c in (ca, cb):
+                if c is not None:
+                    await c.close()
+            for d in (a, b):
+                d.kill()
+                cleanup(d.root)

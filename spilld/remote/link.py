@@ -62,7 +62,8 @@ class RemoteLink:
         self.tier, self.store, self.push = tier, store, push
         self.host = host or socket.gethostname()
         self._roots: dict[bytes, tuple[bytes, bool]] = {}  # layout space -> (root key, whole): learnt once
-        self._pushing: set[asyncio.Task[None]] = set()
+        self._pushing: set[asyncio.Task[Any]] = set()  # pushes being read and queued, events being published
+        self._gone: dict[str, list[bytes]] = {}  # blocks reclaimed this loop turn, by namespace
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
         if push != "none":
@@ -94,6 +95,22 @@ class RemoteLink:
             return
         if written:
             await self.tier.publish_event(EventKind.STORED, ns, [r.key for r in written], self.host)
+
+    def reclaimed(self, block: Block) -> None:
+        """A store listener: say on the namespace's stream that this host no longer holds ``block`` (batched:
+        one event per namespace for the blocks an eviction reclaims at once)."""
+        if not self._gone:
+            asyncio.get_running_loop().call_soon(self._publish_gone)
+        self._gone.setdefault(block.namespace, []).append(block.key)
+
+    def _publish_gone(self) -> None:
+        gone, self._gone = self._gone, {}
+        for ns, keys in gone.items():
+            task = asyncio.get_running_loop().create_task(
+                self.tier.publish_event(EventKind.EVICTED, ns, keys, self.host)
+            )  # fmt: skip
+            self._pushing.add(task)
+            task.add_done_callback(self._pushing.discard)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait for the pushes being read and queued, then for the tier's queue."""
