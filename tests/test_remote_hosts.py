@@ -311,3 +311,44 @@ async def test_two_hosts_share_through_a_three_master_cluster(model: Any) -> Non
             for d in (a, b):
                 d.kill()
                 cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_the_example_router_sends_a_prompt_to_the_host_that_holds_it(server: RedisServer, model: Any) -> None:
+    import socket as sk
+
+    import msgpack
+
+    from spilld.remote.keys import Kind, value_key
+    from spilld.remote.link import root_space
+    from spilld.remote.router import PrefixRouter
+    from spilld.store import identity_fingerprint
+
+    a = host(server.url)
+    ca = None
+    try:
+        ca = await client_of(a, model)
+        conv = random_tokens(4 * B + 2, seed=61)
+        stored = await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
+        assert stored.stored
+        await pushed(ca, 4 + 4 + 2)
+        ident = spilld.model_identity(model, model_id="m")
+        space = root_space(identity_fingerprint(ident), "", stored.value.header.codec_provider, B)
+        with server.client() as r:
+            root, _ = msgpack.unpackb(r.get(value_key("", space, Kind.ROOT)))
+            router = PrefixRouter(r, "", root, B)
+            me = sk.gethostname()
+            hosts = ["elsewhere-1", me, "elsewhere-2"]
+            assert router.route([*conv, 5], hosts) == me
+            assert all(router.route([*conv, 5], [h, me]) == me for h in hosts if h != me)
+            assert (await ca.call("delete", {"path": stored.value.path}))["deleted"] == 1
+            deadline = time.monotonic() + SETTLE_S
+            while router.holders and any(router.holders.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                router.poll()
+            assert not any(router.holders.values())  # evicted: no host holds it now
+    finally:
+        if ca is not None:
+            await ca.close()
+        a.kill()
+        cleanup(a.root)
