@@ -29,13 +29,13 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import blocks, errors, fileio, validate
+from . import assemble, blocks, errors, fileio, validate
 from . import format as fmt
 from .admission import Admission
 from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .lease import RunStep, off_loop
-from .loader import Loaded, load, read_header, verify_file
+from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
 from .queue import unpin
 from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
@@ -910,33 +910,47 @@ class Store:
 
     async def adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, fetched: dict[bytes, bytes]) -> Entry:
         """Keep a manifest fetched from another tier, with the blocks it names that this store lacks (``fetched``,
-        by key). Each new block is checked whole (header, its key, identity, every hash) and published durably
-        before the manifest, which is checked against its blocks and published last: the order of a put. A check
-        that fails raises (``FileFormatError`` for wrong bytes, ``BlockMissing`` for a block neither held nor
-        fetched) and leaves nothing behind."""
-        m = validate.header_from_bytes(manifest, len(manifest))
+        by key). Every file is checked whole in memory first (header, rules, every tensor hash; a block: that it
+        is the one asked for, of this identity and namespace). The new blocks are then written at once (each to a
+        temp file, fsynced, renamed), the folder synced, and the manifest, its blocks checked against it, written
+        and renamed last: the order of a put. A check that fails raises (``FileFormatError`` for wrong bytes,
+        ``BlockMissing`` for a block neither held nor fetched) and leaves nothing behind."""
+        scope = (identity_fingerprint(ident), namespace)
+        m = await off_loop(functools.partial(_checked_fetch, manifest, scope, None), background=True)
         if m.blocks is None:
             raise errors.BlockInvalid("a fetched manifest names no blocks")
+        new = [k for k in dict.fromkeys(m.blocks.keys) if k not in self._blocks]
+        for k in new:
+            if k not in fetched:
+                raise errors.BlockMissing(f"block {k.hex()} is neither held nor fetched")
+        await asyncio.gather(
+            *(off_loop(functools.partial(_checked_fetch, fetched[k], scope, k), background=True) for k in new)
+        )  # fmt: skip
         folder = self.folder(ident, namespace)
         path = self.new_path(ident, namespace)
-        scope = (identity_fingerprint(ident), namespace)
-        pinned: list[Block] = []
+        pinned = [self._blocks[k] for k in m.blocks.keys if k in self._blocks]
+        for rec in pinned:
+            rec.pins += 1
         self.claim_folder(folder)
         try:
             await off_loop(lambda: self.make_folder(folder))
-            for key in m.blocks.keys:
-                rec = self._blocks.get(key)
-                if rec is None:
-                    if key not in fetched:
-                        raise errors.BlockMissing(f"block {key.hex()} is neither held nor fetched")
-                    bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
-                    data = fetched[key]
-                    await off_loop(functools.partial(self._publish_fetched, bpath, data, scope, key), background=True)
-                    rec = self._add_block(key, bpath, len(data))
-                    self.counters.blocks_fetched += 1
+            names = {k: os.path.join(folder, f"{k.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}") for k in new}
+            done = await asyncio.gather(
+                *(off_loop(functools.partial(self._write_file, names[k], fetched[k]), background=True) for k in new),
+                return_exceptions=True,
+            )  # every write ends before any failure is raised: none is left running under a removal
+            for k, d in zip(new, done, strict=True):
+                if isinstance(d, BaseException):
+                    continue
+                rec = self._add_block(k, names[k], len(fetched[k]))
                 rec.pins += 1
                 pinned.append(rec)
-            header = await off_loop(functools.partial(self._publish_fetched, path, manifest, scope), background=True)
+                self.counters.blocks_fetched += 1
+            if errs := [d for d in done if isinstance(d, BaseException)]:
+                raise errs[0]
+            await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+            await off_loop(functools.partial(self._check_named, m, path), background=True)
+            await off_loop(functools.partial(self._write_file, path, manifest), background=True)
             await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
         except BaseException:
             fileio.remove_quietly(self.ops, path)
@@ -945,18 +959,17 @@ class Store:
             raise
         finally:
             self.release_folder(folder)
-        entry = self._index(path, header, time.time())
+        entry = self._index(path, m, time.time())
         self._unpin(pinned)
         self.counters.adopted += 1
-        self._supersede(entry, has_attachments=bool(header.attachments))
+        self._supersede(entry, has_attachments=bool(m.attachments))
         self._evict_to_quota(entry)
         self.evict_to_cap(keep=entry)
         await self.delete_doomed_async()
         return entry
 
-    def _publish_fetched(self, path: str, data: bytes, scope: tuple[str, str], key: bytes | None = None) -> fmt.Header:
-        """Write fetched bytes to a temp file, check it whole (a block: that it is block ``key``; a manifest: with
-        the blocks it names, from the index), then rename it to ``path`` (blocking: a worker thread)."""
+    def _write_file(self, path: str, data: bytes) -> None:
+        """``data`` to a temp file, made durable, renamed to ``path`` (blocking: a worker thread)."""
         tmp = fileio.temp_path_for(path)
         try:
             fd = self.ops.open_new(tmp)
@@ -965,15 +978,16 @@ class Store:
                 fileio.sync(self.ops, fd, self.durability, tmp)
             finally:
                 self.ops.close(fd)
-            header = verify_file(tmp, self.ops, blocks=lambda k: r.path if (r := self._blocks.get(k)) else None)
-            if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
-                raise errors.BlockInvalid("a fetched file of another identity or namespace", path=path)
-            if (header.block.key if header.block is not None else None) != key:
-                raise errors.BlockKeyMismatch("a fetched file is not the one asked for", path=path)
             self.ops.rename(tmp, path)
-            return header
         finally:
             fileio.remove_quietly(self.ops, tmp)
+
+    def _check_named(self, m: fmt.Header, path: str) -> None:
+        """Each block a manifest names is on disk and is the one it names (headers only: the new ones were
+        checked whole, the others when they were written)."""
+        assert m.blocks is not None
+        resolve = lambda k: r.path if (r := self._blocks.get(k)) is not None else None  # noqa: E731
+        assemble.checked_blocks(m, path, resolve, lambda p: read_header(p, self.ops), len(m.blocks.keys))
 
     def _wrote(self, nbytes: int) -> None:
         self.counters.bytes_written += nbytes
@@ -1448,3 +1462,14 @@ def list_entries(root: str) -> list[dict[str, Any]]:
                     "checkpoint": h.checkpoint.key if h.checkpoint else None,
                 })  # fmt: skip
     return sorted(rows, key=lambda r: r["last_used"], reverse=True)
+
+
+def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fmt.Header:
+    """A fetched file checked whole in memory: block ``key`` (None: a manifest) of identity and namespace
+    ``scope``."""
+    header = validate.check_file_bytes(data)
+    if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
+        raise errors.BlockInvalid("a fetched file of another identity or namespace")
+    if (header.block.key if header.block is not None else None) != key:
+        raise errors.BlockKeyMismatch("a fetched file is not the one asked for")
+    return header

@@ -309,3 +309,15 @@ def header_from_bytes(data: bytes | memoryview, file_size: int, path: str | None
     validate_header(header, file_size, prefix_version=prefix.version, path=path)
     fmt.check_padding(bytes(raw[header_end : prefix.data_start]), path)
     return header
+
+
+def check_file_bytes(data: bytes | memoryview, path: str | None = None) -> fmt.Header:
+    """A whole file held in memory, checked as a reader checks it: prefix, header, every rule here, and every
+    tensor's hash (a file fetched from another tier, before a byte of it is written)."""
+    raw = memoryview(data)
+    header = header_from_bytes(raw, raw.nbytes, path)
+    for i, s in enumerate(header.slots()):
+        at = header.data_start + s.off
+        if fmt.xxh3(raw[at : at + s.nbytes]) != s.hash:
+            raise errors.TensorHashMismatch(f"tensor {i} at offset {s.off} does not match its hash", path=path)
+    return header
