@@ -352,3 +352,29 @@ async def test_the_example_router_sends_a_prompt_to_the_host_that_holds_it(serve
             await ca.close()
         a.kill()
         cleanup(a.root)
+
+
+@pytest.mark.asyncio
+async def test_a_wrong_password_disables_the_tier_with_one_log_line_and_the_daemon_serves(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with redis_server(password="right-one") as guarded:
+        monkeypatch.setenv("SPILLD_REMOTE_PASSWORD", "wrong-one")
+        a = host(guarded.url)
+        ca = None
+        try:
+            ca = await client_of(a, model)
+            conv = random_tokens(2 * B + 1, seed=71)
+            assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
+            assert isinstance(await ca.lookup(random_tokens(3 * B, seed=72)), spilld.Miss)
+            got = await ca.load([*conv, 1])
+            assert got is not None and got.tokens == conv
+            st = (await ca.status())["remote"]
+            assert st["state"] == "disabled" and st["pushed"] == 0
+            lines = [ln for ln in a.read_log().splitlines() if "password" in ln.lower() or "auth" in ln.lower()]
+            assert len(lines) == 1 and "wrong-one" not in lines[0], lines
+        finally:
+            if ca is not None:
+                await ca.close()
+            a.kill()
+            cleanup(a.root)
