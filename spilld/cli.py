@@ -21,7 +21,15 @@ from typing import Any, NoReturn
 from . import __version__, errors
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
-from .config import Config, check_socket_path, format_size, parse_duration, parse_size
+from .config import (
+    DEFAULT_WARM_BUDGET,
+    DEFAULT_WARM_RATE,
+    Config,
+    check_socket_path,
+    format_size,
+    parse_duration,
+    parse_size,
+)
 from .fileio import Durability
 
 EXIT_OK = 0
@@ -105,6 +113,7 @@ def _arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
 
 
 size_arg = _arg_type(parse_size, "size")
+size_or_zero_arg = _arg_type(lambda t: parse_size(t, minimum=0), "size")
 duration_arg = _arg_type(parse_duration, "duration")
 positive_duration_arg = _arg_type(lambda t: parse_duration(t, positive=True), "duration")
 socket_arg = _arg_type(check_socket_path, "socket path")
@@ -353,6 +362,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             namespace_quota=args.namespace_quota,
             pin_cap=args.pin_cap,
             admit_after=args.admit_after,
+            warm_bytes=args.warm_bytes,
+            warm_rate=args.warm_rate,
             remote=args.remote,
             remote_cluster=args.remote_cluster,
             remote_push=args.remote_push,
@@ -492,6 +503,12 @@ def _print_status(st: dict[str, Any]) -> None:
             else ""
         )
         print(f"        unique bytes added {format_size(unique)}, write amplification {amp}{gate}")
+    if "warm" in st:
+        w = st["warm"]
+        print(
+            f"warm    read {format_size(w['read_bytes'])} of {format_size(w['planned_bytes'])} ahead "
+            f"({w['files']} files), {'done' if w['done'] else 'reading'}"
+        )
     if "remote" in st:
         r = st["remote"]
         misses = ", ".join(f"{k} {v}" for k, v in {**r.get("misses", {}), **r.get("fill_misses", {})}.items() if v)
@@ -840,6 +857,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the write gate: a droppable spill's new blocks are written only once a lookup asked for their prefix "
         "this many times (one-off prompts never reach the disk); the counts are kept in memory (default 0: off)",
+    )
+    srv.add_argument(
+        "--warm-bytes",
+        type=size_or_zero_arg,
+        default=DEFAULT_WARM_BUDGET,
+        help="after a start, read this much of the most recently used entries into the page cache, so the first "
+        f"restores after a reboot are warm (default {format_size(DEFAULT_WARM_BUDGET)}; 0: none)",
+    )
+    srv.add_argument(
+        "--warm-rate",
+        type=size_arg,
+        default=DEFAULT_WARM_RATE,
+        help=f"bytes a second the warm start reads at most, paused while serving (default "
+        f"{format_size(DEFAULT_WARM_RATE)}, e.g. 100MiB)",
     )
     srv.add_argument(
         "--remote",

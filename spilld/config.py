@@ -12,6 +12,8 @@ from .admission import MAX_ADMIT_AFTER
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .fileio import Durability
 from .format import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+from .readahead import DEFAULT_BUDGET as DEFAULT_WARM_BUDGET
+from .readahead import DEFAULT_RATE as DEFAULT_WARM_RATE
 
 _UNITS = {
     "": 1,
@@ -140,6 +142,8 @@ class Config:
     namespace_quota: int | None = None  # bytes on disk one namespace may hold (None: only the disk cap)
     pin_cap: int | None = None  # pinned bytes evicted last (None: a quarter of the disk cap)
     admit_after: int = 0  # the write gate: a droppable spill's new prefix is written once asked this often (0: off)
+    warm_bytes: int = DEFAULT_WARM_BUDGET  # after a start, read this much of the newest entries ahead (0: none)
+    warm_rate: int = DEFAULT_WARM_RATE  # bytes a second the read-ahead takes at most
     remote: str | None = None  # the shared tier: redis://HOST:PORT/DB, rediss://..., unix:///path (None: none)
     remote_cluster: bool = False  # the URL names a node of a Redis Cluster
     remote_push: str = "all"  # all: push every entry stored with blocks; none: fetch only
@@ -167,6 +171,8 @@ class Config:
             raise ValueError(
                 f"block tokens must be 0 (no blocks) or from {MIN_BLOCK_TOKENS} to {MAX_BLOCK_TOKENS}, not {self.block_tokens}"
             )
+        check_size(self.warm_bytes, "warm bytes", minimum=0)
+        check_size(self.warm_rate, "warm rate")
         if not 0 <= self.admit_after <= MAX_ADMIT_AFTER:
             raise ValueError(f"admit after must be from 0 (off) to {MAX_ADMIT_AFTER}, not {self.admit_after}")
         if self.max_clients < 1:

@@ -448,6 +448,10 @@ class Store:
         rec = self._blocks.get(key)
         return rec.path if rec is not None else None
 
+    def block_bytes(self, key: bytes) -> int:
+        rec = self._blocks.get(key)
+        return rec.nbytes if rec is not None else 0
+
     # --- scan ----------------------------------------------------------------------
 
     def scan(self) -> int:

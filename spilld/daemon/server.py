@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ from ..lease import off_loop
 from ..lockfile import FileLock
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
+from ..readahead import ReadAhead, warm_order
 from ..saver import AnySource
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
@@ -60,6 +62,7 @@ def open_store(cfg: Config) -> Store:
         raise errors.UnusableFolder(f"--dir {cfg.dir} cannot be used: {why}") from None
 
 
+BUSY_AFTER_LOOKUP_S = 1.0  # after a lookup, background reads wait this long: its client's restore reads first
 REMOTE_CLOSE_S = 5.0  # a stop waits this long for queued pushes to the remote tier
 MAX_LOOKUP_BLOCK_PATHS = 4096  # block files a lookup reply names at most (the client lists the folder for more)
 
@@ -84,6 +87,9 @@ class Daemon:
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
+        self.last_lookup = -math.inf  # monotonic time of the last one: a client restore follows a lookup
+        self.readahead: ReadAhead | None = None  # warm start (--warm-bytes), once the scan is done
+        self._warming: asyncio.Task[None] | None = None
         self.restore_seconds = LatencyHistogram(RESTORE_BUCKETS_S)
         self._server: asyncio.AbstractServer | None = None
         self._socket_lock: FileLock | None = None
@@ -122,6 +128,9 @@ class Daemon:
         except BaseException:
             self._release_locks()
             raise
+        if self.cfg.warm_bytes:
+            self.readahead = ReadAhead(warm_order(self.store, self.cfg.warm_bytes), self.cfg.warm_rate, self._busy)
+            self._warming = asyncio.get_running_loop().create_task(self.readahead.run())
         log.info(
             "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
             __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
@@ -208,6 +217,8 @@ class Daemon:
 
     async def stop(self) -> int:
         self.service.stopping(self._drain_status())
+        if self._warming is not None:
+            self._warming.cancel()
         if self._expiry is not None:
             self._expiry.cancel()
         if self._server is not None:
@@ -241,6 +252,12 @@ class Daemon:
     def _log_held_client_errors(self) -> None:
         if held := self.client_log.take_held():
             log.warning("%d more client errors not logged (at most %d lines a second)", held, self.client_log.per_s)
+
+    def _busy(self) -> bool:
+        """Serving: a write under way or queued, or a lookup in the last ``BUSY_AFTER_LOOKUP_S`` (its client is
+        reading files now). Background readers (warm start) wait meanwhile."""
+        recent = time.monotonic() - self.last_lookup < BUSY_AFTER_LOOKUP_S
+        return recent or self.writing > 0 or self.queue.pending_items > 0
 
     def _drain_status(self) -> str:
         return f"stopping: {self.queue.pending_items} items ({format_size(self.queue.pending_bytes)}) left to write"
@@ -317,6 +334,7 @@ class Daemon:
         if self.remote is not None and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id):
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
         self.lookups += 1
+        self.last_lookup = time.monotonic()
         if isinstance(hit, Hit):
             e = hit.entry
             log.debug(
@@ -429,6 +447,7 @@ class Daemon:
             "ingest": self.ingest.counters(sum(len(c.spills) for c in self.connections)),
             "store": self.store.stats(),
             **({"remote": self.remote.counters()} if self.remote is not None else {}),
+            **({"warm": dataclasses.asdict(self.readahead.stats)} if self.readahead is not None else {}),
             "restore_seconds": self.restore_seconds.to_wire(),
         }
 

@@ -1,0 +1,106 @@
+"""Warm start: after a restart, the most recently used entries are read into the page cache at a bounded rate, so
+that the first restores after a reboot read memory, not the disk.
+
+The files are read (not only advised: ``posix_fadvise`` WILLNEED is a hint the kernel may drop, and cannot be
+paced) in chunks on the low-priority background threads, paced to ``rate`` bytes a second on average, pausing while
+``busy()`` says the daemon is serving (a restore or a write has the disk first). What is read is what a restore
+of those entries would read: each entry's blocks, then its own file, newest use first, up to a byte budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .lease import off_loop
+
+if TYPE_CHECKING:
+    from .store import Store
+
+READ_CHUNK = 1024 * 1024  # bytes a read: small enough that pacing is smooth, large enough to be cheap
+DEFAULT_RATE = 200 * 1024 * 1024  # bytes a second: a fraction of any SSD's, so serving keeps the disk
+DEFAULT_BUDGET = 2 * 1024**3  # bytes read ahead at most (less if the store holds less)
+BUSY_POLL_S = 0.05  # how often a paused read-ahead looks again
+
+
+def warm_order(store: Store, budget: int) -> list[tuple[str, int]]:
+    """The files to read: for each entry, most recently used first, its blocks not listed yet, then its own
+    file; until ``budget`` bytes are listed (a file that would pass it ends the list)."""
+    out: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    total = 0
+    for e in sorted(store.entries, key=lambda e: e.last_used, reverse=True):
+        files = [(p, n) for k in e.blocks if (p := store.block_path(k)) is not None and (n := store.block_bytes(k))]
+        files.append((e.path, e.nbytes))
+        for path, n in files:
+            if path in seen:
+                continue
+            if total + n > budget:
+                return out
+            seen.add(path)
+            out.append((path, n))
+            total += n
+    return out
+
+
+@dataclass
+class ReadAheadStats:
+    planned_bytes: int = 0
+    read_bytes: int = 0
+    files: int = 0
+    done: bool = False
+
+
+class ReadAhead:
+    """Reads ``files`` into the page cache at ``rate`` bytes a second (``run``); ``stats`` for ``status``."""
+
+    def __init__(
+        self,
+        files: Iterable[tuple[str, int]],
+        rate: int = DEFAULT_RATE,
+        busy: Callable[[], bool] = lambda: False,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        if rate <= 0:
+            raise ValueError("the read-ahead rate must be positive")
+        self.files = list(files)
+        self.rate, self.busy, self.clock, self.sleep = rate, busy, clock, sleep
+        self.stats = ReadAheadStats(planned_bytes=sum(n for _, n in self.files))
+
+    async def run(self) -> None:
+        buf = bytearray(READ_CHUNK)
+        start = self.clock()
+        for path, _ in self.files:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # evicted since: nothing to warm
+                continue
+            try:
+                offset = 0
+                while True:
+                    if self.busy():
+                        paused = self.clock()
+                        while self.busy():
+                            await self.sleep(BUSY_POLL_S)
+                        start += self.clock() - paused  # the pace resumes where it was: no burst to catch up
+                    n = await off_loop(functools.partial(os.preadv, fd, [buf], offset), background=True)
+                    if n <= 0:
+                        break
+                    offset += n
+                    self.stats.read_bytes += n
+                    ahead = start + self.stats.read_bytes / self.rate - self.clock()
+                    if ahead > 0:  # paced on the total since the start, less the pauses
+                        await self.sleep(ahead)
+            except OSError:
+                pass  # a file gone or unreadable mid-way: the next one
+            finally:
+                os.close(fd)
+            self.stats.files += 1
+        self.stats.done = True

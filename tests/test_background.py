@@ -1,0 +1,101 @@
+"""Background readers that must never compete with serving: the warm start after a restart (read-ahead of the
+newest entries at a bounded rate)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld.readahead import READ_CHUNK, ReadAhead, warm_order
+from spilld.store import Store
+from tests.caches import fill
+from tests.daemons import Daemon, cleanup, new_root
+
+IDENT = spilld.Identity("background")
+
+
+def caches(n: int, seed: int = 0) -> list[C.KVCache]:
+    return [fill(C.KVCache(), n, seed=seed + i) for i in range(2)]
+
+
+@pytest.mark.asyncio
+async def test_warm_order_reads_the_newest_entries_blocks_first_within_the_budget(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    shared = list(range(32))
+    for i in range(3):
+        await s.put([*shared, *range(100 * (i + 1), 100 * (i + 1) + 20)], caches(52, seed=i), IDENT)
+    entries = sorted(s.entries, key=lambda e: e.last_used)
+    for k, e in enumerate(entries):
+        e.last_used = 1000.0 + k  # the last put is the newest
+    newest = entries[-1]
+    order = warm_order(s, 2**40)
+    blocks = [s.block_path(k) for k in newest.blocks]
+    assert [p for p, _ in order[: len(blocks) + 1]] == [*blocks, newest.path]
+    assert len(order) == len({p for p, _ in order})  # a shared block is read once
+    assert {p for p, _ in order} == {p for e in entries for p in [e.path, *map(s.block_path, e.blocks)]}
+    budget = sum(n for _, n in order[:3])
+    assert warm_order(s, budget) == order[:3] and warm_order(s, budget - 1) == order[:2]
+    assert warm_order(s, 0) == []
+
+
+@pytest.mark.asyncio
+async def test_the_read_ahead_reads_every_byte_at_its_rate_and_waits_while_busy(tmp_path: Path) -> None:
+    files = []
+    for i, size in enumerate((3 * READ_CHUNK + 5, READ_CHUNK, 17)):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(size))
+        files.append((str(p), size))
+    files.append((str(tmp_path / "gone"), 100))  # evicted since it was listed: skipped
+    now = [0.0]
+    slept: list[float] = []
+    busy = [3]  # busy for the first three looks
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    def is_busy() -> bool:
+        busy[0] -= 1
+        return busy[0] >= 0
+
+    rate = 2 * READ_CHUNK  # bytes a second
+    ra = ReadAhead(files, rate, is_busy, clock=lambda: now[0], sleep=sleep)
+    await ra.run()
+    total = sum(n for _, n in files[:3])
+    assert ra.stats.read_bytes == total and ra.stats.files == 3 and ra.stats.done
+    paused = 2 * 0.05  # the first look saw it busy, then two polls
+    assert slept[:2] == [0.05, 0.05] and slept[2] > 0.05  # waited while busy, before reading anything
+    assert now[0] == pytest.approx(paused + total / rate)  # the pace: never faster than the rate, pauses aside
+
+
+def test_a_daemon_warms_its_newest_entries_after_a_restart() -> None:
+    d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "none", "--block-tokens", "16"]).start()
+    try:
+        with spilld.Client(d.socket, identity=IDENT, name="warm") as client:
+            for i in range(3):
+                assert client.spill(list(range(i * 100, i * 100 + 40)), caches(40, seed=i)).result(60).stored
+        assert d.stop() == 0
+        d.start("--warm-rate", "1MiB")
+        deadline = time.monotonic() + 30
+        while True:
+            with spilld.Client(d.socket, identity=IDENT, name="warm") as client:
+                st = client.status()
+            if st["warm"]["done"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        w = st["warm"]
+        assert w["done"] and w["read_bytes"] == w["planned_bytes"] == st["store"]["bytes"] and w["files"] == 3 + 6
+        out = d.cli("status", "--socket", d.socket)
+        assert "warm    read" in out.stdout and "done" in out.stdout
+        d.stop()
+        d.start("--warm-bytes", "0")
+        with spilld.Client(d.socket, identity=IDENT, name="warm") as client:
+            assert "warm" not in client.status()
+    finally:
+        d.stop()
+        cleanup(d.root)
