@@ -22,6 +22,8 @@ from . import __version__, errors
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .config import (
+    DEFAULT_SCRUB_INTERVAL_S,
+    DEFAULT_SCRUB_RATE,
     DEFAULT_WARM_BUDGET,
     DEFAULT_WARM_RATE,
     Config,
@@ -364,6 +366,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admit_after=args.admit_after,
             warm_bytes=args.warm_bytes,
             warm_rate=args.warm_rate,
+            scrub_rate=args.scrub_rate,
+            scrub_every=args.scrub_every,
             remote=args.remote,
             remote_cluster=args.remote_cluster,
             remote_push=args.remote_push,
@@ -508,6 +512,13 @@ def _print_status(st: dict[str, Any]) -> None:
         print(
             f"warm    read {format_size(w['read_bytes'])} of {format_size(w['planned_bytes'])} ahead "
             f"({w['files']} files), {'done' if w['done'] else 'reading'}"
+        )
+    if "scrub" in st:
+        s = st["scrub"]
+        state = "paused (serving)" if s["paused"] else f"{s['files']} of {s['planned_files']} files checked"
+        print(
+            f"scrub   {state} in this pass ({format_size(s['bytes'])}), {s['passes']} passes done, "
+            f"{s['bad']} bad files found"
         )
     if "remote" in st:
         r = st["remote"]
@@ -871,6 +882,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WARM_RATE,
         help=f"bytes a second the warm start reads at most, paused while serving (default "
         f"{format_size(DEFAULT_WARM_RATE)}, e.g. 100MiB)",
+    )
+    srv.add_argument(
+        "--scrub-rate",
+        type=size_or_zero_arg,
+        default=DEFAULT_SCRUB_RATE,
+        help="the scrub checks every stored file's hashes in idle time, at most this many bytes a second, and moves "
+        f"a bad one aside before a restore needs it (default {format_size(DEFAULT_SCRUB_RATE)}; 0: no scrub)",
+    )
+    srv.add_argument(
+        "--scrub-every",
+        type=positive_duration_arg,
+        default=DEFAULT_SCRUB_INTERVAL_S,
+        help="a scrub pass starts at most this often (default 1d); the first one 10 minutes after a start",
     )
     srv.add_argument(
         "--remote",

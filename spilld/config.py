@@ -12,8 +12,11 @@ from .admission import MAX_ADMIT_AFTER
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .fileio import Durability
 from .format import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
-from .readahead import DEFAULT_BUDGET as DEFAULT_WARM_BUDGET
-from .readahead import DEFAULT_RATE as DEFAULT_WARM_RATE
+
+DEFAULT_WARM_BUDGET = 2 * 1024**3  # bytes the warm start reads ahead at most (less if the store holds less)
+DEFAULT_WARM_RATE = 200 * 1024 * 1024  # bytes a second: a fraction of any SSD's, so serving keeps the disk
+DEFAULT_SCRUB_RATE = 32 * 1024 * 1024  # bytes a second: a terabyte checked in about 9 hours of idle time
+DEFAULT_SCRUB_INTERVAL_S = 24 * 3600.0  # a scrub pass starts at most once a day
 
 _UNITS = {
     "": 1,
@@ -144,6 +147,8 @@ class Config:
     admit_after: int = 0  # the write gate: a droppable spill's new prefix is written once asked this often (0: off)
     warm_bytes: int = DEFAULT_WARM_BUDGET  # after a start, read this much of the newest entries ahead (0: none)
     warm_rate: int = DEFAULT_WARM_RATE  # bytes a second the read-ahead takes at most
+    scrub_rate: int = DEFAULT_SCRUB_RATE  # bytes a second the scrub checks at most (0: no scrub)
+    scrub_every: float = DEFAULT_SCRUB_INTERVAL_S  # a scrub pass starts at most this often
     remote: str | None = None  # the shared tier: redis://HOST:PORT/DB, rediss://..., unix:///path (None: none)
     remote_cluster: bool = False  # the URL names a node of a Redis Cluster
     remote_push: str = "all"  # all: push every entry stored with blocks; none: fetch only
@@ -173,6 +178,8 @@ class Config:
             )
         check_size(self.warm_bytes, "warm bytes", minimum=0)
         check_size(self.warm_rate, "warm rate")
+        check_size(self.scrub_rate, "scrub rate", minimum=0)
+        check_duration(self.scrub_every, "scrub every", positive=True)
         if not 0 <= self.admit_after <= MAX_ADMIT_AFTER:
             raise ValueError(f"admit after must be from 0 (off) to {MAX_ADMIT_AFTER}, not {self.admit_after}")
         if self.max_clients < 1:

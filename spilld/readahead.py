@@ -17,14 +17,13 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .config import DEFAULT_WARM_RATE
 from .lease import off_loop
 
 if TYPE_CHECKING:
     from .store import Store
 
 READ_CHUNK = 1024 * 1024  # bytes a read: small enough that pacing is smooth, large enough to be cheap
-DEFAULT_RATE = 200 * 1024 * 1024  # bytes a second: a fraction of any SSD's, so serving keeps the disk
-DEFAULT_BUDGET = 2 * 1024**3  # bytes read ahead at most (less if the store holds less)
 BUSY_POLL_S = 0.05  # how often a paused read-ahead looks again
 
 
@@ -62,7 +61,7 @@ class ReadAhead:
     def __init__(
         self,
         files: Iterable[tuple[str, int]],
-        rate: int = DEFAULT_RATE,
+        rate: int = DEFAULT_WARM_RATE,
         busy: Callable[[], bool] = lambda: False,
         *,
         clock: Callable[[], float] = time.monotonic,

@@ -718,10 +718,27 @@ class Store:
         rec = self._block_of(e, exc.path)
         if rec is None:
             return e.path
+        self._take_out_block(rec)
+        return rec.path
+
+    def _take_out_block(self, rec: Block) -> None:
+        """A bad block out of the index, with every entry naming it (the file is the caller's to move aside)."""
         del self._blocks[rec.key]  # out first: it is moved aside, never unlinked with the manifests' own
         self._count(rec.path, -rec.nbytes, block=True)
         self._remove_naming(rec)
-        return rec.path
+
+    async def found_bad_async(self, path: str, exc: errors.FileFormatError) -> bool:
+        """A file found bad outside a read (the scrub): moved aside; a bad block takes every entry naming it out
+        of the index. False if the store no longer holds that file (evicted meanwhile)."""
+        name = os.path.basename(path)
+        rec = self._blocks.get(bytes.fromhex(name.split("-", 1)[0])) if name.endswith(BLOCK_EXT) else None
+        if rec is not None and rec.path == path:
+            self._take_out_block(rec)
+        elif path not in self._by_path:
+            return False
+        await self.quarantine_async(path, exc)
+        await self.delete_doomed_async()
+        return True
 
     def _block_of(self, e: Entry, path: str | None) -> Block | None:
         """The block of ``e`` stored at ``path`` (the file a failed read names), if it is one."""

@@ -1,5 +1,5 @@
 """Background readers that must never compete with serving: the warm start after a restart (read-ahead of the
-newest entries at a bounded rate)."""
+newest entries at a bounded rate) and the scrub (every stored file checked in idle time, bad ones moved aside)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from mlx_lm.models import cache as C
 
 import spilld
 from spilld.readahead import READ_CHUNK, ReadAhead, warm_order
+from spilld.scrub import Scrub
 from spilld.store import Store
 from tests.caches import fill
 from tests.daemons import Daemon, cleanup, new_root
+from tests.test_store import flip
 
 IDENT = spilld.Identity("background")
 
@@ -96,6 +98,93 @@ def test_a_daemon_warms_its_newest_entries_after_a_restart() -> None:
         d.start("--warm-bytes", "0")
         with spilld.Client(d.socket, identity=IDENT, name="warm") as client:
             assert "warm" not in client.status()
+    finally:
+        d.stop()
+        cleanup(d.root)
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+async def three_conversations(root: Path) -> tuple[Store, list[list[int]]]:
+    s = Store(root, disk_cap=2**40, block_tokens=16)
+    convs = [[*range(32), *range(100 * (i + 1), 100 * (i + 1) + 20)] for i in range(3)]  # 2 shared blocks each
+    for i, t in enumerate(convs):
+        await s.put(t, caches(len(t), seed=i), IDENT)
+    return s, convs
+
+
+def quarantined(root: Path) -> list[str]:
+    q = root / ".quarantine"
+    return sorted(os.listdir(q)) if q.exists() else []
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_pass_moves_a_bad_block_aside_with_the_entries_naming_it(tmp_path: Path) -> None:
+    s, convs = await three_conversations(tmp_path)
+    by_last = {int(e.tokens[-1]): e for e in s.entries}
+    first, second, third = (by_last[c[-1]] for c in convs)
+    own = s.block_path(first.blocks[2])  # the first conversation's own block (0 and 1 are shared)
+    assert own is not None
+    flip(own, os.path.getsize(own) - 3)  # the last bytes of its last tensor
+    flip(second.path, os.path.getsize(second.path) - 3)  # the second one's manifest (its tail)
+    t = FakeTime()
+    scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
+    await scrub.scrub_pass()
+    assert scrub.stats.bad == 2 and scrub.stats.passes == 1 and scrub.stats.files == scrub.stats.planned_files
+    assert [e.path for e in s.entries] == [third.path]  # the bad block took the entry naming it
+    assert len(quarantined(tmp_path)) == 2 and not os.path.exists(own)
+    got = s.restore(s.lookup(IDENT, "", [*convs[2], 1]), IDENT)  # type: ignore[arg-type]
+    assert isinstance(got, spilld.Loaded) and got.tokens == convs[2]
+    await scrub.scrub_pass()  # nothing left to find
+    assert scrub.stats.bad == 2 and scrub.stats.planned_files == len(s.blocks) + 1
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_of_good_files_changes_nothing_and_keeps_its_rate(tmp_path: Path) -> None:
+    s, _ = await three_conversations(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    t = FakeTime()
+    busy = [True, True, False]
+    scrub = Scrub(s, 1024 * 1024, lambda: busy.pop(0) if busy else False, clock=t.clock, sleep=t.sleep)
+    await scrub.scrub_pass()
+    total = sum(n for _, n, _ in scrub.targets())
+    assert scrub.stats.bad == 0 and scrub.stats.bytes == total and s.count == 3
+    assert sorted(os.listdir(tmp_path)) == before and quarantined(tmp_path) == []
+    assert t.slept[0] == 0.2  # paused while the daemon served, before the first file
+    assert t.now == pytest.approx(0.2 + total / (1024 * 1024))  # never faster than its rate
+
+
+def test_a_daemon_scrubs_in_idle_time_and_status_shows_it() -> None:
+    d = Daemon(new_root(), ["--cap", "64MiB", "--durability", "none", "--block-tokens", "16"]).start()
+    try:
+        with spilld.Client(d.socket, identity=IDENT, name="scrub") as client:
+            for i in range(2):
+                assert client.spill(list(range(i * 100, i * 100 + 40)), caches(40, seed=i)).result(60).stored
+        assert d.stop() == 0
+        block = next(p for p in Path(d.dir).rglob("*.spilld-block"))
+        flip(str(block), block.stat().st_size - 3)
+        d.start("--scrub-every", "1s", "--warm-bytes", "0")
+        deadline = time.monotonic() + 30
+        while True:
+            with spilld.Client(d.socket, identity=IDENT, name="scrub") as client:
+                st = client.status()
+            if st["scrub"]["passes"] >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert st["scrub"]["bad"] == 1 and st["store"]["entries"] == 1 and st["store"]["quarantined"] == 1
+        out = d.cli("status", "--socket", d.socket)
+        assert "1 bad files found" in out.stdout, out.stdout
     finally:
         d.stop()
         cleanup(d.root)

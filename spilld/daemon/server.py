@@ -29,6 +29,7 @@ from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, expo
 from ..queue import SpillItem, SpillQueue
 from ..readahead import ReadAhead, warm_order
 from ..saver import AnySource
+from ..scrub import Scrub
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
 from ..store import Hit, MissReason, Store
@@ -90,6 +91,8 @@ class Daemon:
         self.last_lookup = -math.inf  # monotonic time of the last one: a client restore follows a lookup
         self.readahead: ReadAhead | None = None  # warm start (--warm-bytes), once the scan is done
         self._warming: asyncio.Task[None] | None = None
+        self.scrub: Scrub | None = None  # --scrub-rate
+        self._scrubbing: asyncio.Task[None] | None = None
         self.restore_seconds = LatencyHistogram(RESTORE_BUCKETS_S)
         self._server: asyncio.AbstractServer | None = None
         self._socket_lock: FileLock | None = None
@@ -131,6 +134,9 @@ class Daemon:
         if self.cfg.warm_bytes:
             self.readahead = ReadAhead(warm_order(self.store, self.cfg.warm_bytes), self.cfg.warm_rate, self._busy)
             self._warming = asyncio.get_running_loop().create_task(self.readahead.run())
+        if self.cfg.scrub_rate:
+            self.scrub = Scrub(self.store, self.cfg.scrub_rate, self._clients_active, interval=self.cfg.scrub_every)
+            self._scrubbing = asyncio.get_running_loop().create_task(self.scrub.run())
         log.info(
             "spilld %s serving on %s: dir %s, cap %s, disk cap %s, %d entries",
             __version__, self.cfg.socket, self.cfg.dir, format_size(self.cfg.cap),
@@ -217,8 +223,9 @@ class Daemon:
 
     async def stop(self) -> int:
         self.service.stopping(self._drain_status())
-        if self._warming is not None:
-            self._warming.cancel()
+        for task in (self._warming, self._scrubbing):
+            if task is not None:
+                task.cancel()
         if self._expiry is not None:
             self._expiry.cancel()
         if self._server is not None:
@@ -258,6 +265,10 @@ class Daemon:
         reading files now). Background readers (warm start) wait meanwhile."""
         recent = time.monotonic() - self.last_lookup < BUSY_AFTER_LOOKUP_S
         return recent or self.writing > 0 or self.queue.pending_items > 0
+
+    def _clients_active(self) -> bool:
+        """``_busy``, or a client sending a spill: the scrub waits for an idle daemon."""
+        return self._busy() or any(c.spills for c in self.connections)
 
     def _drain_status(self) -> str:
         return f"stopping: {self.queue.pending_items} items ({format_size(self.queue.pending_bytes)}) left to write"
@@ -448,6 +459,7 @@ class Daemon:
             "store": self.store.stats(),
             **({"remote": self.remote.counters()} if self.remote is not None else {}),
             **({"warm": dataclasses.asdict(self.readahead.stats)} if self.readahead is not None else {}),
+            **({"scrub": dataclasses.asdict(self.scrub.stats)} if self.scrub is not None else {}),
             "restore_seconds": self.restore_seconds.to_wire(),
         }
 

@@ -1,0 +1,117 @@
+"""The scrub: an idle-time, rate-limited check of every stored file, so that a file the disk corrupted is found
+(and moved aside) before a restore needs it, not by it.
+
+Each pass lists the store's files (blocks, manifests, whole entries) and checks each one whole (header, rules,
+every tensor hash) on a low-priority thread, paced to ``rate`` bytes a second on average, pausing while the daemon
+is serving (``busy()``). A bad file is quarantined through the store (a bad block takes every entry naming it).
+Passes start at most every ``interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from . import errors
+from .config import DEFAULT_SCRUB_INTERVAL_S, DEFAULT_SCRUB_RATE
+from .lease import off_loop
+from .loader import verify_file
+from .store import Store
+from .validate import check_file_bytes
+
+FIRST_AFTER_S = 600.0  # the first pass waits this long after a start (or one interval, if shorter): boot is busy
+IN_MEMORY_MAX = 64 * 1024 * 1024  # a manifest at most this large is read whole and checked in memory
+BUSY_POLL_S = 0.2  # how often a paused scrub looks again
+
+
+@dataclass
+class ScrubStats:
+    passes: int = 0  # passes finished
+    files: int = 0  # files checked in the current pass
+    bytes: int = 0  # bytes checked in the current pass
+    planned_files: int = 0  # files listed for the current pass
+    bad: int = 0  # files found bad and quarantined, all passes
+    paused: bool = False  # waiting for the daemon to be idle
+
+
+def check_one(path: str, has_blocks: bool) -> None:
+    """Check one stored file whole; a manifest without its blocks (they are checked as files of their own)."""
+    if not has_blocks:
+        verify_file(path)  # a block, or an entry without blocks: streamed in chunks
+        return
+    size = os.path.getsize(path)
+    if size > IN_MEMORY_MAX:
+        verify_file(path)  # its blocks checked again with it: rare (a manifest's tail is under one block)
+        return
+    with open(path, "rb") as f:
+        check_file_bytes(f.read(), path)
+
+
+class Scrub:
+    """``run`` scrubs ``store`` forever (cancel it to stop); ``stats`` for ``status``."""
+
+    def __init__(
+        self,
+        store: Store,
+        rate: int = DEFAULT_SCRUB_RATE,
+        busy: Callable[[], bool] = lambda: False,
+        *,
+        interval: float = DEFAULT_SCRUB_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        if rate <= 0 or interval < 0:
+            raise ValueError("the scrub's rate must be positive and its interval not negative")
+        self.store, self.rate, self.busy, self.interval = store, rate, busy, interval
+        self.clock, self.sleep = clock, sleep
+        self.stats = ScrubStats()
+
+    def targets(self) -> list[tuple[str, int, bool]]:
+        """Every file of the store now: (path, bytes, whether it is a manifest with blocks)."""
+        out = [(b.path, b.nbytes, False) for b in self.store.blocks]
+        return out + [(e.path, e.nbytes, bool(e.blocks)) for e in self.store.entries]
+
+    async def run(self) -> None:
+        await self.sleep(min(FIRST_AFTER_S, self.interval))
+        while True:
+            began = self.clock()
+            await self.scrub_pass()
+            wait = began + self.interval - self.clock()
+            if wait > 0:
+                await self.sleep(wait)
+
+    async def scrub_pass(self) -> None:
+        files = self.targets()
+        st = self.stats
+        st.files, st.bytes, st.planned_files = 0, 0, len(files)
+        start = self.clock()
+        for path, nbytes, has_blocks in files:
+            start += await self._wait_idle()
+            try:
+                await off_loop(functools.partial(check_one, path, has_blocks), background=True)
+            except errors.FileFormatError as exc:
+                if await self.store.found_bad_async(path, exc):
+                    st.bad += 1
+            except (errors.SpillError, OSError):
+                pass  # gone (evicted, superseded) or unreadable now: the next pass sees it again
+            st.files += 1
+            st.bytes += nbytes
+            ahead = start + st.bytes / self.rate - self.clock()
+            if ahead > 0:  # paced on the pass's total, less its pauses
+                await self.sleep(ahead)
+        st.passes += 1
+
+    async def _wait_idle(self) -> float:
+        """Wait while the daemon serves: how long that was."""
+        if not self.busy():
+            return 0.0
+        t0 = self.clock()
+        self.stats.paused = True
+        while self.busy():
+            await self.sleep(BUSY_POLL_S)
+        self.stats.paused = False
+        return self.clock() - t0
