@@ -22,6 +22,7 @@ from . import __version__, errors
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .config import (
+    DEFAULT_IO_TIMEOUT_S,
     DEFAULT_SCRUB_INTERVAL_S,
     DEFAULT_SCRUB_RATE,
     DEFAULT_WARM_BUDGET,
@@ -366,6 +367,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admit_after=args.admit_after,
             warm_bytes=args.warm_bytes,
             warm_rate=args.warm_rate,
+            io_timeout=args.io_timeout,
             scrub_rate=args.scrub_rate,
             scrub_every=args.scrub_every,
             remote=args.remote,
@@ -882,6 +884,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WARM_RATE,
         help=f"bytes a second the warm start reads at most, paused while serving (default "
         f"{format_size(DEFAULT_WARM_RATE)}, e.g. 100MiB)",
+    )
+    srv.add_argument(
+        "--io-timeout",
+        type=positive_duration_arg,
+        default=DEFAULT_IO_TIMEOUT_S,
+        help="a write step or an unlink that takes longer fails its work, so a hung disk never stalls serving: "
+        "the spill fails (io_timeout), lookups and other clients go on (default 30s)",
     )
     srv.add_argument(
         "--scrub-rate",

@@ -15,6 +15,7 @@ from .format import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 
 DEFAULT_WARM_BUDGET = 2 * 1024**3  # bytes the warm start reads ahead at most (less if the store holds less)
 DEFAULT_WARM_RATE = 200 * 1024 * 1024  # bytes a second: a fraction of any SSD's, so serving keeps the disk
+DEFAULT_IO_TIMEOUT_S = 30.0  # a write step, a restore's read or an unlink that takes longer: the disk is hung
 DEFAULT_SCRUB_RATE = 32 * 1024 * 1024  # bytes a second: a terabyte checked in about 9 hours of idle time
 DEFAULT_SCRUB_INTERVAL_S = 24 * 3600.0  # a scrub pass starts at most once a day
 
@@ -147,6 +148,7 @@ class Config:
     admit_after: int = 0  # the write gate: a droppable spill's new prefix is written once asked this often (0: off)
     warm_bytes: int = DEFAULT_WARM_BUDGET  # after a start, read this much of the newest entries ahead (0: none)
     warm_rate: int = DEFAULT_WARM_RATE  # bytes a second the read-ahead takes at most
+    io_timeout: float = DEFAULT_IO_TIMEOUT_S  # seconds one storage call may take before its work fails
     scrub_rate: int = DEFAULT_SCRUB_RATE  # bytes a second the scrub checks at most (0: no scrub)
     scrub_every: float = DEFAULT_SCRUB_INTERVAL_S  # a scrub pass starts at most this often
     remote: str | None = None  # the shared tier: redis://HOST:PORT/DB, rediss://..., unix:///path (None: none)
@@ -168,7 +170,7 @@ class Config:
             check_size(self.pin_cap, "pin cap", minimum=0)
         if self.namespace_quota is not None:
             check_size(self.namespace_quota, "namespace quota")
-        for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline"):
+        for name in ("idle_timeout", "request_timeout", "hello_timeout", "drain_deadline", "io_timeout"):
             check_duration(getattr(self, name), name.replace("_", " "), positive=True)
         if self.metrics_file:
             self.metrics_file = os.path.abspath(os.path.expanduser(self.metrics_file))

@@ -272,6 +272,13 @@ class StorageError(SpillError):
         super().__init__(message, path=path)
 
 
+class StorageTimeout(StorageError):
+    """A storage call did not return within its deadline (``--io-timeout``): a hung or failing disk. The work
+    is abandoned (its thread left to end on its own), never waited for."""
+
+    code = "io_timeout"
+
+
 class DiskFull(StorageError):
     code = "disk_full"
 

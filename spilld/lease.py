@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
+from . import errors
+
 T = TypeVar("T")
 
 
@@ -39,6 +41,18 @@ _background: concurrent.futures.ThreadPoolExecutor | None = None
 _background_lock = threading.Lock()  # two first callers (two loops, or a loop and a thread) make one pool
 
 
+_compute: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _compute_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for pure computation (a lookup's comparisons): never taken by a file call a hung disk holds."""
+    global _compute
+    with _background_lock:
+        if _compute is None:
+            _compute = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="spilld-cpu")
+        return _compute
+
+
 def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _background
     with _background_lock:
@@ -49,20 +63,44 @@ def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _background
 
 
-async def off_loop(fn: Callable[[], T], *, background: bool = False) -> T:
+async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bool = False) -> T:
     """Run blocking work on a worker thread; if cancelled, let it finish before unwinding.
 
     ``background`` work (hashing, writing: nothing that holds the engine's lock)
     runs on low-priority threads, so on a machine whose cores the engine keeps
-    busy it takes only what the engine leaves.
+    busy it takes only what the engine leaves. ``compute`` work (no file calls)
+    runs on threads of its own, which a hung disk never holds.
     """
     loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(_background_pool() if background else None, fn)
+    pool = _compute_pool() if compute else _background_pool() if background else None
+    fut = loop.run_in_executor(pool, fn)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
         await asyncio.wait([fut])
         raise
+
+
+async def within(
+    work: Awaitable[T], deadline_s: float | None, what: str, on_late: Callable[[], None] | None = None
+) -> T:
+    """``work``'s result if it ends within ``deadline_s`` (None: no deadline). Past it, ``StorageTimeout`` at
+    once: the work is left to end on its own (a thread in a hung syscall cannot be stopped) and ``on_late`` runs
+    once it has. Cancelled meanwhile, it waits for the work to end, as ``off_loop`` does."""
+    if deadline_s is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait([task], timeout=deadline_s)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
+    if task in done:
+        return task.result()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late error is retrieved, not logged
+    if on_late is not None:
+        task.add_done_callback(lambda _: on_late())
+    raise errors.StorageTimeout(f"{what} did not return within {deadline_s:g} s: the disk is hung or failing")
 
 
 class NoLease:

@@ -27,7 +27,7 @@ from . import directio, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
-from .lease import NoLease, RunStep, off_loop
+from .lease import NoLease, RunStep, off_loop, within
 from .validate import validate_header
 
 # mlx is imported inside the functions that touch the engine's arrays: the daemon writes the same steps from
@@ -711,6 +711,11 @@ def save_steps(
         file.abort()
 
 
+def _close_later(loop: asyncio.AbstractEventLoop, gen: Generator[Any, None, Any]) -> None:
+    """Close a save's generator (its file closed, its temp removed) on a worker thread: its late step returned."""
+    loop.run_in_executor(None, gen.close)
+
+
 def run_step_sync(step: SaveStep) -> None:
     step.materialize()
     step.write()
@@ -747,6 +752,7 @@ async def save_async(
     run_step: RunStep | None = None,
     write_in_lease: bool = False,
     live_chunk: int = LIVE_CHUNK_BYTES,
+    step_deadline: float | None = None,
     **kwargs: Any,
 ) -> SaveResult:
     """Save one step per event-loop turn without blocking the loop.
@@ -755,10 +761,13 @@ async def save_async(
     engine is between steps and returns its result. Each tensor's
     ``materialize`` runs through it; its hash and write run on a worker thread,
     inside the lease too when ``write_in_lease`` is set. A lease that raises
-    aborts the save and leaves nothing behind.
+    aborts the save and leaves nothing behind. A write step that does not return within ``step_deadline``
+    seconds fails the save (``StorageTimeout``) at once; its file is cleaned up once the step returns.
     """
     lease: RunStep = run_step or NoLease()
     gen = save_steps(path, tokens, caches, meta, **kwargs)
+    late = False
+    loop = asyncio.get_running_loop()
     try:
         while True:
             try:
@@ -769,10 +778,14 @@ async def save_async(
                 await step.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
             elif isinstance(step, TensorStep):
                 step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
-            if write_in_lease:
-                await lease(step.write)
-            else:
-                await off_loop(step.write, background=True)
+            work = lease(step.write) if write_in_lease else off_loop(step.write, background=True)
+            try:
+                # the cleanup (closing the file, removing the temp) waits for the late step, off the loop
+                await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen))
+            except errors.StorageTimeout:
+                late = True
+                raise
             await asyncio.sleep(0)  # one step per loop turn
     finally:
-        gen.close()
+        if not late:
+            gen.close()

@@ -34,7 +34,8 @@ from . import format as fmt
 from .admission import Admission
 from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
-from .lease import RunStep, off_loop
+from .config import DEFAULT_IO_TIMEOUT_S
+from .lease import RunStep, off_loop, within
 from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
 from .queue import unpin
@@ -118,6 +119,7 @@ class MissReason(StrEnum):
     UNTRIMMABLE = "untrimmable"
     EVICTED = "evicted"
     CORRUPT = "corrupt"
+    IO_TIMEOUT = "io_timeout"  # the read did not return within the store's I/O deadline (a hung disk)
 
 
 @dataclass(eq=False)
@@ -344,6 +346,7 @@ class Store:
         namespace_quota: int | None = None,
         pin_cap: int | None = None,
         admit_after: int = 0,
+        io_timeout: float | None = DEFAULT_IO_TIMEOUT_S,
     ) -> None:
         if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
             raise ValueError(
@@ -352,6 +355,7 @@ class Store:
         self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
         self.write_budget = write_budget  # bytes a day; once written, droppable spills are shed (None: no budget)
         self.wear = Wear()
+        self.io_timeout = io_timeout  # seconds a write step, a restore's read or an unlink may take (None: forever)
         # the write gate: counts of lookups per prefix (None: every spill is written)
         self.admission = Admission(admit_after, block_tokens or DEFAULT_BLOCK_TOKENS) if admit_after else None
         self.namespace_quota = namespace_quota  # bytes on disk one namespace may hold (None: only the disk cap)
@@ -645,7 +649,7 @@ class Store:
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
         q = self._query(ident, namespace, tokens, codec_provider)
-        found = await off_loop(q.match) if q.by_start or q.evicted or q.roots else _Found()
+        found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots else _Found()
         return self._settle(q, found)
 
     def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> _Query:
@@ -754,7 +758,11 @@ class Store:
         """``restore`` on an event loop: the read, the mtime, the existence check and a quarantine's move run on
         worker threads; the index changes on the loop only."""
         try:
-            outcome: Loaded | errors.SpillError = await off_loop(lambda: self.read_hit(hit, ident))
+            read = off_loop(lambda: self.read_hit(hit, ident))
+            outcome: Loaded | errors.SpillError = await within(read, self.io_timeout, "a restore's read")
+        except errors.StorageTimeout as exc:
+            log.warning("restore of %s: %s", hit.entry.path, exc)
+            return self._miss(MissReason.IO_TIMEOUT)
         except errors.SpillError as exc:
             outcome = exc
         e = hit.entry
@@ -954,7 +962,7 @@ class Store:
             rec.pins += 1
         self.claim_folder(folder)
         try:
-            await off_loop(lambda: self.make_folder(folder))
+            await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
             names = {k: os.path.join(folder, f"{k.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}") for k in new}
             done = await asyncio.gather(
                 *(off_loop(functools.partial(self._write_file, names[k], fetched[k]), background=True) for k in new),
@@ -1032,10 +1040,10 @@ class Store:
         """Create the folders, then save; on ENOSPC evict once and retry. Every failure is counted."""
 
         async def save() -> SaveResult:
-            await off_loop(lambda: self.make_folder(folder))
+            await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
             return await save_async(
                 path, [], [], identity=ident, durability=self.durability, provider=self._provider,
-                ops=self.ops, planned=planned, **kw,
+                ops=self.ops, planned=planned, step_deadline=self.io_timeout, **kw,
             )  # fmt: skip
 
         return await self._with_room(save, planned[0].data_bytes)
@@ -1277,7 +1285,10 @@ class Store:
     async def delete_doomed_async(self) -> None:
         """Unlink the files of entries that left the index, on a worker thread."""
         if doomed := self._take_doomed():
-            await off_loop(lambda: _unlink_all(self.ops, doomed))
+            try:
+                await within(off_loop(lambda: _unlink_all(self.ops, doomed)), self.io_timeout, "unlinks")
+            except errors.StorageTimeout as exc:  # the entries are out of the index: their files go when it can
+                log.warning("%d files not removed yet: %s", len(doomed), exc)
 
     def remove_where(self, pred: Callable[[Entry], bool]) -> int:
         n = self._drop_where(pred)

@@ -485,13 +485,21 @@ class GrantorLease:
         grant = await self.conn.ask_lease(self.timeout)
         if grant is None:
             return await off_loop(fn, background=True)
-        t0 = time.monotonic()
+        step = asyncio.ensure_future(off_loop(fn, background=True))
         try:
-            return await off_loop(fn, background=True)
-        finally:
+            done, _ = await asyncio.wait([step], timeout=self.timeout)
+        except asyncio.CancelledError:
             self.conn.lease_done(grant)
-            if time.monotonic() - t0 > self.timeout:
-                log.warning("client %d: a write step outlasted its %g s grant", self.conn.id, self.timeout)
+            await asyncio.wait([step])
+            raise
+        # The engine decodes again after the grant's timeout whatever the step does: a step held up by a hung
+        # disk goes on unheld (it is no decode's competitor while it waits), it never holds the engine.
+        self.conn.lease_done(grant)
+        if not done:
+            log.warning(
+                "client %d: a write step outlasted its %g s grant; the engine goes on", self.conn.id, self.timeout
+            )
+        return await step
 
 
 class BackgroundLease:

@@ -56,7 +56,7 @@ def open_store(cfg: Config) -> Store:
         return Store(
             cfg.dir, disk_cap=cfg.disk_cap, durability=cfg.durability, block_tokens=cfg.block_tokens,
             write_budget=cfg.write_budget, namespace_quota=cfg.namespace_quota, pin_cap=cfg.pin_cap,
-            admit_after=cfg.admit_after,
+            admit_after=cfg.admit_after, io_timeout=cfg.io_timeout,
         )  # fmt: skip
     except (errors.StorageError, OSError) as exc:
         why = exc.reason if isinstance(exc, errors.SpillError) else (exc.strerror or str(exc))

@@ -1,0 +1,138 @@
+"""A disk that hangs (a failing SSD, a stalled network mount) never stalls serving (issue 16.6).
+
+A real ``Daemon`` serves a real Unix socket in the test's loop; its store writes through ``HangingOps``, a file
+layer whose writes block until released, as a hung device's do. A spill caught by it fails at the I/O deadline
+(``io_timeout``), while lookups and ``status`` from another client keep answering within 50 ms; once the disk
+answers again its temp file is removed and the next spill is stored and loads exactly. A restore whose read hangs
+is a miss at the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors, fileio
+from spilld.client import AsyncClient
+from spilld.config import Config
+from spilld.daemon import Daemon
+from spilld.queue import Outcome
+from spilld.store import Hit, MissReason, Store
+from tests.caches import fill, live, same
+from tests.daemons import cleanup, new_root
+
+IDENT = spilld.Identity("hung-disk", "cfg", "tok", "")
+DEADLINE_S = 0.5
+SERVING_BOUND_S = 0.05  # what a lookup or a status may take while a write hangs
+
+
+class HangingOps(fileio.FileOps):
+    """Every write blocks while ``hanging`` is set, until ``release`` (a hung device's writes do)."""
+
+    def __init__(self) -> None:
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        if self.hanging.is_set():
+            self.entered.set()
+            self.release.wait(120)
+        return super().pwritev(fd, bufs, offset)
+
+
+def caches(n: int, seed: int = 0) -> list[C.KVCache]:
+    return [fill(C.KVCache(), n, seed=seed + i) for i in range(2)]
+
+
+def temp_files(root: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if fileio.is_temp_name(n)]
+
+
+@pytest.mark.asyncio
+async def test_a_hung_write_fails_its_spill_while_lookups_and_status_keep_answering() -> None:
+    root = new_root()
+    cfg = Config(
+        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
+        block_tokens=16, io_timeout=DEADLINE_S, warm_bytes=0, scrub_rate=0,
+    )  # fmt: skip
+    daemon = Daemon(cfg)
+    ops = HangingOps()
+    daemon.store.ops = ops
+    await daemon.start()
+    writer = reader = None
+    try:
+        writer = await AsyncClient.open(cfg.socket, identity=IDENT, name="writer")
+        reader = await AsyncClient.open(cfg.socket, identity=IDENT, name="reader")
+        kept = list(range(40))
+        assert (await writer.spill(kept, caches(40), droppable=False)).stored
+        ops.hanging.set()
+        t0 = time.monotonic()
+        hung = asyncio.ensure_future(writer.spill(list(range(500, 540)), caches(40, seed=3), droppable=False))
+        assert await asyncio.to_thread(ops.entered.wait, 30)
+        worst = 0.0
+        while not hung.done():  # another client is served as usual meanwhile
+            for call in (reader.lookup([*kept, 1]), reader.status()):
+                c0 = time.monotonic()
+                got = await call
+                worst = max(worst, time.monotonic() - c0)
+                assert not isinstance(got, spilld.Miss)
+            await asyncio.sleep(0.01)
+        settled = hung.result()
+        waited = time.monotonic() - t0
+        assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.StorageTimeout)
+        assert settled.error.code == "io_timeout" and waited < DEADLINE_S + 5
+        assert worst < SERVING_BOUND_S, worst
+        assert temp_files(cfg.dir)  # the write is still stuck in the disk: its file cannot be closed yet
+        ops.hanging.clear()
+        ops.release.set()  # the disk answers again: the late write ends and its temp file goes
+        deadline = time.monotonic() + 10
+        while temp_files(cfg.dir) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert temp_files(cfg.dir) == []
+        again = list(range(900, 940))
+        assert (await writer.spill(again, caches(40, seed=7), droppable=False)).stored
+        got = await reader.load([*again, 1])
+        assert got is not None and same([live(c) for c in got.caches], [live(c) for c in caches(40, seed=7)])
+        assert (await reader.status())["store"]["errors"].get("io_timeout") == 1
+    finally:
+        ops.release.set()
+        for c in (writer, reader):
+            if c is not None:
+                await c.close()
+        await daemon.stop()
+        cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_a_hung_restore_read_is_a_miss_at_the_deadline(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, io_timeout=DEADLINE_S)
+    toks = list(range(40))
+    await s.put(toks, caches(40), IDENT)
+    hit = await s.lookup_async(IDENT, "", [*toks, 1])
+    assert isinstance(hit, Hit)
+    stuck = threading.Event()
+    real = s.read_hit
+
+    def hung_read(h: Hit, ident: spilld.Identity) -> Any:
+        stuck.wait(60)
+        return real(h, ident)
+
+    s.read_hit = hung_read  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    got = await s.restore_async(hit, IDENT)
+    assert got == spilld.Miss(MissReason.IO_TIMEOUT) and time.monotonic() - t0 < DEADLINE_S + 2
+    assert s.counters.misses["io_timeout"] == 1 and s.count == 1  # the entry stays: the disk, not the file
+    stuck.set()
+    s.read_hit = real  # type: ignore[method-assign]
+    loaded = await s.restore_async(hit, IDENT)
+    assert isinstance(loaded, spilld.Loaded) and loaded.tokens == toks
