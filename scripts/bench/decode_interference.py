@@ -9,8 +9,9 @@ row. At fixed tokens the engine hands caches to the spill arm:
 
 Arms: idle (no spill), mlxlm (mlx_lm save_prompt_cache + fsync, called on the engine thread), spilld (Spiller.spill
 with a ThreadLockLease on the generation lock; durability fsync; in the snapshot case with live=True), spilld_views
-(snapshot case only: plain zero-copy views, to show the copy they force on the engine). Every arm runs in every
-round, interleaved.
+(snapshot case only: plain zero-copy views, to show the copy they force on the engine), scrub (eviction case only: no
+spill, while the daemon's idle-time scrub checks a store of ``--scrub-mib`` MiB at ``--scrub-rate`` on the spiller's
+loop, as a daemon left idle by its clients would). Every arm runs in every round, interleaved.
 
     python scripts/bench/decode_interference.py --rounds 3 --json bench-out/interference.json --plot docs/decode_interference.png
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import gc
 import json
 import os
@@ -91,6 +93,9 @@ class Result:
     spilled_bytes: int = 0
     spill_wall_s: float = 0.0
     longest_lease_ms: float = 0.0
+    spill_k: list[int] = field(default_factory=list)  # timed tokens at which a spill was handed over
+    settled_k: list[int] = field(default_factory=list)  # timed tokens by which each spill was durable
+    scrubbed_bytes: int = 0
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.lat_ms)
@@ -107,6 +112,7 @@ class Result:
             "spilled_MiB": self.spilled_bytes / MiB,
             "spill_GBps": self.spilled_bytes / self.spill_wall_s / 1e9 if self.spill_wall_s else None,
             "longest_lease_ms": self.longest_lease_ms,
+            "scrubbed_MiB": self.scrubbed_bytes / MiB,
         }
 
     _after_idx: list[int] = field(default_factory=list)
@@ -120,6 +126,9 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     loop_thread.start()
     lease = spilld.ThreadLockLease(lock)
     spiller: spilld.Spiller | None = None
+    scrubbing = None
+    if arm == "scrub":
+        scrubbing = start_scrub(folder, args, loop)
     if arm.startswith("spilld"):
         spiller = asyncio.run_coroutine_threadsafe(
             spilld.Spiller.open(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30), loop
@@ -139,6 +148,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     tok = mx.array([[5]])
     row = mx.zeros((1, args.heads, 1, args.dim), dtype=mx.float16)
     t_first_spill = None
+    token_t: list[float] = []
     last = time.perf_counter()
     for i in range(args.tokens + args.warmup):
         with lock:  # one decode step under the generation lock
@@ -152,10 +162,12 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
         k = i - args.warmup
         if k >= 0:
             res.lat_ms.append(dt)
+            token_t.append(now)
         if k - 1 in spill_at:
             res.after_spill_ms.append(dt)
             res._after_idx.append(len(res.lat_ms) - 1)
-        if k in spill_at and arm != "idle":
+        if k in spill_at and arm not in ("idle", "scrub"):
+            res.spill_k.append(k)
             caches = live_big if case == "snapshot" else evict.pop(k)
             res.spilled_bytes += nbytes(caches)
             t_first_spill = t_first_spill or time.perf_counter()
@@ -183,6 +195,11 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     if t_first_spill and settled_at:
         # from the first spill to the last one durable (decode ran meanwhile)
         res.spill_wall_s = max(settled_at) - t_first_spill
+        res.settled_k = [bisect.bisect_left(token_t, t) for t in sorted(settled_at)]
+    if scrubbing is not None:
+        task, scrub = scrubbing
+        res.scrubbed_bytes = scrub.stats.bytes + scrub.stats.passes * sum(n for _, n, _ in scrub.targets())
+        loop.call_soon_threadsafe(task.cancel)
     res.longest_lease_ms = lease.longest_hold_s * 1e3
     if spiller is not None:
         asyncio.run_coroutine_threadsafe(spiller.close(), loop).result()
@@ -192,6 +209,28 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder, exist_ok=True)
     return res
+
+
+def start_scrub(folder: str, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> tuple[Any, Any]:
+    """A store of ``--scrub-mib`` MiB in ``folder``/scrub, and its scrub running on ``loop`` (no first delay)."""
+    from spilld.scrub import Scrub
+    from spilld.store import Store
+
+    async def start() -> tuple[Any, Any]:
+        store = Store(os.path.join(folder, "scrub"), disk_cap=2**42, durability="none")
+        per = args.big_tokens * args.heads * args.dim * 2 * 2  # bytes of one layer's K and V
+        for i in range(max(1, args.scrub_mib * MiB // (per * args.big_layers))):
+            caches = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=100 + i)
+            await store.put(list(range(i * 100_000, i * 100_000 + args.big_tokens)), caches, spilld.Identity("s"))
+        scrub = Scrub(store, args.scrub_rate * MiB, interval=0.0)
+
+        async def run() -> None:
+            while True:
+                await scrub.scrub_pass()
+
+        return asyncio.get_running_loop().create_task(run()), scrub
+
+    return asyncio.run_coroutine_threadsafe(start(), loop).result()
 
 
 def spill_call_cost(folder: str, layers: int = 32, tokens: int = 8192 - 1) -> dict[str, float]:
@@ -230,8 +269,12 @@ def plot(rows: list[Result], path: str) -> None:
     for ax, case in zip(axes, ("eviction", "snapshot"), strict=True):
         for r in rows:
             if r.case == case:
-                ax.plot(r.lat_ms, label=r.arm, linewidth=0.8)
-        ax.set_title(f"{case}: per-token decode latency")
+                line = ax.plot(r.lat_ms, label=r.arm, linewidth=0.8)[0]
+                for k in r.spill_k:  # a spill handed over (solid) and durable (dotted), in the arm's colour
+                    ax.axvline(k, color=line.get_color(), linewidth=0.6, alpha=0.6)
+                for k in r.settled_k:
+                    ax.axvline(k, color=line.get_color(), linewidth=0.6, alpha=0.6, linestyle=":")
+        ax.set_title(f"{case}: per-token decode latency (spill handed over |, durable :)")
         ax.set_xlabel("token")
         ax.set_yscale("log")
         ax.legend()
@@ -258,7 +301,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4, help="prompt tokens prefilled before decoding (default 4)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="eviction,snapshot")
-    p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views")
+    p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views,scrub")
+    p.add_argument("--scrub-mib", type=int, default=256, help="scrub arm: MiB of the store it checks (default 256)")
+    p.add_argument(
+        "--scrub-rate", type=int, default=32, help="scrub arm: MiB a second (default 32, the daemon's default)"
+    )
     p.add_argument(
         "--dir", default=None, help="scratch folder on the disk under test (default: a temp folder in /var/tmp)"
     )
@@ -274,7 +321,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.warmup, args.spills, args.big_layers, args.big_tokens, args.rounds = 24, 4, 2, 2, 256, 1
-        args.hidden, args.layers, args.vocab = 64, 2, 512
+        args.hidden, args.layers, args.vocab, args.scrub_mib = 64, 2, 512, 2
     folder = args.dir or tempfile.mkdtemp(prefix="spilld-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -292,7 +339,7 @@ def main() -> None:
         arms = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
         for case in args.cases.split(","):
             for arm in arms:
-                if arm == "spilld_views" and case != "snapshot":
+                if (arm == "spilld_views" and case != "snapshot") or (arm == "scrub" and case != "eviction"):
                     continue
                 gc.collect()
                 r = run_arm(arm, case, args, model, folder)
@@ -304,7 +351,8 @@ def main() -> None:
                     f"round {rnd} {case:9s} {arm:7s} p50 {s['p50_ms']:7.2f}  p99 {s['p99_ms']:8.2f}  max {s['max_ms']:8.2f} ms"
                     f"  after-spill {[round(x, 1) for x in r.after_spill_ms]}  spill() {[round(x, 2) for x in r.spill_call_ms]} ms"
                     f"  lease max {s['longest_lease_ms']:.2f} ms"
-                    + (f"  {s['spill_GBps']:.2f} GB/s" if s["spill_GBps"] else ""),
+                    + (f"  {s['spill_GBps']:.2f} GB/s" if s["spill_GBps"] else "")
+                    + (f"  scrubbed {r.scrubbed_bytes / MiB:.0f} MiB" if arm == "scrub" else ""),
                     flush=True,
                 )
     print("\nmedians over rounds:")
