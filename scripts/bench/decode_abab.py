@@ -1,0 +1,183 @@
+"""Decode latency with idle and spilling windows interleaved in one engine run (ABAB), per-pair ratios.
+
+``decode_interference.py`` runs each arm on its own, so its idle baseline moves between arms as much as the effect
+it measures. Here one engine thread decodes continuously (a tiny random-weight llama plus a large synthetic KV cache
+extended by one row a step, under its generation lock) and alternates windows:
+
+  spill window  starts when a spill is handed to an embedded ``Spiller`` (``ThreadLockLease`` on the generation lock,
+                durability fsync) and lasts until that spill is durable, and at least ``--window`` tokens;
+  idle window   the next ``--window`` tokens, nothing in flight.
+
+Each (spill, idle) pair gives a ratio p99(spill window) / p99(idle window); the figures are their median and spread
+over ``--pairs`` pairs (>= 5), per case: eviction (caches the engine drops) and snapshot (its own live cache, live=True).
+The spill's speed is its bytes over hand-over-to-durable time, while decode runs.
+
+    python scripts/bench/decode_abab.py [--pairs 8 --window 60] [--model-dtype bfloat16] [--smoke] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from decode_interference import big_cache, build_model, nbytes
+
+import spilld
+
+MiB = 1024 * 1024
+
+
+def p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+
+
+def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> dict[str, Any]:
+    lock = threading.Lock()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    spiller = asyncio.run_coroutine_threadsafe(
+        spilld.Spiller.open(
+            folder, identity=spilld.Identity("abab"), lease=spilld.ThreadLockLease(lock), queue_cap=8 << 30
+        ),
+        loop,
+    ).result()
+    own = C.make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(1, args.context + 1))]), cache=own))
+    live_big = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=1)
+    evict = [big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=10 + i) for i in range(args.pairs)]
+    tok = mx.array([[5]])
+    row = mx.zeros((1, args.heads, 1, args.dim), dtype=mx.float16)
+    pairs: list[dict[str, Any]] = []
+    spill_lat: list[float] = []
+    idle_lat: list[float] = []
+    state = "warmup"
+    left = args.warmup
+    pending: Any = None
+    handed = 0.0
+    settled = [0.0]  # when the spill in flight was durable
+    current: dict[str, Any] = {}
+    spilled = 0
+    last = time.perf_counter()
+    while len(pairs) < args.pairs:
+        with lock:  # one decode step under the generation lock
+            logits = model(tok, cache=own)
+            for c in live_big:
+                c.update_and_fetch(row, row)
+            mx.eval(logits, [c.keys for c in live_big], [c.values for c in live_big])
+        now = time.perf_counter()
+        dt, last = (now - last) * 1e3, now
+        if state == "spill":
+            spill_lat.append(dt)
+            left -= 1
+            if left <= 0 and pending.done():
+                outcome = pending.result()
+                if not outcome.stored:
+                    raise RuntimeError(f"a spill was not stored: {outcome}")
+                durable_s = settled[0] - handed
+                state, left, pending = "idle", args.window, None
+                current = {"spill_tokens": len(spill_lat), "spill_GBps": spilled / durable_s / 1e9}
+        elif state == "idle":
+            idle_lat.append(dt)
+            left -= 1
+            if left <= 0:
+                current |= {"ratio": p99(spill_lat) / p99(idle_lat), "p99_spill_ms": p99(spill_lat)}
+                current |= {"p99_idle_ms": p99(idle_lat), "p50_spill_ms": statistics.median(spill_lat)}
+                current |= {"p50_idle_ms": statistics.median(idle_lat)}
+                pairs.append(current)
+                spill_lat, idle_lat, state = [], [], "warmup"
+                left = 1
+        else:
+            left -= 1
+        if state == "warmup" and left <= 0:
+            caches = live_big if case == "snapshot" else evict[len(pairs)]
+            spilled = nbytes(caches)
+            handed = time.perf_counter()
+            pending = spiller.spill_threadsafe(list(range(caches[0].offset)), caches, live=case == "snapshot")
+            pending.add_done_callback(lambda _f: settled.__setitem__(0, time.perf_counter()))
+            if case == "eviction":
+                evict[len(pairs)] = []  # the engine drops them
+            del caches
+            state, left = "spill", args.window
+    asyncio.run_coroutine_threadsafe(spiller.close(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+    ratios = [p["ratio"] for p in pairs]
+    speeds = [p["spill_GBps"] for p in pairs]
+    return {
+        "case": case,
+        "pairs": pairs,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "spill_GBps_median": statistics.median(speeds),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=8, help="(spill, idle) window pairs per case (default 8)")
+    p.add_argument("--window", type=int, default=60, help="tokens per window at least (default 60)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--big-layers", type=int, default=16)
+    p.add_argument("--big-tokens", type=int, default=4000, help="rows of the large cache (4000: 250 MiB a spill)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--attn-heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--model-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--context", type=int, default=4)
+    p.add_argument("--cases", default="eviction,snapshot")
+    p.add_argument("--switch-interval", type=float, default=None)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--smoke", action="store_true", help="a tiny model and caches, 2 pairs of 8 tokens")
+    args = p.parse_args()
+    if args.smoke:
+        args.pairs, args.window, args.warmup, args.big_layers, args.big_tokens = 2, 8, 2, 2, 256
+        args.hidden, args.layers, args.vocab = 64, 2, 512
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    folder = args.dir or tempfile.mkdtemp(prefix="spilld-abab-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    model = build_model(args)
+    out = {"device": str(mx.default_device()), "args": vars(args), "cases": []}
+    try:
+        for case in args.cases.split(","):
+            r = run_case(case, args, model, folder)
+            out["cases"].append(r)
+            ratios = ", ".join(f"{x['ratio']:.2f}" for x in r["pairs"])
+            print(
+                f"{case:9s} p99 spill/idle per pair: {ratios}; median "
+                f"{r['ratio_median']:.3f} (min {r['ratio_min']:.2f}, max {r['ratio_max']:.2f}); spill "
+                f"{r['spill_GBps_median']:.2f} GB/s while decoding",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
