@@ -5,12 +5,16 @@ identity and codecs checked before any tensor is read, every tensor hash checked
 from __future__ import annotations
 
 import concurrent.futures
+import io
+import math
+import mmap
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import xxhash
 
@@ -99,8 +103,10 @@ def read_header(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt
 
 
 VERIFY_CHUNK = 8 * 1024 * 1024
-LOAD_THREADS = 2  # tensors allocated, read and hashed in parallel (each step releases the GIL)
+LOAD_THREADS = min(8, max(2, os.cpu_count() or 2))  # files or tensors read and hashed at once (both free the GIL)
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
+READ_CHUNK = 1024 * 1024  # bytes read per call and hashed at once, while they are still in the CPU's cache
+UNFILLED_MIN_BYTES = 256 * 1024  # buffers this large are allocated without a zero fill (``_unfilled``)
 
 
 def verify_file(
@@ -212,56 +218,54 @@ class _Reader(_Decoding):
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         arr, reads = self.alloc(slot, capacity)
-        try:
-            for p, runs in reads:
-                self.read_piece(p, runs)
-        finally:
-            release(reads)
+        by_file: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
+        for p, d in reads:
+            by_file.setdefault(p.path, []).append((p, d))
+        for file_reads in by_file.values():
+            self.read_file(file_reads)
         return arr
 
-    def alloc(
-        self, slot: fmt.Slot, capacity: int | None
-    ) -> tuple[mx.array, list[tuple[assemble.Piece, list[memoryview]]]]:
-        """A new buffer for ``slot`` (grown to ``capacity`` rows) and, for each of its pieces, the views of the
-        buffer its bytes go to (rows ``[first, first + rows)`` of every leading index)."""
+    def alloc(self, slot: fmt.Slot, capacity: int | None) -> tuple[mx.array, list[tuple[assemble.Piece, _Dest]]]:
+        """A new buffer for ``slot`` (grown to ``capacity`` rows) and, for each of its pieces, where in the
+        buffer its bytes go (rows ``[first, first + rows)`` of every leading index)."""
         import mlx.core as mx
+        import numpy as np
 
         from . import dtypes
 
         pieces = self.pieces.get(id(slot)) or [self.whole_piece(slot)]
         alloc = alloc_shape(slot, capacity, self.path)
-        arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
-        mx.eval(arr)
+        arr = _unfilled(alloc, slot.dtype)
+        unfilled = arr is not None
+        if arr is None:
+            arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
+            mx.eval(arr)
         if arr.nbytes == 0:
             return arr, []
+        if len(alloc) >= 2:
+            lead, rows = math.prod(alloc[:-2]), alloc[-2]
+        else:
+            lead, rows = 1, 1
         mv = dtypes.buffer(arr).cast("B")
+        rb = mv.nbytes // (lead * rows)
         reads, first = [], 0
         for p in pieces:
             whole = len(alloc) < 2 or list(p.slot.shape) == alloc
-            spans = fmt.row_spans(alloc, fmt.DTYPE_SIZES[slot.dtype], None if whole else p.rows, 0 if whole else first)
-            reads.append((p, [mv[o : o + n] for o, n in spans]))
-            first += p.rows
-        mv.release()
+            reads.append((p, _Dest(mv, lead, rows * rb, rb, 0 if whole else first, rows if whole else p.rows)))
+            first = rows if whole else first + p.rows
+        if unfilled:
+            flat = np.frombuffer(mv, dtype=np.uint8)
+            _populate(flat.ctypes.data, flat.nbytes)
+            if first < rows:  # the rows no piece fills (step capacity) hold zeros, as in a fresh cache
+                flat.reshape(lead, rows, rb)[:, first:, :] = 0
         return arr, reads
 
     def whole_piece(self, slot: fmt.Slot) -> assemble.Piece:
         rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
         return assemble.Piece(self.fd, self.path, self.header.data_start + slot.off, rows, slot)
 
-    def read_piece(self, p: assemble.Piece, runs: list[memoryview]) -> None:
-        """``p``'s bytes into ``runs`` (in file order), its hash checked."""
-        self.read_file([(p, runs)])
-
-    def check(self, p: assemble.Piece, runs: list[memoryview]) -> None:
-        if self.verify:
-            h = xxhash.xxh3_64()
-            for r in runs:
-                h.update(r)
-            if h.digest() != p.slot.hash:
-                raise errors.TensorHashMismatch(f"tensor at offset {p.slot.off} does not match its hash", path=p.path)
-
-    def read_file(self, reads: list[tuple[assemble.Piece, list[memoryview]]]) -> None:
-        """Pieces of one file, in file order: each run of adjacent pieces in one vectored read, then each hashed."""
+    def read_file(self, reads: list[tuple[assemble.Piece, _Dest]]) -> None:
+        """Pieces of one file, in file order, each run of adjacent pieces from one offset onward."""
         reads = sorted(reads, key=lambda r: r[0].off)
         first = reads[0][0]
         fd = first.fd if first.fd is not None else _open(self.ops, first.path)
@@ -272,20 +276,189 @@ class _Reader(_Decoding):
                 while j < len(reads) and reads[j][0].off == end:
                     end += reads[j][0].slot.nbytes
                     j += 1
-                p = reads[i][0]
-                fileio.read_all(self.ops, fd, [r for _, runs in reads[i:j] for r in runs], p.off, p.path)
-                for q, runs in reads[i:j]:
-                    self.check(q, runs)
+                _Batch(self, fd, reads[i][0]).read(reads[i:j])
                 i = j
         finally:
             if first.fd is None:
                 self.ops.close(fd)
 
 
-def release(reads: list[tuple[assemble.Piece, list[memoryview]]]) -> None:
-    for _, runs in reads:
-        for r in runs:
-            r.release()
+@dataclass
+class _Dest:
+    """Where a piece's bytes go in a tensor's buffer ``mv``: rows ``[first, first + rows)`` of each of its ``lead``
+    leading indices, each ``stride`` bytes long (``row`` bytes a row)."""
+
+    mv: memoryview
+    lead: int
+    stride: int
+    row: int
+    first: int
+    rows: int
+
+
+class _Batch:
+    """Reads adjacent pieces of one file in calls of up to ``READ_CHUNK`` bytes (each piece's rows of each leading
+    index straight into its buffer), hashing each call's bytes at once, while they are still in the CPU's cache,
+    and checking each piece once its last byte is read."""
+
+    def __init__(self, reader: _Reader, fd: int, first: assemble.Piece) -> None:
+        self.reader, self.fd, self.path, self.off = reader, fd, first.path, first.off
+        self.views: list[memoryview] = []  # read by the next call, in file order
+        self.hashed: list[tuple[Any, list[memoryview]]] = []  # (hasher, its bytes) to hash after it
+        self.done: list[tuple[assemble.Piece, Any]] = []  # pieces whose last bytes it reads
+        self.size = 0
+
+    def read(self, reads: list[tuple[assemble.Piece, _Dest]]) -> None:
+        verify = self.reader.verify
+        for p, d in reads:
+            h = xxhash.xxh3_64() if verify else None
+            run = d.rows * d.row
+            if d.lead * run != p.slot.nbytes:
+                raise errors.BlockInvalid(f"tensor at offset {p.slot.off} has another size than planned", path=p.path)
+            start = d.first * d.row
+            if d.lead == 1 or run == d.stride:  # contiguous in the buffer
+                self.add(d.mv[start : start + p.slot.nbytes], h)
+            elif p.slot.nbytes <= READ_CHUNK:  # a block's rows: one short run per leading index, one call
+                if self.size + p.slot.nbytes > READ_CHUNK:
+                    self.flush()
+                views = [d.mv[o : o + run] for o in range(start, start + d.lead * d.stride, d.stride)]
+                self.views += views
+                if h is not None:
+                    self.hashed.append((h, views))
+                self.size += p.slot.nbytes
+            else:
+                for o in range(start, start + d.lead * d.stride, d.stride):
+                    self.add(d.mv[o : o + run], h)
+            if h is not None:
+                self.done.append((p, h))
+        self.flush()
+
+    def add(self, view: memoryview, h: Any) -> None:
+        pos = 0
+        while pos < view.nbytes:
+            n = min(READ_CHUNK - self.size, view.nbytes - pos)
+            v = view[pos : pos + n] if n != view.nbytes else view
+            self.views.append(v)
+            if h is not None:
+                self.hashed.append((h, [v]))
+            self.size += n
+            pos += n
+            if self.size >= READ_CHUNK:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.views:
+            fileio.read_all(self.reader.ops, self.fd, self.views, self.off, self.path)
+        self.off += self.size
+        for h, views in self.hashed:
+            for v in views:
+                h.update(v)
+        for p, h in self.done:
+            if h.digest() != p.slot.hash:
+                raise errors.TensorHashMismatch(f"tensor at offset {p.slot.off} does not match its hash", path=p.path)
+        self.views, self.hashed, self.done = [], [], []
+        self.size = 0
+
+
+_NPY_DESCR = {
+    "bool": "|b1", "uint8": "|u1", "int8": "|i1", "uint16": "u2", "uint32": "u4", "uint64": "u8", "int16": "i2",
+    "int32": "i4", "int64": "i8", "float16": "f2", "float32": "f4", "float64": "f8", "complex64": "c8",
+    "bfloat16": "u2",  # allocated as uint16, then viewed (same buffer)
+}  # fmt: skip
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_madvise: Any = None  # libc's madvise once found; False where there is none or it refused
+
+
+def _populate(addr: int, nbytes: int) -> None:
+    """Fault in a new buffer's pages with one call (``MADV_POPULATE_WRITE``), on the loader's threads: cheaper than
+    a fault per page during the reads, most of all for a block's rows, which land a few pages here and a few there.
+    Anything it does not do (another OS, an older kernel) the reads' page faults do."""
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if sys.platform == "linux":
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _madvise = fn
+            except (OSError, AttributeError):
+                pass
+    if _madvise is False:
+        return
+    page = mmap.PAGESIZE
+    start, end = -(-addr // page) * page, (addr + nbytes) // page * page
+    if end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        _madvise = False  # EINVAL before 5.14: from now on the reads fault pages in
+
+
+_unfilled_works: bool | None = None  # None: not tried yet in this process
+
+
+class _Unwritten(io.RawIOBase):
+    """A .npy "file" whose data ``mx.load`` asks to be read into its new buffer, and which writes nothing there:
+    mlx's own loader allocates without a zero fill, so the only pass over the new memory is the read that fills it
+    (its pages populated first, on the loader's threads: ``_populate``)."""
+
+    def __init__(self, shape: list[int], descr: str) -> None:
+        d = descr if descr[0] == "|" else ("<" if sys.byteorder == "little" else ">") + descr
+        text = f"{{'descr': '{d}', 'fortran_order': False, 'shape': ({''.join(f'{x}, ' for x in shape)}), }}"
+        body = text.encode()
+        pad = 64 - (10 + len(body) + 1) % 64
+        self.head = b"\x93NUMPY\x01\x00" + (len(body) + pad + 1).to_bytes(2, "little") + body + b" " * pad + b"\n"
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = len(memoryview(b).cast("B"))
+        if self.pos < len(self.head):
+            n = min(n, len(self.head) - self.pos)
+            memoryview(b).cast("B")[:n] = self.head[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def _unfilled(shape: list[int], dtype: str) -> mx.array | None:
+    """An evaluated array of ``shape`` whose memory nothing has written (every byte must be written before it is
+    returned to anyone); None for a small one, or where this mlx cannot (then the caller zero-fills)."""
+    global _unfilled_works
+    import mlx.core as mx
+
+    from . import dtypes
+
+    descr = _NPY_DESCR.get(dtype)
+    if _unfilled_works is False or descr is None or fmt.DTYPE_SIZES[dtype] * math.prod(shape) < UNFILLED_MIN_BYTES:
+        return None
+    want = dtypes.dtype_of(dtype)
+    try:
+        arr = mx.load(cast(BinaryIO, _Unwritten(shape, descr)), format="npy")
+        assert isinstance(arr, mx.array)
+        if arr.dtype != want:
+            arr = arr.view(want)
+            mx.eval(arr)
+        if list(arr.shape) != list(shape) or arr.dtype != want:
+            raise ValueError(f"got {arr.shape} {arr.dtype}")
+    except Exception:
+        if _unfilled_works:  # it worked before: a real failure (out of memory)
+            raise
+        _unfilled_works = False  # an mlx without file-like loads: zero-filled buffers from now on
+        return None
+    _unfilled_works = True
+    return arr
 
 
 class _Recorder(_Decoding):
@@ -307,7 +480,7 @@ class _Recorder(_Decoding):
 
 
 class _Prefetched(_Decoding):
-    """Hands the codecs tensors that worker threads read ahead (allocation, read and hash on both cores)."""
+    """Hands the codecs tensors that worker threads read ahead (allocation, read and hash on ``LOAD_THREADS`` threads)."""
 
     def __init__(self, reader: _Reader, arrays: dict[int, mx.array]) -> None:
         self.reader, self.arrays = reader, arrays
@@ -335,19 +508,15 @@ def _read_by_file(
     reader: _Reader, wants: dict[int, tuple[fmt.Slot, int | None]], pool: concurrent.futures.ThreadPoolExecutor
 ) -> dict[int, mx.array]:
     """A manifest's tensors: every buffer allocated first, then each file (a block, the manifest) read by one
-    task straight into the buffers at their row offsets, adjacent pieces in one vectored read."""
+    task straight into the buffers at their row offsets, adjacent pieces in reads of up to ``READ_CHUNK`` bytes."""
     arrays: dict[int, mx.array] = {}
-    by_file: dict[str, list[tuple[assemble.Piece, list[memoryview]]]] = {}
-    try:
-        allocated = _results({k: pool.submit(reader.alloc, slot, cap) for k, (slot, cap) in wants.items()})
-        for k, (arr, reads) in allocated.items():  # (zero fill and page faults on both cores)
-            arrays[k] = arr
-            for p, runs in reads:
-                by_file.setdefault(p.path, []).append((p, runs))
-        _results({f: pool.submit(reader.read_file, reads) for f, reads in by_file.items()})
-    finally:
-        for reads in by_file.values():
-            release(reads)
+    by_file: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
+    allocated = _results({k: pool.submit(reader.alloc, slot, cap) for k, (slot, cap) in wants.items()})
+    for k, (arr, reads) in allocated.items():
+        arrays[k] = arr
+        for p, d in reads:
+            by_file.setdefault(p.path, []).append((p, d))
+    _results({f: pool.submit(reader.read_file, reads) for f, reads in by_file.items()})
     return arrays
 
 

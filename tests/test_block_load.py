@@ -146,3 +146,53 @@ def test_a_client_that_finds_a_bad_block_has_the_daemon_move_the_block_aside() -
     finally:
         d.stop()
         cleanup(d.root)
+
+
+def _bf16(seed: int) -> list[Any]:
+    c = C.KVCache()
+    mx.random.seed(seed)
+    c.update_and_fetch(*(mx.random.normal((1, 8, ROWS, 256)).astype(mx.bfloat16) for _ in range(2)))
+    mx.eval(c.keys, c.values)
+    return [c]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("block_tokens", [0, 16])
+@pytest.mark.parametrize("zero_filled", [False, True])
+async def test_unfilled_buffers_hold_the_rows_read_and_zeros_after(
+    tmp_path: Path, block_tokens: int, zero_filled: bool, monkeypatch: Any
+) -> None:
+    """Buffers allocated without a zero fill (and, where mlx cannot, zero-filled ones) hold exactly the bytes read
+    and zeros in the step capacity's rows; float32 and bfloat16 (allocated as uint16, then viewed); one file and
+    blocks with a tail."""
+    if zero_filled:
+        monkeypatch.setattr(L, "_unfilled_works", False)
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=block_tokens)
+    tokens = list(range(ROWS))
+    for caches in (big(5), _bf16(7)):
+        await s.put(tokens, caches, IDENT)
+        got = restored(s, tokens)
+        assert isinstance(got, spilld.Loaded)
+        for a, b in zip(caches, got.caches, strict=True):
+            assert b.keys.dtype == a.keys.dtype and b.offset == ROWS and b.keys.shape[2] > ROWS
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                assert mx.array_equal(x[..., :ROWS, :], y[..., :ROWS, :]).item()
+                assert not mx.any(y[..., ROWS:, :]).item()
+    assert L._unfilled_works is (not zero_filled)
+
+
+def test_an_unfilled_buffer_is_one_mlx_allocated_and_evaluated() -> None:
+    arr = L._unfilled([2, 3, 4096, 64], "bfloat16")
+    assert arr is not None and arr.dtype == mx.bfloat16 and arr.shape == (2, 3, 4096, 64)
+    assert L._unfilled([4, 4], "float16") is None  # small: mx.zeros is cheaper than the round trip
+
+
+@pytest.mark.asyncio
+async def test_a_load_without_verification_reads_the_same_bytes(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, verify=False)
+    caches, tokens = big(9), list(range(ROWS))
+    await s.put(tokens, caches, IDENT)
+    got = restored(s, tokens)
+    assert isinstance(got, spilld.Loaded)
+    for a, b in zip(caches, got.caches, strict=True):
+        assert mx.array_equal(a.keys[..., :ROWS, :], b.keys[..., :ROWS, :]).item()
