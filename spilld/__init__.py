@@ -22,6 +22,7 @@ _HOMES: dict[str, str] = {
     "Attachment": "saver",
     "Client": "client",
     "DrainReport": "queue",
+    "FairLock": "lease",
     "GenerationCheckpoint": "format",
     "Hit": "api",
     "Identity": "format",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (the redundant aliases ma
     from .format import Identity as Identity
     from .identity import model_identity as model_identity
     from .lease import AsyncLockLease as AsyncLockLease
+    from .lease import FairLock as FairLock
     from .lease import IdleGate as IdleGate
     from .lease import NoLease as NoLease
     from .lease import ThreadLockLease as ThreadLockLease

@@ -126,10 +126,59 @@ class AsyncLockLease:
                 self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - t0)
 
 
+class FairLock:
+    """A generation lock that hands over in arrival order (a ticket lock), for engines that decode in a thread.
+
+    With a plain ``threading.Lock``, an engine that takes the lock again as soon as it released it (a GPU decode
+    loop does: its step is a short ``mx.eval``) starves a ``ThreadLockLease`` waiting for it: the releasing
+    thread keeps running and wins the lock back, so a spill never runs while decode does. With this lock the
+    waiting write step runs after the engine's current step, and the engine's next step after that one: at most
+    one spill step between two decode tokens, which is the lease's contract.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the next ticket to hand out
+        self._serving = 0  # the ticket that holds the lock
+
+    def acquire(self, blocking: bool = True) -> bool:
+        with self._cond:
+            if not blocking and self._serving != self._next:
+                return False
+            ticket = self._next
+            self._next += 1
+            while self._serving != ticket:
+                self._cond.wait()
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._serving == self._next:
+                raise RuntimeError("release of an unlocked FairLock")
+            self._serving += 1
+            self._cond.notify_all()
+
+    def locked(self) -> bool:
+        with self._cond:
+            return self._serving != self._next
+
+    def waiting(self) -> int:
+        """How many threads wait for the lock (beyond its holder)."""
+        with self._cond:
+            return max(0, self._next - self._serving - 1)
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class ThreadLockLease:
     """The engine decodes in its own thread (as mlx-lm's server does) under ``lock``, a threading.Lock."""
 
-    def __init__(self, lock: threading.Lock | threading.RLock) -> None:
+    def __init__(self, lock: threading.Lock | threading.RLock | FairLock) -> None:
         self.lock = lock
         self.longest_hold_s = 0.0
 

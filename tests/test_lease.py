@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import spilld
 from spilld import AsyncLockLease, IdleGate, NoLease, ThreadLockLease
 
 pytestmark = pytest.mark.asyncio
@@ -167,3 +168,45 @@ async def test_a_step_that_raises_releases_the_lease() -> None:
         await gate(boom)
     with gate.busy():  # would hang if the gate stayed owned
         pass
+
+
+async def test_a_fair_lock_hands_over_in_arrival_order_so_a_fast_engine_cannot_starve_a_step() -> None:
+    lock = spilld.FairLock()
+    order: list[str] = []
+    lock.acquire()  # the engine's step
+    waiter = threading.Thread(target=lambda: (lock.acquire(), order.append("spill step"), lock.release()))
+    waiter.start()
+    while lock.waiting() < 1:  # the write step waits for the engine's lock
+        time.sleep(0.001)
+    order.append("engine step 1")
+    lock.release()
+    with lock:  # the engine at once again: served after the waiting step
+        order.append("engine step 2")
+    waiter.join(5)
+    assert order == ["engine step 1", "spill step", "engine step 2"]
+    assert not lock.locked() and lock.acquire(blocking=False)
+    assert not lock.acquire(blocking=False)  # held: a try fails
+    lock.release()
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
+async def test_a_thread_lock_lease_on_a_fair_lock_runs_while_an_engine_loops() -> None:
+    lock = spilld.FairLock()
+    lease = spilld.ThreadLockLease(lock)
+    stop = threading.Event()
+    steps = [0]
+
+    def engine() -> None:
+        while not stop.is_set():
+            with lock:  # a decode loop that takes its lock back at once
+                steps[0] += 1
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        ran = await asyncio.wait_for(lease(lambda: "ran"), timeout=10)
+    finally:
+        stop.set()
+        t.join(5)
+    assert ran == "ran" and steps[0] > 0

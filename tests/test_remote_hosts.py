@@ -9,6 +9,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,25 @@ async def client_of(d: Daemon, model: Any) -> AsyncClient:
     return await AsyncClient.open(d.socket, identity=spilld.model_identity(model, model_id="m"), name="host")
 
 
+@asynccontextmanager
+async def hosts(model: Any, *flags: list[str]) -> AsyncIterator[list[tuple[Daemon, AsyncClient]]]:
+    """One daemon per list of flags (each its own folder and socket) and a client of each; all gone after."""
+    daemons: list[Daemon] = []
+    clients: list[AsyncClient] = []
+    try:
+        for f in flags:
+            daemons.append(host(*f))
+        for d in daemons:
+            clients.append(await client_of(d, model))
+        yield list(zip(daemons, clients, strict=True))
+    finally:
+        for c in clients:
+            await c.close()
+        for d in daemons:
+            d.kill()
+            cleanup(d.root)
+
+
 async def pushed(c: AsyncClient, at_least: int) -> dict[str, Any]:
     """The host's remote counters once ``at_least`` values were written and nothing is left to push."""
     deadline = time.monotonic() + SETTLE_S
@@ -74,10 +94,7 @@ def equal(a: mx.array, b: mx.array) -> bool:
 
 @pytest.mark.asyncio
 async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(server: RedisServer, model: Any) -> None:
-    a, b = host(server.url), host(server.url)
-    ca = cb = None
-    try:
-        ca, cb = await client_of(a, model), await client_of(b, model)
+    async with hosts(model, [server.url], [server.url]) as ((_a, ca), (b, cb)):
         conv = random_tokens(5 * B + 7, seed=1)  # 5 blocks and a tail
         cache = prefill(model, make_prompt_cache, conv)
         assert (await ca.spill(conv, cache, droppable=False)).stored
@@ -101,21 +118,11 @@ async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(server:
         )
         text = b.cli("status", "--socket", b.socket)
         assert "remote  closed, push all: fills 1" in text.stdout, text.stdout
-    finally:
-        for c in (ca, cb):
-            if c is not None:
-                await c.close()
-        for d in (a, b):
-            d.kill()
-            cleanup(d.root)
 
 
 @pytest.mark.asyncio
 async def test_a_system_prompt_another_host_stored_restores_from_its_blocks(server: RedisServer, model: Any) -> None:
-    a, b = host(server.url), host(server.url)
-    ca = cb = None
-    try:
-        ca, cb = await client_of(a, model), await client_of(b, model)
+    async with hosts(model, [server.url], [server.url]) as ((_a, ca), (_b, cb)):
         system = random_tokens(3 * B, seed=5)
         first = [*system, *random_tokens(2 * B + 4, seed=6)]
         assert (
@@ -130,21 +137,11 @@ async def test_a_system_prompt_another_host_stored_restores_from_its_blocks(serv
         want = next_logits(model, prefill(model, make_prompt_cache, system), mine[3 * B])
         assert equal(next_logits(model, got.caches, mine[3 * B]), want)
         assert not equal(next_logits(model, prefill(model, make_prompt_cache, first), mine[3 * B]), want)
-    finally:
-        for c in (ca, cb):
-            if c is not None:
-                await c.close()
-        for d in (a, b):
-            d.kill()
-            cleanup(d.root)
 
 
 @pytest.mark.asyncio
 async def test_wrong_bytes_under_a_key_are_refused_and_nothing_is_kept(server: RedisServer, model: Any) -> None:
-    a, b = host(server.url), host(server.url)
-    ca = cb = None
-    try:
-        ca, cb = await client_of(a, model), await client_of(b, model)
+    async with hosts(model, [server.url], [server.url]) as ((_a, ca), (b, cb)):
         conv = random_tokens(3 * B + 2, seed=11)
         assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
         await pushed(ca, 3 + 3 + 2)
@@ -163,21 +160,11 @@ async def test_wrong_bytes_under_a_key_are_refused_and_nothing_is_kept(server: R
             r.set(names[1], good)  # put right: the next lookup fills
         got = await cb.load([*conv, 1])
         assert got is not None and got.tokens == conv
-    finally:
-        for c in (ca, cb):
-            if c is not None:
-                await c.close()
-        for d in (a, b):
-            d.kill()
-            cleanup(d.root)
 
 
 @pytest.mark.asyncio
 async def test_redis_gone_or_stopped_is_a_miss_and_local_work_goes_on(server: RedisServer, model: Any) -> None:
-    a = host(server.url)
-    ca = None
-    try:
-        ca = await client_of(a, model)
+    async with hosts(model, [server.url]) as ((_a, ca),):
         local = random_tokens(2 * B + 3, seed=21)
         assert (await ca.spill(local, prefill(model, make_prompt_cache, local), droppable=False)).stored
         await pushed(ca, 2 + 2 + 2)
@@ -200,11 +187,6 @@ async def test_redis_gone_or_stopped_is_a_miss_and_local_work_goes_on(server: Re
         assert (await ca.spill(last, prefill(model, make_prompt_cache, last), droppable=False)).stored
         st = (await ca.status())["remote"]
         assert st["state"] in ("open", "half_open", "closed") and st["misses"]["down"] + st["misses"]["timeout"] > 0
-    finally:
-        if ca is not None:
-            await ca.close()
-        a.kill()
-        cleanup(a.root)
 
 
 @pytest.mark.asyncio
@@ -217,11 +199,8 @@ async def test_a_host_without_the_key_gets_misses_never_plaintext(
         p.write_bytes(seed * 32)
         p.chmod(0o600)
         keys.append(str(p))
-    a, b, c = host(server.url, "--remote-key-file", keys[0]), host(server.url, "--remote-key-file", keys[0]), None
-    ca = cb = cc = None
-    try:
-        c = host(server.url, "--remote-key-file", keys[1])
-        ca, cb, cc = await client_of(a, model), await client_of(b, model), await client_of(c, model)
+    flags = [[server.url, "--remote-key-file", k] for k in (keys[0], keys[0], keys[1])]
+    async with hosts(model, *flags) as ((_, ca), (_, cb), (_, cc)):
         conv = random_tokens(2 * B + 5, seed=31)
         assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
         await pushed(ca, 2 + 2 + 2)
@@ -229,14 +208,6 @@ async def test_a_host_without_the_key_gets_misses_never_plaintext(
         assert (await cc.status())["remote"]["misses"]["decrypt"] >= 1
         got = await cb.load([*conv, 1])  # the same key: a hit
         assert got is not None and got.tokens == conv
-    finally:
-        for cl in (ca, cb, cc):
-            if cl is not None:
-                await cl.close()
-        for d in (a, b, c):
-            if d is not None:
-                d.kill()
-                cleanup(d.root)
 
 
 def test_a_password_in_the_url_is_refused_at_start(tmp_path: Path) -> None:
@@ -253,10 +224,7 @@ def test_a_password_in_the_url_is_refused_at_start(tmp_path: Path) -> None:
 async def test_hosts_publish_stored_and_evicted_events_for_routers(server: RedisServer, model: Any) -> None:
     from spilld.remote.keys import events_key
 
-    a = host(server.url)
-    ca = None
-    try:
-        ca = await client_of(a, model)
+    async with hosts(model, [server.url]) as ((_a, ca),):
         conv = random_tokens(3 * B + 1, seed=41)
         stored = await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
         assert stored.stored
@@ -273,11 +241,6 @@ async def test_hosts_publish_stored_and_evicted_events_for_routers(server: Redis
         assert [e["kind"] for e in events] == ["stored", "evicted"]
         assert events[0]["keys"] == events[1]["keys"] and len(events[0]["keys"].split(",")) == 3
         assert events[0]["host"] == events[1]["host"] != ""
-    finally:
-        if ca is not None:
-            await ca.close()
-        a.kill()
-        cleanup(a.root)
 
 
 @pytest.mark.asyncio
@@ -285,10 +248,10 @@ async def test_two_hosts_share_through_a_three_master_cluster(model: Any) -> Non
     from tests.redis_servers import redis_cluster
 
     with redis_cluster(3) as cluster:
-        a, b = host(cluster.url, "--remote-cluster"), host(cluster.url, "--remote-cluster")
-        ca = cb = None
-        try:
-            ca, cb = await client_of(a, model), await client_of(b, model)
+        async with hosts(model, [cluster.url, "--remote-cluster"], [cluster.url, "--remote-cluster"]) as (
+            (_a, ca),
+            (_b, cb),
+        ):
             conv = random_tokens(8 * B + 3, seed=51)
             cache = prefill(model, make_prompt_cache, conv)
             assert (await ca.spill(conv, cache, droppable=False)).stored
@@ -304,13 +267,6 @@ async def test_two_hosts_share_through_a_three_master_cluster(model: Any) -> Non
             assert (await ca.spill(more, prefill(model, make_prompt_cache, more), droppable=False)).stored
             again = await cb.load([*conv, 9])  # held locally since the fill
             assert again is not None and again.tokens == conv
-        finally:
-            for c in (ca, cb):
-                if c is not None:
-                    await c.close()
-            for d in (a, b):
-                d.kill()
-                cleanup(d.root)
 
 
 @pytest.mark.asyncio
@@ -324,10 +280,7 @@ async def test_the_example_router_sends_a_prompt_to_the_host_that_holds_it(serve
     from spilld.remote.router import PrefixRouter
     from spilld.store import identity_fingerprint
 
-    a = host(server.url)
-    ca = None
-    try:
-        ca = await client_of(a, model)
+    async with hosts(model, [server.url]) as ((_a, ca),):
         conv = random_tokens(4 * B + 2, seed=61)
         stored = await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
         assert stored.stored
@@ -338,20 +291,15 @@ async def test_the_example_router_sends_a_prompt_to_the_host_that_holds_it(serve
             root, _ = msgpack.unpackb(r.get(value_key("", space, Kind.ROOT)))
             router = PrefixRouter(r, "", root, B)
             me = sk.gethostname()
-            hosts = ["elsewhere-1", me, "elsewhere-2"]
-            assert router.route([*conv, 5], hosts) == me
-            assert all(router.route([*conv, 5], [h, me]) == me for h in hosts if h != me)
+            names = ["elsewhere-1", me, "elsewhere-2"]
+            assert router.route([*conv, 5], names) == me
+            assert all(router.route([*conv, 5], [h, me]) == me for h in names if h != me)
             assert (await ca.call("delete", {"path": stored.value.path}))["deleted"] == 1
             deadline = time.monotonic() + SETTLE_S
             while router.holders and any(router.holders.values()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 router.poll()
             assert not any(router.holders.values())  # evicted: no host holds it now
-    finally:
-        if ca is not None:
-            await ca.close()
-        a.kill()
-        cleanup(a.root)
 
 
 @pytest.mark.asyncio
@@ -360,10 +308,7 @@ async def test_a_wrong_password_disables_the_tier_with_one_log_line_and_the_daem
 ) -> None:
     with redis_server(password="right-one") as guarded:
         monkeypatch.setenv("SPILLD_REMOTE_PASSWORD", "wrong-one")
-        a = host(guarded.url)
-        ca = None
-        try:
-            ca = await client_of(a, model)
+        async with hosts(model, [guarded.url]) as ((a, ca),):
             conv = random_tokens(2 * B + 1, seed=71)
             assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
             assert isinstance(await ca.lookup(random_tokens(3 * B, seed=72)), spilld.Miss)
@@ -373,8 +318,3 @@ async def test_a_wrong_password_disables_the_tier_with_one_log_line_and_the_daem
             assert st["state"] == "disabled" and st["pushed"] == 0
             lines = [ln for ln in a.read_log().splitlines() if "password" in ln.lower() or "auth" in ln.lower()]
             assert len(lines) == 1 and "wrong-one" not in lines[0], lines
-        finally:
-            if ca is not None:
-                await ca.close()
-            a.kill()
-            cleanup(a.root)

@@ -48,7 +48,7 @@ def p99(xs: list[float]) -> float:
 
 
 def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> dict[str, Any]:
-    lock = threading.Lock()
+    lock: Any = spilld.FairLock() if args.lock == "fair" else threading.Lock()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -75,7 +75,11 @@ def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> di
     current: dict[str, Any] = {}
     spilled = 0
     last = time.perf_counter()
+    began = time.monotonic()
     while len(pairs) < args.pairs:
+        if time.monotonic() - began > args.max_seconds:
+            print(f"{case}: {len(pairs)} pairs in {args.max_seconds:g} s: the spill is starved", flush=True)
+            break
         with lock:  # one decode step under the generation lock
             logits = model(tok, cache=own)
             for c in live_big:
@@ -119,8 +123,10 @@ def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> di
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
     loop.close()
-    ratios = [p["ratio"] for p in pairs]
-    speeds = [p["spill_GBps"] for p in pairs]
+    if pending is not None:
+        pending.result(timeout=600)  # decode stopped: the starved spill gets the lock now
+    ratios = [p["ratio"] for p in pairs] or [float("nan")]
+    speeds = [p["spill_GBps"] for p in pairs] or [float("nan")]
     return {
         "case": case,
         "pairs": pairs,
@@ -148,6 +154,14 @@ def main() -> None:
     p.add_argument("--model-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--context", type=int, default=4)
     p.add_argument("--cases", default="eviction,snapshot")
+    p.add_argument(
+        "--lock",
+        choices=["fair", "plain"],
+        default="fair",
+        help="the engine's generation lock: spilld.FairLock (default) or threading.Lock, which a fast decode loop "
+        "takes back at once: the spill then waits for decode to pause",
+    )
+    p.add_argument("--max-seconds", type=float, default=120.0, help="give up a case after this long (a starved spill)")
     p.add_argument("--switch-interval", type=float, default=None)
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
