@@ -82,15 +82,24 @@ async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bo
 
 
 async def within(
-    work: Awaitable[T], deadline_s: float | None, what: str, on_late: Callable[[], None] | None = None
+    work: Awaitable[T],
+    deadline_s: float | None,
+    what: str,
+    on_late: Callable[[], None] | None = None,
+    started: asyncio.Event | None = None,
 ) -> T:
-    """``work``'s result if it ends within ``deadline_s`` (None: no deadline). Past it, ``StorageTimeout`` at
-    once: the work is left to end on its own (a thread in a hung syscall cannot be stopped) and ``on_late`` runs
-    once it has. Cancelled meanwhile, it waits for the work to end, as ``off_loop`` does."""
+    """``work``'s result if it ends within ``deadline_s`` (None: no deadline), counted from ``started`` if given
+    (a step that first waits for an engine's grant: that wait is the lease's to bound, not the disk's). Past it,
+    ``StorageTimeout`` at once: the work is left to end on its own (a thread in a hung syscall cannot be stopped)
+    and ``on_late`` runs once it has. Cancelled meanwhile, it waits for the work to end, as ``off_loop`` does."""
     if deadline_s is None:
         return await work
     task = asyncio.ensure_future(work)
     try:
+        if started is not None:
+            begun = asyncio.ensure_future(started.wait())
+            await asyncio.wait([task, begun], return_when=asyncio.FIRST_COMPLETED)
+            begun.cancel()
         done, _ = await asyncio.wait([task], timeout=deadline_s)
     except asyncio.CancelledError:
         await asyncio.wait([task])

@@ -711,6 +711,17 @@ def save_steps(
         file.abort()
 
 
+def _signalling(loop: asyncio.AbstractEventLoop, started: asyncio.Event, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, which sets ``started`` (on ``loop``) as it begins: a write's deadline counts from there."""
+
+    @functools.wraps(fn)
+    def run() -> None:
+        loop.call_soon_threadsafe(started.set)
+        fn()
+
+    return run
+
+
 def _close_later(loop: asyncio.AbstractEventLoop, gen: Generator[Any, None, Any]) -> None:
     """Close a save's generator (its file closed, its temp removed) on a worker thread: its late step returned."""
     loop.run_in_executor(None, gen.close)
@@ -778,10 +789,12 @@ async def save_async(
                 await step.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
             elif isinstance(step, TensorStep):
                 step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
-            work = lease(step.write) if write_in_lease else off_loop(step.write, background=True)
+            started = asyncio.Event()
+            write = _signalling(loop, started, step.write)
+            work = lease(write) if write_in_lease else off_loop(write, background=True)
             try:
                 # the cleanup (closing the file, removing the temp) waits for the late step, off the loop
-                await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen))
+                await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen), started)
             except errors.StorageTimeout:
                 late = True
                 raise

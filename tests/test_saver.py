@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import os
 from collections.abc import Callable
@@ -197,7 +198,8 @@ async def test_save_async_runs_one_step_per_loop_turn(tmp_path: Any) -> None:
     stop = False
 
     async def lease(fn: Callable[[], Any]) -> Any:  # runs the work at once, on the loop: the lease never yields
-        owner = getattr(fn, "func", fn).__self__  # the save step whose materialize or write this is
+        work = inspect.unwrap(getattr(fn, "func", fn))  # a write comes wrapped (it says when it starts)
+        owner = work.__self__  # type: ignore[attr-defined]  # the save step whose materialize or write this is
         events.append(("step", owner))  # the object itself: kept alive, so no two steps share an id
         return fn()
 
