@@ -77,29 +77,34 @@ class ReadAhead:
         buf = bytearray(READ_CHUNK)
         start = self.clock()
         for path, _ in self.files:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:  # evicted since: nothing to warm
-                continue
-            try:
-                offset = 0
-                while True:
-                    if self.busy():
-                        paused = self.clock()
-                        while self.busy():
-                            await self.sleep(BUSY_POLL_S)
-                        start += self.clock() - paused  # the pace resumes where it was: no burst to catch up
-                    n = await off_loop(functools.partial(os.preadv, fd, [buf], offset), background=True)
-                    if n <= 0:
-                        break
-                    offset += n
-                    self.stats.read_bytes += n
-                    ahead = start + self.stats.read_bytes / self.rate - self.clock()
-                    if ahead > 0:  # paced on the total since the start, less the pauses
-                        await self.sleep(ahead)
-            except OSError:
-                pass  # a file gone or unreadable mid-way: the next one
-            finally:
-                os.close(fd)
-            self.stats.files += 1
+            offset = 0
+            while True:  # a chunk at a time, each opened, read and closed on a worker (no file call on the loop)
+                if self.busy():
+                    paused = self.clock()
+                    while self.busy():
+                        await self.sleep(BUSY_POLL_S)
+                    start += self.clock() - paused  # the pace resumes where it was: no burst to catch up
+                n = await off_loop(functools.partial(_read_chunk, path, buf, offset), background=True)
+                if n <= 0:  # the end, or a file gone (evicted since it was listed) or unreadable
+                    break
+                offset += n
+                self.stats.read_bytes += n
+                ahead = start + self.stats.read_bytes / self.rate - self.clock()
+                if ahead > 0:  # paced on the total since the start, less the pauses
+                    await self.sleep(ahead)
+            self.stats.files += offset > 0
         self.stats.done = True
+
+
+def _read_chunk(path: str, buf: bytearray, offset: int) -> int:
+    """Read up to ``len(buf)`` bytes of ``path`` at ``offset``: how many (0 at the end or on any error)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return os.preadv(fd, [buf], offset)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
