@@ -76,35 +76,53 @@ class ReadAhead:
     async def run(self) -> None:
         buf = bytearray(READ_CHUNK)
         start = self.clock()
-        for path, _ in self.files:
-            offset = 0
-            while True:  # a chunk at a time, each opened, read and closed on a worker (no file call on the loop)
-                if self.busy():
-                    paused = self.clock()
-                    while self.busy():
-                        await self.sleep(BUSY_POLL_S)
-                    start += self.clock() - paused  # the pace resumes where it was: no burst to catch up
-                n = await off_loop(functools.partial(_read_chunk, path, buf, offset), background=True)
-                if n <= 0:  # the end, or a file gone (evicted since it was listed) or unreadable
-                    break
-                offset += n
-                self.stats.read_bytes += n
-                ahead = start + self.stats.read_bytes / self.rate - self.clock()
-                if ahead > 0:  # paced on the total since the start, less the pauses
-                    await self.sleep(ahead)
-            self.stats.files += offset > 0
+        at = _Cursor()
+        while at.index < len(self.files):
+            if self.busy():
+                paused = self.clock()
+                while self.busy():
+                    await self.sleep(BUSY_POLL_S)
+                start += self.clock() - paused  # the pace resumes where it was: no burst to catch up
+            # about a chunk's bytes a call, on a worker (no file call on the loop): a piece of a large file, or
+            # many small ones, so that a store of small files costs few loop turns
+            n, files = await off_loop(functools.partial(_read_some, self.files, at, buf), background=True)
+            self.stats.read_bytes += n
+            self.stats.files += files
+            ahead = start + self.stats.read_bytes / self.rate - self.clock()
+            if ahead > 0:  # paced on the total since the start, less the pauses
+                await self.sleep(ahead)
         self.stats.done = True
 
 
-def _read_chunk(path: str, buf: bytearray, offset: int) -> int:
-    """Read up to ``len(buf)`` bytes of ``path`` at ``offset``: how many (0 at the end or on any error)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return 0
-    try:
-        return os.preadv(fd, [buf], offset)
-    except OSError:
-        return 0
-    finally:
-        os.close(fd)
+@dataclass
+class _Cursor:
+    index: int = 0  # the file being read
+    offset: int = 0  # bytes of it read
+
+
+def _read_some(files: list[tuple[str, int]], at: _Cursor, buf: bytearray) -> tuple[int, int]:
+    """Read on from ``at`` until ``len(buf)`` bytes are read or the files end: (bytes read, files finished with
+    at least a byte read). A file gone (evicted since it was listed) or unreadable is passed over."""
+    total = files_done = 0
+    while at.index < len(files) and total < len(buf):
+        try:
+            fd = os.open(files[at.index][0], os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            at.index, at.offset = at.index + 1, 0
+            continue
+        try:
+            while total < len(buf):
+                n = os.preadv(fd, [memoryview(buf)[: len(buf) - total]], at.offset)
+                if n <= 0:
+                    break
+                at.offset += n
+                total += n
+        except OSError:
+            n = 0
+        finally:
+            os.close(fd)
+        if total >= len(buf) and n > 0:
+            break  # the chunk is full mid-file: go on from here next time
+        files_done += at.offset > 0
+        at.index, at.offset = at.index + 1, 0
+    return total, files_done

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -602,13 +603,25 @@ async def test_a_block_is_not_readable_alone(tmp_path: Path) -> None:
 # --- 7. the daemon's path ---------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_the_daemon_writes_shared_blocks_once_and_restores_exactly() -> None:
+@asynccontextmanager
+async def served(identity: spilld.Identity, name: str, **kw: Any) -> AsyncIterator[tuple[Daemon, AsyncClient]]:
+    """A daemon cutting blocks of ``B`` and a client of it; both gone after."""
     d = Daemon(new_root(), ["--cap", "256MiB", "--block-tokens", str(B), "--durability", "none"]).start()
     client = None
     try:
-        model = tiny_llama()
-        client = await AsyncClient.open(d.socket, identity=spilld.model_identity(model, model_id="m"), name="blocks")
+        client = await AsyncClient.open(d.socket, identity=identity, name=name, **kw)
+        yield d, client
+    finally:
+        if client is not None:
+            await client.close()
+        d.kill()
+        cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_the_daemon_writes_shared_blocks_once_and_restores_exactly() -> None:
+    model = tiny_llama()
+    async with served(spilld.model_identity(model, model_id="m"), "blocks") as (d, client):
         prefix = random_tokens(2 * B, seed=1)
         convs = [[*prefix, *random_tokens(20, seed=2)], [*prefix, *random_tokens(20, seed=3)]]  # 3 blocks each
         caches = [prefill(model, make_prompt_cache, prefix, c[2 * B :]) for c in convs]
@@ -636,21 +649,13 @@ async def test_the_daemon_writes_shared_blocks_once_and_restores_exactly() -> No
         want = next_logits(model, prefill(model, make_prompt_cache, system), new[0])
         assert logits_equal(next_logits(model, got.caches, new[0]), want)
         assert not logits_equal(next_logits(model, stored, new[0]), want)  # the negative control
-    finally:
-        if client is not None:
-            await client.close()
-        d.kill()
-        cleanup(d.root)
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("shm", [False, True])
 async def test_a_client_sends_only_the_rows_the_daemon_does_not_hold(shm: bool) -> None:
     kinds = ("kv", "quantized", "hybrid_list", "rotating")  # cut and uncut caches, a list with both
-    d = Daemon(new_root(), ["--cap", "256MiB", "--block-tokens", str(B), "--durability", "none"]).start()
-    client = None
-    try:
-        client = await AsyncClient.open(d.socket, identity=IDENT, name="held", shm=shm)
+    async with served(IDENT, "held", shm=shm) as (_d, client):
         first, turn = toks(3 * B + 5), toks(5 * B + 3)  # the turn extends the first: 3 blocks held
         assert (await client.spill(first, conversation(first, kinds), droppable=False)).stored
         before = (await client.status())["ingest"]["held_bytes"]
@@ -667,11 +672,6 @@ async def test_a_client_sends_only_the_rows_the_daemon_does_not_hold(shm: bool) 
             assert got is not None and got.tokens == prompt
             assert same(lives(got.caches), lives(want))
         assert not same(lives((await client.load([*first, 1])).caches), lives(conversation(turn, kinds)))  # type: ignore[union-attr]
-    finally:
-        if client is not None:
-            await client.close()
-        d.kill()
-        cleanup(d.root)
 
 
 @pytest.mark.asyncio
