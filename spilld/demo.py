@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -25,6 +24,7 @@ from typing import Any, cast
 from . import errors
 from .config import default_dir, default_socket, format_size
 from .daemon import is_served
+from .lease import FairLock
 
 SYSTEM = (
     "You are a careful assistant for people who run language models on their own machines. "
@@ -38,7 +38,7 @@ DAEMON_START_TIMEOUT_S = 30.0
 
 
 def _say(msg: str) -> None:
-    print(f"  {msg}", flush=True)
+    print(f"  {msg}", file=sys.stderr, flush=True)  # progress; stdout holds the result (``--json``: JSON only)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Engine:
     """The smallest mlx-lm style engine: prefill in steps, greedy decode, one lock held per model call."""
 
     model: Any
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: FairLock = field(default_factory=FairLock)  # fair: spilld's waiting step gets its turn between tokens
     last_logits: Any = None  # of the last step: compared across the two ways to answer
 
     def step(self, tokens: list[int], cache: list[Any]) -> int:

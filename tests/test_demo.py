@@ -15,7 +15,8 @@ def _demo(*args: str) -> tuple[dict[str, Any], str]:
         [sys.executable, "-m", "spilld", "demo", "--json", *args], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+    assert len(out.stdout.strip().splitlines()) == 1  # --json: stdout is the result alone, progress on stderr
+    return json.loads(out.stdout), out.stderr
 
 
 def _check_cold_tier_path(f: dict[str, Any]) -> None:
