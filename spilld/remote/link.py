@@ -80,9 +80,10 @@ class RemoteLink:
     async def _push(self, entry: Entry, written: list[Block], root: bytes) -> None:
         ns = entry.namespace
         space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
-        if self._roots.get(space) != (root, entry.whole):
+        if self._roots.get(space) != (root, entry.whole) and self.tier.offer(
+            ns, space, msgpack.packb([root, entry.whole]), Kind.ROOT
+        ):  # remembered once offered: a push refused (the tier down) is offered again with the next entry
             self._roots[space] = (root, entry.whole)
-            self.tier.offer(ns, space, msgpack.packb([root, entry.whole]), Kind.ROOT)
         last = entry.blocks[-1]
         try:
             for rec in written:
