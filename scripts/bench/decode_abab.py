@@ -35,7 +35,7 @@ from mlx_lm.models import cache as C
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from decode_interference import big_cache, build_model, nbytes
+from decode_interference import add_engine_args, big_cache, build_model, nbytes
 
 import spilld
 
@@ -142,17 +142,7 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=8, help="(spill, idle) window pairs per case (default 8)")
     p.add_argument("--window", type=int, default=60, help="tokens per window at least (default 60)")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--big-layers", type=int, default=16)
-    p.add_argument("--big-tokens", type=int, default=4000, help="rows of the large cache (4000: 250 MiB a spill)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--attn-heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--model-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--context", type=int, default=4)
+    add_engine_args(p)
     p.add_argument("--cases", default="eviction,snapshot")
     p.add_argument(
         "--lock",

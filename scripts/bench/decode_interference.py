@@ -283,11 +283,8 @@ def plot(rows: list[Result], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=240, help="timed decode tokens per arm (default 240)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--spills", type=int, default=4, help="spills per arm (default 4)")
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's shape: its model, its large synthetic cache, its prompt (shared with decode_abab.py)."""
     p.add_argument("--big-layers", type=int, default=16)
     p.add_argument("--big-tokens", type=int, default=4000, help="rows of the large cache (default 4000: 4 x 250 MiB)")
     p.add_argument("--heads", type=int, default=8)
@@ -299,6 +296,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES), help="float32 on CPU; bfloat16 on a GPU")
     p.add_argument("--context", type=int, default=4, help="prompt tokens prefilled before decoding (default 4)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=240, help="timed decode tokens per arm (default 240)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--spills", type=int, default=4, help="spills per arm (default 4)")
+    add_engine_args(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="eviction,snapshot")
     p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views,scrub")
