@@ -4,7 +4,8 @@ unless ``--remote`` is given.
 
 The pieces: ``keys`` (the key scheme), ``breaker`` (a circuit breaker), ``crypto`` (AES-GCM per namespace),
 ``credentials`` (password and key files), ``pushqueue`` (the droppable write-behind queue), ``tier``
-(``RemoteTier``, the one class the store and the daemon use).
+(``RemoteTier``: probe, fetch, push, events), ``link`` (``RemoteLink``: the store's listener that pushes, and the fill
+a daemon lookup asks for), ``router`` (an example router reading the hosts' events).
 """
 
 from __future__ import annotations
