@@ -35,7 +35,7 @@ from mlx_lm.models import cache as C
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from decode_interference import add_engine_args, big_cache, build_model, nbytes
+from decode_interference import add_engine_args, big_cache, build_model, decode_step, nbytes
 
 import spilld
 
@@ -80,11 +80,7 @@ def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> di
         if time.monotonic() - began > args.max_seconds:
             print(f"{case}: {len(pairs)} pairs in {args.max_seconds:g} s: the spill is starved", flush=True)
             break
-        with lock:  # one decode step under the generation lock
-            logits = model(tok, cache=own)
-            for c in live_big:
-                c.update_and_fetch(row, row)
-            mx.eval(logits, [c.keys for c in live_big], [c.values for c in live_big])
+        decode_step(lock, model, tok, own, live_big, row)
         now = time.perf_counter()
         dt, last = (now - last) * 1e3, now
         if state == "spill":

@@ -118,6 +118,15 @@ class Result:
     _after_idx: list[int] = field(default_factory=list)
 
 
+def decode_step(lock: Any, model: Any, tok: mx.array, own: list[Any], live_big: list[Any], row: mx.array) -> None:
+    """One decode step under the generation lock: the model's token, and one row into each large cache."""
+    with lock:
+        logits = model(tok, cache=own)
+        for c in live_big:
+            c.update_and_fetch(row, row)
+        mx.eval(logits, [c.keys for c in live_big], [c.values for c in live_big])
+
+
 def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: str) -> Result:
     res = Result(arm, case)
     lock = threading.Lock()
@@ -151,11 +160,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     token_t: list[float] = []
     last = time.perf_counter()
     for i in range(args.tokens + args.warmup):
-        with lock:  # one decode step under the generation lock
-            logits = model(tok, cache=own)
-            for c in live_big:
-                c.update_and_fetch(row, row)
-            mx.eval(logits, [c.keys for c in live_big], [c.values for c in live_big])
+        decode_step(lock, model, tok, own, live_big, row)
         now = time.perf_counter()
         # token-to-token time: everything the engine thread did since the last token counts
         dt, last = (now - last) * 1e3, now
