@@ -42,7 +42,6 @@ class Admission:
         self.size = size
         self.tracked = tracked
         self._asks: OrderedDict[bytes, int] = OrderedDict()
-        self.refused = 0
 
     def asked(self, scope: str, tokens: Sequence[int] | np.ndarray) -> None:
         """A lookup of ``tokens`` in ``scope`` (model and namespace): each of its full-block prefixes asked once."""
@@ -67,7 +66,4 @@ class Admission:
         end = (first_new + 1) * self.size
         if end > len(tokens):
             return True
-        if self.asks(scope, tokens[:end]) >= self.after:
-            return True
-        self.refused += 1
-        return False
+        return self.asks(scope, tokens[:end]) >= self.after

@@ -204,6 +204,22 @@ def probe_writable(ops: FileOps, folder: str) -> None:
         remove_quietly(ops, path)
 
 
+def publish_bytes(ops: FileOps, path: str, data: bytes, durability: Durability) -> None:
+    """``data`` to a temp file beside ``path``, made durable, renamed to ``path``; the temp removed on failure.
+    The folder is the caller's to sync (``sync_dir``), once for all it publishes."""
+    tmp = temp_path_for(path)
+    try:
+        fd = ops.open_new(tmp)
+        try:
+            write_all(ops, fd, [memoryview(data)], 0, tmp)
+            sync(ops, fd, durability, tmp)
+        finally:
+            ops.close(fd)
+        ops.rename(tmp, path)
+    finally:
+        remove_quietly(ops, tmp)
+
+
 def remove_quietly(ops: FileOps, path: str) -> None:
     with suppress(OSError):
         ops.unlink(path)

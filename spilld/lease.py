@@ -112,6 +112,49 @@ async def within(
     raise errors.StorageTimeout(f"{what} did not return within {deadline_s:g} s: the disk is hung or failing")
 
 
+class Pace:
+    """Background reads that yield to serving: ``rate`` bytes a second on average, counted from the start less
+    the time spent waiting for ``busy()`` to turn false (no burst to catch up after a pause)."""
+
+    def __init__(
+        self,
+        rate: float,
+        busy: Callable[[], bool],
+        clock: Callable[[], float],
+        sleep: Callable[[float], Awaitable[None]],
+        poll_s: float,
+        on_pause: Callable[[bool], None] = lambda paused: None,
+    ) -> None:
+        self.rate, self.busy, self.clock, self.sleep, self.poll_s, self.on_pause = (
+            rate,
+            busy,
+            clock,
+            sleep,
+            poll_s,
+            on_pause,
+        )
+        self.start = clock()
+        self.done = 0
+
+    async def wait_idle(self) -> None:
+        """Return once ``busy()`` is false; the time waited does not count against the rate."""
+        if not self.busy():
+            return
+        t0 = self.clock()
+        self.on_pause(True)
+        while self.busy():
+            await self.sleep(self.poll_s)
+        self.on_pause(False)
+        self.start += self.clock() - t0
+
+    async def took(self, nbytes: int) -> None:
+        """``nbytes`` more were read: sleep until the average is back at the rate."""
+        self.done += nbytes
+        ahead = self.start + self.done / self.rate - self.clock()
+        if ahead > 0:
+            await self.sleep(ahead)
+
+
 class NoLease:
     """No engine to respect (a standalone tool, the daemon with no grantor): run on a worker thread."""
 

@@ -24,7 +24,7 @@ from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
 from .fileio import DEFAULT_OPS, FileOps
 from .saver import Attachment
-from .validate import validate_header
+from .validate import header_from_bytes
 
 # Reading headers (the daemon's index scan, ``spilld verify``) needs no mlx; building arrays imports it then.
 if TYPE_CHECKING:
@@ -43,15 +43,8 @@ def _read_exact(fd: int, n: int, off: int) -> bytes:
 
 def _read_header_fd(fd: int, path: str) -> fmt.Header:
     size = os.fstat(fd).st_size
-    prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), size, path)
-    region = _read_exact(fd, prefix.data_start - fmt.PREFIX_LEN, fmt.PREFIX_LEN)
-    if len(region) != prefix.data_start - fmt.PREFIX_LEN:
-        raise errors.TruncatedFile("file ended inside the header", path=path)
-    header_bytes, pad = region[: prefix.header_len], region[prefix.header_len :]
-    header = fmt.decode_header(header_bytes, prefix, size, path)
-    validate_header(header, size, prefix_version=prefix.version, path=path)
-    fmt.check_padding(pad, path)
-    return header
+    prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), size, path)  # bounds the read below
+    return header_from_bytes(_read_exact(fd, prefix.data_start, 0), size, path)
 
 
 BLOCK_HEADERS_CACHED = 1024  # validated block headers kept per process (a block is immutable once published)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .config import DEFAULT_WARM_RATE
-from .lease import off_loop
+from .lease import Pace, off_loop
 
 if TYPE_CHECKING:
     from .store import Store
@@ -75,22 +75,16 @@ class ReadAhead:
 
     async def run(self) -> None:
         buf = bytearray(READ_CHUNK)
-        start = self.clock()
+        pace = Pace(self.rate, self.busy, self.clock, self.sleep, BUSY_POLL_S)
         at = _Cursor()
         while at.index < len(self.files):
-            if self.busy():
-                paused = self.clock()
-                while self.busy():
-                    await self.sleep(BUSY_POLL_S)
-                start += self.clock() - paused  # the pace resumes where it was: no burst to catch up
+            await pace.wait_idle()
             # about a chunk's bytes a call, on a worker (no file call on the loop): a piece of a large file, or
             # many small ones, so that a store of small files costs few loop turns
             n, files = await off_loop(functools.partial(_read_some, self.files, at, buf), background=True)
             self.stats.read_bytes += n
             self.stats.files += files
-            ahead = start + self.stats.read_bytes / self.rate - self.clock()
-            if ahead > 0:  # paced on the total since the start, less the pauses
-                await self.sleep(ahead)
+            await pace.took(n)
         self.stats.done = True
 
 

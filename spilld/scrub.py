@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from . import errors
 from .config import DEFAULT_SCRUB_INTERVAL_S, DEFAULT_SCRUB_RATE
-from .lease import off_loop
+from .lease import Pace, off_loop
 from .loader import verify_file
 from .store import Store
 from .validate import check_file_bytes
@@ -88,9 +88,9 @@ class Scrub:
         files = self.targets()
         st = self.stats
         st.files, st.bytes, st.planned_files = 0, 0, len(files)
-        start = self.clock()
+        pace = Pace(self.rate, self.busy, self.clock, self.sleep, BUSY_POLL_S, self._paused)
         for path, nbytes, has_blocks in files:
-            start += await self._wait_idle()
+            await pace.wait_idle()
             try:
                 await off_loop(functools.partial(check_one, path, has_blocks), background=True)
             except errors.FileFormatError as exc:
@@ -100,18 +100,8 @@ class Scrub:
                 pass  # gone (evicted, superseded) or unreadable now: the next pass sees it again
             st.files += 1
             st.bytes += nbytes
-            ahead = start + st.bytes / self.rate - self.clock()
-            if ahead > 0:  # paced on the pass's total, less its pauses
-                await self.sleep(ahead)
+            await pace.took(nbytes)  # paced on the pass's total, less its pauses
         st.passes += 1
 
-    async def _wait_idle(self) -> float:
-        """Wait while the daemon serves: how long that was."""
-        if not self.busy():
-            return 0.0
-        t0 = self.clock()
-        self.stats.paused = True
-        while self.busy():
-            await self.sleep(BUSY_POLL_S)
-        self.stats.paused = False
-        return self.clock() - t0
+    def _paused(self, paused: bool) -> None:
+        self.stats.paused = paused

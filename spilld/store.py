@@ -868,7 +868,8 @@ class Store:
             if cut is not None:  # the blocks first, each durable before the manifest that names it
                 pinned = await self._put_blocks(cut, folder, ident, kw, written)
                 planned = cut.manifest()
-                validate_header(planned[0])  # never publish a manifest our readers would refuse
+                # never publish a manifest our readers would refuse (its key chain is hashed: off the loop)
+                await off_loop(functools.partial(validate_header, planned[0]), compute=True)
             result = await self._write(path, folder, ident, planned, **kw)
         except asyncio.CancelledError:
             # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
@@ -889,10 +890,8 @@ class Store:
         self.counters.stored += 1
         self._wrote(result.file_bytes)
         self._ok()
-        held = max(held * self.block_tokens, self._supersede(entry, has_attachments=bool(result.header.attachments)))
+        held = max(held * self.block_tokens, self._settle_new(entry, result.header))
         self.counters.unique_added += logical * max(entry.ntokens - held, 0) // max(entry.ntokens, 1)
-        self._evict_to_quota(entry)
-        self.evict_to_cap(keep=entry)
         if cut is not None:
             for listener in self.listeners:
                 listener.stored(entry, written, cut.root)
@@ -991,25 +990,21 @@ class Store:
         entry = self._index(path, m, time.time())
         self._unpin(pinned)
         self.counters.adopted += 1
-        self._supersede(entry, has_attachments=bool(m.attachments))
-        self._evict_to_quota(entry)
-        self.evict_to_cap(keep=entry)
+        self._settle_new(entry, m)
         await self.delete_doomed_async()
         return entry
 
+    def _settle_new(self, entry: Entry, header: fmt.Header) -> int:
+        """``entry`` just joined the index: what it replaces goes, then what the quota and the cap need; the most
+        tokens an entry it superseded held."""
+        held = self._supersede(entry, has_attachments=bool(header.attachments))
+        self._evict_to_quota(entry)
+        self.evict_to_cap(keep=entry)
+        return held
+
     def _write_file(self, path: str, data: bytes) -> None:
-        """``data`` to a temp file, made durable, renamed to ``path`` (blocking: a worker thread)."""
-        tmp = fileio.temp_path_for(path)
-        try:
-            fd = self.ops.open_new(tmp)
-            try:
-                fileio.write_all(self.ops, fd, [memoryview(data)], 0, tmp)
-                fileio.sync(self.ops, fd, self.durability, tmp)
-            finally:
-                self.ops.close(fd)
-            self.ops.rename(tmp, path)
-        finally:
-            fileio.remove_quietly(self.ops, tmp)
+        """``data`` published at ``path``, durably (blocking: a worker thread)."""
+        fileio.publish_bytes(self.ops, path, data, self.durability)
 
     def _check_named(self, m: fmt.Header, path: str) -> None:
         """Each block a manifest names is on disk and is the one it names (headers only: the new ones were
@@ -1219,15 +1214,7 @@ class Store:
     def _write_pins(self, pins: list[str]) -> None:
         """Atomically and durably: a temp file beside it, renamed over it, the root synced."""
         text = "".join(os.path.relpath(p, self.root) + "\n" for p in pins).encode()
-        dest = os.path.join(self.root, PINS_FILE)
-        tmp = fileio.temp_path_for(dest)
-        fd = self.ops.open_new(tmp)
-        try:
-            fileio.write_all(self.ops, fd, [memoryview(text)], 0, tmp)
-            fileio.sync(self.ops, fd, self.durability, tmp)
-        finally:
-            self.ops.close(fd)
-        self.ops.rename(tmp, dest)
+        fileio.publish_bytes(self.ops, os.path.join(self.root, PINS_FILE), text, self.durability)
         fileio.sync_dir(self.ops, self.root, self.durability)
 
     def namespace_bytes(self, namespace: str) -> int:

@@ -21,6 +21,21 @@ from tests.test_store import flip
 IDENT = spilld.Identity("background")
 
 
+class FakeTime:
+    """A clock that moves only when slept on: pacing checked without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
 def caches(n: int, seed: int = 0) -> list[C.KVCache]:
     return [fill(C.KVCache(), n, seed=seed + i) for i in range(2)]
 
@@ -53,26 +68,21 @@ async def test_the_read_ahead_reads_every_byte_at_its_rate_and_waits_while_busy(
         p.write_bytes(os.urandom(size))
         files.append((str(p), size))
     files.append((str(tmp_path / "gone"), 100))  # evicted since it was listed: skipped
-    now = [0.0]
-    slept: list[float] = []
+    t = FakeTime()
     busy = [3]  # busy for the first three looks
-
-    async def sleep(s: float) -> None:
-        slept.append(s)
-        now[0] += s
 
     def is_busy() -> bool:
         busy[0] -= 1
         return busy[0] >= 0
 
     rate = 2 * READ_CHUNK  # bytes a second
-    ra = ReadAhead(files, rate, is_busy, clock=lambda: now[0], sleep=sleep)
+    ra = ReadAhead(files, rate, is_busy, clock=t.clock, sleep=t.sleep)
     await ra.run()
     total = sum(n for _, n in files[:3])
     assert ra.stats.read_bytes == total and ra.stats.files == 3 and ra.stats.done
     paused = 2 * 0.05  # the first look saw it busy, then two polls
-    assert slept[:2] == [0.05, 0.05] and slept[2] > 0.05  # waited while busy, before reading anything
-    assert now[0] == pytest.approx(paused + total / rate)  # the pace: never faster than the rate, pauses aside
+    assert t.slept[:2] == [0.05, 0.05] and t.slept[2] > 0.05  # waited while busy, before reading anything
+    assert t.now == pytest.approx(paused + total / rate)  # the pace: never faster than the rate, pauses aside
 
 
 def test_a_daemon_warms_its_newest_entries_after_a_restart() -> None:
@@ -101,19 +111,6 @@ def test_a_daemon_warms_its_newest_entries_after_a_restart() -> None:
     finally:
         d.stop()
         cleanup(d.root)
-
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, s: float) -> None:
-        self.slept.append(s)
-        self.now += s
 
 
 async def three_conversations(root: Path) -> tuple[Store, list[list[int]]]:

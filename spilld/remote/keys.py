@@ -7,6 +7,7 @@ cluster spreads one namespace's blocks over all its masters.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from enum import StrEnum
 
@@ -26,6 +27,7 @@ class Kind(StrEnum):
     ROOT = "r"  # under a layout space's key: the root key of its chains (``link.root_space``)
 
 
+@functools.lru_cache(maxsize=1024)  # every key of a lookup's chain names its namespace: hashed once
 def namespace_tag(namespace: str) -> str:
     """The hex tag of a namespace in every key: SHA-256, since tags are shared by hosts and tenants."""
     return hashlib.sha256(_NS_DOMAIN + namespace.encode()).hexdigest()[:NS_TAG_HEX]

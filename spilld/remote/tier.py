@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from redis import exceptions as rx
 
+from ..lease import off_loop
 from . import credentials
 from . import keys as rkeys
 from .breaker import Breaker, State
@@ -371,7 +372,7 @@ class RemoteTier:
 
 
 async def _maybe_thread(fn: Callable[[], T], nbytes: int) -> T:
-    return await asyncio.to_thread(fn) if nbytes > OFFLOAD_BYTES else fn()
+    return await off_loop(fn, background=True) if nbytes > OFFLOAD_BYTES else fn()
 
 
 async def _ping(c: Client) -> Any:
@@ -405,7 +406,7 @@ async def _close_quietly(client: Client) -> None:
 def _leading_ones(results: Sequence[Any]) -> int:
     n = 0
     for r in results:
-        if r != 1 or isinstance(r, Exception):
+        if r != 1:  # 0, or an exception in its place
             break
         n += 1
     return n
