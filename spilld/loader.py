@@ -210,19 +210,20 @@ class _Reader(_Decoding):
         self.pieces = pieces or {}
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
-        arr, reads = self.alloc(slot, capacity)
+        buf = self.alloc(slot, capacity)
+        buf.prepare()
         by_file: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
-        for p, d in reads:
+        for p, d in buf.reads:
             by_file.setdefault(p.path, []).append((p, d))
         for file_reads in by_file.values():
             self.read_file(file_reads)
-        return arr
+        return buf.arr
 
-    def alloc(self, slot: fmt.Slot, capacity: int | None) -> tuple[mx.array, list[tuple[assemble.Piece, _Dest]]]:
+    def alloc(self, slot: fmt.Slot, capacity: int | None) -> _Buffer:
         """A new buffer for ``slot`` (grown to ``capacity`` rows) and, for each of its pieces, where in the
-        buffer its bytes go (rows ``[first, first + rows)`` of every leading index)."""
+        buffer its bytes go (rows ``[first, first + rows)`` of every leading index). Its pages are neither
+        touched nor zeroed yet: ``_Buffer.prepare`` does that, on whichever thread will read into it."""
         import mlx.core as mx
-        import numpy as np
 
         from . import dtypes
 
@@ -234,7 +235,7 @@ class _Reader(_Decoding):
             arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
             mx.eval(arr)
         if arr.nbytes == 0:
-            return arr, []
+            return _Buffer(arr, [], False, 0, 0, 0)
         if len(alloc) >= 2:
             lead, rows = math.prod(alloc[:-2]), alloc[-2]
         else:
@@ -246,12 +247,7 @@ class _Reader(_Decoding):
             whole = len(alloc) < 2 or list(p.slot.shape) == alloc
             reads.append((p, _Dest(mv, lead, rows * rb, rb, 0 if whole else first, rows if whole else p.rows)))
             first = rows if whole else first + p.rows
-        if unfilled:
-            flat = np.frombuffer(mv, dtype=np.uint8)
-            _populate(flat.ctypes.data, flat.nbytes)
-            if first < rows:  # the rows no piece fills (step capacity) hold zeros, as in a fresh cache
-                flat.reshape(lead, rows, rb)[:, first:, :] = 0
-        return arr, reads
+        return _Buffer(arr, reads, unfilled, lead, rows, first)
 
     def whole_piece(self, slot: fmt.Slot) -> assemble.Piece:
         rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
@@ -287,6 +283,31 @@ class _Dest:
     row: int
     first: int
     rows: int
+
+
+@dataclass
+class _Buffer:
+    """A tensor's new buffer ``arr``, where its pieces go (``reads``), and, for one allocated without a zero fill
+    (``unfilled``), its ``lead`` x ``rows`` rows of which the first ``filled`` are read into."""
+
+    arr: mx.array
+    reads: list[tuple[assemble.Piece, _Dest]]
+    unfilled: bool
+    lead: int
+    rows: int
+    filled: int
+
+    def prepare(self) -> None:
+        """Fault in an unfilled buffer's pages (one call) and zero the rows no piece fills (step capacity), as
+        in a fresh cache. A loader thread's work: the allocation itself stays on one thread (``_read_by_file``)."""
+        if not self.unfilled:
+            return
+        import numpy as np
+
+        flat = np.frombuffer(self.reads[0][1].mv, dtype=np.uint8)
+        _populate(flat.ctypes.data, flat.nbytes)
+        if self.filled < self.rows:
+            flat.reshape(self.lead, self.rows, -1)[:, self.filled :, :] = 0
 
 
 class _Batch:
@@ -488,29 +509,36 @@ def _decode_parallel(reader: _Reader, entries: list[fmt.CacheEntry], threads: in
     for e in entries:
         plan.decode(e)
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="spilld-load") as pool:
-        if reader.pieces:
-            arrays = _read_by_file(reader, plan.wants, pool)
-        else:
-            futs = {k: pool.submit(reader.read, slot, cap) for k, (slot, cap) in plan.wants.items()}
-            arrays = _results(futs)
+        arrays = _read_all(reader, plan.wants, pool)
     ctx = _Prefetched(reader, arrays)
     return [ctx.decode(e) for e in entries]
 
 
-def _read_by_file(
+def _read_all(
     reader: _Reader, wants: dict[int, tuple[fmt.Slot, int | None]], pool: concurrent.futures.ThreadPoolExecutor
 ) -> dict[int, mx.array]:
-    """A manifest's tensors: every buffer allocated first, then each file (a block, the manifest) read by one
-    task straight into the buffers at their row offsets, adjacent pieces in reads of up to ``READ_CHUNK`` bytes."""
-    arrays: dict[int, mx.array] = {}
+    """The tensors the codecs will ask for. Every buffer is allocated first, on this thread: mlx makes each on
+    its stream's thread, which takes the GIL to call back into ``_Unwritten``, so allocations made from busy
+    loader threads wait on one another. Then the pool fills them: a whole file's tensors one task each; a
+    manifest's pages faulted in per buffer, then each of its files (a block, the manifest) read by one task
+    straight into the buffers at their row offsets, adjacent pieces in reads of up to ``READ_CHUNK`` bytes."""
+    bufs = {k: reader.alloc(slot, cap) for k, (slot, cap) in wants.items()}
+    if not reader.pieces:
+        _results({k: pool.submit(_fill, reader, b) for k, b in bufs.items()})
+        return {k: b.arr for k, b in bufs.items()}
+    _results({k: pool.submit(b.prepare) for k, b in bufs.items()})
     by_file: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
-    allocated = _results({k: pool.submit(reader.alloc, slot, cap) for k, (slot, cap) in wants.items()})
-    for k, (arr, reads) in allocated.items():
-        arrays[k] = arr
-        for p, d in reads:
+    for b in bufs.values():
+        for p, d in b.reads:
             by_file.setdefault(p.path, []).append((p, d))
     _results({f: pool.submit(reader.read_file, reads) for f, reads in by_file.items()})
-    return arrays
+    return {k: b.arr for k, b in bufs.items()}
+
+
+def _fill(reader: _Reader, buf: _Buffer) -> None:
+    buf.prepare()
+    if buf.reads:
+        reader.read_file(buf.reads)
 
 
 def _results(futs: dict[Any, concurrent.futures.Future[Any]]) -> dict[Any, Any]:
