@@ -187,6 +187,45 @@ def test_an_unfilled_buffer_is_one_mlx_allocated_and_evaluated() -> None:
     assert L._unfilled([4, 4], "float16") is None  # small: mx.zeros is cheaper than the round trip
 
 
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
+
+
+def _huge_kib_at(addr: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``addr``."""
+    found, huge = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if found:
+                break
+            found = lo <= addr < hi
+        elif found and line.startswith("AnonHugePages:"):
+            huge = int(line.split()[1])
+    return huge
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="only THP in madvise mode shows what the loader asked for")
+def test_a_large_buffer_is_populated_in_huge_pages() -> None:
+    """With THP in ``madvise`` mode, a buffer of HUGE_PAGE_MIN_BYTES or more gets huge pages because the loader
+    asked for them (in ``always`` mode it would get them anyway; in ``never`` nobody can)."""
+    import numpy as np
+
+    from spilld import dtypes
+
+    arr = L._unfilled([1, 8, 4096, 256], "float32")  # 32 MiB
+    assert arr is not None and arr.nbytes >= 4 * L.HUGE_PAGE_MIN_BYTES
+    flat = np.frombuffer(dtypes.buffer(arr).cast("B"), dtype=np.uint8)
+    L._populate(flat.ctypes.data, flat.nbytes)
+    huge = 2 * 2**20
+    assert _huge_kib_at(-(-flat.ctypes.data // huge) * huge) >= 2048  # its first whole 2 MiB: madvise split it off
+
+
 @pytest.mark.asyncio
 async def test_a_load_without_verification_reads_the_same_bytes(tmp_path: Path) -> None:
     s = Store(tmp_path, disk_cap=2**40, block_tokens=16, verify=False)
