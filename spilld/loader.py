@@ -224,6 +224,7 @@ class _Reader(_Decoding):
         buffer its bytes go (rows ``[first, first + rows)`` of every leading index). Its pages are neither
         touched nor zeroed yet: ``_Buffer.prepare`` does that, on whichever thread will read into it."""
         import mlx.core as mx
+        import numpy as np
 
         from . import dtypes
 
@@ -235,7 +236,7 @@ class _Reader(_Decoding):
             arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
             mx.eval(arr)
         if arr.nbytes == 0:
-            return _Buffer(arr, [], False, 0, 0, 0)
+            return _Buffer(arr, [], False, False, 0, 0, 0)
         if len(alloc) >= 2:
             lead, rows = math.prod(alloc[:-2]), alloc[-2]
         else:
@@ -247,7 +248,11 @@ class _Reader(_Decoding):
             whole = len(alloc) < 2 or list(p.slot.shape) == alloc
             reads.append((p, _Dest(mv, lead, rows * rb, rb, 0 if whole else first, rows if whole else p.rows)))
             first = rows if whole else first + p.rows
-        return _Buffer(arr, reads, unfilled, lead, rows, first)
+        populate = False
+        if unfilled:
+            flat = np.frombuffer(mv, dtype=np.uint8)
+            populate = not _advise_huge(flat.ctypes.data, flat.nbytes) and bool(self.pieces)
+        return _Buffer(arr, reads, unfilled, populate, lead, rows, first)
 
     def whole_piece(self, slot: fmt.Slot) -> assemble.Piece:
         rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
@@ -288,24 +293,28 @@ class _Dest:
 @dataclass
 class _Buffer:
     """A tensor's new buffer ``arr``, where its pieces go (``reads``), and, for one allocated without a zero fill
-    (``unfilled``), its ``lead`` x ``rows`` rows of which the first ``filled`` are read into."""
+    (``unfilled``), whether to fault its pages in first (``populate``) and its ``lead`` x ``rows`` rows of which
+    the first ``filled`` are read into."""
 
     arr: mx.array
     reads: list[tuple[assemble.Piece, _Dest]]
     unfilled: bool
+    populate: bool
     lead: int
     rows: int
     filled: int
 
     def prepare(self) -> None:
-        """Fault in an unfilled buffer's pages (one call) and zero the rows no piece fills (step capacity), as
-        in a fresh cache. A loader thread's work: the allocation itself stays on one thread (``_read_by_file``)."""
+        """Fault in the buffer's pages where asked (``_populate``) and zero the rows of an unfilled one that no
+        piece fills (step capacity), as in a fresh cache. A loader thread's work: the allocation itself stays on
+        one thread (``_read_all``)."""
         if not self.unfilled:
             return
         import numpy as np
 
         flat = np.frombuffer(self.reads[0][1].mv, dtype=np.uint8)
-        _populate(flat.ctypes.data, flat.nbytes)
+        if self.populate:
+            _populate(flat.ctypes.data, flat.nbytes)
         if self.filled < self.rows:
             flat.reshape(self.lead, self.rows, -1)[:, self.filled :, :] = 0
 
@@ -383,15 +392,11 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 * 1024 * 1024  # x86-64 and arm64 Linux with 4 KiB pages
 HUGE_PAGE_MIN_BYTES = 16 * 1024 * 1024  # new buffers this large ask for huge pages (at 4 MiB it measured no gain)
-_madvise: Any = None  # libc's madvise once found; False where there is none or it refused
+_madvise: Any = None  # libc's madvise once found; False where there is none
+_populate_works = True  # False once the kernel refused MADV_POPULATE_WRITE (before 5.14)
 
 
-def _populate(addr: int, nbytes: int) -> None:
-    """Fault in a new buffer's pages with one call (``MADV_POPULATE_WRITE``), on the loader's threads: cheaper than
-    a fault per page during the reads, most of all for a block's rows, which land a few pages here and a few there.
-    A large buffer asks for transparent huge pages first (``MADV_HUGEPAGE``, as numpy does for its arrays): where
-    the system has THP in ``madvise`` mode, a warm 4 GiB load took 1.9-2.0 s instead of 3.0 (docs/benchmarks.md).
-    Anything it does not do (another OS, an older kernel) the reads' page faults do."""
+def _libc_madvise() -> Any:
     global _madvise
     if _madvise is None:
         _madvise = False
@@ -405,16 +410,34 @@ def _populate(addr: int, nbytes: int) -> None:
                 _madvise = fn
             except (OSError, AttributeError):
                 pass
-    if _madvise is False:
-        return
-    if nbytes >= HUGE_PAGE_MIN_BYTES:  # its whole 2 MiB stretches in huge pages (where THP allows): ~500x fewer faults
-        hs, he = -(-addr // _HUGE_PAGE) * _HUGE_PAGE, (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if he > hs:
-            _madvise(hs, he - hs, _MADV_HUGEPAGE)  # no effect where THP is off: 4 KiB pages, as before
+    return _madvise
+
+
+def _advise_huge(addr: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages over a new buffer's whole 2 MiB stretches (as numpy does for its arrays):
+    a fault then maps 2 MiB, not 4 KiB. Called where the buffer is allocated, on one thread: the call changes
+    the process's memory map, which stalls every other thread's page faults while it runs. False where it was
+    not asked (a small buffer, another OS); where THP is off it is asked and has no effect."""
+    madvise = _libc_madvise()
+    hs, he = -(-addr // _HUGE_PAGE) * _HUGE_PAGE, (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if nbytes < HUGE_PAGE_MIN_BYTES or madvise is False or he <= hs:
+        return False
+    return bool(madvise(hs, he - hs, _MADV_HUGEPAGE) == 0)
+
+
+def _populate(addr: int, nbytes: int) -> None:
+    """Fault in a buffer's pages with one call (``MADV_POPULATE_WRITE``): for a manifest's buffers in 4 KiB
+    pages, which a block's rows fill a few pages here and a few there. Not for a whole file's (read front to
+    back, its faults are cheaper than the call: 16 cores, 4 GiB, 7.9 GB/s without against 6.3 with). Anything
+    it does not do (another OS, an older kernel) the reads' page faults do."""
+    global _populate_works
+    madvise = _libc_madvise()
     page = mmap.PAGESIZE
     start, end = -(-addr // page) * page, (addr + nbytes) // page * page
-    if end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-        _madvise = False  # EINVAL before 5.14: from now on the reads fault pages in
+    if madvise is False or not _populate_works or end <= start:
+        return
+    if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        _populate_works = False  # EINVAL before 5.14: from now on the reads fault pages in
 
 
 _unfilled_works: bool | None = None  # None: not tried yet in this process
@@ -423,7 +446,7 @@ _unfilled_works: bool | None = None  # None: not tried yet in this process
 class _Unwritten(io.RawIOBase):
     """A .npy "file" whose data ``mx.load`` asks to be read into its new buffer, and which writes nothing there:
     mlx's own loader allocates without a zero fill, so the only pass over the new memory is the read that fills it
-    (its pages populated first, on the loader's threads: ``_populate``)."""
+    (its pages faulted in by the reads, or first: ``_populate``)."""
 
     def __init__(self, shape: list[int], descr: str) -> None:
         d = descr if descr[0] == "|" else ("<" if sys.byteorder == "little" else ">") + descr
