@@ -933,6 +933,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="load phase only, at each of these cache sizes (e.g. 256MiB,1GiB,4GiB; --tokens is derived from each)",
     )
     p.add_argument("--plot", metavar="PNG", default=None, help="with --sizes: draw load GB/s by size, one line an arm")
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="draw --plot from a --sizes run's JSON (a machine without matplotlib)",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.layers, a.tokens, a.runs = 2, 2048, 1  # 16 MiB: files take the O_DIRECT path
@@ -1003,6 +1009,10 @@ def plot_sizes(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.replot and a.plot:
+        with open(a.replot) as f:
+            plot_sizes(json.load(f)["sizes"], a.plot)
+        return 0
     if a.sizes:
         return sizes_main(a)
     shape = Shape(a.layers, a.tokens, a.heads, a.dim)
