@@ -31,3 +31,31 @@ def test_benchmark_smoke_mode(script: str) -> None:
     assert out.returncode == 0, (
         f"{os.path.basename(script)} --smoke exited {out.returncode}:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     )
+
+
+def test_load_by_size_writes_every_arm_and_its_plot(tmp_path: object) -> None:
+    """``save_load.py --sizes`` (the size sweep of docs/benchmarks.md): a row per size with every load arm's
+    medians, and the plot drawn from the run and again from its JSON (``--replot``)."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    out, png, png2 = (os.path.join(str(tmp_path), n) for n in ("s.json", "s.png", "r.png"))
+    script = os.path.join(ROOT, "scripts", "bench", "save_load.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    for args in (
+        ["--smoke", "--sizes", "16MiB,32MiB", "--json", out, "--plot", png],
+        ["--replot", out, "--plot", png2],
+    ):
+        got = subprocess.run(
+            [sys.executable, script, *args], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, cwd=ROOT
+        )
+        assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-4000:]
+    with open(out) as f:
+        rows = json.load(f)["sizes"]
+    assert [r["live_bytes"] for r in rows] == [16 * 2**20, 32 * 2**20]
+    for r in rows:
+        warm = {arm: v["warm"] for arm, v in r["median_load_gbps"].items()}
+        assert set(warm) >= {"spilld", "mlx_lm", "raw_qd", "memcpy_fresh", "memcpy"} and all(
+            x > 0 for x in warm.values()
+        )
+    assert os.path.getsize(png) > 10_000 and os.path.getsize(png2) > 10_000
