@@ -5,8 +5,9 @@
 
 ingest: one client ships 256 MiB items, through shared memory or inline frames, to a daemon writing to disk
 (durability fsync) and to one writing to tmpfs with durability none (the socket path alone); GB/s = bytes stored /
-wall time. A first arm writes the same bytes with Store.put in this process (no socket): the daemon's own write
-path on this disk, measured side by side, the ceiling ingest is compared with.
+wall time. Two arms write the same bytes with Store.put in this process (no socket), to disk with fsync and to
+tmpfs with none: the daemon's own write path, measured side by side, the ceiling each ingest arm is compared with
+(the one of its own durability and place).
 rss: several producer connections ship droppable 64 MiB items as fast as they can for a while; the daemon's RSS
 is sampled every 0.2 s. Growth over the idle daemon's RSS is compared with cap + largest item + 64 MiB.
 """
@@ -130,9 +131,9 @@ async def rss(d: Daemon, seconds: float, item_bytes: int, producers: int) -> dic
     }
 
 
-async def write_path(root: str, item_bytes: int, items: int) -> dict[str, Any]:
-    """The daemon's write path without the socket: ``Store.put`` of the same bytes, fsync, in this process."""
-    store = Store(root, durability="fsync")
+async def write_path(root: str, item_bytes: int, items: int, durability: str = "fsync") -> dict[str, Any]:
+    """The daemon's write path without the socket: ``Store.put`` of the same bytes, in this process."""
+    store = Store(root, durability=durability)
     cs = caches(item_bytes)
     header, sources = planned(new_item(spilld.Identity("ingest"), default_provider(), list(range(4096)), cs))
     chunks: list[list[bytes | bytearray | memoryview]] = [[b"".join(bytes(r) for r in TensorBytes(i, s, src, None).runs_now())] for i, (s, src) in
@@ -152,23 +153,30 @@ def d_cap(d: Daemon) -> int:
 
 
 WRITE_PATH = "disk, fsync, Store.put in-process"
+WRITE_PATH_NONE = "tmpfs, no sync, Store.put in-process"
 ARMS = [
-    (WRITE_PATH, [], None, False),
+    (WRITE_PATH, ["--durability", "fsync"], None, False),
     ("disk, fsync, shm", ["--durability", "fsync"], None, True),
     ("disk, fsync, inline", ["--durability", "fsync"], None, False),
+    (WRITE_PATH_NONE, ["--durability", "none"], "/dev/shm", False),
     ("tmpfs, no sync, shm", ["--durability", "none"], "/dev/shm", True),
     ("tmpfs, no sync, inline", ["--durability", "none"], "/dev/shm", False),
 ]
+BASELINE = {label: WRITE_PATH if "fsync" in extra else WRITE_PATH_NONE for label, extra, *_ in ARMS}  # like for like
 
 
 def run_ingest(a: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for run in range(a.runs):
         for label, extra, where, shm in ARMS:
-            if label == WRITE_PATH:
-                root = new_root()
+            if label in (WRITE_PATH, WRITE_PATH_NONE):
+                root = os.path.join(where, f"spilld-bench-{os.getpid()}") if where else new_root()
+                os.makedirs(root, exist_ok=True)
                 try:
-                    r = asyncio.run(write_path(root, parse_size(a.item), a.items)) | {"arm": label, "run": run}
+                    r = asyncio.run(write_path(root, parse_size(a.item), a.items, extra[1])) | {
+                        "arm": label,
+                        "run": run,
+                    }
                 finally:
                     cleanup(root)
                 rows.append(r)
@@ -193,7 +201,7 @@ def run_ingest(a: argparse.Namespace) -> dict[str, Any]:
             )
     med = {label: statistics.median(r["GBps"] for r in rows if r["arm"] == label) for label, *_ in ARMS}
     for label, v in med.items():
-        print(f"median {label:32s} {v:.2f} GB/s ({v / med[WRITE_PATH]:.2f}x the write path)")
+        print(f"median {label:38s} {v:.2f} GB/s ({v / med[BASELINE[label]]:.2f}x the write path at its durability)")
     return {"medians": med, "rows": rows, "ok": all(r["stored"] == r["items"] for r in rows)}
 
 
