@@ -81,14 +81,27 @@ async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bo
         raise
 
 
+class Begun:
+    """When a step's work began (``time.monotonic()``), set by the thread that runs it: the loop is not woken
+    for it, ``within`` reads it when its wait ends."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def mark(self) -> None:
+        self.at = time.monotonic()
+
+
 async def within(
     work: Awaitable[T],
     deadline_s: float | None,
     what: str,
     on_late: Callable[[], None] | None = None,
-    started: asyncio.Event | None = None,
+    begun: Begun | None = None,
 ) -> T:
-    """``work``'s result if it ends within ``deadline_s`` (None: no deadline), counted from ``started`` if given
+    """``work``'s result if it ends within ``deadline_s`` (None: no deadline), counted from ``begun`` if given
     (a step that first waits for an engine's grant: that wait is the lease's to bound, not the disk's). Past it,
     ``StorageTimeout`` at once: the work is left to end on its own (a thread in a hung syscall cannot be stopped)
     and ``on_late`` runs once it has. Cancelled meanwhile, it waits for the work to end, as ``off_loop`` does."""
@@ -96,11 +109,15 @@ async def within(
         return await work
     task = asyncio.ensure_future(work)
     try:
-        if started is not None:
-            begun = asyncio.ensure_future(started.wait())
-            await asyncio.wait([task, begun], return_when=asyncio.FIRST_COMPLETED)
-            begun.cancel()
-        done, _ = await asyncio.wait([task], timeout=deadline_s)
+        wait_s = deadline_s
+        while True:
+            done, _ = await asyncio.wait([task], timeout=wait_s)
+            if done or begun is None:
+                break
+            # not begun yet: a whole deadline more; begun: what is left of the deadline from then
+            wait_s = deadline_s if begun.at is None else begun.at + deadline_s - time.monotonic()
+            if wait_s <= 0:
+                break
     except asyncio.CancelledError:
         await asyncio.wait([task])
         raise
@@ -125,14 +142,8 @@ class Pace:
         poll_s: float,
         on_pause: Callable[[bool], None] = lambda paused: None,
     ) -> None:
-        self.rate, self.busy, self.clock, self.sleep, self.poll_s, self.on_pause = (
-            rate,
-            busy,
-            clock,
-            sleep,
-            poll_s,
-            on_pause,
-        )
+        self.rate, self.busy, self.clock, self.sleep = rate, busy, clock, sleep
+        self.poll_s, self.on_pause = poll_s, on_pause
         self.start = clock()
         self.done = 0
 

@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -211,20 +211,20 @@ class _Reader(_Decoding):
 
     def read(self, slot: fmt.Slot, capacity: int | None = None) -> mx.array:
         buf = self.alloc(slot, capacity)
-        buf.prepare()
-        by_file: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
-        for p, d in buf.reads:
-            by_file.setdefault(p.path, []).append((p, d))
-        for file_reads in by_file.values():
-            self.read_file(file_reads)
+        self.fill(buf)
         return buf.arr
+
+    def fill(self, buf: _Buffer) -> None:
+        """Prepare ``buf`` and read every piece of it, file by file."""
+        buf.prepare()
+        for file_reads in _by_file([buf]).values():
+            self.read_file(file_reads)
 
     def alloc(self, slot: fmt.Slot, capacity: int | None) -> _Buffer:
         """A new buffer for ``slot`` (grown to ``capacity`` rows) and, for each of its pieces, where in the
         buffer its bytes go (rows ``[first, first + rows)`` of every leading index). Its pages are neither
         touched nor zeroed yet: ``_Buffer.prepare`` does that, on whichever thread will read into it."""
         import mlx.core as mx
-        import numpy as np
 
         from . import dtypes
 
@@ -236,7 +236,7 @@ class _Reader(_Decoding):
             arr = mx.zeros(alloc, dtype=dtypes.dtype_of(slot.dtype))
             mx.eval(arr)
         if arr.nbytes == 0:
-            return _Buffer(arr, [], False, False, 0, 0, 0)
+            return _Buffer(arr, memoryview(b""), [], False, False, 0, 0, 0)
         if len(alloc) >= 2:
             lead, rows = math.prod(alloc[:-2]), alloc[-2]
         else:
@@ -248,11 +248,8 @@ class _Reader(_Decoding):
             whole = len(alloc) < 2 or list(p.slot.shape) == alloc
             reads.append((p, _Dest(mv, lead, rows * rb, rb, 0 if whole else first, rows if whole else p.rows)))
             first = rows if whole else first + p.rows
-        populate = False
-        if unfilled:
-            flat = np.frombuffer(mv, dtype=np.uint8)
-            populate = not _advise_huge(flat.ctypes.data, flat.nbytes) and bool(self.pieces)
-        return _Buffer(arr, reads, unfilled, populate, lead, rows, first)
+        populate = unfilled and not _advise_huge(_address(mv), mv.nbytes) and bool(self.pieces)
+        return _Buffer(arr, mv, reads, unfilled, populate, lead, rows, first)
 
     def whole_piece(self, slot: fmt.Slot) -> assemble.Piece:
         rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
@@ -292,11 +289,12 @@ class _Dest:
 
 @dataclass
 class _Buffer:
-    """A tensor's new buffer ``arr``, where its pieces go (``reads``), and, for one allocated without a zero fill
-    (``unfilled``), whether to fault its pages in first (``populate``) and its ``lead`` x ``rows`` rows of which
-    the first ``filled`` are read into."""
+    """A tensor's new buffer ``arr`` (its bytes ``mv``), where its pieces go (``reads``), and, for one allocated
+    without a zero fill (``unfilled``), whether to fault its pages in first (``populate``) and its ``lead`` x
+    ``rows`` rows of which the first ``filled`` are read into."""
 
     arr: mx.array
+    mv: memoryview
     reads: list[tuple[assemble.Piece, _Dest]]
     unfilled: bool
     populate: bool
@@ -312,11 +310,10 @@ class _Buffer:
             return
         import numpy as np
 
-        flat = np.frombuffer(self.reads[0][1].mv, dtype=np.uint8)
         if self.populate:
-            _populate(flat.ctypes.data, flat.nbytes)
+            _populate(_address(self.mv), self.mv.nbytes)
         if self.filled < self.rows:
-            flat.reshape(self.lead, self.rows, -1)[:, self.filled :, :] = 0
+            np.frombuffer(self.mv, dtype=np.uint8).reshape(self.lead, self.rows, -1)[:, self.filled :, :] = 0
 
 
 class _Batch:
@@ -394,6 +391,13 @@ _HUGE_PAGE = 2 * 1024 * 1024  # x86-64 and arm64 Linux with 4 KiB pages
 HUGE_PAGE_MIN_BYTES = 16 * 1024 * 1024  # new buffers this large ask for huge pages (at 4 MiB it measured no gain)
 _madvise: Any = None  # libc's madvise once found; False where there is none
 _populate_works = True  # False once the kernel refused MADV_POPULATE_WRITE (before 5.14)
+
+
+def _address(mv: memoryview) -> int:
+    """Where a buffer's first byte is in memory."""
+    import numpy as np
+
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 
 def _libc_madvise() -> Any:
@@ -556,21 +560,20 @@ def _read_all(
     straight into the buffers at their row offsets, adjacent pieces in reads of up to ``READ_CHUNK`` bytes."""
     bufs = {k: reader.alloc(slot, cap) for k, (slot, cap) in wants.items()}
     if not reader.pieces:
-        _results({k: pool.submit(_fill, reader, b) for k, b in bufs.items()})
+        _results({k: pool.submit(reader.fill, b) for k, b in bufs.items()})
         return {k: b.arr for k, b in bufs.items()}
     _results({k: pool.submit(b.prepare) for k, b in bufs.items()})
-    by_file: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
-    for b in bufs.values():
-        for p, d in b.reads:
-            by_file.setdefault(p.path, []).append((p, d))
-    _results({f: pool.submit(reader.read_file, reads) for f, reads in by_file.items()})
+    _results({f: pool.submit(reader.read_file, reads) for f, reads in _by_file(bufs.values()).items()})
     return {k: b.arr for k, b in bufs.items()}
 
 
-def _fill(reader: _Reader, buf: _Buffer) -> None:
-    buf.prepare()
-    if buf.reads:
-        reader.read_file(buf.reads)
+def _by_file(bufs: Iterable[_Buffer]) -> dict[str, list[tuple[assemble.Piece, _Dest]]]:
+    """The buffers' pieces grouped by the file each is read from."""
+    out: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
+    for b in bufs:
+        for p, d in b.reads:
+            out.setdefault(p.path, []).append((p, d))
+    return out
 
 
 def _results(futs: dict[Any, concurrent.futures.Future[Any]]) -> dict[Any, Any]:

@@ -27,7 +27,7 @@ from . import directio, errors, fileio
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
-from .lease import NoLease, RunStep, off_loop, within
+from .lease import Begun, NoLease, RunStep, off_loop, within
 from .validate import validate_header
 
 # mlx is imported inside the functions that touch the engine's arrays: the daemon writes the same steps from
@@ -711,12 +711,12 @@ def save_steps(
         file.abort()
 
 
-def _signalling(loop: asyncio.AbstractEventLoop, started: asyncio.Event, fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``, which sets ``started`` (on ``loop``) as it begins: a write's deadline counts from there."""
+def _marking(begun: Begun, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, which marks ``begun`` as it starts: a write's deadline counts from there."""
 
     @functools.wraps(fn)
     def run() -> None:
-        loop.call_soon_threadsafe(started.set)
+        begun.mark()
         fn()
 
     return run
@@ -789,12 +789,12 @@ async def save_async(
                 await step.take_in_lease(lease, live_chunk)  # the engine gets its turn between two copies
             elif isinstance(step, TensorStep):
                 step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
-            started = asyncio.Event()
-            write = _signalling(loop, started, step.write)
+            begun = Begun()
+            write = _marking(begun, step.write)
             work = lease(write) if write_in_lease else off_loop(write, background=True)
             try:
                 # the cleanup (closing the file, removing the temp) waits for the late step, off the loop
-                await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen), started)
+                await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen), begun)
             except errors.StorageTimeout:
                 late = True
                 raise

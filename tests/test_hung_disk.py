@@ -136,3 +136,29 @@ async def test_a_hung_restore_read_is_a_miss_at_the_deadline(tmp_path: Path) -> 
     s.read_hit = real  # type: ignore[method-assign]
     loaded = await s.restore_async(hit, IDENT)
     assert isinstance(loaded, spilld.Loaded) and loaded.tokens == toks
+
+
+@pytest.mark.asyncio
+async def test_a_steps_deadline_counts_from_when_it_begins_not_from_its_wait_for_a_grant() -> None:
+    """``within`` with ``begun``: a step that waits longer than the deadline for its grant, then does its work
+    quickly, succeeds; a step that begins at once and outlasts the deadline fails at the deadline."""
+    from spilld.lease import Begun, within
+
+    async def step(wait_s: float, work_s: float, begun: Begun) -> str:
+        await asyncio.sleep(wait_s)  # the grant
+        begun.mark()
+        await asyncio.sleep(work_s)  # the I/O
+        return "done"
+
+    late = Begun()
+    assert await within(step(0.5, 0.05, late), 0.2, "a step", begun=late) == "done"
+    hung = Begun()
+    t0 = time.monotonic()
+    with pytest.raises(errors.StorageTimeout):
+        await within(step(0.0, 5.0, hung), 0.2, "a step", begun=hung)
+    assert time.monotonic() - t0 < 1.0
+    slow = Begun()  # begins after one deadline's wait, then hangs: fails one deadline after it began
+    t0 = time.monotonic()
+    with pytest.raises(errors.StorageTimeout):
+        await within(step(0.3, 5.0, slow), 0.2, "a step", begun=slow)
+    assert 0.45 < time.monotonic() - t0 < 0.8  # 0.3 s to begin + 0.2 s; not a deadline from its last wait
