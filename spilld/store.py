@@ -10,6 +10,7 @@ root and reaps temp orphans. Lookups match the caller's fingerprint.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import logging
@@ -829,13 +830,15 @@ class Store:
         droppable: bool = False,
         pin: bool = False,
         held_rows: int = 0,
+        batch_bytes: int = 0,
     ) -> SaveResult:
         """Write an entry durably, then index it, supersede what it replaces and evict to the cap.
 
         ``planned`` is a snapshot planned earlier with ``saver.plan(..., live=True)``. ``held_rows``: the rows of
         its positional caches its sources lack because the store held their blocks (``held_rows``, for the daemon's
         ingest); the put fails (``HeldBlockGone``) if one of those blocks went since. A ``droppable`` spill is
-        shed (``WriteBudgetSpent``, a DROPPED outcome) once the day's write budget is spent. Files are written
+        shed (``WriteBudgetSpent``, a DROPPED outcome) once the day's write budget is spent. ``batch_bytes``: see
+        ``saver.save_async`` (for sources that are plain bytes and a lease that keeps no engine waiting). Files are written
         through the store's file layer (``self.ops``); folders, writes and unlinks run off the event loop.
         """
         if droppable and self.write_budget is not None and self.wear.last_day() >= self.write_budget:
@@ -860,17 +863,20 @@ class Store:
         logical = planned[0].data_bytes
         path = self.new_path(ident, ident.namespace)
         folder = os.path.dirname(path)
-        kw: dict[str, Any] = {"run_step": run_step, "write_in_lease": write_in_lease, "staging": staging}
+        kw: dict[str, Any] = {
+            "run_step": run_step, "write_in_lease": write_in_lease, "staging": staging, "batch_bytes": batch_bytes
+        }  # fmt: skip
         pinned: list[Block] = []
         written: list[Block] = []
         self.claim_folder(folder)  # from here to the rename, no sweep removes the folder under the write
         try:
+            await self._with_room(lambda: self._make_folder(folder), 0)  # once: the blocks and the entry share it
             if cut is not None:  # the blocks first, each durable before the manifest that names it
                 pinned = await self._put_blocks(cut, folder, ident, kw, written)
                 planned = cut.manifest()
                 # never publish a manifest our readers would refuse (its key chain is hashed: off the loop)
                 await off_loop(functools.partial(validate_header, planned[0]), compute=True)
-            result = await self._write(path, folder, ident, planned, **kw)
+            result = await self._write(path, ident, planned, **kw)
         except asyncio.CancelledError:
             # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
             # no durable file the index does not know.
@@ -911,14 +917,15 @@ class Store:
         """Write the blocks of ``cut`` not on disk yet (added to ``written``); every block it names is pinned until
         its manifest is indexed."""
         pinned: list[Block] = []
+        # received bytes only (a batched save): a block's cut touches nothing of an engine's, so it may run on a thread
+        ahead = _Ahead(cut, [i for i, k in enumerate(cut.keys) if k not in self._blocks], kw["batch_bytes"] > 0)
         try:
             for i, key in enumerate(cut.keys):
                 rec = self._blocks.get(key)
                 if rec is None:
                     bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
-                    block = cut.block(i)
-                    validate_header(block[0])  # its own key and chain included
-                    result = await self._write(bpath, folder, ident, block, sync_folder=False, **kw)
+                    block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
+                    result = await self._write(bpath, ident, block, sync_folder=False, **kw)
                     rec = self._add_block(key, bpath, result.file_bytes)
                     written.append(rec)
                     self.counters.blocks_written += 1
@@ -932,6 +939,8 @@ class Store:
         except BaseException:
             self._unpin(pinned)
             raise
+        finally:
+            await ahead.close()
         return pinned
 
     # --- files from another tier ------------------------------------------------------------------
@@ -961,7 +970,7 @@ class Store:
             rec.pins += 1
         self.claim_folder(folder)
         try:
-            await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
+            await self._make_folder(folder)
             names = {k: os.path.join(folder, f"{k.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}") for k in new}
             done = await asyncio.gather(
                 *(off_loop(functools.partial(self._write_file, names[k], fetched[k]), background=True) for k in new),
@@ -1024,18 +1033,19 @@ class Store:
             self._reclaim_if_unused(rec)
         pinned.clear()
 
+    async def _make_folder(self, folder: str) -> None:
+        await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
+
     async def _write(
         self,
         path: str,
-        folder: str,
         ident: fmt.Identity,
         planned: tuple[fmt.Header, list[AnySource]],
         **kw: Any,
     ) -> SaveResult:
-        """Create the folders, then save; on ENOSPC evict once and retry. Every failure is counted."""
+        """Save into a folder made already; on ENOSPC evict once and retry. Every failure is counted."""
 
         async def save() -> SaveResult:
-            await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
             return await save_async(
                 path, [], [], identity=ident, durability=self.durability, provider=self._provider,
                 ops=self.ops, planned=planned, step_deadline=self.io_timeout, **kw,
@@ -1431,6 +1441,42 @@ class Store:
             "store_errors": c.store_errors,
             "errors": dict(c.errors),
         }
+
+
+def _cut_block(cut: Split, i: int) -> tuple[fmt.Header, list[AnySource]]:
+    block = cut.block(i)
+    validate_header(block[0])  # its own key and chain included
+    return block
+
+
+class _Ahead:
+    """The blocks of a put to write (``todo``), each cut and checked before its write. ``threaded``: on a compute
+    thread, the next one's while this one is written (the loop is not held for it)."""
+
+    def __init__(self, cut: Split, todo: list[int], threaded: bool) -> None:
+        self._cut, self._todo, self._threaded = cut, todo, threaded
+        self._tasks: dict[int, asyncio.Future[tuple[fmt.Header, list[AnySource]]]] = {}
+
+    def _start(self, i: int) -> None:
+        if i not in self._tasks:
+            work = off_loop(functools.partial(_cut_block, self._cut, i), compute=True)
+            self._tasks[i] = asyncio.ensure_future(work)
+
+    async def take(self, i: int) -> tuple[fmt.Header, list[AnySource]]:
+        """Block ``i``, cut and checked; the next block of ``todo`` starts its cut."""
+        if not self._threaded:
+            return _cut_block(self._cut, i)
+        self._start(i)
+        if (k := bisect.bisect_right(self._todo, i)) < len(self._todo):
+            self._start(self._todo[k])
+        return await self._tasks.pop(i)
+
+    async def close(self) -> None:
+        """Cancel a cut started ahead and wait for it (the put failed or the block appeared meanwhile)."""
+        for t in self._tasks.values():
+            t.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
 
 
 def trim_quarantine(qdir: str, keep: int, cap_bytes: int, ops: fileio.FileOps = fileio.DEFAULT_OPS) -> int:

@@ -33,7 +33,7 @@ from spilld import format as fmt
 from spilld.client import AsyncClient
 from spilld.codecs import default_provider
 from spilld.config import parse_size
-from spilld.saver import BytesSource, TensorBytes
+from spilld.saver import WRITE_BATCH_BYTES, BytesSource, TensorBytes
 from spilld.spiller import new_item, planned
 from spilld.store import Store
 from tests.daemons import Daemon, cleanup, new_root
@@ -135,15 +135,20 @@ async def write_path(root: str, item_bytes: int, items: int, durability: str = "
     """The daemon's write path without the socket: ``Store.put`` of the same bytes, in this process."""
     store = Store(root, durability=durability)
     cs = caches(item_bytes)
-    header, sources = planned(new_item(spilld.Identity("ingest"), default_provider(), list(range(4096)), cs))
+    # the tokens of ``ingest``'s items: each its own first token, so no item's blocks are another's to reuse
+    made = [planned(new_item(spilld.Identity("ingest"), default_provider(), [i, *range(4095)], cs)) for i in range(items)]
+    header, sources = made[0]
     chunks: list[list[bytes | bytearray | memoryview]] = [[b"".join(bytes(r) for r in TensorBytes(i, s, src, None).runs_now())] for i, (s, src) in
               enumerate(zip(header.slots(), sources, strict=True))]  # fmt: skip
+    heads = [fmt.header_from_wire(h.to_wire()) for h, _ in made]
+    del made
     t0 = time.perf_counter()
-    for _ in range(items):
-        h = fmt.header_from_wire(header.to_wire())
+    for h in heads:
         srcs: list[Any] = [BytesSource(c, s.shape) for c, s in zip(chunks, h.slots(), strict=True)]
-        await store.put([], [], h.identity, planned=(h, srcs))
+        await store.put([], [], h.identity, planned=(h, srcs), batch_bytes=WRITE_BATCH_BYTES)  # as the daemon does
     wall = time.perf_counter() - t0
+    if (written := store.counters.blocks_written) != items * len(header.tokens) // store.block_tokens:
+        raise RuntimeError(f"{written} blocks written: some were reused, the arm would not write every byte")
     return {"items": items, "stored": items, "bytes": items * item_bytes, "wall_s": wall,
             "GBps": items * item_bytes / wall / 1e9}  # fmt: skip
 

@@ -28,7 +28,7 @@ from ..lockfile import FileLock
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
 from ..readahead import ReadAhead, warm_order
-from ..saver import AnySource
+from ..saver import WRITE_BATCH_BYTES, AnySource
 from ..scrub import Scrub
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
@@ -301,6 +301,7 @@ class Daemon:
             result = await self.store.put(
                 [], [], header.identity, planned=planned, run_step=lease, write_in_lease=True,
                 droppable=item.droppable, pin=item.pin, held_rows=got.held_rows,
+                batch_bytes=WRITE_BATCH_BYTES if grantor is None else 0,  # a granting engine is held per step
             )  # fmt: skip
         except Exception as exc:
             log.debug("store failed", extra={"error": repr(exc)[:200], "tokens": len(header.tokens)})
