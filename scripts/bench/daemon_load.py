@@ -136,7 +136,9 @@ async def write_path(root: str, item_bytes: int, items: int, durability: str = "
     store = Store(root, durability=durability)
     cs = caches(item_bytes)
     # the tokens of ``ingest``'s items: each its own first token, so no item's blocks are another's to reuse
-    made = [planned(new_item(spilld.Identity("ingest"), default_provider(), [i, *range(4095)], cs)) for i in range(items)]
+    made = [
+        planned(new_item(spilld.Identity("ingest"), default_provider(), [i, *range(4095)], cs)) for i in range(items)
+    ]
     header, sources = made[0]
     chunks: list[list[bytes | bytearray | memoryview]] = [[b"".join(bytes(r) for r in TensorBytes(i, s, src, None).runs_now())] for i, (s, src) in
               enumerate(zip(header.slots(), sources, strict=True))]  # fmt: skip
