@@ -744,6 +744,7 @@ class _Batch:
         self._gen, self._limit, self._begun = gen, limit, begun
         self.next: SaveStep | None = first
         self.result: SaveResult | None = None
+        self.stopped = False  # set by the driver past a deadline: no step begins after the late one returns
 
     def _advance(self) -> bool:
         try:
@@ -759,12 +760,14 @@ class _Batch:
             self._begun.mark()
             if not self._advance():
                 return
-        while (step := self.next) is not None:
+        while (step := self.next) is not None and not self.stopped:
             self._begun.mark()
             step.materialize()
             step.write()
             done += step.nbytes
-            if not self._advance() or done >= self._limit or (self.next is not None and not _engine_free(self.next)):
+            if not self._advance() or (nxt := self.next) is None or not _engine_free(nxt):
+                return
+            if done >= self._limit and not isinstance(nxt, PublishStep):  # a file's publish goes with its last bytes
                 return
 
 
@@ -861,6 +864,8 @@ async def save_async(
                 await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen), begun)
             except errors.StorageTimeout:
                 late = True
+                if batch is not None:
+                    batch.stopped = True
                 raise
             if batch is not None and batch.result is not None:
                 return batch.result

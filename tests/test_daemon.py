@@ -472,3 +472,43 @@ def test_open_spills_per_connection_are_bounded(daemon: Daemon) -> None:
     s.close()
     errs = [m.error for m in P.FrameDecoder().feed(out) if m.kind == P.RESPONSE and m.error]
     assert [e["code"] for e in errs] == ["busy"]  # only the one over the limit
+
+
+@pytest.mark.asyncio
+async def test_received_bytes_are_written_in_batches_not_a_lease_call_a_tensor() -> None:
+    """With no engine granting, the daemon writes what it received in batches (``WRITE_BATCH_BYTES``): far fewer
+    lease calls than tensors, and the entry loads exactly."""
+    from mlx_lm.models import cache as C
+
+    from spilld.config import Config
+    from spilld.daemon import Daemon as InProcess
+    from tests.caches import fill, live, same
+
+    root = new_root()
+    cfg = Config(
+        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
+        block_tokens=16, warm_bytes=0, scrub_rate=0,
+    )  # fmt: skip
+    daemon = InProcess(cfg)
+    inner, calls = daemon.lease, 0
+
+    def counting(fn: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return inner(fn)
+
+    daemon.lease = counting
+    await daemon.start()
+    client = None
+    try:
+        client = await AsyncClient.open(cfg.socket, identity=spilld.Identity("batches"))
+        cs = [fill(C.KVCache(), 64, seed=i) for i in range(4)]  # 4 blocks of 8 tensors, and a manifest
+        assert (await client.spill(list(range(64)), cs, droppable=False)).stored
+        assert calls <= 5, calls  # one batch a file; a lease call a tensor would be 4 * 9 + 1
+        got = await client.load([*range(64), 1])
+        assert got is not None and same([live(c) for c in got.caches], [live(c) for c in cs])
+    finally:
+        if client is not None:
+            await client.close()
+        await daemon.stop()
+        cleanup(root)

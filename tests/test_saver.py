@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import itertools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -264,3 +265,63 @@ async def test_cancelled_save_leaves_nothing(tmp_path: Any) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert os.listdir(tmp_path) == []
+
+
+def received(tokens: list[int], cs: list[Any]) -> tuple[Any, list[Any]]:
+    """A plan whose sources are plain bytes, as the daemon receives them."""
+    header, sources = spilld.saver.plan(tokens, cs)
+    srcs: list[Any] = []
+    for i, (slot, src) in enumerate(zip(header.slots(), sources, strict=True)):
+        data = b"".join(bytes(r) for r in spilld.saver.TensorBytes(i, slot, src, None).runs_now())
+        srcs.append(spilld.saver.BytesSource([data], slot.shape))
+    return header, srcs
+
+
+class CountingLease:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, fn: Callable[[], Any]) -> Any:
+        self.calls += 1
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tensors_per_batch", [0, 1, 3, 100])
+async def test_received_bytes_are_written_in_batches(tmp_path: Any, tensors_per_batch: int) -> None:
+    """With ``batch_bytes``, a save of plain bytes takes one lease call per batch of about that many bytes (the
+    publish included in the last), not one per step; without it, one per write step. The file is the same."""
+    cs = caches(3)  # 6 tensors of the same size
+    header, srcs = received(list(range(17)), cs)
+    size = header.slots()[0].nbytes
+    lease = CountingLease()
+    batch = tensors_per_batch * size
+    await spilld.saver.save_async(
+        tmp_path / "f", [], [], planned=(header, srcs), run_step=lease, write_in_lease=True, batch_bytes=batch
+    )
+    assert lease.calls == (7 if batch == 0 else -(-6 // tensors_per_batch))
+    assert same([live(c) for c in spilld.load(tmp_path / "f").caches], [live(c) for c in cs])
+
+
+@pytest.mark.asyncio
+async def test_a_batchs_deadline_bounds_each_step_not_the_batch(tmp_path: Any) -> None:
+    """Ten steps of 0.1 s in one batch outlast a 0.3 s deadline together and are stored; one step of 1 s fails it."""
+
+    class SlowOps(fileio.FileOps):
+        delay = 0.1
+
+        def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+            time.sleep(self.delay)
+            return super().pwritev(fd, bufs, offset)
+
+    cs = [fill(C.KVCache(), 17, seed=i) for i in range(5)]  # 10 tensors
+    ops = SlowOps()
+    plan = received(list(range(17)), cs)
+    kw: dict[str, Any] = {"ops": ops, "step_deadline": 0.3, "batch_bytes": 1 << 30, "direct": False}
+    await spilld.saver.save_async(tmp_path / "f", [], [], planned=plan, **kw)
+    assert same([live(c) for c in spilld.load(tmp_path / "f").caches], [live(c) for c in cs])
+    ops.delay = 1.0
+    with pytest.raises(errors.StorageTimeout):
+        await spilld.saver.save_async(tmp_path / "g", [], [], planned=received(list(range(17)), cs), **kw)
+    await asyncio.sleep(1.2)  # the late step returns; its file is cleaned up
+    assert sorted(os.listdir(tmp_path)) == ["f"]
