@@ -46,18 +46,18 @@ def beside(manifest_path: str) -> BlockPaths:
     The folder is listed once, on the first block asked for.
     """
     folder = os.path.dirname(manifest_path)
-    found: dict[str, str] = {}
+    found: dict[bytes, str] = {}
 
     def find(key: bytes) -> str | None:
         if not found:
             try:
                 with os.scandir(folder) as it:
                     for d in it:
-                        if d.name.endswith(blocks.BLOCK_EXT):
-                            found.setdefault(d.name.split("-", 1)[0], d.path)
+                        if (k := blocks.key_of_name(d.name)) is not None:
+                            found.setdefault(k, d.path)
             except OSError:
                 return None
-        return found.get(key.hex())
+        return found.get(key)
 
     return find
 

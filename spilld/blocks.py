@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,23 @@ DEFAULT_BLOCK_TOKENS = (
 )
 BLOCK_EXT = ".spilld-block"
 _KEY_DOMAIN = "spilld-blocks/1"
+
+
+def block_name(key: bytes) -> str:
+    """A new file name for block ``key``: ``<key hex>-<8 random hex>.spilld-block``. The suffix keeps a block
+    written again from sharing a name with the unlink still pending for the old one."""
+    return f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}"
+
+
+def key_of_name(name: str) -> bytes | None:
+    """The block key a file name says (``block_name``'s rule), or None for a name that is not a block's."""
+    if not name.endswith(BLOCK_EXT):
+        return None
+    try:
+        key = bytes.fromhex(name.split("-", 1)[0])
+    except ValueError:
+        return None
+    return key if len(key) == fmt.KEY_LEN else None
 
 
 def is_positional(entry: fmt.CacheEntry, provider: str) -> bool:

@@ -511,12 +511,12 @@ class Store:
 
     def _scan_block(self, path: str, name: str, reap: bool) -> None:
         """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
-        try:
-            key = bytes.fromhex(name.split("-", 1)[0])
-            size = os.stat(path).st_size
-        except (ValueError, OSError):
+        key = blocks.key_of_name(name)
+        if key is None:
             return
-        if len(key) != fmt.KEY_LEN:
+        try:
+            size = os.stat(path).st_size
+        except OSError:
             return
         if key in self._blocks:  # two puts wrote the same block: keep one
             if reap:
@@ -736,7 +736,7 @@ class Store:
         """A file found bad outside a read (the scrub): moved aside; a bad block takes every entry naming it out
         of the index. False if the store no longer holds that file (evicted meanwhile)."""
         name = os.path.basename(path)
-        rec = self._blocks.get(bytes.fromhex(name.split("-", 1)[0])) if name.endswith(BLOCK_EXT) else None
+        rec = self._blocks.get(key) if (key := blocks.key_of_name(name)) is not None else None
         if rec is not None and rec.path == path:
             self._take_out_block(rec)
         elif path not in self._by_path:
@@ -923,7 +923,7 @@ class Store:
             for i, key in enumerate(cut.keys):
                 rec = self._blocks.get(key)
                 if rec is None:
-                    bpath = os.path.join(folder, f"{key.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}")
+                    bpath = os.path.join(folder, blocks.block_name(key))
                     block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
                     result = await self._write(bpath, ident, block, sync_folder=False, **kw)
                     rec = self._add_block(key, bpath, result.file_bytes)
@@ -971,7 +971,7 @@ class Store:
         self.claim_folder(folder)
         try:
             await self._make_folder(folder)
-            names = {k: os.path.join(folder, f"{k.hex()}-{secrets.token_hex(4)}{BLOCK_EXT}") for k in new}
+            names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
             done = await asyncio.gather(
                 *(off_loop(functools.partial(self._write_file, names[k], fetched[k]), background=True) for k in new),
                 return_exceptions=True,

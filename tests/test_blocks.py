@@ -22,7 +22,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import spilld
-from spilld import errors
+from spilld import blocks, errors
 from spilld import format as fmt
 from spilld.blocks import BLOCK_EXT, positional_slots
 from spilld.client import AsyncClient
@@ -732,3 +732,12 @@ async def test_a_longer_v1_entry_beats_a_shorter_chain_of_blocks(tmp_path: Path)
     await s.put(other, conversation(other), IDENT)
     hit = s.lookup(IDENT, "", [*long, 1])
     assert isinstance(hit, Hit) and hit.entry.path == v1 and hit.matched == 60
+
+
+def test_block_file_names_say_their_key_and_nothing_else_passes() -> None:
+    key = bytes(range(32))
+    a, b = blocks.block_name(key), blocks.block_name(key)
+    assert a != b and blocks.key_of_name(a) == key == blocks.key_of_name(b)
+    for name in ("x" * 64 + "-00.spilld-block", key.hex()[:-2] + "-00.spilld-block", key.hex() + "-00.spilld",
+                 "-" + key.hex() + ".spilld-block"):  # fmt: skip
+        assert blocks.key_of_name(name) is None, name
