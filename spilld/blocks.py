@@ -188,3 +188,16 @@ def rows_slot(s: fmt.Slot, rows: int) -> fmt.Slot:
     for d in shape:
         nbytes *= d
     return fmt.Slot(0, nbytes, shape, s.dtype)
+
+
+def after_held(header: fmt.Header, held: int) -> list[tuple[fmt.Slot, int]]:
+    """Each tensor's slot as sent when the daemon holds the blocks of the first ``held`` tokens, with the row it
+    starts at: a positional tensor cut to its rows from ``held`` on, any other whole (row 0). ``ValueError`` if a
+    positional tensor has fewer than ``held`` rows."""
+    out = [(s, 0) for s in header.slots()]
+    for i in positional_slots(header) if held else ():
+        s = out[i][0]
+        if s.shape[-2] < held:
+            raise ValueError(f"{held} rows held of a tensor of {s.shape[-2]}")
+        out[i] = (rows_slot(s, s.shape[-2] - held), held)
+    return out

@@ -563,16 +563,15 @@ def _drop(fut: asyncio.Future[Any]) -> None:
 
 def _unheld(header: fmt.Header, sources: list[AnySource], held: Any) -> list[tuple[fmt.Slot, AnySource]]:
     """Each tensor's slot and source, its positional ones cut to the rows after the ``held`` the daemon has."""
-    out = list(zip(header.slots(), sources, strict=True))
     if type(held) is not int or held <= 0:
-        return out
-    for i in blocks.positional_slots(header):
-        slot, src = out[i]
-        rows = slot.shape[-2] - held
-        if rows < 0:
-            raise errors.ProtocolError(f"the daemon holds {held} rows of a tensor of {slot.shape[-2]}")
-        out[i] = (blocks.rows_slot(slot, rows), src.row_slice(held, rows))
-    return out
+        return list(zip(header.slots(), sources, strict=True))
+    try:
+        cut = blocks.after_held(header, held)
+    except ValueError as exc:
+        raise errors.ProtocolError(f"the daemon holds more rows than the spill has: {exc}") from None
+    return [
+        (s, src.row_slice(start, s.shape[-2]) if start else src) for (s, start), src in zip(cut, sources, strict=True)
+    ]
 
 
 def _fill(seg: memoryview, runs: list[memoryview]) -> tuple[int, list[memoryview]]:

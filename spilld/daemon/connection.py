@@ -37,9 +37,7 @@ class Incoming:
         self.header, self.droppable, self.key, self.pin = header, droppable, key, pin
         self.slots = header.slots()
         self.held_rows = held_rows  # rows of its positional caches the daemon holds as blocks: not sent
-        self.expect = [s.nbytes for s in self.slots]  # the bytes each tensor is sent
-        for i in blocks.positional_slots(header) if held_rows else ():
-            self.expect[i] = blocks.rows_slot(self.slots[i], self.slots[i].shape[-2] - held_rows).nbytes
+        self.expect = [s.nbytes for s, _ in blocks.after_held(header, held_rows)]  # the bytes each tensor is sent
         self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
         self.last = asyncio.get_running_loop().time()  # when it last received something
         self.released = False  # its bytes were handed back to the daemon's count
@@ -455,11 +453,8 @@ class Received:
 
     def sources(self) -> list[BytesSource]:
         """Each tensor's received bytes as a source; positional ones start at ``held_rows``."""
-        out = [BytesSource(c, s.shape) for c, s in zip(self.chunks, self.header.slots(), strict=True)]
-        for i in blocks.positional_slots(self.header) if self.held_rows else ():
-            shape = out[i].shape
-            out[i] = BytesSource(out[i].chunks, (*shape[:-2], shape[-2] - self.held_rows, shape[-1]), self.held_rows)
-        return out
+        cut = blocks.after_held(self.header, self.held_rows)
+        return [BytesSource(c, s.shape, start) for c, (s, start) in zip(self.chunks, cut, strict=True)]
 
 
 def received_bytes(item: SpillItem) -> int:
