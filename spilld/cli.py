@@ -916,9 +916,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--remote-cluster", action="store_true", help="the --remote URL names a node of a Redis Cluster")
     srv.add_argument(
         "--remote-push",
-        choices=["all", "none"],
+        choices=["all", "evicted", "none"],
         default="all",
-        help="all (default): push every entry stored with blocks; none: only fetch",
+        help="all (default): push every entry stored with blocks; evicted: push an entry when this disk evicts it "
+        "(the shared tier keeps what this host cannot); none: only fetch",
     )
     srv.add_argument(
         "--remote-ttl",

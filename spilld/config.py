@@ -153,7 +153,7 @@ class Config:
     scrub_every: float = DEFAULT_SCRUB_INTERVAL_S  # a scrub pass starts at most this often
     remote: str | None = None  # the shared tier: redis://HOST:PORT/DB, rediss://..., unix:///path (None: none)
     remote_cluster: bool = False  # the URL names a node of a Redis Cluster
-    remote_push: str = "all"  # all: push every entry stored with blocks; none: fetch only
+    remote_push: str = "all"  # all: every entry stored with blocks; evicted: each one the disk evicts; none: fetch only
     remote_ttl: int | None = None  # seconds a pushed key lives unless used (refreshed on every fetch)
     remote_password_file: str | None = None  # else $SPILLD_REMOTE_PASSWORD (never on the command line)
     remote_key_file: str | None = None  # encrypt everything pushed (AES-GCM, a key per namespace)

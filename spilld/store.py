@@ -305,6 +305,12 @@ class StoreListener(Protocol):
     def reclaimed(self, block: Block) -> None:
         """``block`` left the store (no manifest names it any more). Called on the store's loop; must not block."""
 
+    def evicted(self, entry: Entry, named: list[Block]) -> None:
+        """``entry`` was evicted (the disk cap or a namespace quota): out of the index, its file (and those of its
+        blocks no other entry names) about to be unlinked; ``named``: the blocks it names. A listener that wants
+        their bytes calls ``Store.keep_file`` now and ``release_file`` once it has read them. Called on the
+        store's loop; must not block."""
+
 
 @dataclass
 class StoreCounters:
@@ -381,6 +387,8 @@ class Store:
         self._block_bytes = 0
         self._ns_bytes: Counter[str] = Counter()  # per namespace folder name (its hash): what a quota counts
         self._doomed: list[str] = []  # files whose entries left the index, still to unlink (off the loop)
+        self._kept: Counter[str] = Counter()  # files a listener reads before they may be unlinked (keep_file)
+        self._deferred: set[str] = set()  # doomed files whose unlink waits for their release_file
         self._busy: Counter[str] = Counter()  # folders a save writes into: never removed as empty
         self._folders = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
         self._error_run = 0  # writes failed in a row
@@ -1167,11 +1175,28 @@ class Store:
                 n += 1
         return n
 
-    def _evict(self, e: Entry) -> None:
-        """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed."""
+    def _evict(self, e: Entry, tell: bool = True) -> None:
+        """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed;
+        listeners told (``StoreListener.evicted``) unless ``tell`` is False (room for a write: unlinked at once)."""
+        named = [rec for k in e.blocks if (rec := self._blocks.get(k)) is not None]
         self._remember_evicted(e)
         self._remove(e)
         self.counters.evicted += 1
+        for listener in self.listeners if tell else ():
+            listener.evicted(e, named)
+
+    def keep_file(self, path: str) -> None:
+        """Hold off the unlink of ``path`` (a file of an entry just evicted) until as many ``release_file``."""
+        self._kept[path] += 1
+
+    def release_file(self, path: str) -> None:
+        """One ``keep_file`` of ``path`` done: once none is left, a doomed file joins those to unlink."""
+        self._kept[path] -= 1
+        if self._kept[path] <= 0:
+            del self._kept[path]
+            if path in self._deferred:
+                self._deferred.discard(path)
+                self._doomed.append(path)
 
     def _evict_order(self, entries: Iterable[Entry]) -> list[Entry]:
         """Least recently used first, pinned entries last: the newest pins, as long as they fit the pin cap (with
@@ -1249,7 +1274,7 @@ class Store:
         for e in self._evict_order(self._by_path.values()):
             if gone and start - self.total_bytes >= nbytes:
                 break
-            self._evict(e)
+            self._evict(e, tell=False)  # the disk is full: its files must go now, not after a listener reads them
             gone += 1
         return gone > 0
 
@@ -1274,6 +1299,9 @@ class Store:
 
     def _take_doomed(self) -> list[str]:
         doomed, self._doomed = self._doomed, []
+        if self._kept:  # a listener still reads these: unlinked at their release_file
+            self._deferred.update(p for p in doomed if p in self._kept)
+            doomed = [p for p in doomed if p not in self._kept]
         return doomed
 
     def _delete_doomed(self) -> None:

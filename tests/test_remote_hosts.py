@@ -371,3 +371,37 @@ async def test_two_hosts_share_over_tls_and_a_host_that_distrusts_the_server_get
     finally:
         server.kill()
         server.wait(10)
+
+
+@pytest.mark.asyncio
+async def test_push_evicted_pushes_only_what_the_disk_evicts_and_another_host_restores_it(
+    server: RedisServer, model: Any
+) -> None:
+    """``--remote-push evicted``: a stored entry is not pushed; once the disk cap evicts it, it is (its blocks,
+    their refs, the manifest, the root), its files are unlinked after they were read, and another host restores
+    it exactly."""
+    async with hosts(model, [server.url, "--remote-push", "evicted", "--disk-cap", "600KiB"], [server.url]) as (
+        (a, ca),
+        (_b, cb),
+    ):
+        first = random_tokens(5 * B + 7, seed=11)
+        cache = prefill(model, make_prompt_cache, first)
+        assert (await ca.spill(first, cache, droppable=False)).stored
+        await asyncio.sleep(0.5)
+        r = (await ca.status())["remote"]
+        assert r["push"] == "evicted" and r["pushed"] == 0 and r["queue"]["len"] == 0  # stored, kept here: not pushed
+        mine = set(blocks_on_disk(a.dir))
+        assert len(mine) == 5
+        second = random_tokens(5 * B + 7, seed=12)
+        assert (await ca.spill(second, prefill(model, make_prompt_cache, second), droppable=False)).stored
+        r = await pushed(ca, 5 + 5 + 2)  # the evicted entry's blocks, their refs, its manifest and the root
+        assert r["pushed"] == 12 and r["evicted_skipped"] == 0
+        st = (await ca.status())["store"]
+        assert st["evicted"] == 1 and st["entries"] == 1
+        assert not mine & set(blocks_on_disk(a.dir))  # its files went once they were read
+        assert len(manifests_on_disk(a.dir)) == 1
+        got = await cb.load([*first, 3])
+        assert got is not None and got.tokens == first
+        want = next_logits(model, cache, 3)
+        assert equal(next_logits(model, got.caches, 3), want)
+        assert not equal(next_logits(model, prefill(model, make_prompt_cache, second), 3), want)  # negative control

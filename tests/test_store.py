@@ -768,3 +768,44 @@ async def test_lookup_compares_only_entries_that_start_like_the_prompt(tmp_path:
     assert isinstance(hit, Hit) and hit.matched == 4
     miss = await s.lookup_async(IDENT, "", [5, 6, 7])
     assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+
+class Keeper:
+    """A store listener that keeps each evicted entry's files (as the remote tier's ``evicted`` push does)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.kept: list[str] = []
+
+    def stored(self, entry: Any, written: Any, root: bytes) -> None:
+        pass
+
+    def reclaimed(self, block: Any) -> None:
+        pass
+
+    def evicted(self, entry: Any, named: list[Any]) -> None:
+        for p in [entry.path, *(b.path for b in named)]:
+            self.store.keep_file(p)
+            self.kept.append(p)
+
+
+@pytest.mark.asyncio
+async def test_an_evicted_entrys_files_wait_for_their_listener_before_their_unlink(tmp_path: Path) -> None:
+    """A listener told of an eviction keeps the entry's files (its manifest and its blocks) on disk until it
+    releases them; then they go. An eviction for room after ENOSPC tells no listener: its files go at once."""
+    s = Store(tmp_path / "root", block_tokens=16)
+    keeper = Keeper(s)
+    s.listeners.append(keeper)
+    await s.put(toks(40), kv_layers(40), IDENT)
+    s.disk_cap = s.total_bytes + s.total_bytes // 2
+    await s.put(toks(40, start=5000), kv_layers(40, seed=3), IDENT)  # evicts the first
+    assert s.counters.evicted == 1 and len(keeper.kept) == 3  # its manifest and its 2 blocks
+    assert all(os.path.exists(p) for p in keeper.kept)  # unlinked? not yet: the listener still reads them
+    for p in keeper.kept:
+        s.release_file(p)
+    await s.delete_doomed_async()
+    assert not any(os.path.exists(p) for p in keeper.kept)
+    keeper.kept.clear()
+    assert s.make_room(1)  # ENOSPC: the room must be made now
+    await s.delete_doomed_async()
+    assert keeper.kept == [] and s.count == 0

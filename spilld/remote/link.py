@@ -37,7 +37,8 @@ from .tier import EventKind, RemoteTier
 
 log = logging.getLogger("spilld.remote")
 
-PUSH_MODES = ("all", "none")  # all: every entry stored with blocks is pushed; none: fetch only
+PUSH_MODES = ("all", "evicted", "none")  # every entry stored with blocks; those the disk evicts; none: fetch only
+EVICTED_IN_FLIGHT = 8  # evicted entries whose files are kept for their push at once (more are not pushed)
 MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming more is not fetched: a miss)
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
@@ -64,6 +65,8 @@ class RemoteLink:
         self._roots: dict[bytes, tuple[bytes, bool]] = {}  # layout space -> (root key, whole): learnt once
         self._pushing: set[asyncio.Task[Any]] = set()  # pushes being read and queued, events being published
         self._gone: dict[str, list[bytes]] = {}  # blocks reclaimed this loop turn, by namespace
+        self._evicting: set[asyncio.Task[Any]] = set()  # evicted entries being read and queued
+        self.evicted_skipped = 0  # evicted entries not pushed: too many in flight, or the tier not taking pushes
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
         if push != "none":
@@ -72,12 +75,51 @@ class RemoteLink:
     # --- push ---------------------------------------------------------------------------------------------
 
     def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
-        """A store listener: queue the pushes of ``entry`` (its files are read off the loop)."""
-        task = asyncio.get_running_loop().create_task(self._push(entry, list(written), root))
-        self._pushing.add(task)
-        task.add_done_callback(self._pushing.discard)
+        """A store listener: queue the pushes of ``entry`` (its files are read off the loop); with ``evicted``,
+        only say on the stream that this host holds its new blocks."""
+        self._spawn(self._stored(entry, list(written), root), self._pushing)
 
-    async def _push(self, entry: Entry, written: list[Block], root: bytes) -> None:
+    def evicted(self, entry: Entry, named: list[Block]) -> None:
+        """A store listener: with ``evicted``, push the entry and the blocks it names, its files kept from their
+        unlink until they are read (at most ``EVICTED_IN_FLIGHT`` entries at once; a tier not taking pushes
+        gets none)."""
+        if self.push != "evicted" or not entry.blocks:
+            return
+        if len(self._evicting) >= EVICTED_IN_FLIGHT or not self.tier.taking_pushes:
+            self.evicted_skipped += 1
+            return
+        paths = [entry.path, *(rec.path for rec in named)]
+        for p in paths:
+            self.store.keep_file(p)
+        self._spawn(self._push_evicted(entry, named, paths), self._evicting)
+
+    def _spawn(self, work: Any, into: set[asyncio.Task[Any]]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        into.add(task)
+        task.add_done_callback(into.discard)
+
+    async def _stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
+        if self.push == "all" and not await self._push(entry, written, root):
+            return
+        if written:
+            await self.tier.publish_event(EventKind.STORED, entry.namespace, [r.key for r in written], self.host)
+
+    async def _push_evicted(self, entry: Entry, named: list[Block], paths: list[str]) -> None:
+        try:
+            manifest = await off_loop(functools.partial(_read, entry.path), background=True)
+            header = header_from_bytes(manifest, len(manifest))
+            await self._push(entry, named, blocks.header_root(header, entry.block_size), manifest)
+        except (OSError, errors.SpillError) as exc:  # not readable: nothing of it is pushed
+            log.debug("evicted entry %s not pushed: %s", entry.path, exc)
+        finally:
+            for p in paths:
+                self.store.release_file(p)
+            await self.store.delete_doomed_async()
+
+    async def _push(self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None = None) -> bool:
+        """Offer ``recs`` (each with a reference to the entry's last block), the entry's manifest and its layout's
+        root: False if a file could not be read (evicted or superseded meanwhile: what was not read is not
+        pushed)."""
         ns = entry.namespace
         space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
         if self._roots.get(space) != (root, entry.whole) and self.tier.offer(
@@ -86,16 +128,15 @@ class RemoteLink:
             self._roots[space] = (root, entry.whole)
         last = entry.blocks[-1]
         try:
-            for rec in written:
+            for rec in recs:
                 self.tier.offer(ns, rec.key, await off_loop(functools.partial(_read, rec.path), background=True))
                 self.tier.offer(ns, rec.key, last, Kind.REF)
-            self.tier.offer(
-                ns, last, await off_loop(functools.partial(_read, entry.path), background=True), Kind.MANIFEST
-            )
-        except OSError:  # evicted or superseded meanwhile: what was not read is not pushed
-            return
-        if written:
-            await self.tier.publish_event(EventKind.STORED, ns, [r.key for r in written], self.host)
+            if manifest is None:
+                manifest = await off_loop(functools.partial(_read, entry.path), background=True)
+        except OSError:
+            return False
+        self.tier.offer(ns, last, manifest, Kind.MANIFEST)
+        return True
 
     def reclaimed(self, block: Block) -> None:
         """A store listener: say on the namespace's stream that this host no longer holds ``block`` (batched:
@@ -115,8 +156,8 @@ class RemoteLink:
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait for the pushes being read and queued, then for the tier's queue."""
-        if self._pushing:
-            await asyncio.wait(list(self._pushing), timeout=timeout_s)
+        if work := self._pushing | self._evicting:
+            await asyncio.wait(list(work), timeout=timeout_s)
         return await self.tier.drain(timeout_s)
 
     # --- fill ---------------------------------------------------------------------------------------------
@@ -200,7 +241,7 @@ class RemoteLink:
     async def close(self, timeout_s: float) -> None:
         """Push what is queued within ``timeout_s``, then stop the tier."""
         await self.drain(timeout_s)
-        for t in list(self._pushing):
+        for t in list(self._pushing | self._evicting):
             t.cancel()
         await self.tier.close()
 
@@ -209,7 +250,8 @@ class RemoteLink:
             "push": self.push,
             "fills": self.fills,
             "fill_misses": dict(self.fill_misses),
-            "pushing": len(self._pushing),
+            "pushing": len(self._pushing) + len(self._evicting),
+            "evicted_skipped": self.evicted_skipped,
         }
 
 

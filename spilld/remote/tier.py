@@ -128,6 +128,11 @@ class RemoteTier:
             return "stopped"
         return self.breaker.state.value
 
+    @property
+    def taking_pushes(self) -> bool:
+        """Whether ``offer`` may queue now (not disabled, not stopped, the breaker not open)."""
+        return self.state not in ("disabled", "stopped", State.OPEN.value)
+
     # --- lookups ------------------------------------------------------------------------------------------
 
     async def probe_chain(self, namespace: str, keys: Sequence[bytes]) -> int:
@@ -183,9 +188,7 @@ class RemoteTier:
         """Queue a push for the background worker; never waits. When the queue is full the oldest pushes are
         dropped (counted). False, at once, while the tier is disabled, stopped or its breaker open."""
         rkeys.value_key(namespace, key, kind)  # a malformed key is the caller's bug: say so now
-        if self.state in ("disabled", "stopped", State.OPEN.value) or not self.queue.offer(
-            Push(namespace, key, data, kind)
-        ):
+        if not self.taking_pushes or not self.queue.offer(Push(namespace, key, data, kind)):
             self.stats.offers_refused += 1
             return False
         return True
