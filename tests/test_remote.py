@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+import tests.redis_servers as tests_redis
 from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
 from spilld.remote.breaker import Breaker, State
 from spilld.remote.crypto import Sealer
@@ -495,5 +497,58 @@ async def test_cluster_node_killed_is_a_miss_never_an_error() -> None:
                 tier.offer(NS, chain(1, k)[0], b"v")
             assert await tier.drain(30)
             assert sum(tier.counters()["push_failed"].values()) > 0 or tier.counters()["offers_refused"] > 0
+        finally:
+            await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_cluster_resharding_mid_test_is_a_miss_never_an_error() -> None:
+    """Every slot of one master moves to another (``redis-cli --cluster reshard``, keys migrated) while the tier
+    fetches and probes: each answer is the value pushed or a miss, never an error or other bytes; afterwards every
+    key is found on its new master and pushes go on."""
+    ks = chain(60)
+    with redis_cluster(3) as cl:
+        tier = await started(relaxed(cl.url, cluster=True))
+        try:
+            for k in ks:
+                assert await tier.push(NS, k, k * 2)
+            before = cl.dbsizes()
+            assert before[0] > 0 and sum(before) == len(ks)
+            ids = []
+            for n in cl.nodes:
+                with n.client() as c:
+                    ids.append(c.execute_command("CLUSTER", "MYID"))
+            ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+            with cl.nodes[0].client() as c:
+                ranges = c.execute_command("CLUSTER", "SLOTS")  # [start, end, [host, port, id], ...] each
+            owner = lambda r: r[2][2].decode() if isinstance(r[2][2], bytes) else str(r[2][2])  # noqa: E731
+            slots = sum(r[1] - r[0] + 1 for r in ranges if owner(r) == ids[0])
+            assert slots > 0
+            assert tests_redis.REDIS_CLI
+            cmd = [
+                tests_redis.REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{cl.nodes[0].port}",
+                "--cluster-from", ids[0], "--cluster-to", ids[1], "--cluster-slots", str(slots), "--cluster-yes",
+            ]  # fmt: skip
+            reshard = asyncio.ensure_future(
+                asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+            )  # fmt: skip
+            rounds = misses = 0
+            while not reshard.done():
+                got = await tier.fetch(NS, ks)
+                assert all(v in (None, k * 2) for v, k in zip(got, ks, strict=True))
+                misses += sum(v is None for v in got)
+                assert 0 <= await tier.probe_chain(NS, ks) <= len(ks)
+                rounds += 1
+            done = reshard.result()
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            assert rounds > 0
+            after = cl.dbsizes()
+            assert after[0] == 0 and sum(after) == len(ks), after  # every key moved with its slot
+            assert await tier.fetch(NS, ks) == [k * 2 for k in ks]
+            assert await tier.probe_chain(NS, ks) == len(ks)
+            fresh = chain(5, b"after")
+            for k in fresh:
+                assert await tier.push(NS, k, k)
+            assert await tier.fetch(NS, fresh) == fresh
         finally:
             await tier.close()
