@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .entries import Miss, MissReason
 from .format import GenerationCheckpoint
-from .store import Miss, MissReason
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Client

@@ -278,8 +278,8 @@ def store_files(root: str) -> list[tuple[str, str]]:
 def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Header | None]:
     """(why it is bad or None, its header): every hash, and for a store's file, that it sits in its identity's
     folder."""
+    from .entries import identity_fingerprint
     from .loader import verify_file
-    from .store import identity_fingerprint
 
     try:
         h = verify_file(path)

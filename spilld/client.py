@@ -32,6 +32,7 @@ from .api import Deadline, Hit
 from .assemble import beside
 from .codecs import CodecProvider, default_provider
 from .config import default_socket
+from .entries import Miss, MissReason, check_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
 from .loopthread import LoopThread
@@ -40,7 +41,6 @@ from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
 from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes
 from .shm import ShmPool
 from .snapshot import item_bytes, new_item, on_loop, planned, snapshot_of, threadsafe
-from .store import Miss, MissReason, check_namespace
 
 log = logging.getLogger("spilld.client")
 T = TypeVar("T")

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import format as fmt
 from .codecs import CodecProvider
+from .entries import check_namespace, checkpoint_namespace
 from .queue import Settled, SpillItem, held_bytes
 from .saver import (
     AnySource,
@@ -29,7 +30,6 @@ from .saver import (
     plan,
     token_ids_now,
 )
-from .store import check_namespace, checkpoint_namespace
 
 Plan = tuple[fmt.Header, list[AnySource]]
 

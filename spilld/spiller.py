@@ -21,12 +21,13 @@ from . import api, fileio
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .codecs import CodecProvider, default_provider
+from .entries import Hit, Miss, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .queue import DrainReport, Settled, SpillItem, SpillQueue
 from .saver import Attachment, Staging
 from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
-from .store import Hit, Miss, Store, check_namespace, checkpoint_namespace
+from .store import Store
 
 log = logging.getLogger("spilld.spiller")
 

@@ -22,13 +22,9 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-import msgpack
 import numpy as np
-import xxhash
 
 from . import assemble, blocks, errors, fileio, validate
 from . import format as fmt
@@ -36,9 +32,23 @@ from .admission import Admission
 from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
 from .config import DEFAULT_IO_TIMEOUT_S
+from .entries import (
+    Block,
+    Entry,
+    Hit,
+    Miss,
+    MissReason,
+    StoreCounters,
+    StoreListener,
+    Wear,
+    checkpoint_namespace,
+    identity_fingerprint,
+    namespace_hash,
+)
 from .lease import RunStep, off_loop, within
 from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
+from .matching import Found, Query, common_prefix, start_key
 from .queue import unpin
 from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
 from .validate import validate_header
@@ -54,135 +64,14 @@ QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the o
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
 PINS_FILE = ".spilld-pins"  # in the root: the pinned entries' paths, relative to the root, one a line
 DEFAULT_DISK_CAP = 64 * 1024**3
-CHECKPOINT_NS_PREFIX = "\0checkpoint:"
 EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of the event loop
 STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
-
-
-def identity_fingerprint(ident: fmt.Identity) -> str:
-    """The folder of one model: its config fingerprint, tokenizer and model id, hashed."""
-    blob = msgpack.packb([ident.model_id, ident.config_fingerprint, ident.tokenizer_hash])
-    return xxhash.xxh3_64_hexdigest(blob)
-
-
-def namespace_hash(namespace: str) -> str:
-    return xxhash.xxh3_64_hexdigest(namespace.encode()) if namespace else "base"
-
-
-def checkpoint_namespace(key: str) -> str:
-    return CHECKPOINT_NS_PREFIX + key
-
-
-def check_namespace(namespace: str) -> str:
-    """Caller namespaces may not pose as checkpoint namespaces."""
-    if namespace.startswith(CHECKPOINT_NS_PREFIX):
-        raise ValueError("namespaces starting with the checkpoint prefix are reserved")
-    return namespace
 
 
 def default_disk_cap(root: str) -> int:
     """The smaller of 64 GiB and a quarter of the free space at start."""
     os.makedirs(root, exist_ok=True)
     return min(DEFAULT_DISK_CAP, shutil.disk_usage(root).free // 4)
-
-
-WEAR_BUCKET_S = 3600  # bytes written are counted per hour, for the last day and week
-
-
-class Wear:
-    """Bytes this store wrote, per hour, for the last 7 days (in memory: a restart starts a new count)."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        self._hours: dict[int, int] = {}
-
-    def add(self, nbytes: int) -> None:
-        hour = int(self._clock() // WEAR_BUCKET_S)
-        self._hours[hour] = self._hours.get(hour, 0) + nbytes
-        for h in [h for h in self._hours if h <= hour - 7 * 24]:
-            del self._hours[h]
-
-    def _since(self, hours: int) -> int:
-        now = int(self._clock() // WEAR_BUCKET_S)
-        return sum(n for h, n in self._hours.items() if h > now - hours)
-
-    def last_day(self) -> int:
-        return self._since(24)
-
-    def last_week(self) -> int:
-        return self._since(7 * 24)
-
-
-class MissReason(StrEnum):
-    NO_ENTRY = "no_entry"
-    IDENTITY_MISMATCH = "identity_mismatch"
-    CODEC_MISMATCH = "codec_mismatch"  # the model's entries were written by another codec provider
-    UNTRIMMABLE = "untrimmable"
-    EVICTED = "evicted"
-    CORRUPT = "corrupt"
-    IO_TIMEOUT = "io_timeout"  # the read did not return within the store's I/O deadline (a hung disk)
-
-
-@dataclass(eq=False)
-class Entry:
-    path: str
-    fingerprint: str
-    namespace: str
-    tokens: np.ndarray
-    nbytes: int
-    trimmable: bool
-    min_reusable: int
-    last_used: float
-    checkpoint: fmt.GenerationCheckpoint | None = None
-    codec_provider: str = ""
-    blocks: list[bytes] = field(default_factory=list)  # v2: the prefix blocks it names, in order
-    block_size: int = 0
-    whole: bool = False  # every cache positional: its blocks alone restore a prefix (attachments aside)
-
-    @property
-    def ntokens(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass(eq=False)
-class Block:
-    """A prefix block on disk, and the manifests that name it (it goes when none does)."""
-
-    key: bytes
-    path: str
-    nbytes: int
-    refs: set[str] = field(default_factory=set)  # paths of the manifests that name it
-    pins: int = 0  # puts that will name it once their manifest is published
-    namespace: str = ""  # of the manifests that name it (keys include the namespace: one per block)
-
-
-@dataclass
-class Hit:
-    entry: Entry
-    matched: int  # tokens usable from this entry (the entry is cut back to this on load)
-    blocks_only: bool = False  # restore ``matched`` tokens from the entry's blocks alone (another conversation's)
-
-    @property
-    def trimmed(self) -> bool:
-        return self.matched < self.entry.ntokens
-
-
-@dataclass
-class Miss:
-    reason: MissReason
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
-def _start_key(namespace: str, tokens: np.ndarray) -> tuple[str, int]:
-    """Where an entry sits in the lookup index: only entries sharing a prompt's first token can match it."""
-    return namespace, int(tokens[0]) if len(tokens) else -1
 
 
 def _ns_dir(path: str) -> str:
@@ -218,122 +107,6 @@ def _unlink_all(
             last = time.monotonic()
         fileio.remove_quietly(ops, p)
         left, left_bytes = left - 1, left_bytes - sizes.get(p, 0)
-
-
-@dataclass
-class _Found:
-    """What a comparison of a prompt against candidate entries found (computed on any thread)."""
-
-    best: Hit | None = None
-    untrimmable: bool = False
-    foreign: bool = False
-    codec: bool = False  # an entry of this identity, but written by another codec provider
-    evicted: bool = False
-
-
-@dataclass
-class _Query:
-    """A lookup's inputs, taken from the index on its own thread; ``match`` reads only these (and the block
-    index, with single reads that are safe from any thread)."""
-
-    want: np.ndarray
-    fp: str
-    provider_id: str
-    by_start: dict[str, Entry]
-    evicted: list[np.ndarray]
-    roots: list[tuple[bytes, int, bool]]  # (root key, block size, whole) of the layouts stored for this prompt
-    blocks: dict[bytes, Block]
-    by_path: dict[str, Entry]
-
-    def chains(self) -> list[tuple[int, Block, bool]]:
-        """Per stored layout, the longest run of its blocks that starts the prompt: (tokens, last block, whole)."""
-        out = []
-        toks = self.want
-        for root, size, whole in self.roots:
-            key, last, i = root, None, 0
-            while (i + 1) * size <= len(toks) - 1:  # one token must be left to compute
-                key = blocks.next_key(key, toks[i * size : (i + 1) * size].tolist())
-                rec = self.blocks.get(key)
-                if rec is None:
-                    break
-                last, i = rec, i + 1
-            if last is not None:
-                out.append((i * size, last, whole))
-        return out
-
-    def match(self) -> _Found:
-        """Entries with blocks are found through their chain (O(prompt / B) probes, then the manifests naming its
-        last block), entries without through the first-token index; a whole layout's chain alone is a hit too."""
-        found = _Found()
-        limit = len(self.want) - 1
-        chains = self.chains()
-        candidates = list(self.by_start.values())
-        for _, last, _ in chains:
-            candidates += [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None]
-        self._compare(found, candidates, limit)
-        for covered, last, whole in chains:
-            if whole and (found.best is None or found.best.matched < covered):
-                refs = [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None and e.whole]
-                if refs:
-                    found.best = Hit(refs[0], covered, blocks_only=True)
-        if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
-            found.evicted = any(_common_prefix(t, self.want) > 0 for t in self.evicted)
-        return found
-
-    def _compare(self, found: _Found, candidates: list[Entry], limit: int) -> None:
-        for e in candidates:
-            usable = min(_common_prefix(e.tokens, self.want), limit)
-            if usable <= 0:
-                continue
-            if e.fingerprint != self.fp or e.codec_provider != self.provider_id:
-                found.foreign |= e.fingerprint != self.fp
-                found.codec |= e.fingerprint == self.fp
-                continue
-            if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
-                found.untrimmable = True
-                continue
-            best = found.best
-            if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
-                found.best = Hit(e, usable)
-
-
-class StoreListener(Protocol):
-    def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
-        """``entry`` (a manifest) was stored and indexed; ``written``: the blocks its put wrote; ``root``: the
-        root key of its chain. Called on the store's loop; must not block."""
-
-    def reclaimed(self, block: Block) -> None:
-        """``block`` left the store (no manifest names it any more). Called on the store's loop; must not block."""
-
-    def evicted(self, entry: Entry, named: list[Block]) -> None:
-        """``entry`` was evicted (the disk cap or a namespace quota): out of the index, its file (and those of its
-        blocks no other entry names) about to be unlinked; ``named``: the blocks it names. A listener that wants
-        their bytes calls ``Store.keep_file`` now and ``release_file`` once it has read them. Called on the
-        store's loop; must not block."""
-
-
-@dataclass
-class StoreCounters:
-    hits: int = 0
-    misses: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in MissReason})
-    stored: int = 0
-    superseded: int = 0
-    evicted: int = 0
-    quarantined: int = 0
-    quarantine_removed: int = 0  # quarantined files removed to keep the quarantine within its caps
-    reaped_temp: int = 0
-    bytes_written: int = 0  # file bytes published: manifests, blocks and v1 files
-    blocks_written: int = 0
-    blocks_reused: int = 0  # blocks a spill named without writing them (already on disk)
-    blocks_fetched: int = 0  # blocks kept from another tier (the remote one)
-    adopted: int = 0  # manifests kept from another tier
-    blocks_reclaimed: int = 0  # blocks removed because no manifest named them any more
-    dropped_budget: int = 0  # droppable spills shed because the write budget was spent
-    dropped_admit: int = 0  # droppable spills shed by the write gate (their prefix not asked for often enough)
-    unique_added: int = 0  # cache bytes of tokens the store did not hold before (what written bytes are against)
-    quota_evicted: int = 0  # entries evicted to keep their namespace within its quota
-    store_errors: int = 0
-    errors: dict[str, int] = field(default_factory=dict)  # failed puts by error code (disk_full, io_error, ...)
 
 
 class Store:
@@ -587,7 +360,7 @@ class Store:
         if e.blocks:  # found through its chain; supersede finds it through its last block
             self._by_last.setdefault(e.blocks[-1], {})[path] = e
         else:
-            self._by_start.setdefault(_start_key(e.namespace, e.tokens), {})[path] = e
+            self._by_start.setdefault(start_key(e.namespace, e.tokens), {})[path] = e
         return e
 
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
@@ -658,21 +431,21 @@ class Store:
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
         q = self._query(ident, namespace, tokens, codec_provider)
-        found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots else _Found()
+        found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots else Found()
         return self._settle(q, found)
 
-    def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> _Query:
+    def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> Query:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
         if self.admission is not None:
             self.admission.asked(self._ask_scope(ident, namespace), want)
         prov = provider or self.provider_id
-        group = self._by_start.get(_start_key(namespace, want), {}) if len(want) > 1 else {}
+        group = self._by_start.get(start_key(namespace, want), {}) if len(want) > 1 else {}
         roots = [(r, size, whole) for r, (size, whole) in self._roots.get((fp, namespace, prov), {}).items()]
         evicted = list(self._evicted.get((fp, namespace), ()))
-        return _Query(want, fp, prov, group, evicted, roots if len(want) > 1 else [], self._blocks, self._by_path)
+        return Query(want, fp, prov, group, evicted, roots if len(want) > 1 else [], self._blocks, self._by_path)
 
-    def _settle(self, q: _Query, found: _Found) -> Hit | Miss:
+    def _settle(self, q: Query, found: Found) -> Hit | Miss:
         if found.best is not None:
             if found.best.entry.path in self._by_path:
                 return found.best
@@ -1132,7 +905,7 @@ class Store:
         """Remove the entries ``new`` replaces (exact copies; prefixes it extends): the most tokens one held."""
         # an entry with blocks that is a prefix of this one ends at one of its blocks (keys chain the whole prefix)
         held = 0
-        cands = list(self._by_start.get(_start_key(new.namespace, new.tokens), {}).values())
+        cands = list(self._by_start.get(start_key(new.namespace, new.tokens), {}).values())
         for k in new.blocks:
             cands += self._by_last.get(k, {}).values()
         for e in cands:
@@ -1140,14 +913,14 @@ class Store:
                 continue
             if e.codec_provider != new.codec_provider:
                 continue  # another engine's codecs: its readers cannot use ours
-            exact = e.ntokens == new.ntokens and _common_prefix(e.tokens, new.tokens) == new.ntokens
+            exact = e.ntokens == new.ntokens and common_prefix(e.tokens, new.tokens) == new.ntokens
             ancestor = (
                 e.ntokens < new.ntokens
                 and new.trimmable
                 and not has_attachments
                 and e.checkpoint is None
                 and new.min_reusable <= e.ntokens
-                and _common_prefix(e.tokens, new.tokens) == e.ntokens
+                and common_prefix(e.tokens, new.tokens) == e.ntokens
             )
             if exact or ancestor:
                 self.counters.superseded += 1
@@ -1290,7 +1063,7 @@ class Store:
             if e.blocks:
                 _pop(self._by_last, e.blocks[-1], e.path)
             else:
-                _pop(self._by_start, _start_key(e.namespace, e.tokens), e.path)
+                _pop(self._by_start, start_key(e.namespace, e.tokens), e.path)
 
     def _remove(self, e: Entry) -> None:
         """Out of the index now; the file joins those to delete."""

@@ -13,7 +13,8 @@ from mlx_lm.models import cache as C
 import spilld
 import spilld.loader as L
 from spilld import errors
-from spilld.store import Hit, Store
+from spilld.entries import Hit
+from spilld.store import Store
 
 IDENT = spilld.Identity("block-load")
 ROWS = 1000  # 62 blocks of 16 and a tail of 8

@@ -26,9 +26,10 @@ from spilld import blocks, errors
 from spilld import format as fmt
 from spilld.blocks import BLOCK_EXT, positional_slots
 from spilld.client import AsyncClient
+from spilld.entries import Hit, Miss, MissReason, identity_fingerprint, namespace_hash
 from spilld.loader import read_header
 from spilld.saver import Attachment, plan
-from spilld.store import Hit, Miss, MissReason, Store, identity_fingerprint, namespace_hash
+from spilld.store import Store
 from tests.blocks_corpus import (
     MODEL_CASES,
     B,

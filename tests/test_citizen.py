@@ -25,10 +25,11 @@ from spilld import errors, fileio
 from spilld.client import AsyncClient
 from spilld.config import Config
 from spilld.daemon import is_served
+from spilld.entries import identity_fingerprint
 from spilld.lockfile import LOCK_NAME, SOCKET_LOCK_SUFFIX, FileLock
 from spilld.service import lifecycle
 from spilld.service.sdnotify import Notifier
-from spilld.store import Store, identity_fingerprint
+from spilld.store import Store
 from tests.caches import fill
 from tests.daemons import Daemon, cleanup, new_root
 

@@ -64,8 +64,8 @@ def test_inspect_and_verify_refuse_a_corrupt_file(tmp_path: Any) -> None:
 
 def place(root: Path, n: int = 1, src: Path = DATA / "kv.spilld") -> list[Path]:
     """Copies of a golden file where a store keeps them (its identity's and namespace's folders)."""
+    from spilld.entries import identity_fingerprint, namespace_hash
     from spilld.loader import read_header
-    from spilld.store import identity_fingerprint, namespace_hash
 
     ident = read_header(src).identity
     folder = root / identity_fingerprint(ident) / namespace_hash(ident.namespace)

@@ -25,8 +25,9 @@ from spilld import errors, fileio
 from spilld.client import AsyncClient
 from spilld.config import Config
 from spilld.daemon import Daemon
+from spilld.entries import Hit, MissReason
 from spilld.queue import Outcome
-from spilld.store import Hit, MissReason, Store
+from spilld.store import Store
 from tests.caches import fill, live, same
 from tests.daemons import cleanup, new_root
 

@@ -33,9 +33,9 @@ from spilld import directio, errors, fileio, shm
 from spilld.client import AsyncClient
 from spilld.config import Config
 from spilld.daemon import Daemon
+from spilld.entries import MissReason
 from spilld.lockfile import LOCK_NAME
 from spilld.queue import Outcome, Settled
-from spilld.store import MissReason
 from tests.caches import chunked, fill, live, same
 from tests.conftest import LONG, open_fds
 from tests.daemons import cleanup, new_root

@@ -278,10 +278,10 @@ async def test_the_example_router_sends_a_prompt_to_the_host_that_holds_it(serve
 
     import msgpack
 
+    from spilld.entries import identity_fingerprint
     from spilld.remote.keys import Kind, value_key
     from spilld.remote.link import root_space
     from spilld.remote.router import PrefixRouter
-    from spilld.store import identity_fingerprint
 
     async with hosts(model, [server.url]) as ((_a, ca),):
         conv = random_tokens(4 * B + 2, seed=61)

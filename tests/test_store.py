@@ -17,19 +17,8 @@ import spilld.loader
 import spilld.saver
 from spilld import fileio
 from spilld import format as fmt
-from spilld.store import (
-    DEFAULT_DISK_CAP,
-    EXT,
-    QUARANTINE,
-    Hit,
-    Miss,
-    MissReason,
-    Store,
-    checkpoint_namespace,
-    default_disk_cap,
-    identity_fingerprint,
-    namespace_hash,
-)
+from spilld.entries import Hit, Miss, MissReason, checkpoint_namespace, identity_fingerprint, namespace_hash
+from spilld.store import DEFAULT_DISK_CAP, EXT, QUARANTINE, Store, default_disk_cap
 from tests.blocks_corpus import files
 from tests.caches import chunked, fill, live, same
 
@@ -666,7 +655,7 @@ async def test_a_foreign_codec_provider_is_a_miss_and_never_quarantined(tmp_path
 
 
 def test_reserved_checkpoint_namespaces_are_refused(tmp_path: Path) -> None:
-    from spilld.store import check_namespace, checkpoint_namespace
+    from spilld.entries import check_namespace, checkpoint_namespace
 
     with pytest.raises(ValueError):
         check_namespace(checkpoint_namespace("k"))
@@ -688,7 +677,7 @@ class _FullOnce(fileio.FileOps):
 
 @pytest.mark.asyncio
 async def test_disk_full_evicts_then_retries(tmp_path: Path) -> None:
-    from spilld.store import MissReason
+    from spilld.entries import MissReason
 
     s = Store(tmp_path, disk_cap=2**40)
     ident = spilld.Identity("m", "cfg", "tok", "")
@@ -738,7 +727,8 @@ async def test_a_write_that_cannot_make_its_folder_is_a_counted_store_error(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from spilld import errors
-    from spilld.store import STORE_ERROR_RUN_LOG, identity_fingerprint
+    from spilld.entries import identity_fingerprint
+    from spilld.store import STORE_ERROR_RUN_LOG
 
     s = Store(tmp_path, disk_cap=2**40)
     (tmp_path / identity_fingerprint(IDENT)).write_bytes(b"a file where the model's folder goes")

@@ -10,8 +10,9 @@ from mlx_lm.models import cache as C
 
 import spilld
 from spilld import errors
+from spilld.entries import WEAR_BUCKET_S, Wear
 from spilld.queue import Outcome
-from spilld.store import WEAR_BUCKET_S, Store, Wear
+from spilld.store import Store
 from tests.caches import fill
 
 IDENT = spilld.Identity("wear")

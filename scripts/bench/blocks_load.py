@@ -30,7 +30,8 @@ import mlx.core as mx
 from mlx_lm.models import cache as C
 
 import spilld
-from spilld.store import Hit, Store
+from spilld.entries import Hit
+from spilld.store import Store
 
 IDENT = spilld.Identity("bench-blocks")
 

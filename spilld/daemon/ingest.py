@@ -15,8 +15,8 @@ from .. import errors
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
+from ..entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 from ..queue import Outcome, SpillItem, SpillQueue
-from ..store import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 from ..validate import validate_header
 from .connection import Connection, Incoming, Received
 

@@ -23,6 +23,7 @@ from .. import __version__, errors, fileio
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
+from ..entries import Hit, MissReason
 from ..lease import off_loop
 from ..lockfile import FileLock
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
@@ -32,7 +33,7 @@ from ..saver import WRITE_BATCH_BYTES, AnySource
 from ..scrub import Scrub
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
-from ..store import Hit, MissReason, Store
+from ..store import Store
 from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, received_bytes
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
 from .listen import bind, socket_lock

@@ -28,8 +28,9 @@ import msgpack
 from .. import blocks, errors
 from .. import format as fmt
 from ..config import Config
+from ..entries import Block, Entry, identity_fingerprint
 from ..lease import off_loop
-from ..store import Block, Entry, Store, identity_fingerprint
+from ..store import Store
 from ..validate import header_from_bytes
 from .config import RemoteConfig
 from .keys import BLOCK_KEY_BYTES, Kind

@@ -1,0 +1,101 @@
+"""A lookup's match of a prompt against the index, computed on any thread from a snapshot of it (``Query``):
+entries with blocks through their key chain, the others through their first token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import blocks
+from .entries import Block, Entry, Hit
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def start_key(namespace: str, tokens: np.ndarray) -> tuple[str, int]:
+    """Where an entry sits in the lookup index: only entries sharing a prompt's first token can match it."""
+    return namespace, int(tokens[0]) if len(tokens) else -1
+
+
+@dataclass
+class Found:
+    """What a comparison of a prompt against candidate entries found (computed on any thread)."""
+
+    best: Hit | None = None
+    untrimmable: bool = False
+    foreign: bool = False
+    codec: bool = False  # an entry of this identity, but written by another codec provider
+    evicted: bool = False
+
+
+@dataclass
+class Query:
+    """A lookup's inputs, taken from the index on its own thread; ``match`` reads only these (and the block
+    index, with single reads that are safe from any thread)."""
+
+    want: np.ndarray
+    fp: str
+    provider_id: str
+    by_start: dict[str, Entry]
+    evicted: list[np.ndarray]
+    roots: list[tuple[bytes, int, bool]]  # (root key, block size, whole) of the layouts stored for this prompt
+    blocks: dict[bytes, Block]
+    by_path: dict[str, Entry]
+
+    def chains(self) -> list[tuple[int, Block, bool]]:
+        """Per stored layout, the longest run of its blocks that starts the prompt: (tokens, last block, whole)."""
+        out = []
+        toks = self.want
+        for root, size, whole in self.roots:
+            key, last, i = root, None, 0
+            while (i + 1) * size <= len(toks) - 1:  # one token must be left to compute
+                key = blocks.next_key(key, toks[i * size : (i + 1) * size].tolist())
+                rec = self.blocks.get(key)
+                if rec is None:
+                    break
+                last, i = rec, i + 1
+            if last is not None:
+                out.append((i * size, last, whole))
+        return out
+
+    def match(self) -> Found:
+        """Entries with blocks are found through their chain (O(prompt / B) probes, then the manifests naming its
+        last block), entries without through the first-token index; a whole layout's chain alone is a hit too."""
+        found = Found()
+        limit = len(self.want) - 1
+        chains = self.chains()
+        candidates = list(self.by_start.values())
+        for _, last, _ in chains:
+            candidates += [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None]
+        self._compare(found, candidates, limit)
+        for covered, last, whole in chains:
+            if whole and (found.best is None or found.best.matched < covered):
+                refs = [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None and e.whole]
+                if refs:
+                    found.best = Hit(refs[0], covered, blocks_only=True)
+        if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
+            found.evicted = any(common_prefix(t, self.want) > 0 for t in self.evicted)
+        return found
+
+    def _compare(self, found: Found, candidates: list[Entry], limit: int) -> None:
+        for e in candidates:
+            usable = min(common_prefix(e.tokens, self.want), limit)
+            if usable <= 0:
+                continue
+            if e.fingerprint != self.fp or e.codec_provider != self.provider_id:
+                found.foreign |= e.fingerprint != self.fp
+                found.codec |= e.fingerprint == self.fp
+                continue
+            if usable < e.ntokens and (not e.trimmable or usable < e.min_reusable):
+                found.untrimmable = True
+                continue
+            best = found.best
+            if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
+                found.best = Hit(e, usable)
