@@ -100,7 +100,8 @@ def test_the_daemon_never_writes_during_a_granting_engines_step(daemon: Daemon) 
 
 def test_without_the_grant_the_daemon_writes_during_engine_steps(daemon: Daemon) -> None:
     overlaps, steps = run(daemon, grant=False)
-    assert steps == SPILLS * 2 * LAYERS + SPILLS
+    # with no grant the daemon's own bytes are written in batches: a lease call per batch, not per step
+    assert SPILLS <= steps < SPILLS * 2 * LAYERS + SPILLS
     assert overlaps > 0  # the negative control: the same measurement does see overlaps
 
 
