@@ -45,7 +45,11 @@ class Admission:
 
     def asked(self, scope: str, tokens: Sequence[int] | np.ndarray) -> None:
         """A lookup of ``tokens`` in ``scope`` (model and namespace): each of its full-block prefixes asked once."""
-        for d in prefix_digests(scope, tokens, self.size, len(tokens) // self.size):
+        self.count(prefix_digests(scope, tokens, self.size, len(tokens) // self.size))
+
+    def count(self, digests: Sequence[bytes]) -> None:
+        """``asked`` with the digests computed already (``prefix_digests``, on any thread)."""
+        for d in digests:
             self._asks[d] = self._asks.get(d, 0) + 1
             self._asks.move_to_end(d)
         while len(self._asks) > self.tracked:

@@ -3,11 +3,12 @@ entries with blocks through their key chain, the others through their first toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import blocks
+from .admission import prefix_digests
 from .entries import Block, Entry, Hit
 
 
@@ -33,6 +34,7 @@ class Found:
     foreign: bool = False
     codec: bool = False  # an entry of this identity, but written by another codec provider
     evicted: bool = False
+    asked: list[bytes] = field(default_factory=list)  # the write gate's digests of the prompt's prefixes
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Query:
     roots: list[tuple[bytes, int, bool]]  # (root key, block size, whole) of the layouts stored for this prompt
     blocks: dict[bytes, Block]
     by_path: dict[str, Entry]
+    ask: tuple[str, int] | None = None  # the write gate's scope and block size: the prompt's asks are hashed here
 
     def chains(self) -> list[tuple[int, Block, bool]]:
         """Per stored layout, the longest run of its blocks that starts the prompt: (tokens, last block, whole)."""
@@ -69,6 +72,9 @@ class Query:
         """Entries with blocks are found through their chain (O(prompt / B) probes, then the manifests naming its
         last block), entries without through the first-token index; a whole layout's chain alone is a hit too."""
         found = Found()
+        if self.ask is not None:
+            scope, size = self.ask
+            found.asked = prefix_digests(scope, self.want, size, len(self.want) // size)
         limit = len(self.want) - 1
         chains = self.chains()
         candidates = list(self.by_start.values())

@@ -431,21 +431,22 @@ class Store:
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
         q = self._query(ident, namespace, tokens, codec_provider)
-        found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots else Found()
+        found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots or q.ask else Found()
         return self._settle(q, found)
 
     def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> Query:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
-        if self.admission is not None:
-            self.admission.asked(self._ask_scope(ident, namespace), want)
+        ask = (self._ask_scope(ident, namespace), self.admission.size) if self.admission is not None else None
         prov = provider or self.provider_id
         group = self._by_start.get(start_key(namespace, want), {}) if len(want) > 1 else {}
         roots = [(r, size, whole) for r, (size, whole) in self._roots.get((fp, namespace, prov), {}).items()]
         evicted = list(self._evicted.get((fp, namespace), ()))
-        return Query(want, fp, prov, group, evicted, roots if len(want) > 1 else [], self._blocks, self._by_path)
+        return Query(want, fp, prov, group, evicted, roots if len(want) > 1 else [], self._blocks, self._by_path, ask)
 
     def _settle(self, q: Query, found: Found) -> Hit | Miss:
+        if self.admission is not None:  # the prompt's asks, hashed with the comparisons (off the loop, async)
+            self.admission.count(found.asked)
         if found.best is not None:
             if found.best.entry.path in self._by_path:
                 return found.best
