@@ -96,6 +96,7 @@ class AsyncClient:
         self.grant_lease = grant_lease
         self.use_shm = shm
         self._pool: ShmPool | None = None
+        self._pool_made: asyncio.Future[ShmPool] | None = None  # the pool being made, off the loop
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
 
@@ -221,9 +222,7 @@ class AsyncClient:
 
     def _fail_all(self, err: errors.SpillError) -> None:
         # The daemon may still be writing from our segments: never reuse them; a new pool comes with the next connection.
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._drop_pool()
         for held in list(self._holds.values()):
             held.set()  # the daemon is gone: it writes nothing more of ours in our engine's turn
         pending, self._pending = self._pending, {}
@@ -294,9 +293,7 @@ class AsyncClient:
                 await self._writer.wait_closed()
         if self._read_task is not None:
             await asyncio.gather(self._read_task, return_exceptions=True)
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._drop_pool()
         return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes)
 
     # --- spilling -----------------------------------------------------------------------
@@ -436,10 +433,15 @@ class AsyncClient:
             offset += run.nbytes
 
     async def _send_tensor_shm(self, sid: int, index: int, runs: list[memoryview]) -> None:
-        """Copy the bytes into pool segments (off the loop) and send their names."""
-        if self._pool is None:
-            self._pool = ShmPool()
-        pool = self._pool
+        """Copy the bytes into pool segments (off the loop) and send their names; inline if the pool cannot be
+        made (a full /dev/shm)."""
+        pool = await self._shm_pool()
+        if pool is None:
+            offset = 0
+            for run in runs:
+                await self._send_inline(sid, index, offset, run)
+                offset += run.nbytes
+            return
         offset = 0
         pending = [r for r in runs if r.nbytes]
         while pending:
@@ -454,6 +456,30 @@ class AsyncClient:
             params = {"spill": sid, "index": index, "offset": offset, "shm": name, "length": filled}
             await self._send(P.notification("put_shm", params))
             offset += filled
+
+    async def _shm_pool(self) -> ShmPool | None:
+        """The segment pool, made on first use on a worker thread (its pages reserved: a few hundred ms the
+        engine's loop must not wait for); None, and inline from then on, when it cannot be made."""
+        if self._pool is None:
+            if self._pool_made is None:
+                self._pool_made = asyncio.ensure_future(off_loop(_made_pool, background=True))
+            try:
+                pool = await asyncio.shield(self._pool_made)
+            except OSError as exc:
+                log.warning("shared memory unavailable (%s): tensors go inline", exc)
+                self.use_shm = False
+                return None
+            if self._pool is None:
+                self._pool = pool
+        return self._pool
+
+    def _drop_pool(self) -> None:
+        """Close the segment pool, and one still being made once it is."""
+        made, pool, self._pool_made, self._pool = self._pool_made, self._pool, None, None
+        if pool is not None:
+            pool.close()
+        if made is not None:
+            made.add_done_callback(_close_made)
 
     async def _send_inline(self, sid: int, index: int, offset: int, run: memoryview) -> None:
         pos = 0
@@ -559,6 +585,17 @@ def _drop(fut: asyncio.Future[Any]) -> None:
         fut.cancel()
     elif not fut.cancelled():
         fut.exception()
+
+
+def _close_made(fut: asyncio.Future[ShmPool]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().close()  # closing twice is harmless: a pool adopted was closed already
+
+
+def _made_pool() -> ShmPool:
+    pool = ShmPool()
+    pool.make()
+    return pool
 
 
 def _unheld(header: fmt.Header, sources: list[AnySource], held: Any) -> list[tuple[fmt.Slot, AnySource]]:

@@ -3,9 +3,9 @@
 The client copies a tensor's bytes into a free segment (memcpy speed, on a worker
 thread) and sends only the segment's name; the daemon reads it through a file
 descriptor into its own buffer (never a mapping: see ``read_segment``) and hands
-the segment back (``shm_free``) as soon as it is read. The pool is made once and
-reused: fresh pages are slow to fault in on these machines, and the fixed pool
-bounds what one client can have in flight.
+the segment back (``shm_free``) as soon as it is read. The pool is made once, off
+the event loop, with its room reserved, and reused: fresh pages are slow to fault in
+on these machines, and the fixed pool bounds what one client can have in flight.
 """
 
 from __future__ import annotations
@@ -46,17 +46,26 @@ class ShmPool:
         self._count = segments
         self._free: asyncio.Queue[str] | None = None
 
-    def _ensure(self) -> asyncio.Queue[str]:
-        if self._free is None:
-            self._free = asyncio.Queue()
+    def make(self) -> None:
+        """Create the segments, their room reserved (blocking, ~0.1-0.5 s for the default pool: a worker thread's
+        job). ``OSError`` (ENOSPC: /dev/shm is too small) leaves no segment behind; the caller sends inline."""
+        try:
             for i in range(self._count):
                 # the creator stays tracked: Python unlinks the segment if this process dies first
                 seg = shared_memory.SharedMemory(name=f"{self._prefix}-{i}", create=True, size=self.size)
-                buf = seg.buf
-                assert buf is not None
-                buf[:] = bytes(self.size)  # fault the pages in once
                 self._segments[seg.name.lstrip("/")] = seg
-                self._free.put_nowait(seg.name.lstrip("/"))
+                _reserve(seg.name.lstrip("/"), self.size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ensure(self) -> asyncio.Queue[str]:
+        if self._free is None:
+            if not self._segments:
+                self.make()  # made here (on the caller's thread) only when ``make`` was not called first
+            self._free = asyncio.Queue()
+            for name in self._segments:
+                self._free.put_nowait(name)
         return self._free
 
     def try_take(self) -> tuple[str, memoryview] | None:
@@ -89,6 +98,18 @@ class ShmPool:
             except FileNotFoundError:
                 pass
         self._segments.clear()
+
+
+def _reserve(name: str, size: int) -> None:
+    """Give a new segment its pages now (Linux: ``posix_fallocate`` on /dev/shm). A full /dev/shm then fails here
+    with ENOSPC instead of raising SIGBUS, which would kill the engine, when a copy first touches a page."""
+    if not sys.platform.startswith("linux"):
+        return
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
 
 
 def check_name(name: str) -> None:

@@ -277,3 +277,62 @@ def test_clients_killed_mid_spill_leave_nothing_behind(daemon: Daemon, tmp_path:
     assert st["clients"] == 1 and st["queue"]["pending_items"] == 0, st
     log = daemon.read_log()
     assert "Traceback" not in log and "BufferError" not in log
+
+
+def test_a_pool_reserves_its_pages_when_made() -> None:
+    """``ShmPool.make`` gives every segment its pages (``posix_fallocate``): a full /dev/shm fails there, with an
+    error, not later with SIGBUS when a copy first touches a page."""
+    from spilld.shm import ShmPool
+
+    pool = ShmPool(segments=2, size=1 << 20)
+    try:
+        pool.make()
+        for name in pool._segments:
+            st = os.stat(f"/dev/shm/{name}")
+            assert st.st_size == 1 << 20 and st.st_blocks * 512 >= 1 << 20, (name, st.st_blocks)
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
+async def test_the_pool_is_made_off_the_loop_and_a_full_dev_shm_sends_inline(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first spill through shared memory makes the pool on a worker thread (a few hundred ms the engine's
+    loop must not wait for). When /dev/shm has no room (ENOSPC from the reservation), the spill goes inline and
+    is stored, and no segment is left behind."""
+    import errno
+
+    from spilld import shm as shm_mod
+    from spilld.client import AsyncClient
+
+    made_on: list[str] = []
+    real_make = shm_mod.ShmPool.make
+
+    def make(self: Any) -> None:
+        made_on.append(threading.current_thread().name)
+        real_make(self)
+
+    monkeypatch.setattr(shm_mod.ShmPool, "make", make)
+    cs = [fill(C.KVCache(), 64, seed=i) for i in range(2)]
+    c = await AsyncClient.open(daemon.socket, identity=spilld.Identity("shm-pool"), shm=True)
+    try:
+        assert (await c.spill(list(range(64)), cs, droppable=False)).stored
+    finally:
+        await c.close()
+    assert made_on and made_on[0] != threading.main_thread().name, made_on
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm_mod.os, "posix_fallocate", no_room)
+    before = set(os.listdir("/dev/shm"))
+    c = await AsyncClient.open(daemon.socket, identity=spilld.Identity("shm-pool"), shm=True)
+    try:
+        assert (await c.spill(list(range(100, 164)), cs, droppable=False)).stored
+        assert not c.use_shm  # from now on, inline
+        got = await c.load([*range(100, 164), 1])
+        assert got is not None and same([live(x) for x in got.caches], [live(x) for x in cs])
+    finally:
+        await c.close()
+    assert {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("spilld-")} == set()
