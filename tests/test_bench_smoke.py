@@ -59,3 +59,24 @@ def test_load_by_size_writes_every_arm_and_its_plot(tmp_path: object) -> None:
             x > 0 for x in warm.values()
         )
     assert os.path.getsize(png) > 10_000 and os.path.getsize(png2) > 10_000
+
+
+def test_ingest_writes_its_plot(tmp_path: object) -> None:
+    """``daemon_load.py ingest --plot`` draws GB/s by arm from the run, and again from its JSON (``--replot``)."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    out, png, png2 = (os.path.join(str(tmp_path), n) for n in ("i.json", "i.png", "r.png"))
+    script = os.path.join(ROOT, "scripts", "bench", "daemon_load.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    for args in (["ingest", "--smoke", "--json", out, "--plot", png], ["--replot", out, "--plot", png2]):
+        got = subprocess.run(
+            [sys.executable, script, *args], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, cwd=ROOT
+        )
+        assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-4000:]
+    with open(out) as f:
+        medians = json.load(f)["medians"]
+    assert len(medians) == 6 and all(v > 0 for v in medians.values())
+    for p in (png, png2):
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

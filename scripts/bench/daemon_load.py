@@ -212,6 +212,32 @@ def run_ingest(a: argparse.Namespace) -> dict[str, Any]:
     return {"medians": med, "rows": rows, "ok": all(r["stored"] == r["items"] for r in rows)}
 
 
+def plot_ingest(result: dict[str, Any], path: str) -> None:
+    """GB/s by arm: the median as a bar, each run as a dot, the disk's arms and tmpfs's side by side, each group's
+    write path first (the ceiling its ingest arms are compared with)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(result["medians"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, label in enumerate(labels):
+        base = label == BASELINE[label]
+        ax.bar(i, result["medians"][label], color="tab:gray" if base else "tab:blue", alpha=0.7)
+        runs = [r["GBps"] for r in result["rows"] if r["arm"] == label]
+        ax.plot([i] * len(runs), runs, "k.", markersize=6)
+        if not base:
+            ratio = result["medians"][label] / result["medians"][BASELINE[label]]
+            ax.text(i, result["medians"][label] / 2, f"{ratio:.2f}x", ha="center", color="white", fontweight="bold")
+    ax.set_xticks(range(len(labels)), [label.replace(", ", "\n") for label in labels], fontsize=8)
+    ax.set_ylabel("GB/s (bar: median; dots: runs)")
+    ax.set_title("ingest through the daemon against its own write path (gray), at each durability")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def run_rss(a: argparse.Namespace) -> dict[str, Any]:
     root = new_root()
     d = Daemon(root, ["--cap", a.cap]).start()
@@ -237,10 +263,16 @@ def main() -> int:
     p.add_argument("--producers", type=int, default=4)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", metavar="PNG", default=None, help="ingest: draw GB/s by arm, each run a dot (matplotlib)")
+    p.add_argument("--replot", metavar="JSON", default=None, help="draw --plot from an ingest run's JSON")
     p.add_argument(
         "--smoke", action="store_true", help="seconds-long check that both modes and every arm run (16 MiB items)"
     )
     a = p.parse_args()
+    if a.replot and a.plot:
+        with open(a.replot) as f:
+            plot_ingest(json.load(f), a.plot)
+        return 0
     if a.smoke:
         a.items, a.item, a.rss_item, a.seconds, a.cap, a.producers, a.runs = 2, "16MiB", "16MiB", 1.0, "64MiB", 2, 1
     elif a.mode is None:
@@ -252,6 +284,8 @@ def main() -> int:
         r = run_ingest(a) if mode == "ingest" else run_rss(a)
         ok = ok and r.pop("ok")
         out |= r if len(modes) == 1 else {mode: r}
+    if a.plot and "ingest" in modes:
+        plot_ingest(out["ingest"] if len(modes) > 1 else out, a.plot)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
