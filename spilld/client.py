@@ -463,14 +463,16 @@ class AsyncClient:
         if self._pool is None:
             if self._pool_made is None:
                 self._pool_made = asyncio.ensure_future(off_loop(_made_pool, background=True))
+            made = self._pool_made
             try:
-                pool = await asyncio.shield(self._pool_made)
+                pool = await asyncio.shield(made)
             except OSError as exc:
                 log.warning("shared memory unavailable (%s): tensors go inline", exc)
                 self.use_shm = False
                 return None
-            if self._pool is None:
-                self._pool = pool
+            if self._pool_made is not made:  # the connection failed meanwhile: that pool is closed, not ours
+                return None
+            self._pool = self._pool or pool
         return self._pool
 
     def _drop_pool(self) -> None:
