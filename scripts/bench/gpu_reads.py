@@ -48,13 +48,18 @@ class _Loc(ctypes.Structure):
 
 
 class _Attr(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("dptr", ctypes.c_void_p), ("hptr", ctypes.c_void_p)]
+    _fields_ = [
+        ("type", ctypes.c_int), ("device", ctypes.c_int), ("dptr", ctypes.c_void_p), ("hptr", ctypes.c_void_p),
+        ("reserved", ctypes.c_byte * 256),  # room for fields a newer CUDA adds: it writes the whole struct
+    ]  # fmt: skip
 
 
 def cudart() -> Any:
-    """The CUDA runtime of the wheels on ``LD_LIBRARY_PATH`` (None without CUDA)."""
+    """The CUDA runtime mlx has loaded (the same copy: two runtimes in one process crash), None without CUDA."""
+    with open("/proc/self/maps") as f:
+        loaded = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
     dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for path in sorted(p for d in dirs for p in glob.glob(os.path.join(d, "libcudart.so.1[3-9]*"))):
+    for path in loaded or sorted(p for d in dirs for p in glob.glob(os.path.join(d, "libcudart.so.1[3-9]*"))):
         try:
             return ctypes.CDLL(path)
         except OSError:
@@ -175,8 +180,9 @@ def main() -> int:
     a = p.parse_args()
     if a.smoke:
         a.rounds, a.steps, a.hidden, a.arrays, a.rate = 1, 5, 256, 2, 1e9
+    w, x = weights(a.hidden)  # first: mlx's CUDA runtime is then loaded, and cudart() finds that copy
     rt = cudart() if mx.default_device() == mx.gpu else None
-    w, x = weights(a.hidden)
+    print(f"cuda runtime: {getattr(rt, '_name', None)}", flush=True)
     print(f"device {mx.default_device()}, arrays are {memory_kind(rt, arrays(1, 1, 0)[0])} memory", flush=True)
     decode(w, x, 20)
     rows: list[dict[str, Any]] = []
