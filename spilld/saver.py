@@ -776,31 +776,6 @@ def _all_bytes(planned: tuple[fmt.Header, list[AnySource]] | None) -> bool:
     return planned is not None and all(isinstance(s, BytesSource) for s in planned[1])
 
 
-RUNS_PER_LEASE_TURN = 16  # sources whose zero-copy byte runs one lease turn takes (``runs_in_lease``)
-
-
-async def runs_in_lease(
-    planned: tuple[fmt.Header, list[AnySource]], lease: RunStep, per_turn: int = RUNS_PER_LEASE_TURN
-) -> tuple[fmt.Header, list[AnySource]]:
-    """``planned`` with each source that is an engine's evaluated array (not a live cache) replaced by its byte runs
-    (``BytesSource``: zero-copy views, which keep the array alive), taken through ``lease`` ``per_turn`` sources at a
-    time. What touches the engine's arrays then takes a few lease turns, not one a tensor, and the save is a save of
-    plain bytes (``save_async(batch_bytes=...)``): its hashing and writing read the arrays outside the lease."""
-    header, sources = planned
-    slots = header.slots()
-    out = list(sources)
-    todo = [i for i, src in enumerate(sources) if not isinstance(src, BytesSource) and not _is_live(src)]
-
-    def take(part: list[int]) -> list[list[memoryview]]:
-        return [TensorBytes(i, slots[i], sources[i], None).runs_now() for i in part]
-
-    for k in range(0, len(todo), per_turn):
-        part = todo[k : k + per_turn]
-        for i, runs in zip(part, await lease(functools.partial(take, part)), strict=True):
-            out[i] = BytesSource(list(runs), slots[i].shape)
-    return header, out
-
-
 def _close_later(loop: asyncio.AbstractEventLoop, gen: Generator[Any, None, Any]) -> None:
     """Close a save's generator (its file closed, its temp removed) on a worker thread: its late step returned."""
     loop.run_in_executor(None, gen.close)

@@ -25,7 +25,7 @@ from .entries import Hit, Miss, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .queue import DrainReport, Settled, SpillItem, SpillQueue
-from .saver import WRITE_BATCH_BYTES, Attachment, Staging
+from .saver import Attachment, Staging
 from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
 from .store import Store
 
@@ -96,8 +96,6 @@ class Spiller:
             staging=self._staging,
             droppable=item.droppable,
             pin=item.pin,
-            # an evaluated array's bytes are taken in a few lease turns, then written in batches outside the lease
-            batch_bytes=0 if self.write_in_lease else WRITE_BATCH_BYTES,
         )
 
     def spill(

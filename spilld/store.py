@@ -50,7 +50,7 @@ from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
 from .matching import Found, Query, common_prefix, start_key
 from .queue import unpin
-from .saver import AnySource, Attachment, SaveResult, Staging, plan, runs_in_lease, save_async
+from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
 from .validate import validate_header
 
 log = logging.getLogger("spilld.store")
@@ -633,8 +633,6 @@ class Store:
                 tokens, caches, meta=meta, identity=ident, attachments=attachments, checkpoint=checkpoint,
                 provider=self.provider,
             )  # fmt: skip
-        if batch_bytes > 0 and run_step is not None and not write_in_lease:
-            planned = await runs_in_lease(planned, run_step)  # a few lease turns, then batches outside the lease
         ident = planned[0].identity
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
         held = self._held_blocks(cut)

@@ -296,31 +296,3 @@ async def test_a_restore_does_no_file_io_on_the_engines_loop(tmp_path: Any, monk
     assert sp.stats()["store"]["quarantined"] == 1
     assert on_loop == [], on_loop
     await sp.close()
-
-
-@pytest.mark.asyncio
-async def test_an_evaluated_caches_bytes_take_a_few_lease_turns_and_restore_exactly(tmp_path: Any) -> None:
-    """A spill of evaluated arrays (not live) takes the zero-copy byte runs of ``RUNS_PER_LEASE_TURN`` tensors per
-    lease turn, then hashes and writes them in batches outside the lease: a few turns, not one per tensor (and
-    per block). The restore is exact."""
-    from mlx_lm.models import cache as C
-
-    from tests.caches import fill, live, same
-
-    turns = 0
-    inner = spilld.ThreadLockLease(threading.Lock())
-
-    async def lease(fn: Any) -> Any:
-        nonlocal turns
-        turns += 1
-        return await inner(fn)
-
-    cs = [fill(C.KVCache(), 100, seed=i) for i in range(8)]  # 16 tensors, 100 tokens: 6 blocks of 16 and a tail
-    sp = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=lease, block_tokens=16)
-    try:
-        assert (await sp.spill(list(range(100)), cs, droppable=False)).stored
-        assert turns == -(-16 // spilld.saver.RUNS_PER_LEASE_TURN)  # a turn per tensor (and block) would be ~110
-        got = await sp.load([*range(100), 1])
-        assert got is not None and same([live(c) for c in got.caches], [live(c) for c in cs])
-    finally:
-        await sp.close()
