@@ -11,6 +11,7 @@ over their bytes, nothing written) in one of these ways, arms alternating in eac
 - ``whole``: each 16 MiB array hashed in one call, as fast as it goes;
 - ``prefetch``: each array first moved to the host in bulk with ``cudaMemPrefetchAsync`` on a stream of its own
   (CUDA only), then hashed;
+- ``pieces_16k``: 16 KiB chunks, unpaced: much more of the reader's own Python between reads (the GIL);
 - ``paced_2m`` / ``paced_256k``: chunks of 2 MiB / 256 KiB, paced to ``--rate`` (default 1.5 GB/s);
 - ``lease_4m`` / ``lease_1m``: chunks of 4 MiB / 1 MiB, each read while holding the engine's lock (between steps).
 
@@ -156,6 +157,7 @@ def arms(rate: float, rt: Any) -> dict[str, Callable[[list[mx.array]], float] | 
         pre = Prefetcher(rt)
         out["prefetch"] = lambda arrs: read(arrs, None, None, False, pre)
     out |= {
+        "pieces_16k": lambda arrs: read(arrs, 16 << 10, None, False),  # Python between small reads: GIL churn
         "paced_2m": lambda arrs: read(arrs, 2 << 20, rate, False),
         "paced_256k": lambda arrs: read(arrs, 256 << 10, rate, False),
         "lease_4m": lambda arrs: read(arrs, 4 << 20, None, True),
