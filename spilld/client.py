@@ -424,38 +424,31 @@ class AsyncClient:
         return fut
 
     async def _send_tensor(self, sid: int, index: int, runs: list[memoryview]) -> None:
-        if self.use_shm and self.server.get("shm"):
-            await self._send_tensor_shm(sid, index, runs)
-            return
-        offset = 0
-        for run in runs:
-            await self._send_inline(sid, index, offset, run)
-            offset += run.nbytes
+        if self.use_shm and self.server.get("shm") and (pool := await self._shm_pool()) is not None:
+            await self._send_tensor_shm(pool, sid, index, runs)
+        else:
+            await self._send_runs_inline(sid, index, 0, runs)
 
-    async def _send_tensor_shm(self, sid: int, index: int, runs: list[memoryview]) -> None:
-        """Copy the bytes into pool segments (off the loop) and send their names; inline if the pool cannot be
-        made (a full /dev/shm)."""
-        pool = await self._shm_pool()
-        if pool is None:
-            offset = 0
-            for run in runs:
-                await self._send_inline(sid, index, offset, run)
-                offset += run.nbytes
-            return
+    async def _send_tensor_shm(self, pool: ShmPool, sid: int, index: int, runs: list[memoryview]) -> None:
+        """Copy the bytes into pool segments (off the loop) and send their names."""
         offset = 0
         pending = [r for r in runs if r.nbytes]
         while pending:
             got = pool.try_take()
             if got is None:  # every segment is with the daemon: the rest goes inline
-                for r in pending:
-                    await self._send_inline(sid, index, offset, r)
-                    offset += r.nbytes
+                await self._send_runs_inline(sid, index, offset, pending)
                 return
             name, seg = got
             filled, pending = await off_loop(functools.partial(_fill, seg, pending), background=True)
             params = {"spill": sid, "index": index, "offset": offset, "shm": name, "length": filled}
             await self._send(P.notification("put_shm", params))
             offset += filled
+
+    async def _send_runs_inline(self, sid: int, index: int, offset: int, runs: list[memoryview]) -> None:
+        """``runs``, one after another from ``offset`` of the tensor, in ``put`` frames."""
+        for run in runs:
+            await self._send_inline(sid, index, offset, run)
+            offset += run.nbytes
 
     async def _shm_pool(self) -> ShmPool | None:
         """The segment pool, made on first use on a worker thread (its pages reserved: a few hundred ms the
@@ -472,7 +465,7 @@ class AsyncClient:
                 return None
             if self._pool_made is not made:  # the connection failed meanwhile: that pool is closed, not ours
                 return None
-            self._pool = self._pool or pool
+            self._pool = pool
         return self._pool
 
     def _drop_pool(self) -> None:

@@ -952,11 +952,12 @@ class Store:
     def _evict(self, e: Entry, tell: bool = True) -> None:
         """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed;
         listeners told (``StoreListener.evicted``) unless ``tell`` is False (room for a write: unlinked at once)."""
-        named = [rec for k in e.blocks if (rec := self._blocks.get(k)) is not None]
+        listeners = self.listeners if tell else []
+        named = [rec for k in e.blocks if (rec := self._blocks.get(k)) is not None] if listeners else []
         self._remember_evicted(e)
         self._remove(e)
         self.counters.evicted += 1
-        for listener in self.listeners if tell else ():
+        for listener in listeners:
             listener.evicted(e, named)
 
     def keep_file(self, path: str) -> None:
