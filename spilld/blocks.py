@@ -123,8 +123,13 @@ class Split:
     root: bytes
     leaves: list[tuple[fmt.CacheEntry, int]]  # the positional leaves and their first slot index
 
+    @property
+    def block_bytes(self) -> int:
+        """Tensor bytes of each block (every block of a cut holds as many rows)."""
+        return sum(rows_slot(s, self.size).nbytes for e, _ in self.leaves for s in e.tensors)
+
     def block(self, i: int) -> tuple[fmt.Header, list[Any]]:
-        """Block ``i``: a v2 file of its own (the same identity and provider), rows ``[i*size, (i+1)*size)``."""
+        """Block ``i``: a file of its own (the same identity and provider), rows ``[i*size, (i+1)*size)``."""
         lo = i * self.size
         entries, srcs = [], []
         for e, first in self.leaves:
@@ -137,7 +142,7 @@ class Split:
             fmt.FORMAT_VERSION, h.created_at_ms, h.codec_provider, h.identity,
             list(h.tokens[lo : lo + self.size]), entries, block=info,
         )  # fmt: skip
-        fmt.plan_offsets(bh.slots())
+        fmt.plan_layout(bh)
         return bh, srcs
 
     def manifest(self) -> tuple[fmt.Header, list[Any]]:
@@ -159,7 +164,7 @@ class Split:
         m = dataclasses.replace(
             self.header, caches=[entry(e) for e in self.header.caches], blocks=fmt.BlockList(self.size, self.keys)
         )
-        fmt.plan_offsets(m.slots())
+        fmt.plan_layout(m)
         return m, srcs
 
 

@@ -17,13 +17,19 @@ import xxhash
 from . import errors
 
 MAGIC = b"\x89SPILLD\n"
-FORMAT_VERSION = 2  # what this build writes: v2 adds prefix blocks (a manifest's ``blocks``, a block's ``block``)
-SUPPORTED_VERSIONS = frozenset({1, 2})
+# what this build writes: v2 added prefix blocks (a manifest's ``blocks``, a block's ``block``), v3 packed files
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 
 # magic(8) | u32 format version | u32 header length | u64 data start | u64 header hash
 PREFIX = struct.Struct("<8sIIQQ")
 PREFIX_LEN = PREFIX.size  # 32
 ALIGN = 16384  # Apple Silicon page size; a multiple of 4 KiB pages too
+# A file whose tensors hold less than this is packed: a page per tensor (and the header's page) would be mostly
+# zero padding (a tenth of a tiny model's blocks and tails on disk), and mapping such tensors saves nothing.
+COMPACT_ALIGN = 64  # a cache line: every dtype's alignment, and hashing reads whole lines
+COMPACT_BELOW = 1024 * 1024
+ALIGNS = (ALIGN, COMPACT_ALIGN)
 HASH_LEN = 8  # xxh3-64, stored big-endian as an 8-byte msgpack bin
 PLACEHOLDER_HASH = b"\x00" * HASH_LEN
 
@@ -216,6 +222,8 @@ class Header:
     meta: dict[str, str] = field(default_factory=dict)
     blocks: BlockList | None = None  # v2: a manifest's prefix blocks (None: every row is in this file)
     block: BlockInfo | None = None  # v2: set in a block file, whose ``tokens`` are its own B token ids
+    align: int = ALIGN  # v3: COMPACT_ALIGN for a file of fewer than COMPACT_BELOW tensor bytes (``plan_layout``)
+    header_len: int = 0  # these three: the prefix's, set by ``decode_header``
     data_start: int = 0
     file_size: int = 0
 
@@ -234,6 +242,8 @@ class Header:
         if self.version >= 2:
             d["blocks"] = self.blocks.to_wire() if self.blocks else None
             d["block"] = self.block.to_wire() if self.block else None
+        if self.version >= 3:
+            d["align"] = self.align
         return d
 
     def slots(self) -> list[Slot]:
@@ -272,7 +282,16 @@ def decode_tokens(raw: bytes) -> list[int]:
 # --- layout -----------------------------------------------------------------
 
 
-def plan_offsets(slots: list[Slot]) -> int:
+def plan_layout(header: Header) -> int:
+    """Choose the header's alignment (packed below ``COMPACT_BELOW`` tensor bytes, in v3) and place its tensors;
+    return the data length. Every writer plans with this, so the rule is in one place."""
+    slots = header.slots()
+    small = sum(s.nbytes for s in slots) < COMPACT_BELOW
+    header.align = COMPACT_ALIGN if small and header.version >= 3 else ALIGN
+    return plan_offsets(slots, header.align)
+
+
+def plan_offsets(slots: list[Slot], align: int = ALIGN) -> int:
     """Assign aligned offsets in order; return the data length (end of the last byte).
 
     A zero-byte tensor sits at the next aligned offset and does not extend the file.
@@ -280,7 +299,7 @@ def plan_offsets(slots: list[Slot]) -> int:
     cursor = 0
     end = 0
     for s in slots:
-        s.off = align_up(cursor)
+        s.off = align_up(cursor, align)
         cursor = s.off + s.nbytes
         if s.nbytes:
             end = cursor
@@ -329,16 +348,22 @@ def check_nesting(entries: list[CacheEntry], path: str | None = None, depth: int
         check_nesting(e.children, path, depth + 1)
 
 
-def check_layout(slots: list[Slot], data_start: int, file_size: int, path: str | None = None) -> None:
-    """Slots must sit exactly where ``plan_offsets`` puts them; the file ends at the last byte.
+def check_layout(header: Header, file_size: int, path: str | None = None) -> None:
+    """The data starts where the header's alignment puts it, slots sit exactly where ``plan_offsets`` puts them,
+    and the file ends at the last byte.
 
     Sizes (bytes = shape x itemsize) and limits are ``spilld.validate``'s to check first (it calls this).
     """
+    align, data_start, slots = header.align, header.data_start, header.slots()
+    if data_start != align_up(PREFIX_LEN + header.header_len, align):
+        raise errors.LayoutError(
+            f"data start {data_start} does not follow header length {header.header_len} at {align}", path=path
+        )
     cursor = 0
     end = 0
     for i, s in enumerate(slots):
-        if s.off != align_up(cursor):
-            raise errors.LayoutError(f"tensor {i} at offset {s.off}, expected {align_up(cursor)}", path=path)
+        if s.off != align_up(cursor, align):
+            raise errors.LayoutError(f"tensor {i} at offset {s.off}, expected {align_up(cursor, align)}", path=path)
         cursor = s.off + s.nbytes
         if s.nbytes:
             end = cursor
@@ -354,11 +379,11 @@ def pack_header(header: Header) -> bytes:
     return msgpack.packb(header.to_wire(), use_bin_type=True)
 
 
-def encode_prefix(header_bytes: bytes, version: int = FORMAT_VERSION) -> tuple[bytes, int]:
-    """Return (prefix + header + zero padding up to the data start, data start)."""
+def encode_prefix(header_bytes: bytes, version: int = FORMAT_VERSION, align: int = ALIGN) -> tuple[bytes, int]:
+    """Return (prefix + header + zero padding up to the data start, data start). ``align`` is the header's."""
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise errors.HeaderTooLarge(f"header is {len(header_bytes)} bytes (limit {MAX_HEADER_BYTES})")
-    data_start = align_up(PREFIX_LEN + len(header_bytes))
+    data_start = align_up(PREFIX_LEN + len(header_bytes), align)
     prefix = PREFIX.pack(MAGIC, version, len(header_bytes), data_start, int.from_bytes(xxh3(header_bytes), "big"))
     head = prefix + header_bytes
     return head + b"\x00" * (data_start - len(head)), data_start
@@ -387,7 +412,8 @@ def decode_prefix(raw: bytes, file_size: int, path: str | None = None) -> Prefix
         )
     if header_len > MAX_HEADER_BYTES:
         raise errors.HeaderTooLarge(f"header length {header_len} (limit {MAX_HEADER_BYTES})", path=path)
-    if data_start != align_up(PREFIX_LEN + header_len):
+    # which alignment is the header's to say (``decode_header`` checks it); here only that it is one of them
+    if all(data_start != align_up(PREFIX_LEN + header_len, a) for a in ALIGNS):
         raise errors.LayoutError(f"data start {data_start} does not follow header length {header_len}", path=path)
     if data_start > file_size:
         raise errors.TruncatedFile(f"file is {file_size} bytes, data starts at {data_start}", path=path)
@@ -424,6 +450,7 @@ def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str
         if exc.path is None and path is not None:
             raise type(exc)(exc.reason, path=path) from exc
         raise
+    header.header_len = prefix.header_len
     header.data_start = prefix.data_start
     header.file_size = file_size
     return header
@@ -552,6 +579,12 @@ def _block_from_wire(d: Any) -> BlockInfo | None:
     )
 
 
+def _align_from_wire(v: Any) -> int:
+    if _want(v, int, "align") not in ALIGNS:
+        raise errors.FieldInvalid(f"alignment {v} (one of {list(ALIGNS)})")
+    return int(v)
+
+
 def _said(exc: Exception) -> str:
     # in words for the user (the text may cross a socket), never a Python repr
     return f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
@@ -606,4 +639,5 @@ def _header_from_wire(raw: Any, path: str | None) -> Header:
         meta=meta,
         blocks=_blocks_from_wire(raw["blocks"]) if version >= 2 else None,
         block=_block_from_wire(raw["block"]) if version >= 2 else None,
+        align=_align_from_wire(raw["align"]) if version >= 3 else ALIGN,
     )

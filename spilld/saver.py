@@ -529,7 +529,7 @@ class PublishStep:
         hb = fmt.pack_header(self._header)
         if len(hb) != self._planned_len:
             raise errors.PlanDrift(f"header length drift: planned {self._planned_len}, got {len(hb)}")
-        head, _ = fmt.encode_prefix(hb, self._header.version)
+        head, _ = fmt.encode_prefix(hb, self._header.version, self._header.align)
         self._file.publish(head)
         self.done = True
 
@@ -629,7 +629,7 @@ def finish_plan(
         raise errors.CheckpointInconsistent("checkpoint prompt + generated tokens must equal the saved tokens")
     # Never publish a file our own reader would refuse: the readers' own validator, before any byte.
     validate_header(header)
-    fmt.plan_offsets(header.slots())
+    fmt.plan_layout(header)
     return header, enc.sources
 
 
@@ -684,11 +684,13 @@ def save_steps(
     sources = list(sources)
     head_bytes = fmt.pack_header(header)
     header_len = len(head_bytes)
-    _, data_start = fmt.encode_prefix(head_bytes, header.version)
+    _, data_start = fmt.encode_prefix(head_bytes, header.version, header.align)
     slots = header.slots()
-    data_end = fmt.plan_offsets(slots)  # the layout rule itself: a trailing empty tensor does not extend the file
+    # the layout rule itself: a trailing empty tensor does not extend the file
+    data_end = fmt.plan_offsets(slots, header.align)
     if direct is None:
         direct = data_end >= directio.DIRECT_MIN_BYTES
+    direct = direct and header.align % directio.BLOCK == 0  # a packed file's tensors are not block-aligned
     file = _File(dest, data_start + data_end, Durability(durability), ops, direct, sync_folder)
     step: SaveStep | None = None
     try:
@@ -702,7 +704,7 @@ def save_steps(
         yield step
         if not step.done:
             raise errors.SaveAborted("publish step was not run", path=dest)
-        header.data_start, header.file_size = data_start, data_start + data_end
+        header.header_len, header.data_start, header.file_size = header_len, data_start, data_start + data_end
         return SaveResult(dest, header, data_start + data_end)
     finally:
         if isinstance(step, TensorStep):

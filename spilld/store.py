@@ -700,14 +700,18 @@ class Store:
         its manifest is indexed."""
         pinned: list[Block] = []
         # received bytes only (a batched save): a block's cut touches nothing of an engine's, so it may run on a thread
-        ahead = _Ahead(cut, [i for i, k in enumerate(cut.keys) if k not in self._blocks], kw["batch_bytes"] > 0)
+        missing = [i for i, k in enumerate(cut.keys) if k not in self._blocks]
+        ahead = _Ahead(cut, missing, kw["batch_bytes"] > 0)
+        # on ENOSPC, room for what the put still writes (these blocks and the manifest), not one block at a time
+        tail = cut.header.data_bytes - len(cut.keys) * cut.block_bytes
         try:
             for i, key in enumerate(cut.keys):
                 rec = self._blocks.get(key)
                 if rec is None:
                     bpath = os.path.join(folder, blocks.block_name(key))
                     block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
-                    result = await self._write(bpath, ident, block, sync_folder=False, **kw)
+                    room = tail + cut.block_bytes * sum(j >= i for j in missing)
+                    result = await self._write(bpath, ident, block, room=room, sync_folder=False, **kw)
                     rec = self._add_block(key, bpath, result.file_bytes)
                     written.append(rec)
                     self.counters.blocks_written += 1
@@ -823,9 +827,11 @@ class Store:
         path: str,
         ident: fmt.Identity,
         planned: tuple[fmt.Header, list[AnySource]],
+        room: int | None = None,
         **kw: Any,
     ) -> SaveResult:
-        """Save into a folder made already; on ENOSPC evict once and retry. Every failure is counted."""
+        """Save into a folder made already; on ENOSPC evict ``room`` bytes (default: the file's) once and retry.
+        Every failure is counted."""
 
         async def save() -> SaveResult:
             return await save_async(
@@ -833,7 +839,7 @@ class Store:
                 ops=self.ops, planned=planned, step_deadline=self.io_timeout, **kw,
             )  # fmt: skip
 
-        return await self._with_room(save, planned[0].data_bytes)
+        return await self._with_room(save, planned[0].data_bytes if room is None else room)
 
     async def _with_room(self, work: Callable[[], Awaitable[T]], needed: int) -> T:
         """Run ``work``; on ENOSPC evict least recently used entries worth ``needed`` bytes once and run it again.

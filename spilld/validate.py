@@ -73,7 +73,7 @@ def _validate(header: fmt.Header, file_size: int | None, prefix_version: int) ->
         _block(header)
     # last, so a header refused for what it says gets the same code from a file and from a spill
     if file_size is not None:
-        fmt.check_layout(slots, header.data_start, file_size)
+        fmt.check_layout(header, file_size)
 
 
 # --- v2: a manifest's blocks, a block's own key ------------------------------------

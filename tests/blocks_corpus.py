@@ -177,15 +177,36 @@ def rewrite(path: str, edit: Callable[[dict[str, Any]], None], dest: str | None 
     return out
 
 
+def _wire_slots(wire: dict[str, Any]) -> list[dict[str, Any]]:
+    def walk(e: dict[str, Any]) -> list[dict[str, Any]]:
+        return [*e["tensors"], *(s for c in e["children"] for s in walk(c))]
+
+    return [*(s for e in wire["caches"] for s in walk(e)), *(s for a in wire["attachments"] for s in a["tensors"])]
+
+
+def as_version(path: str, dest: str, version: int) -> str:
+    """The file at ``path`` (this build's) as a file of an older ``version`` would hold it: no ``align`` and its
+    tensors moved to page-aligned offsets (this build packs a small file); in v1 no blocks either."""
+    with open(path, "rb") as f:
+        wire, body = split(f.read())
+    del wire["align"]
+    if version < 2:
+        assert wire["blocks"] is None and wire["block"] is None
+        del wire["blocks"], wire["block"]
+    wire["format"] = version
+    out = bytearray()
+    for s in _wire_slots(wire):
+        at, s["off"] = s["off"], fmt.align_up(len(out))
+        if s["bytes"]:  # a zero-byte tensor never extends the file
+            out += bytes(s["off"] - len(out)) + body[at : at + s["bytes"]]
+    with open(dest, "wb") as f:
+        f.write(join(wire, bytes(out), version))
+    return dest
+
+
 def as_v1(path: str, dest: str) -> str:
-    """A v1 file of a v2 entry written whole (no blocks): what a store of spilld 0.1 holds."""
-
-    def edit(w: dict[str, Any]) -> None:
-        assert w["blocks"] is None and w["block"] is None
-        del w["blocks"], w["block"]
-        w["format"] = 1
-
-    return rewrite(path, edit, dest, version=1)
+    """A v1 file of an entry written whole (no blocks): what a store of spilld 0.1 holds."""
+    return as_version(path, dest, 1)
 
 
 def copy_to(src: str, folder: str, name: str | None = None) -> str:

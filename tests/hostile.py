@@ -31,6 +31,12 @@ def golden(kind: str) -> bytes:
         return f.read()
 
 
+def wire_align(wire: Any) -> int:
+    """The alignment a header map asks for, where it is one a reader takes (a mutant's may not be)."""
+    a = wire.get("align", fmt.ALIGN) if isinstance(wire, dict) else fmt.ALIGN
+    return a if a in fmt.ALIGNS and not isinstance(a, bool) else fmt.ALIGN
+
+
 def split(data: bytes) -> tuple[dict[str, Any], bytes]:
     """A file's header map and its data region."""
     prefix = fmt.decode_prefix(data[: fmt.PREFIX_LEN], len(data))
@@ -41,7 +47,7 @@ def split(data: bytes) -> tuple[dict[str, Any], bytes]:
 def join(wire: Any, body: bytes, version: int = fmt.FORMAT_VERSION) -> bytes:
     """A file with this header, its hash right, under a prefix of ``version``."""
     hb = msgpack.packb(wire, use_bin_type=True)
-    head = bytearray(fmt.encode_prefix(hb)[0])
+    head = bytearray(fmt.encode_prefix(hb, align=wire_align(wire))[0])
     fmt.PREFIX.pack_into(head, 0, fmt.MAGIC, version, len(hb), len(head), int.from_bytes(fmt.xxh3(hb), "big"))
     return bytes(head) + body
 

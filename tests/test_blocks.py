@@ -30,10 +30,12 @@ from spilld.entries import Hit, Miss, MissReason, identity_fingerprint, namespac
 from spilld.loader import read_header
 from spilld.saver import Attachment, plan
 from spilld.store import Store
+from spilld.validate import header_from_bytes
 from tests.blocks_corpus import (
     MODEL_CASES,
     B,
     as_v1,
+    as_version,
     blocks_on_disk,
     conversation,
     copy_to,
@@ -720,6 +722,24 @@ async def test_a_v2_turn_after_a_v1_entry_supersedes_it(tmp_path: Path) -> None:
     turn = [*old, *toks(10, start=4000)]
     await s.put(turn, conversation(turn), IDENT)
     assert s.count == 1 and not os.path.exists(v1)  # the v1 entry was a prefix of the new turn
+    assert same(lives(restored(s, IDENT, [*old, 1]).caches), lives(conversation(old)))
+
+
+@pytest.mark.asyncio
+async def test_a_v2_stores_blocks_are_read_and_reused_by_v3_manifests(tmp_path: Path) -> None:
+    s = store(tmp_path / "root")
+    old = toks(40)
+    await s.put(old, conversation(old), IDENT)
+    for p in blocks_on_disk(str(tmp_path / "root")):  # the blocks as a v2 build wrote them: page-aligned
+        as_version(p, p, 2)
+        with open(p, "rb") as f:
+            assert header_from_bytes(f.read(), os.path.getsize(p)).version == 2 and os.path.getsize(p) > fmt.ALIGN
+    s = rescanned(tmp_path / "root")
+    assert same(lives(restored(s, IDENT, [*old, 1]).caches), lives(conversation(old)))
+    turn = [*old[:32], *toks(20, start=5000)]  # shares both blocks, not the tail
+    await s.put(turn, conversation(turn), IDENT)
+    assert s.counters.blocks_reused == 2 and s.counters.blocks_written == 1
+    assert same(lives(restored(s, IDENT, [*turn, 1]).caches), lives(conversation(turn)))
     assert same(lives(restored(s, IDENT, [*old, 1]).caches), lives(conversation(old)))
 
 

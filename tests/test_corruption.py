@@ -18,6 +18,7 @@ import spilld.loader
 from spilld import errors
 from spilld import format as fmt
 from tests.caches import fill
+from tests.hostile import wire_align
 
 
 @pytest.fixture
@@ -108,8 +109,19 @@ def _with_header(data: bytes, mutate: Any) -> bytes:
     raw = msgpack.unpackb(data[fmt.PREFIX_LEN : fmt.PREFIX_LEN + prefix.header_len], raw=False)
     mutate(raw)
     hb = msgpack.packb(raw, use_bin_type=True)
-    head, _ = fmt.encode_prefix(hb)
+    head, _ = fmt.encode_prefix(hb, align=wire_align(raw))
     return head + data[prefix.data_start :]
+
+
+def test_a_data_start_of_the_other_alignment_is_refused(tmp_path: Any, sample: tuple[str, bytes]) -> None:
+    _, data = sample
+    prefix = fmt.decode_prefix(data[: fmt.PREFIX_LEN], len(data))
+    hb = data[fmt.PREFIX_LEN : fmt.PREFIX_LEN + prefix.header_len]
+    assert msgpack.unpackb(hb, raw=False)["align"] == fmt.COMPACT_ALIGN
+    head, start = fmt.encode_prefix(hb, align=fmt.ALIGN)  # the header says packed, the prefix page-aligned
+    with pytest.raises(errors.LayoutError, match="does not follow"):
+        spilld.load(write(str(tmp_path / "x"), head + b"\0" * (len(data) - prefix.data_start)))
+    assert start != prefix.data_start
 
 
 def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tuple[str, bytes]) -> None:
@@ -148,6 +160,10 @@ def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tup
             errors.LayoutError,
         ),
         (lambda h: h["caches"][0]["tensors"][1].update(off=0), errors.LayoutError),
+        (lambda h: h.update(align=7), errors.FieldInvalid),
+        (lambda h: h.update(align=True), errors.HeaderMalformed),
+        (lambda h: h.update(align=fmt.ALIGN), errors.LayoutError),  # a packed file's tensors, said page-aligned
+        (lambda h: h.pop("align"), errors.HeaderMalformed),  # required in v3
         (
             lambda h: h["caches"][0]["tensors"][0].update(bytes=h["caches"][0]["tensors"][0]["bytes"] - 4),
             errors.LayoutError,
@@ -157,7 +173,7 @@ def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tup
         (lambda h: h["caches"][0].update(min_reusable=10**6), errors.HeaderMalformed),
         (lambda h: h["caches"][0]["tensors"][0].update(hash=b"short"), errors.HeaderMalformed),
         (lambda h: h.pop("identity"), errors.HeaderMalformed),
-        (lambda h: h.update(format=3), errors.HeaderMalformed),
+        (lambda h: h.update(format=4), errors.VersionMismatch),  # 4 is the unknown one now
         (
             lambda h: h.update(
                 checkpoint={
@@ -305,9 +321,16 @@ def test_loads_leave_no_fd_open(sample: tuple[str, bytes], tmp_path: Any) -> Non
     assert open_fds() == before
 
 
-def test_file_is_page_aligned_and_ends_at_last_tensor(sample: tuple[str, bytes]) -> None:
-    path, data = sample
+@pytest.mark.parametrize("rows", [40, 8192])  # 10 KiB of tensors: packed; 2 MiB: page-aligned
+def test_file_is_aligned_by_its_size_and_ends_at_last_tensor(rows: int, tmp_path: Any) -> None:
+    path = str(tmp_path / "f.spilld")
+    spilld.save(path, list(range(rows)), [fill(C.KVCache(), rows, seed=1), fill(C.KVCache(), rows, seed=2)])
     h = spilld.loader.read_header(path)
-    assert h.data_start % fmt.ALIGN == 0 and all(s.off % fmt.ALIGN == 0 for s in h.slots())
+    align = fmt.COMPACT_ALIGN if h.data_bytes < fmt.COMPACT_BELOW else fmt.ALIGN
+    assert (h.data_bytes < fmt.COMPACT_BELOW) == (rows == 40) and h.align == align
+    # the data starts at the first multiple of the alignment after the header: a packed file wastes no page
+    assert h.data_start == fmt.align_up(fmt.PREFIX_LEN + len(fmt.pack_header(h)), align)
+    assert all(s.off % align == 0 for s in h.slots())
     last = max(s.off + s.nbytes for s in h.slots())
-    assert len(data) == h.data_start + last == os.path.getsize(path)
+    assert h.data_start + last == os.path.getsize(path)
+    assert (h.data_start + last < fmt.ALIGN) == (rows == 40)

@@ -696,6 +696,22 @@ async def test_disk_full_evicts_then_retries(tmp_path: Path) -> None:
     assert leftovers == []
 
 
+@pytest.mark.asyncio
+async def test_disk_full_in_a_put_of_blocks_makes_room_for_the_whole_put_at_once(tmp_path: Path) -> None:
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    for i in range(20):  # whole files of 8 rows (less than a block), all of one size
+        await s.put(toks(8, start=10_000 * (i + 1)), kv_layers(8), IDENT)
+    one = {e.nbytes for e in s.entries}
+    assert len(one) == 1
+    new = kv_layers(64)  # 4 blocks, none on disk
+    need = spilld.saver.plan([], new)[0].data_bytes
+    s.ops = _FullOnce()  # ENOSPC at the first block's first write
+    await s.put(toks(64), new, IDENT)
+    # LRU entries until what the put still writes is freed: four blocks' worth, not one block's
+    assert s.counters.evicted == -(-need // one.pop()) > 4
+    assert s.counters.blocks_written == 4 and s.counters.store_errors == 0
+
+
 # --- folders under concurrent sweeps, failed writes, the lookup index ----------------------------
 
 

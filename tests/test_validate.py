@@ -28,6 +28,7 @@ from spilld.store import Store
 from spilld.validate import validate_header
 from tests.caches import fill
 from tests.daemons import Daemon, cleanup, new_root
+from tests.hostile import wire_align
 
 IDENT = spilld.Identity("m", "fp", "tok", "ns")
 TOKENS = list(range(100, 108))
@@ -53,7 +54,7 @@ def split(data: bytes) -> tuple[Wire, bytes]:
 def join(wire: Wire, body: bytes, version: int = fmt.FORMAT_VERSION) -> bytes:
     """A file with this header (its hash right: only what it says is wrong) over this data region."""
     hb = msgpack.packb(wire, use_bin_type=True)
-    head, _ = fmt.encode_prefix(hb)
+    head, _ = fmt.encode_prefix(hb, align=wire_align(wire))
     head = bytearray(head)
     fmt.PREFIX.pack_into(head, 0, fmt.MAGIC, version, len(hb), len(head), int.from_bytes(fmt.xxh3(hb), "big"))
     return bytes(head) + body
@@ -89,7 +90,7 @@ CASES = [
         lambda w: (w["caches"][1].update(offset=4_194_304), w.update(tokens=b"")),
         errors.OffsetMismatch,
     ),
-    Case("format_3_under_prefix_2", lambda w: w.update(format=3), errors.VersionMismatch),
+    Case("format_4_under_prefix_3", lambda w: w.update(format=4), errors.VersionMismatch),
     Case(
         "slot_bytes_999_for_1x4x8x64_f16",
         lambda w: w["caches"][0]["tensors"][0].update(bytes=999),
@@ -99,6 +100,7 @@ CASES = [
     Case("kv_one_tensor", lambda w: w["caches"][0]["tensors"].pop(), errors.TensorCountMismatch),
     Case("kv_rank3_tensor", _rank3, errors.TensorRankMismatch),
     Case("kv_offset_5_with_8_rows", lambda w: w["caches"][0].update(offset=5), errors.OffsetMismatch),
+    Case("align_7", lambda w: w.update(align=7), errors.FieldInvalid),
 ]
 IDS = [c.name for c in CASES]
 

@@ -42,10 +42,11 @@ def _items(v: Any) -> list[Any]:
 
 def with_ignored_fields(wire: Any) -> Any:
     """A spill's header may leave out what the daemon computes itself (each tensor's ``off`` and ``hash``, the
-    header's ``created_at_ms``): filled with placeholders here, so the file format's parser takes it."""
+    header's ``created_at_ms`` and ``align``): filled with placeholders here, so the file format's parser takes it."""
     if not isinstance(wire, dict):
         return wire
     wire.setdefault("created_at_ms", 0)
+    wire.setdefault("align", fmt.ALIGN)
     wire.setdefault("blocks", None)
     wire.setdefault("block", None)
     groups = [e for e in _items(wire.get("caches")) if isinstance(e, dict)]
@@ -73,7 +74,7 @@ def accept_header(wire: Any) -> fmt.Header:
     for s in header.slots():
         s.hash = fmt.PLACEHOLDER_HASH  # computed here, never trusted
     validate_header(header)
-    fmt.plan_offsets(header.slots())  # the daemon decides the layout
+    fmt.plan_layout(header)  # the daemon decides the layout
     return header
 
 
