@@ -154,9 +154,9 @@ def file_outcome(path: str) -> str:
 
 def spill_blind(edits: list[tuple[Path, Any]]) -> bool:
     """True when an edit is to something a spill never carries or the daemon fills in itself (a tensor's ``off``
-    or ``hash``, the header's ``created_at_ms``, the prefix, a v2 header's ``blocks`` and ``block`` left out, a
-    ``format`` the daemon reads): a file can then be refused for it, a spill not."""
-    filled = ("off", "hash", "created_at_ms")
+    or ``hash``, the header's ``created_at_ms`` and ``align``, the prefix, a v2 header's ``blocks`` and ``block``
+    left out, a ``format`` the daemon reads): a file can then be refused for it, a spill not."""
+    filled = ("off", "hash", "created_at_ms", "align")
     return any(
         p == PREFIX_VERSION
         or (p and p[-1] in filled)

@@ -380,7 +380,8 @@ async def test_push_evicted_pushes_only_what_the_disk_evicts_and_another_host_re
     """``--remote-push evicted``: a stored entry is not pushed; once the disk cap evicts it, it is (its blocks,
     their refs, the manifest, the root), its files are unlinked after they were read, and another host restores
     it exactly."""
-    async with hosts(model, [server.url, "--remote-push", "evicted", "--disk-cap", "600KiB"], [server.url]) as (
+    # an entry is ~48 KiB on disk (5 packed blocks and a manifest): the cap holds one, not two
+    async with hosts(model, [server.url, "--remote-push", "evicted", "--disk-cap", "72KiB"], [server.url]) as (
         (a, ca),
         (_b, cb),
     ):
