@@ -460,6 +460,8 @@ def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str
 
 
 def _want(v: Any, t: type | tuple[type, ...], what: str) -> Any:
+    if type(v) is t:  # msgpack's own types: the common case, one test (a header has thousands of fields)
+        return v
     if isinstance(v, bool) and t in (int, (int,)):
         raise TypeError(f"{what}: expected int, got bool")
     if not isinstance(v, t):
@@ -468,7 +470,8 @@ def _want(v: Any, t: type | tuple[type, ...], what: str) -> Any:
 
 
 def _int(v: Any, what: str, lo: int = 0) -> int:
-    _want(v, int, what)
+    if type(v) is not int:  # a bool is not an int here
+        _want(v, int, what)
     if v < lo:
         raise ValueError(f"{what}: {v} < {lo}")
     return int(v)
