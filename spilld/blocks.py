@@ -131,19 +131,10 @@ class Split:
     def block(self, i: int) -> tuple[fmt.Header, list[Any]]:
         """Block ``i``: a file of its own (the same identity and provider), rows ``[i*size, (i+1)*size)``."""
         lo = i * self.size
-        entries, srcs = [], []
-        for e, first in self.leaves:
-            slots = [rows_slot(s, self.size) for s in e.tensors]
-            entries.append(fmt.CacheEntry(e.kind, e.version, self.size, 0, True, dict(e.fields), slots))
-            srcs += [self.sources[first + j].row_slice(lo, self.size) for j in range(len(e.tensors))]
-        h = self.header
-        info = fmt.BlockInfo(self.keys[i], self.keys[i - 1] if i else self.root, i)
-        bh = fmt.Header(
-            fmt.FORMAT_VERSION, h.created_at_ms, h.codec_provider, h.identity,
-            list(h.tokens[lo : lo + self.size]), entries, block=info,
-        )  # fmt: skip
-        fmt.plan_layout(bh)
-        return bh, srcs
+        srcs = [
+            self.sources[first + j].row_slice(lo, self.size) for e, first in self.leaves for j in range(len(e.tensors))
+        ]
+        return block_header(self.header, self.leaves, self.size, self.keys, self.root, i), srcs
 
     def manifest(self) -> tuple[fmt.Header, list[Any]]:
         """The entry with its positional caches cut to the rows after the blocks, and the keys of the blocks."""
@@ -166,6 +157,25 @@ class Split:
         )
         fmt.plan_layout(m)
         return m, srcs
+
+
+def block_header(
+    h: fmt.Header, leaves: Sequence[tuple[fmt.CacheEntry, int]], size: int, keys: Sequence[bytes], root: bytes, i: int
+) -> fmt.Header:
+    """The header of block ``i`` of entry ``h`` (its positional ``leaves``, its ``keys`` chained from ``root``),
+    laid out: what this build writes (``Split.block``), and what a load expects to read (``assemble``)."""
+    lo = i * size
+    entries = [
+        fmt.CacheEntry(e.kind, e.version, size, 0, True, dict(e.fields), [rows_slot(s, size) for s in e.tensors])
+        for e, _ in leaves
+    ]
+    info = fmt.BlockInfo(keys[i], keys[i - 1] if i else root, i)
+    bh = fmt.Header(
+        fmt.FORMAT_VERSION, h.created_at_ms, h.codec_provider, h.identity, list(h.tokens[lo : lo + size]), entries,
+        block=info,
+    )  # fmt: skip
+    fmt.plan_layout(bh)
+    return bh
 
 
 def split(header: fmt.Header, sources: Sequence[Any], size: int) -> Split | None:

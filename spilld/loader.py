@@ -52,10 +52,11 @@ _block_headers: OrderedDict[tuple[str, int, int, int, int], fmt.Header] = Ordere
 _block_headers_lock = threading.Lock()
 
 
-def _read_block_header(fd: int, path: str) -> fmt.Header:
+def _read_block_header(fd: int, path: str, expect: assemble.ExpectFn | None = None) -> fmt.Header:
     """``_read_header_fd`` for block files, remembered by (path, device, inode, size, mtime): the blocks a restore
     reads are mostly ones read before (a shared prefix, the previous turn's). Only a header this process validated
-    is remembered, and every tensor is still checked against its hash on each read."""
+    (or found to be exactly what ``expect`` says) is remembered, and every tensor is still checked against its
+    hash on each read."""
     st = os.fstat(fd)
     key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _block_headers_lock:
@@ -63,7 +64,11 @@ def _read_block_header(fd: int, path: str) -> fmt.Header:
         if got is not None:
             _block_headers.move_to_end(key)
             return got
-    header = _read_header_fd(fd, path)
+    prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), st.st_size, path)  # bounds the read below
+    raw = _read_exact(fd, prefix.data_start, 0)
+    header = expect(prefix, raw, st.st_size) if expect is not None else None
+    if header is None:
+        header = header_from_bytes(raw, st.st_size, path)
     with _block_headers_lock:
         _block_headers[key] = header
         while len(_block_headers) > BLOCK_HEADERS_CACHED:
@@ -71,11 +76,11 @@ def _read_block_header(fd: int, path: str) -> fmt.Header:
     return header
 
 
-def _block_header_at(path: str, ops: FileOps) -> fmt.Header:
+def _block_header_at(path: str, ops: FileOps, expect: assemble.ExpectFn | None = None) -> fmt.Header:
     """A block's validated header; its file is open only while it is read (a load holds no fd per block)."""
     fd = _open(ops, path)
     try:
-        return _read_block_header(fd, path)
+        return _read_block_header(fd, path, expect)
     finally:
         ops.close(fd)
 
@@ -111,7 +116,7 @@ def verify_file(
     header = _verify_one(p, ops)
     if header.blocks is not None:
         resolve = blocks or assemble.beside(p)
-        assemble.checked_blocks(header, p, resolve, lambda b: _verify_one(b, ops), len(header.blocks.keys))
+        assemble.checked_blocks(header, p, resolve, lambda b, _: _verify_one(b, ops), len(header.blocks.keys))
     return header
 
 
@@ -643,7 +648,7 @@ def load(
         whole, pieces = header, None
         if header.blocks is not None:
             plan = assemble.open_plan(
-                header, fd, p, blocks or assemble.beside(p), lambda b: _block_header_at(b, ops),
+                header, fd, p, blocks or assemble.beside(p), lambda b, expect: _block_header_at(b, ops, expect),
                 upto=upto, blocks_only=blocks_only,
             )  # fmt: skip
             whole, pieces = plan.header, plan.pieces

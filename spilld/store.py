@@ -806,7 +806,7 @@ class Store:
         checked whole, the others when they were written)."""
         assert m.blocks is not None
         resolve = lambda k: r.path if (r := self._blocks.get(k)) is not None else None  # noqa: E731
-        assemble.checked_blocks(m, path, resolve, lambda p: read_header(p, self.ops), len(m.blocks.keys))
+        assemble.checked_blocks(m, path, resolve, lambda p, _: read_header(p, self.ops), len(m.blocks.keys))
 
     def _wrote(self, nbytes: int) -> None:
         self.counters.bytes_written += nbytes

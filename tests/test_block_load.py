@@ -237,3 +237,87 @@ async def test_a_load_without_verification_reads_the_same_bytes(tmp_path: Path) 
     assert isinstance(got, spilld.Loaded)
     for a, b in zip(caches, got.caches, strict=True):
         assert mx.array_equal(a.keys[..., :ROWS, :], b.keys[..., :ROWS, :]).item()
+
+
+@pytest.mark.asyncio
+async def test_a_block_header_taken_as_expected_is_the_validators_or_none(tmp_path: Path) -> None:
+    """A load takes a block's header without running the validator only when its bytes are exactly what this
+    build writes for that block: for every byte of a block's prefix and header changed (the header hash made
+    right again, or left wrong), ``Expected.header`` answers None or exactly what the validator reads."""
+    import msgpack
+
+    from spilld import assemble
+    from spilld import format as fmt
+    from spilld.validate import header_from_bytes
+    from tests.blocks_corpus import blocks_on_disk, key_of
+
+    s = Store(tmp_path, block_tokens=16, durability="none")
+    caches = [C.QuantizedKVCache(group_size=32, bits=4), C.KVCache()]
+    for c in caches:
+        c.update_and_fetch(mx.random.normal((1, 2, 40, 64)), mx.random.normal((1, 2, 40, 64)))
+    await s.put(list(range(40)), caches, IDENT)
+    (m,) = [e for e in s.entries]
+    manifest = L.read_header(m.path)
+    assert manifest.blocks is not None
+    expected = assemble.Expected(manifest)
+    on_disk = {key_of(p): p for p in blocks_on_disk(str(tmp_path))}
+    paths = [on_disk[k] for k in manifest.blocks.keys]
+    for i, p in enumerate(paths):  # as written: taken, and the same header the validator reads
+        data = Path(p).read_bytes()
+        prefix = fmt.decode_prefix(data[: fmt.PREFIX_LEN], len(data))
+        got = expected.header(i, prefix, data[: prefix.data_start], len(data))
+        assert got is not None and got == header_from_bytes(data[: prefix.data_start], len(data))
+        assert expected.header(1 - i, prefix, data[: prefix.data_start], len(data)) is None  # another block's
+    data = Path(paths[1]).read_bytes()
+    prefix = fmt.decode_prefix(data[: fmt.PREFIX_LEN], len(data))
+    taken = 0
+    for at in range(prefix.data_start):
+        for resign in (False, True):
+            b = bytearray(data)
+            b[at] ^= 0x01
+            h_end = fmt.PREFIX_LEN + prefix.header_len
+            if resign:
+                if not fmt.PREFIX_LEN <= at < h_end:
+                    continue
+                b[24:32] = int.from_bytes(fmt.xxh3(bytes(b[fmt.PREFIX_LEN : h_end])), "big").to_bytes(8, "little")
+            try:
+                pre = fmt.decode_prefix(bytes(b[: fmt.PREFIX_LEN]), len(b))
+            except errors.FileFormatError:
+                continue  # refused before any header is read, on either path
+            head = bytes(b[: pre.data_start])
+            got = expected.header(1, pre, head, len(b))
+            if got is not None:  # only a tensor hash or the time changed: the validator reads the same
+                taken += 1
+                assert got == header_from_bytes(head, len(b)), at
+                wire = msgpack.unpackb(head[fmt.PREFIX_LEN : h_end], raw=False)
+                assert got.created_at_ms == wire["created_at_ms"]
+    assert taken > 0  # the re-signed hash and time bytes: taken, with the file's own values
+    for other in (data + b"\0", data[:-1]):  # a file longer or shorter than its layout: the validator's to name
+        pre = fmt.decode_prefix(other[: fmt.PREFIX_LEN], len(other))
+        assert expected.header(1, pre, other[: pre.data_start], len(other)) is None
+
+
+@pytest.mark.asyncio
+async def test_a_restore_runs_the_validator_on_its_manifest_not_on_blocks_this_build_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.blocks_corpus import as_version, blocks_on_disk
+
+    s = Store(tmp_path, block_tokens=16, durability="none")
+    caches = big(1)
+    tokens = list(range(caches[0].offset))
+    await s.put(tokens, caches, IDENT)
+    validated: list[str] = []
+    real = L.header_from_bytes
+    monkeypatch.setattr(
+        L, "header_from_bytes", lambda raw, size, path=None: validated.append(path) or real(raw, size, path)
+    )
+    L._block_headers.clear()  # a fresh process: no block header read yet
+    assert restored(s, tokens).tokens == tokens
+    assert validated == [m.path for m in s.entries]  # the manifest; each block's header was what it must be
+    first = sorted(blocks_on_disk(str(tmp_path)))[0]
+    as_version(first, first, 2)  # a block as a v2 build wrote it: not this build's bytes, so validated
+    L._block_headers.clear()
+    validated.clear()
+    assert restored(s, tokens).tokens == tokens
+    assert validated == [m.path for m in s.entries] + [first]
