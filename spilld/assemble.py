@@ -130,12 +130,10 @@ class Expected:
         )
         if prefix.version != bh.version or fmt.pack_header(bh) != head or fmt.xxh3(head) != prefix.header_hash:
             return None
-        end = prefix.data_start + self.end
-        if prefix.data_start != fmt.align_up(fmt.PREFIX_LEN + len(head), bh.align) or size != end:
+        pad = raw[fmt.PREFIX_LEN + len(head) : prefix.data_start]
+        if prefix.data_start != fmt.align_up(fmt.PREFIX_LEN + len(head), bh.align) or pad.count(0) != len(pad):
             return None
-        if raw[fmt.PREFIX_LEN + len(head) : prefix.data_start].count(0) != prefix.data_start - fmt.PREFIX_LEN - len(
-            head
-        ):
+        if size != prefix.data_start + self.end:
             return None
         bh.header_len, bh.data_start, bh.file_size = len(head), prefix.data_start, size
         return bh
