@@ -95,10 +95,10 @@ class Expected:
     validating a header costs ~30 us a tensor, so a restore in a fresh process, which has read no block yet,
     spent most of its time there. Anything else (a v2 block, a damaged one) is left to the validator."""
 
-    def __init__(self, m: fmt.Header) -> None:
+    def __init__(self, m: fmt.Header, layout: list[object] | None = None) -> None:
         assert m.blocks is not None
         self.m, self.size, self.keys = m, m.blocks.size, m.blocks.keys
-        self.root = blocks.header_root(m, self.size)
+        self.root = blocks.header_root(m, self.size, layout)
         # block 0 as written; every block differs from it only in its tokens, key, time and hashes
         self.tpl = blocks.block_header(m, blocks.positional_leaves(m), self.size, self.keys, self.root, 0)
         self.end = max((s.off + s.nbytes for s in self.tpl.slots() if s.nbytes), default=0)
@@ -147,15 +147,14 @@ def checked_blocks(
     b = m.blocks
     assert b is not None
     layout = blocks.header_layout(m)
-    root = blocks.header_root(m, b.size, layout)
-    expected = Expected(m)
+    expected = Expected(m, layout)
     out = []
     for i in range(count):
         bpath = resolve(b.keys[i])
         if bpath is None:
             raise errors.BlockMissing(f"block {i} ({b.keys[i].hex()[:16]}) is not on disk", path=path)
         bh = read(bpath, functools.partial(expected.header, i))
-        check_block(bh, m, i, root, layout, bpath)
+        check_block(bh, m, i, expected.root, layout, bpath)
         out.append((bpath, bh))
     return out
 
