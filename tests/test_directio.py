@@ -12,6 +12,7 @@ from mlx_lm.models import cache as C
 import spilld
 import spilld.saver
 from spilld import directio, errors
+from spilld import format as fmt
 from tests.caches import fill, live, same
 from tests.conftest import open_fds
 from tests.test_saver import FailingOps
@@ -50,6 +51,22 @@ def test_large_saves_use_direct_io_by_default(tmp_path: Any, monkeypatch: Any) -
     assert made == []
     spilld.save(tmp_path / "big", [], [fill(C.KVCache(), 4096, heads=8, dim=128)])
     assert made == [1]
+
+
+def test_a_packed_file_is_written_buffered_even_when_direct_is_asked(tmp_path: Any, monkeypatch: Any) -> None:
+    made: list[int] = []
+    real = directio.DirectWriter.__init__
+
+    def spy(self: Any, *a: Any) -> None:
+        made.append(1)
+        real(self, *a)
+
+    monkeypatch.setattr(directio.DirectWriter, "__init__", spy)
+    cs = [fill(C.KVCache(), 37, heads=3, dim=24, seed=1)]  # 64-byte offsets: not O_DIRECT's 4 KiB blocks
+    a = spilld.save(tmp_path / "asked", list(range(37)), cs, direct=True)
+    assert a.header.align == fmt.COMPACT_ALIGN and made == []
+    got = spilld.load(tmp_path / "asked").caches
+    assert all(same(live(x), live(y)) for x, y in zip(got, cs, strict=True))
 
 
 def test_writer_thread_errors_surface_and_leave_nothing(tmp_path: Any) -> None:
