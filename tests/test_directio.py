@@ -38,7 +38,8 @@ def test_direct_and_buffered_write_the_same_file(tmp_path: Any) -> None:
     assert all(same(live(x), live(y)) for x, y in zip(got, cs, strict=True))
 
 
-def test_large_saves_use_direct_io_by_default(tmp_path: Any, monkeypatch: Any) -> None:
+def direct_writers(monkeypatch: Any) -> list[int]:
+    """One item for each O_DIRECT writer made from now on."""
     made: list[int] = []
     real = directio.DirectWriter.__init__
 
@@ -47,6 +48,11 @@ def test_large_saves_use_direct_io_by_default(tmp_path: Any, monkeypatch: Any) -
         real(self, *a)
 
     monkeypatch.setattr(directio.DirectWriter, "__init__", spy)
+    return made
+
+
+def test_large_saves_use_direct_io_by_default(tmp_path: Any, monkeypatch: Any) -> None:
+    made = direct_writers(monkeypatch)
     spilld.save(tmp_path / "small", [], [fill(C.KVCache(), 5)])
     assert made == []
     spilld.save(tmp_path / "big", [], [fill(C.KVCache(), 4096, heads=8, dim=128)])
@@ -54,14 +60,7 @@ def test_large_saves_use_direct_io_by_default(tmp_path: Any, monkeypatch: Any) -
 
 
 def test_a_packed_file_is_written_buffered_even_when_direct_is_asked(tmp_path: Any, monkeypatch: Any) -> None:
-    made: list[int] = []
-    real = directio.DirectWriter.__init__
-
-    def spy(self: Any, *a: Any) -> None:
-        made.append(1)
-        real(self, *a)
-
-    monkeypatch.setattr(directio.DirectWriter, "__init__", spy)
+    made = direct_writers(monkeypatch)
     cs = [fill(C.KVCache(), 37, heads=3, dim=24, seed=1)]  # 64-byte offsets: not O_DIRECT's 4 KiB blocks
     a = spilld.save(tmp_path / "asked", list(range(37)), cs, direct=True)
     assert a.header.align == fmt.COMPACT_ALIGN and made == []
