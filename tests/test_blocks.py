@@ -744,6 +744,25 @@ async def test_a_v2_stores_blocks_are_read_and_reused_by_v3_manifests(tmp_path: 
 
 
 @pytest.mark.asyncio
+async def test_a_manifest_of_a_newer_format_is_quarantined_and_its_blocks_reclaimed(tmp_path: Path) -> None:
+    """What ``docs/format.md`` §9 tells a user who downgrades: a build drops the files of a newer version."""
+    s = store(tmp_path / "root")
+    t = toks(40)
+    await s.put(t, conversation(t), IDENT)
+    (m,) = manifests_on_disk(str(tmp_path / "root"))
+
+    def newer(w: dict[str, Any]) -> None:
+        w["format"] = fmt.FORMAT_VERSION + 1
+
+    rewrite(m, newer, version=fmt.FORMAT_VERSION + 1)
+    with pytest.raises(errors.UnsupportedVersion):
+        read_header(m)
+    s2 = rescanned(tmp_path / "root")
+    assert s2.count == 0 and quarantined(str(tmp_path / "root")) and not os.path.exists(m)
+    assert s2.stats()["blocks_reclaimed"] == 2 and blocks_on_disk(str(tmp_path / "root")) == []
+
+
+@pytest.mark.asyncio
 async def test_a_longer_v1_entry_beats_a_shorter_chain_of_blocks(tmp_path: Path) -> None:
     long = toks(60)
     spilld.save(tmp_path / "long.spilld", long, conversation(long), identity=IDENT, durability="none")
