@@ -220,8 +220,10 @@ def _print_header(h: fmt.Header, path: str) -> None:
     when = datetime.datetime.fromtimestamp(h.created_at_ms / 1000, tz=datetime.UTC)
     ident = h.identity
     print(f"file         {path}")
+    packed = ", packed (64-byte alignment)" if h.align == fmt.COMPACT_ALIGN else ""
     print(
-        f"format       v{h.version}, {h.file_size} bytes, data at {h.data_start}, created {when:%Y-%m-%d %H:%M:%S} UTC"
+        f"format       v{h.version}, {h.file_size} bytes, data at {h.data_start}{packed}, "
+        f"created {when:%Y-%m-%d %H:%M:%S} UTC"
     )
     print(f"codecs       {h.codec_provider}")
     print(

@@ -45,6 +45,14 @@ def test_inspect_text_and_json() -> None:
     assert d["ok"] and d["header"]["tokens"] == list(range(100, 109)) and d["header"]["caches"][0]["kind"] == "kv"
 
 
+def test_inspect_says_a_file_is_packed() -> None:
+    v3 = DATA.parent / "v3" / "kv.spilld"
+    r = spilld("inspect", str(v3))
+    assert r.returncode == 0 and "format       v3" in r.stdout and "packed (64-byte alignment)" in r.stdout
+    assert json.loads(spilld("inspect", "--json", str(v3)).stdout)["header"]["align"] == 64
+    assert "packed" not in spilld("inspect", str(DATA / "kv.spilld")).stdout  # v1: 16 KiB pages
+
+
 def test_inspect_and_verify_refuse_a_corrupt_file(tmp_path: Any) -> None:
     bad = tmp_path / "bad.spilld"
     shutil.copy(DATA / "kv.spilld", bad)
