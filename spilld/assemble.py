@@ -101,7 +101,9 @@ class Expected:
         self.root = blocks.header_root(m, self.size, layout)
         # block 0 as written; every block differs from it only in its tokens, key, time and hashes
         self.tpl = blocks.block_header(m, blocks.positional_leaves(m), self.size, self.keys, self.root, 0)
-        self.end = max((s.off + s.nbytes for s in self.tpl.slots() if s.nbytes), default=0)
+        slots = self.tpl.slots()
+        self.end = max((s.off + s.nbytes for s in slots if s.nbytes), default=0)
+        self.tensors = len(slots)
 
     def header(self, i: int, prefix: fmt.Prefix, raw: bytes, size: int) -> fmt.Header | None:
         """Block ``i``'s header, when ``raw`` (bytes ``[0, D)`` of a file of ``size`` bytes) is what it must be."""
@@ -113,7 +115,7 @@ class Expected:
         except Exception:  # any shape msgpack decodes, or fails to: the validator names what is wrong
             return None
         tpl = self.tpl
-        if type(created) is not int or created < 0 or len(hashes) != sum(len(e.tensors) for e in tpl.caches):
+        if type(created) is not int or created < 0 or len(hashes) != self.tensors:
             return None
         if any(type(h) is not bytes or len(h) != fmt.HASH_LEN for h in hashes):
             return None

@@ -41,10 +41,13 @@ def _read_exact(fd: int, n: int, off: int) -> bytes:
     return bytes(out)
 
 
-def _read_header_fd(fd: int, path: str) -> fmt.Header:
-    size = os.fstat(fd).st_size
+def _read_header_fd(fd: int, path: str, expect: assemble.ExpectFn | None = None, size: int | None = None) -> fmt.Header:
+    """The file's checked header: taken as ``expect`` says when it is exactly that, else validated."""
+    size = os.fstat(fd).st_size if size is None else size
     prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), size, path)  # bounds the read below
-    return header_from_bytes(_read_exact(fd, prefix.data_start, 0), size, path)
+    raw = _read_exact(fd, prefix.data_start, 0)
+    header = expect(prefix, raw, size) if expect is not None else None
+    return header if header is not None else header_from_bytes(raw, size, path)
 
 
 BLOCK_HEADERS_CACHED = 1024  # validated block headers kept per process (a block is immutable once published)
@@ -64,11 +67,7 @@ def _read_block_header(fd: int, path: str, expect: assemble.ExpectFn | None = No
         if got is not None:
             _block_headers.move_to_end(key)
             return got
-    prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), st.st_size, path)  # bounds the read below
-    raw = _read_exact(fd, prefix.data_start, 0)
-    header = expect(prefix, raw, st.st_size) if expect is not None else None
-    if header is None:
-        header = header_from_bytes(raw, st.st_size, path)
+    header = _read_header_fd(fd, path, expect, st.st_size)
     with _block_headers_lock:
         _block_headers[key] = header
         while len(_block_headers) > BLOCK_HEADERS_CACHED:

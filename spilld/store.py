@@ -702,16 +702,17 @@ class Store:
         # received bytes only (a batched save): a block's cut touches nothing of an engine's, so it may run on a thread
         missing = [i for i, k in enumerate(cut.keys) if k not in self._blocks]
         ahead = _Ahead(cut, missing, kw["batch_bytes"] > 0)
-        # on ENOSPC, room for what the put still writes (these blocks and the manifest), not one block at a time
-        tail = cut.header.data_bytes - len(cut.keys) * cut.block_bytes
+        # on ENOSPC, room for what the put still writes (the missing blocks left and the manifest), at once
+        each = cut.block_bytes
+        room = cut.header.data_bytes - len(cut.keys) * each + len(missing) * each
         try:
             for i, key in enumerate(cut.keys):
                 rec = self._blocks.get(key)
                 if rec is None:
                     bpath = os.path.join(folder, blocks.block_name(key))
                     block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
-                    room = tail + cut.block_bytes * sum(j >= i for j in missing)
                     result = await self._write(bpath, ident, block, room=room, sync_folder=False, **kw)
+                    room -= each
                     rec = self._add_block(key, bpath, result.file_bytes)
                     written.append(rec)
                     self.counters.blocks_written += 1
