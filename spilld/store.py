@@ -66,6 +66,7 @@ PINS_FILE = ".spilld-pins"  # in the root: the pinned entries' paths, relative t
 DEFAULT_DISK_CAP = 64 * 1024**3
 EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of the event loop
 STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
+LOOKUP_ATTEMPTS = 3  # comparisons a lookup makes when the entry it found was removed while it compared
 
 
 def default_disk_cap(root: str) -> int:
@@ -430,8 +431,13 @@ class Store:
         self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], *, codec_provider: str | None = None
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
-        q = self._query(ident, namespace, tokens, codec_provider)
-        found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots or q.ask else Found()
+        for _ in range(LOOKUP_ATTEMPTS):
+            q = self._query(ident, namespace, tokens, codec_provider)
+            found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots or q.ask else Found()
+            # Its best entry superseded while the comparison ran (the same prompt spilled again): compare again,
+            # against the index as it is now, rather than miss an entry that is still there under a new name.
+            if found.best is None or found.best.entry.path in self._by_path:
+                break
         return self._settle(q, found)
 
     def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> Query:

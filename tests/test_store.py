@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -15,10 +16,10 @@ from mlx_lm.models import cache as C
 import spilld
 import spilld.loader
 import spilld.saver
-from spilld import fileio
+from spilld import fileio, matching
 from spilld import format as fmt
 from spilld.entries import Hit, Miss, MissReason, checkpoint_namespace, identity_fingerprint, namespace_hash
-from spilld.store import DEFAULT_DISK_CAP, EXT, QUARANTINE, Store, default_disk_cap
+from spilld.store import DEFAULT_DISK_CAP, EXT, LOOKUP_ATTEMPTS, QUARANTINE, Store, default_disk_cap
 from tests.blocks_corpus import files
 from tests.caches import chunked, fill, live, same
 
@@ -774,6 +775,49 @@ async def test_lookup_compares_only_entries_that_start_like_the_prompt(tmp_path:
     assert isinstance(hit, Hit) and hit.matched == 4
     miss = await s.lookup_async(IDENT, "", [5, 6, 7])
     assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+
+
+def spilled_again_while_compared(monkeypatch: pytest.MonkeyPatch, s: Store, prompt: list[int], times: int) -> list[str]:
+    """Make the next ``times`` comparisons of a lookup each wait, on their worker thread, for the same prompt to be
+    spilled again on the loop (superseding the entry they are comparing); the new entries' paths."""
+    loop = asyncio.get_running_loop()
+    compare = matching.Query.match
+    paths: list[str] = []
+
+    def match(q: matching.Query) -> matching.Found:
+        found = compare(q)
+        if len(paths) < times:
+            put = asyncio.run_coroutine_threadsafe(s.put(prompt, kv_layers(len(prompt), seed=len(paths)), IDENT), loop)
+            paths.append(put.result(timeout=60).path)
+        return found
+
+    monkeypatch.setattr(matching.Query, "match", match)
+    return paths
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("block_tokens", [0, 16])
+async def test_a_lookup_whose_entry_is_superseded_while_it_compares_finds_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_tokens: int
+) -> None:
+    s = Store(tmp_path, block_tokens=block_tokens)
+    first = await s.put(toks(32), kv_layers(32), IDENT)
+    again = spilled_again_while_compared(monkeypatch, s, toks(32), times=1)
+    hit = await s.lookup_async(IDENT, "", [*toks(32), 1])
+    assert again and again[0] != first.path and [e.path for e in s.entries] == again
+    assert isinstance(hit, Hit) and hit.entry.path == again[0] and hit.matched == 32
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_compares_at_most_lookup_attempts_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Store(tmp_path, block_tokens=0)
+    await s.put(toks(32), kv_layers(32), IDENT)
+    again = spilled_again_while_compared(monkeypatch, s, toks(32), times=LOOKUP_ATTEMPTS)
+    miss = await s.lookup_async(IDENT, "", [*toks(32), 1])
+    assert len(again) == LOOKUP_ATTEMPTS  # one comparison each, none after the last
+    assert isinstance(miss, Miss) and miss.reason is MissReason.EVICTED
+    hit = await s.lookup_async(IDENT, "", [*toks(32), 1])
+    assert isinstance(hit, Hit) and hit.entry.path == again[-1]
 
 
 class Keeper:

@@ -232,6 +232,7 @@ class Phase:
     by_method: dict[str, list[float]] = field(default_factory=dict)
     spill_ms: list[float] = field(default_factory=list)
     errors: int = 0
+    error_kinds: Counter[str] = field(default_factory=Counter)
     daemon_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     fds_end: int = 0
@@ -253,6 +254,7 @@ class Phase:
             "spill_p50_ms": pct(self.spill_ms, 0.5) if self.spill_ms else None,
             "spill_p99_ms": pct(self.spill_ms, 0.99) if self.spill_ms else None,
             "errors": self.errors,
+            "error_kinds": dict(self.error_kinds),
             "daemon_cpu_s": round(self.daemon_cpu_s, 2),
             "worker_cpu_s": round(self.worker_cpu_s, 2),
             "fds_end": self.fds_end,
@@ -286,8 +288,9 @@ class Good:
                     assert isinstance(r, Hit), r
                 else:
                     await self.client.status()
-            except Exception:
+            except Exception as e:
                 ph.errors += 1
+                ph.error_kinds[f"{method}: {type(e).__name__}: {e}"[:200]] += 1
             ms = (time.perf_counter() - t0) * 1000
             ph.latencies_ms.append(ms)
             ph.by_method.setdefault(method, []).append(ms)
@@ -304,10 +307,12 @@ class Good:
         fut: asyncio.Future[Any] = self.client.spill(prompt, self.caches)
 
         def done(f: asyncio.Future[Any]) -> None:
-            if f.result().stored:
+            r = f.result()
+            if r.stored:
                 ph.spill_ms.append((time.perf_counter() - t0) * 1000)
             else:
                 ph.errors += 1
+                ph.error_kinds[f"spill {r.outcome.value}: {r.error!r}"[:200]] += 1
 
         fut.add_done_callback(done)
         return fut
@@ -437,7 +442,10 @@ def report(r: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         f"{[x['fds_end'] for x in rows if x['arm'] == 'hostile']}, after its worker left "
         f"{[x['fds_after'] for x in rows if x['arm'] == 'hostile']} ({'back to baseline' if fds_ok else 'LEAKED'})"
     )
-    print(f"well-behaved client errors: {errors}")
+    kinds_err: Counter[str] = Counter()
+    for x in rows:
+        kinds_err.update(x["error_kinds"])
+    print(f"well-behaved client errors: {errors}" + (f": {dict(kinds_err)}" if kinds_err else ""))
     from spilld.daemon.ingest import PARSED_BYTES_PER_TOKEN
 
     growth = max(x["max_rss_MiB"] for x in rows) - r["rss_baseline"] / MiB
