@@ -226,15 +226,12 @@ def remove_quietly(ops: FileOps, path: str) -> None:
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """Drop ``n`` bytes from the front of a buffer list."""
-    while n and bufs:
-        if n >= bufs[0].nbytes:
-            n -= bufs[0].nbytes
-            bufs = bufs[1:]
-        else:
-            bufs = [bufs[0][n:], *bufs[1:]]
-            n = 0
-    return bufs
+    """Drop ``n`` bytes from the front of a buffer list (one pass: a read of 64 runs is not 64 list copies)."""
+    for i, b in enumerate(bufs):
+        if n < b.nbytes:
+            return [b[n:], *bufs[i + 1 :]] if n else bufs[i:]
+        n -= b.nbytes
+    return []
 
 
 DEFAULT_OPS = FileOps()

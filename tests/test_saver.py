@@ -126,8 +126,17 @@ def test_io_errors_are_typed_and_leave_nothing(tmp_path: Any, fail_on: str, err:
     assert info.value.errno in (28, 5)  # type: ignore[attr-defined]
 
 
+SHORT_WRITES_MAX_OFFSET = 64 * 1024 * 1024  # past it, a resume that never advances would fill the disk
+
+
+def _bounded(offset: int) -> None:
+    if offset > SHORT_WRITES_MAX_OFFSET:
+        raise OSError(27, "File too large")
+
+
 class ShortWriteOps(fileio.FileOps):
     def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        _bounded(offset)
         return os.pwrite(fd, bufs[0][:7], offset)  # at most 7 bytes a call
 
 
@@ -135,6 +144,44 @@ def test_short_writes_are_resumed(tmp_path: Any) -> None:
     small = [fill(C.KVCache(), 3, heads=1, dim=4)]
     spilld.save(tmp_path / "f", [1, 2, 3], small, ops=ShortWriteOps())
     assert same(live(spilld.load(tmp_path / "f").caches[0]), live(small[0]))
+
+
+def _first_bytes(bufs: Any, n: int) -> list[memoryview]:
+    """The leading ``n`` bytes of a buffer list, as a buffer list (the last one cut)."""
+    out = []
+    for b in bufs:
+        if n <= 0:
+            break
+        out.append(memoryview(b)[:n])
+        n -= out[-1].nbytes
+    return out
+
+
+class ShortVectoredOps(fileio.FileOps):
+    """Vectored calls that move an odd number of bytes each (5,001), ending inside one of several buffers."""
+
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        _bounded(offset)
+        return os.pwritev(fd, _first_bytes(bufs, 5001), offset)
+
+    def preadv(self, fd: int, bufs: Any, offset: int) -> int:
+        return os.preadv(fd, _first_bytes(bufs, 5001), offset)
+
+
+def test_short_vectored_reads_and_writes_across_buffers_are_resumed(tmp_path: Any) -> None:
+    data = [memoryview(bytes(range(256)) * k) for k in (3, 1, 40, 2, 7)]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        fileio.write_all(ShortVectoredOps(), fd, data, 10, str(tmp_path / "f"))
+        back = [memoryview(bytearray(d.nbytes)) for d in data]
+        fileio.read_all(ShortVectoredOps(), fd, back, 10, str(tmp_path / "f"))
+    finally:
+        os.close(fd)
+    assert [bytes(b) for b in back] == [bytes(d) for d in data]
+    cache = [fill(C.KVCache(), 300, heads=4, dim=8) for _ in range(3)]  # and a whole save and load
+    spilld.save(tmp_path / "g", list(range(300)), cache, ops=ShortVectoredOps())
+    got = spilld.load(tmp_path / "g", ops=ShortVectoredOps()).caches
+    assert all(same(live(a), live(b)) for a, b in zip(got, cache, strict=True))
 
 
 def test_plan_drift_is_caught(tmp_path: Any) -> None:
