@@ -113,25 +113,29 @@ def preallocate(ops: FileOps, fd: int, size: int, path: str) -> None:
 def write_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
     """Write every buffer at ``offset`` onward, resuming after short writes."""
     pending = [b for b in bufs if b.nbytes]
+    left = sum(b.nbytes for b in pending)
     with io_errors("write", path):
-        while pending:
+        while left:
             n = ops.pwritev(fd, pending[:IOV_MAX], offset)
             if n <= 0:
                 raise OSError(errno.EIO, "write made no progress")
-            offset += n
-            pending = _advance(pending, n)
+            offset, left = offset + n, left - n
+            if left:  # a short write (or more buffers than one call takes)
+                pending = _advance(pending, n)
 
 
 def read_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
     """Fill every buffer from ``offset`` onward; a file that ends early is truncated."""
     pending = [b for b in bufs if b.nbytes]
+    left = sum(b.nbytes for b in pending)
     with io_errors("read", path):
-        while pending:
+        while left:
             n = ops.preadv(fd, pending[:IOV_MAX], offset)
             if n <= 0:
                 raise errors.TruncatedFile(f"file ended at {offset} during a tensor read", path=path)
-            offset += n
-            pending = _advance(pending, n)
+            offset, left = offset + n, left - n
+            if left:  # a short read (or more buffers than one call takes)
+                pending = _advance(pending, n)
 
 
 def sync(ops: FileOps, fd: int, durability: Durability, path: str) -> None:
