@@ -124,10 +124,13 @@ def write_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, pa
                 pending = _advance(pending, n)
 
 
-def read_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
-    """Fill every buffer from ``offset`` onward; a file that ends early is truncated."""
-    pending = [b for b in bufs if b.nbytes]
-    left = sum(b.nbytes for b in pending)
+def read_all(
+    ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str, nbytes: int | None = None
+) -> None:
+    """Fill every buffer from ``offset`` onward; a file that ends early is truncated. ``nbytes``: their total,
+    when the caller knows it (a block read is 64 buffers: walking them again costs as much as the call)."""
+    pending = list(bufs) if nbytes is not None else [b for b in bufs if b.nbytes]
+    left = nbytes if nbytes is not None else sum(b.nbytes for b in pending)
     with io_errors("read", path):
         while left:
             n = ops.preadv(fd, pending[:IOV_MAX], offset)

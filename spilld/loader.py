@@ -372,7 +372,7 @@ class _Batch:
 
     def flush(self) -> None:
         if self.views:
-            fileio.read_all(self.reader.ops, self.fd, self.views, self.off, self.path)
+            fileio.read_all(self.reader.ops, self.fd, self.views, self.off, self.path, self.size)
         self.off += self.size
         for h, views in self.hashed:
             for v in views:
