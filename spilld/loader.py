@@ -544,18 +544,34 @@ class _Prefetched(_Decoding):
         return self.arrays.pop(id(slot)) if id(slot) in self.arrays else self.reader.read(slot, capacity)
 
 
+class _Inline(concurrent.futures.Executor):
+    """Runs each task at once on the calling thread: a small manifest's reads need no pool (starting its thread
+    and handing it dozens of tasks cost a fresh process more than the reads)."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+
 def _decode_parallel(reader: _Reader, entries: list[fmt.CacheEntry], threads: int) -> list[Any]:
     plan = _Recorder(reader.provider, reader.path)
     for e in entries:
         plan.decode(e)
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="spilld-load") as pool:
+    pool: concurrent.futures.Executor = (
+        concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="spilld-load") if threads > 1 else _Inline()
+    )
+    with pool:
         arrays = _read_all(reader, plan.wants, pool)
     ctx = _Prefetched(reader, arrays)
     return [ctx.decode(e) for e in entries]
 
 
 def _read_all(
-    reader: _Reader, wants: dict[int, tuple[fmt.Slot, int | None]], pool: concurrent.futures.ThreadPoolExecutor
+    reader: _Reader, wants: dict[int, tuple[fmt.Slot, int | None]], pool: concurrent.futures.Executor
 ) -> dict[int, mx.array]:
     """The tensors the codecs will ask for. Every buffer is allocated first, on this thread: mlx makes each on
     its stream's thread, which takes the GIL to call back into ``_Unwritten``, so allocations made from busy
