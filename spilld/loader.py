@@ -248,8 +248,9 @@ class _Reader(_Decoding):
         mv = dtypes.buffer(arr).cast("B")
         rb = mv.nbytes // (lead * rows)
         reads, first = [], 0
+        alone = len(pieces) == 1  # only a piece alone can fill the whole buffer (a tensor of one file)
         for p in pieces:
-            whole = len(alloc) < 2 or list(p.slot.shape) == alloc
+            whole = len(alloc) < 2 or (alone and list(p.slot.shape) == alloc)
             reads.append((p, _Dest(mv, lead, rows * rb, rb, 0 if whole else first, rows if whole else p.rows)))
             first = rows if whole else first + p.rows
         populate = unfilled and not _advise_huge(_address(mv), mv.nbytes) and bool(self.pieces)
@@ -278,7 +279,7 @@ class _Reader(_Decoding):
                 self.ops.close(fd)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Dest:
     """Where a piece's bytes go in a tensor's buffer ``mv``: rows ``[first, first + rows)`` of each of its ``lead``
     leading indices, each ``stride`` bytes long (``row`` bytes a row)."""
