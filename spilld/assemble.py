@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -37,6 +38,11 @@ class Piece:
     off: int
     rows: int
     slot: fmt.Slot  # as stored (its bytes and hash)
+    # Set by the reader when it allocates the buffer the piece fills: the buffer's layout (``into``) and the row
+    # its rows start at. Kept on the piece, not beside it: a 1 GiB load has 8,256 pieces, each object one more
+    # for the garbage collector to promote and scan while the load runs.
+    into: Any = None
+    first: int = 0
 
 
 @dataclass

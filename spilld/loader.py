@@ -247,32 +247,33 @@ class _Reader(_Decoding):
             lead, rows = 1, 1
         mv = dtypes.buffer(arr).cast("B")
         rb = mv.nbytes // (lead * rows)
-        reads, first = [], 0
-        alone = len(pieces) == 1  # only a piece alone can fill the whole buffer (a tensor of one file)
+        # only a piece alone can fill the whole buffer (a tensor of one file)
+        whole = len(alloc) < 2 or (len(pieces) == 1 and list(pieces[0].slot.shape) == alloc)
+        dest, first = _Dest(mv, lead, rows * rb, rb, rows, whole), 0
         for p in pieces:
-            whole = len(alloc) < 2 or (alone and list(p.slot.shape) == alloc)
-            reads.append((p, _Dest(mv, lead, rows * rb, rb, 0 if whole else first, rows if whole else p.rows)))
-            first = rows if whole else first + p.rows
+            p.into, p.first = dest, first
+            first += p.rows
+        filled = rows if whole else first
         populate = unfilled and not _advise_huge(_address(mv), mv.nbytes) and bool(self.pieces)
-        return _Buffer(arr, mv, reads, unfilled, populate, lead, rows, first)
+        return _Buffer(arr, mv, pieces, unfilled, populate, lead, rows, filled)
 
     def whole_piece(self, slot: fmt.Slot) -> assemble.Piece:
         rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
         return assemble.Piece(self.fd, self.path, self.header.data_start + slot.off, rows, slot)
 
-    def read_file(self, reads: list[tuple[assemble.Piece, _Dest]]) -> None:
+    def read_file(self, reads: list[assemble.Piece]) -> None:
         """Pieces of one file, in file order, each run of adjacent pieces from one offset onward."""
-        reads = sorted(reads, key=lambda r: r[0].off)
-        first = reads[0][0]
+        reads = sorted(reads, key=lambda p: p.off)
+        first = reads[0]
         fd = first.fd if first.fd is not None else _open(self.ops, first.path)
         try:
             i = 0
             while i < len(reads):
-                j, end = i + 1, reads[i][0].off + reads[i][0].slot.nbytes
-                while j < len(reads) and reads[j][0].off == end:
-                    end += reads[j][0].slot.nbytes
+                j, end = i + 1, reads[i].off + reads[i].slot.nbytes
+                while j < len(reads) and reads[j].off == end:
+                    end += reads[j].slot.nbytes
                     j += 1
-                _Batch(self, fd, reads[i][0]).read(reads[i:j])
+                _Batch(self, fd, reads[i]).read(reads[i:j])
                 i = j
         finally:
             if first.fd is None:
@@ -281,15 +282,20 @@ class _Reader(_Decoding):
 
 @dataclass(slots=True)
 class _Dest:
-    """Where a piece's bytes go in a tensor's buffer ``mv``: rows ``[first, first + rows)`` of each of its ``lead``
-    leading indices, each ``stride`` bytes long (``row`` bytes a row)."""
+    """A tensor's buffer ``mv`` as its pieces fill it: ``lead`` leading indices of ``rows`` rows, each index
+    ``stride`` bytes long (``row`` bytes a row). A piece fills rows ``[piece.first, piece.first + piece.rows)``
+    of each index, or every row when it is ``whole`` (the buffer's one piece, of the buffer's own shape)."""
 
     mv: memoryview
     lead: int
     stride: int
     row: int
-    first: int
     rows: int
+    whole: bool
+
+    def rows_of(self, p: assemble.Piece) -> tuple[int, int]:
+        """The first row ``p`` fills, and how many."""
+        return (0, self.rows) if self.whole else (p.first, p.rows)
 
 
 @dataclass
@@ -300,7 +306,7 @@ class _Buffer:
 
     arr: mx.array
     mv: memoryview
-    reads: list[tuple[assemble.Piece, _Dest]]
+    reads: list[assemble.Piece]  # each with its ``into`` set to this buffer's ``_Dest``
     unfilled: bool
     populate: bool
     lead: int
@@ -333,14 +339,16 @@ class _Batch:
         self.done: list[tuple[assemble.Piece, Any]] = []  # pieces whose last bytes it reads
         self.size = 0
 
-    def read(self, reads: list[tuple[assemble.Piece, _Dest]]) -> None:
+    def read(self, reads: list[assemble.Piece]) -> None:
         verify = self.reader.verify
-        for p, d in reads:
+        for p in reads:
+            d: _Dest = p.into
             h = xxhash.xxh3_64() if verify else None
-            run = d.rows * d.row
+            first, rows = d.rows_of(p)
+            run = rows * d.row
             if d.lead * run != p.slot.nbytes:
                 raise errors.BlockInvalid(f"tensor at offset {p.slot.off} has another size than planned", path=p.path)
-            start = d.first * d.row
+            start = first * d.row
             if d.lead == 1 or run == d.stride:  # contiguous in the buffer
                 self.add(d.mv[start : start + p.slot.nbytes], h)
             elif p.slot.nbytes <= READ_CHUNK:  # a block's rows: one short run per leading index, one call
@@ -588,12 +596,12 @@ def _read_all(
     return {k: b.arr for k, b in bufs.items()}
 
 
-def _by_file(bufs: Iterable[_Buffer]) -> dict[str, list[tuple[assemble.Piece, _Dest]]]:
+def _by_file(bufs: Iterable[_Buffer]) -> dict[str, list[assemble.Piece]]:
     """The buffers' pieces grouped by the file each is read from."""
-    out: dict[str, list[tuple[assemble.Piece, _Dest]]] = {}
+    out: dict[str, list[assemble.Piece]] = {}
     for b in bufs:
-        for p, d in b.reads:
-            out.setdefault(p.path, []).append((p, d))
+        for p in b.reads:
+            out.setdefault(p.path, []).append(p)
     return out
 
 
