@@ -145,18 +145,21 @@ class Split:
             rows = (e.offset or 0) - base
             for j in range(len(e.tensors)):
                 srcs[first + j] = srcs[first + j].row_slice(base, rows)
-
-        def entry(e: fmt.CacheEntry) -> fmt.CacheEntry:
-            if id(e) in cut:
-                tail = (e.offset or 0) - base
-                return dataclasses.replace(e, tensors=[rows_slot(s, tail) for s in e.tensors])
-            return dataclasses.replace(e, children=[entry(c) for c in e.children])
-
         m = dataclasses.replace(
-            self.header, caches=[entry(e) for e in self.header.caches], blocks=fmt.BlockList(self.size, self.keys)
+            self.header,
+            caches=[_tail_entry(e, cut, base) for e in self.header.caches],
+            blocks=fmt.BlockList(self.size, self.keys),
         )
         fmt.plan_layout(m)
         return m, srcs
+
+
+def _tail_entry(e: fmt.CacheEntry, cut: set[int], base: int) -> fmt.CacheEntry:
+    """``e`` with the positional caches among it (``cut``, by id) cut to their rows after ``base``."""
+    if id(e) in cut:
+        tail = (e.offset or 0) - base
+        return dataclasses.replace(e, tensors=[rows_slot(s, tail) for s in e.tensors])
+    return dataclasses.replace(e, children=[_tail_entry(c, cut, base) for c in e.children])
 
 
 def block_header(

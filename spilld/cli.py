@@ -203,17 +203,18 @@ def header_json(h: fmt.Header) -> dict[str, Any]:
     d["file_size"] = h.file_size
     d["trimmable"] = h.trimmable
     d["min_reusable_offset"] = h.min_reusable_offset
+    return dict(_jsonable(d))
 
-    def fix(o: Any) -> Any:
-        if isinstance(o, bytes):
-            return o.hex()
-        if isinstance(o, dict):
-            return {k: fix(v) for k, v in o.items()}
-        if isinstance(o, list):
-            return [fix(v) for v in o]
-        return o
 
-    return dict(fix(d))
+def _jsonable(o: Any) -> Any:
+    """``o`` with every bytes value as hex."""
+    if isinstance(o, bytes):
+        return o.hex()
+    if isinstance(o, dict):
+        return {k: _jsonable(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_jsonable(v) for v in o]
+    return o
 
 
 def _print_header(h: fmt.Header, path: str) -> None:
