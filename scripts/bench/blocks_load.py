@@ -3,8 +3,9 @@
 restore: one cache (default 32 layers of ``KVCache``, K and V float16 ``(1, 8, 8192, 128)``, 1 GiB) is put into a
   store with whole files (``block_tokens=0``, a v1-style single file) and into one with blocks (B = 256: 32 block
   files + a manifest); both restore the same prefix (``Store.restore_async``, hashes verified), arms alternating
-  run by run, each cold (``echo 3 > /proc/sys/vm/drop_caches`` before it, when permitted) then at once warm. The ratio is blocks / one
-  file, per run, and its median.
+  run by run, each cold (``echo 3 > /proc/sys/vm/drop_caches`` before it, when permitted) then at once warm,
+  ``--warm-repeats`` times (a run's warm figure is their median). The ratio is blocks / one file, per run, and its
+  median.
 lookup: a store with N conversations (distinct prompts of ``--conv-tokens`` tokens sharing their first 8 tokens,
   as a chat template's preamble does; tiny caches), looked up by prompts that extend a stored one; latency of
   ``Store.lookup_async`` (chain probes and comparisons on a worker thread), p50 and p99, beside a store of whole
@@ -75,11 +76,11 @@ async def restore_arms(args: argparse.Namespace, folder: str) -> None:
         f"  files: one file {stores['one file'].count} + 0 blocks; blocks {len(stores['blocks'].blocks)} + 1 manifest"
     )
     can_drop = drop_page_cache()
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[Any, ...], list[float]] = {}  # (arm, cold or warm, run), then (arm, cold or warm)
     for run in range(args.runs):
         order = list(stores) if run % 2 == 0 else list(reversed(stores))
-        for name in order:  # each arm cold, then at once warm (its pages are still cached)
-            for temp in ("cold", "warm"):
+        for name in order:  # each arm cold, then at once warm (its pages are still cached), --warm-repeats times
+            for temp in ("cold", *["warm"] * args.warm_repeats):
                 s = stores[name]
                 if temp == "cold" and can_drop:
                     drop_page_cache()
@@ -87,9 +88,11 @@ async def restore_arms(args: argparse.Namespace, folder: str) -> None:
                 assert isinstance(hit, Hit)
                 t0 = time.perf_counter()
                 got = await s.restore_async(hit, IDENT)
-                times.setdefault((name, temp), []).append(time.perf_counter() - t0)
+                times.setdefault((name, temp, run), []).append(time.perf_counter() - t0)
                 assert not isinstance(got, type(None)) and got.caches[0].offset == args.tokens  # type: ignore[union-attr]
                 del got
+    for key in list(times):  # one figure per arm and run: the median of its warm restores
+        times[key[:2]] = [*times.get(key[:2], []), statistics.median(times.pop(key))]
     for temp in ("cold", "warm"):
         if temp == "cold" and not can_drop:
             print("  cold: not measured (dropping the page cache is not permitted here)")
@@ -148,6 +151,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--block-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--warm-repeats", type=int, default=3, help="warm restores per arm and run after the cold one (their median)"
+    )
     ap.add_argument("--conversations", type=int, default=100_000)
     ap.add_argument("--v1-conversations", type=int, default=5000, help="entries in the whole-file arm")
     ap.add_argument("--conv-tokens", type=int, default=40)
