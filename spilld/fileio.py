@@ -10,7 +10,7 @@ import errno
 import os
 import secrets
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from enum import StrEnum
 
@@ -113,15 +113,10 @@ def preallocate(ops: FileOps, fd: int, size: int, path: str) -> None:
 def write_all(ops: FileOps, fd: int, bufs: Sequence[memoryview], offset: int, path: str) -> None:
     """Write every buffer at ``offset`` onward, resuming after short writes."""
     pending = [b for b in bufs if b.nbytes]
-    left = sum(b.nbytes for b in pending)
     with io_errors("write", path):
-        while left:
-            n = ops.pwritev(fd, pending[:IOV_MAX], offset)
-            if n <= 0:
-                raise OSError(errno.EIO, "write made no progress")
-            offset, left = offset + n, left - n
-            if left:  # a short write (or more buffers than one call takes)
-                pending = _advance(pending, n)
+        at = _vectored(ops.pwritev, fd, pending, offset, sum(b.nbytes for b in pending))
+        if at is not None:
+            raise OSError(errno.EIO, "write made no progress")
 
 
 def read_all(
@@ -129,16 +124,28 @@ def read_all(
 ) -> None:
     """Fill every buffer from ``offset`` onward; a file that ends early is truncated. ``nbytes``: their total,
     when the caller knows it (a block read is 64 buffers: walking them again costs as much as the call)."""
-    pending = list(bufs) if nbytes is not None else [b for b in bufs if b.nbytes]
-    left = nbytes if nbytes is not None else sum(b.nbytes for b in pending)
+    if nbytes is None:
+        bufs = [b for b in bufs if b.nbytes]
+        nbytes = sum(b.nbytes for b in bufs)
     with io_errors("read", path):
-        while left:
-            n = ops.preadv(fd, pending[:IOV_MAX], offset)
-            if n <= 0:
-                raise errors.TruncatedFile(f"file ended at {offset} during a tensor read", path=path)
-            offset, left = offset + n, left - n
-            if left:  # a short read (or more buffers than one call takes)
-                pending = _advance(pending, n)
+        at = _vectored(ops.preadv, fd, bufs, offset, nbytes)
+        if at is not None:
+            raise errors.TruncatedFile(f"file ended at {at} during a tensor read", path=path)
+
+
+def _vectored(
+    call: Callable[[int, Sequence[memoryview], int], int], fd: int, bufs: Sequence[memoryview], offset: int, left: int
+) -> int | None:
+    """Move ``left`` bytes between ``bufs`` and the file from ``offset`` on, resuming after short calls; the offset
+    where a call moved nothing (the file's end, for a read), else None."""
+    while left:
+        n = call(fd, bufs[:IOV_MAX], offset)
+        if n <= 0:
+            return offset
+        offset, left = offset + n, left - n
+        if left:  # a short call (or more buffers than one call takes)
+            bufs = _advance(bufs, n)
+    return None
 
 
 def sync(ops: FileOps, fd: int, durability: Durability, path: str) -> None:
@@ -232,7 +239,7 @@ def remove_quietly(ops: FileOps, path: str) -> None:
         ops.unlink(path)
 
 
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+def _advance(bufs: Sequence[memoryview], n: int) -> Sequence[memoryview]:
     """Drop ``n`` bytes from the front of a buffer list (one pass: a read of 64 runs is not 64 list copies)."""
     for i, b in enumerate(bufs):
         if n < b.nbytes:
