@@ -10,9 +10,11 @@ import errno
 import os
 import secrets
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from enum import StrEnum
+from typing import Any
 
 from . import errors
 
@@ -75,6 +77,11 @@ class FileOps:
 
     def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
         return os.preadv(fd, bufs, offset)
+
+    def start_writeback(self, fd: int) -> None:
+        """Start writing a file's dirty pages to the device without waiting for them (Linux ``sync_file_range``;
+        elsewhere nothing): a later fsync finds them written or on their way."""
+        start_writeback(fd)
 
     def fsync(self, fd: int, durability: Durability) -> None:
         if durability is Durability.FULL and sys.platform == "darwin":
@@ -221,17 +228,79 @@ def probe_writable(ops: FileOps, folder: str) -> None:
 def publish_bytes(ops: FileOps, path: str, data: bytes, durability: Durability) -> None:
     """``data`` to a temp file beside ``path``, made durable, renamed to ``path``; the temp removed on failure.
     The folder is the caller's to sync (``sync_dir``), once for all it publishes."""
-    tmp = temp_path_for(path)
+    publish_all(ops, [(path, data)], durability)
+
+
+PUBLISH_AHEAD = 64  # files ``publish_all`` writes ahead of their fsync at most (each holds an fd until then)
+
+
+def publish_all(ops: FileOps, files: Sequence[tuple[str, bytes]], durability: Durability) -> None:
+    """Each ``(path, data)`` published as ``publish_bytes`` does, but written up to ``PUBLISH_AHEAD`` files ahead of
+    its fsync, its writeback started as soon as it is written: the device gets them all at once, and the bytes stay
+    in the page cache for a load that follows (32 files of 8 MiB on the 2-core VM: 0.1 s, against 0.4-0.9 s each
+    written and synced in turn; O_DIRECT leaves them cold). Renamed once all are durable. All or nothing: on a
+    failure every temp file and every name already published is removed."""
+    temps: list[str] = []
+    ahead: deque[tuple[str, int]] = deque()  # (temp, fd) written and not yet synced
+    published: list[str] = []
     try:
-        fd = ops.open_new(tmp)
-        try:
-            write_all(ops, fd, [memoryview(data)], 0, tmp)
-            sync(ops, fd, durability, tmp)
-        finally:
-            ops.close(fd)
-        ops.rename(tmp, path)
+        for path, data in files:
+            temps.append(tmp := temp_path_for(path))
+            with io_errors("create", tmp):
+                ahead.append((tmp, ops.open_new(tmp)))
+            write_all(ops, ahead[-1][1], [memoryview(data)], 0, tmp)
+            if durability is not Durability.NONE:
+                with io_errors("start writeback", tmp):
+                    ops.start_writeback(ahead[-1][1])
+            if len(ahead) > PUBLISH_AHEAD:
+                _sync_and_close(ops, *ahead.popleft(), durability)
+        while ahead:
+            _sync_and_close(ops, *ahead.popleft(), durability)
+        for tmp, (path, _) in zip(temps, files, strict=True):
+            with io_errors("rename", path):
+                ops.rename(tmp, path)
+            published.append(path)
+    except BaseException:
+        for _, fd in ahead:
+            with suppress(OSError):
+                ops.close(fd)
+        for p in (*temps, *published):
+            remove_quietly(ops, p)
+        raise
+
+
+def _sync_and_close(ops: FileOps, path: str, fd: int, durability: Durability) -> None:
+    try:
+        sync(ops, fd, durability, path)
     finally:
-        remove_quietly(ops, tmp)
+        ops.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None  # libc's once found; False where there is none
+
+
+def start_writeback(fd: int) -> None:
+    """``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`` where libc has it (Linux); a no-op elsewhere."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform == "linux":
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _sync_file_range = fn
+            except (OSError, AttributeError):
+                pass
+    if _sync_file_range is not False and _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ESPIPE):  # a filesystem that cannot: the fsync does it
+            raise OSError(err, os.strerror(err))
 
 
 def remove_quietly(ops: FileOps, path: str) -> None:

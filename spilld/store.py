@@ -741,9 +741,9 @@ class Store:
     async def adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, fetched: dict[bytes, bytes]) -> Entry:
         """Keep a manifest fetched from another tier, with the blocks it names that this store lacks (``fetched``,
         by key). Every file is checked whole in memory first (header, rules, every tensor hash; a block: that it
-        is the one asked for, of this identity and namespace). The new blocks are then written at once (each to a
-        temp file, fsynced, renamed), the folder synced, and the manifest, its blocks checked against it, written
-        and renamed last: the order of a put. A check that fails raises (``FileFormatError`` for wrong bytes,
+        is the one asked for, of this identity and namespace). The new blocks are then written, all before any is
+        synced (``fileio.publish_all``: each to a temp file, fsynced, renamed), the folder synced, and the
+        manifest, its blocks checked against it, written and renamed last: the order of a put. A check that fails raises (``FileFormatError`` for wrong bytes,
         ``BlockMissing`` for a block neither held nor fetched) and leaves nothing behind."""
         scope = (identity_fingerprint(ident), namespace)
         m = await off_loop(functools.partial(_checked_fetch, manifest, scope, None), background=True)
@@ -765,19 +765,13 @@ class Store:
         try:
             await self._make_folder(folder)
             names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
-            done = await asyncio.gather(
-                *(off_loop(functools.partial(self._write_file, names[k], fetched[k]), background=True) for k in new),
-                return_exceptions=True,
-            )  # every write ends before any failure is raised: none is left running under a removal
-            for k, d in zip(new, done, strict=True):
-                if isinstance(d, BaseException):
-                    continue
+            files = [(names[k], fetched[k]) for k in new]  # all written, then all synced: one pass of the device
+            await off_loop(lambda: fileio.publish_all(self.ops, files, self.durability), background=True)
+            for k in new:
                 rec = self._add_block(k, names[k], len(fetched[k]))
                 rec.pins += 1
                 pinned.append(rec)
                 self.counters.blocks_fetched += 1
-            if errs := [d for d in done if isinstance(d, BaseException)]:
-                raise errs[0]
             await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
             await off_loop(functools.partial(self._check_named, m, path), background=True)
             await off_loop(functools.partial(self._write_file, path, manifest), background=True)

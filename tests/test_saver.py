@@ -184,6 +184,92 @@ def test_short_vectored_reads_and_writes_across_buffers_are_resumed(tmp_path: An
     assert all(same(live(a), live(b)) for a, b in zip(got, cache, strict=True))
 
 
+class PublishOps(fileio.FileOps):
+    """Records the file layer's calls of ``publish_all`` by file name, and fails the ``fail``-th call of a kind."""
+
+    def __init__(self, fail: tuple[str, int] | None = None) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.names: dict[int, str] = {}
+        self.open_now = self.most_open = 0
+        self.fail = fail
+
+    def _note(self, kind: str, name: str) -> None:
+        self.calls.append((kind, name))
+        if self.fail is not None and self.fail[0] == kind and sum(k == kind for k, _ in self.calls) == self.fail[1]:
+            raise OSError(28 if kind == "write" else 5, f"injected {kind} failure")
+
+    def open_new(self, path: str, flags: int = 0) -> int:
+        fd = super().open_new(path, flags)
+        self.names[fd] = path
+        self.open_now += 1
+        self.most_open = max(self.most_open, self.open_now)
+        return fd
+
+    def close(self, fd: int) -> None:
+        self.open_now -= fd in self.names
+        self.names.pop(fd, None)
+        super().close(fd)
+
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        self._note("write", self.names[fd])
+        return super().pwritev(fd, bufs, offset)
+
+    def start_writeback(self, fd: int) -> None:
+        self._note("writeback", self.names[fd])
+        super().start_writeback(fd)
+
+    def fsync(self, fd: int, durability: fileio.Durability) -> None:
+        self._note("fsync", self.names[fd])
+        super().fsync(fd, durability)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._note("rename", src)
+        super().rename(src, dst)
+
+
+def test_publish_all_writes_every_file_before_any_fsync_and_renames_once_all_are_durable(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fileio, "PUBLISH_AHEAD", 3)
+    files = [(str(tmp_path / f"f{i}"), os.urandom(1000 + i)) for i in range(8)]
+    ops = PublishOps()
+    fileio.publish_all(ops, files, fileio.Durability.FSYNC)
+    assert sorted(os.listdir(tmp_path)) == sorted(f"f{i}" for i in range(8))
+    for path, data in files:
+        with open(path, "rb") as f:
+            assert f.read() == data
+    kinds = [k for k, _ in ops.calls]
+    # each file's writeback is started as it is written; fsyncs trail the writes by PUBLISH_AHEAD files at most
+    assert kinds[:8] == ["write", "writeback"] * 4 and kinds.index("fsync") == 8
+    assert ops.most_open == 4 and ops.open_now == 0
+    fsyncs = [n for k, n in ops.calls if k == "fsync"]
+    assert fsyncs == [n for k, n in ops.calls if k == "write"]  # each file's own fd, in order
+    assert max(i for i, c in enumerate(kinds) if c == "fsync") < kinds.index("rename")
+    assert [n for k, n in ops.calls if k == "rename"] == fsyncs
+
+
+def test_publish_all_without_durability_syncs_nothing(tmp_path: Any) -> None:
+    ops = PublishOps()
+    fileio.publish_all(ops, [(str(tmp_path / "a"), b"a"), (str(tmp_path / "b"), b"b")], fileio.Durability.NONE)
+    assert [k for k, _ in ops.calls] == ["write", "write", "rename", "rename"]
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("fail", "err"),
+    [(("write", 3), errors.DiskFull), (("fsync", 2), errors.StorageError), (("rename", 2), errors.StorageError)],
+)
+def test_publish_all_is_all_or_nothing(tmp_path: Any, fail: tuple[str, int], err: type[Exception]) -> None:
+    """A failure at any step (a third file's write, a second fsync, the second rename once the first is done)
+    leaves no temp file and no published name, and no fd open."""
+    before = open_fds()
+    ops = PublishOps(fail)
+    with pytest.raises(err):
+        fileio.publish_all(ops, [(str(tmp_path / f"f{i}"), b"x" * 100) for i in range(4)], fileio.Durability.FSYNC)
+    assert os.listdir(tmp_path) == []
+    assert ops.open_now == 0 and open_fds() == before
+
+
 def test_plan_drift_is_caught(tmp_path: Any) -> None:
     # A codec whose source changes size between plan and write.
     cache = fill(C.KVCache(), 9)

@@ -21,6 +21,7 @@ def make_client(config: RemoteConfig, password: str | None) -> Client:
         "socket_connect_timeout": config.connect_timeout_s,
         "retry": Retry(NoBackoff(), 0),  # a failure is a miss at once; a retry would hold the caller
         "max_connections": config.max_connections,
+        "socket_read_size": config.socket_read_bytes,
         "decode_responses": False,
         "health_check_interval": 0,
     }

@@ -18,6 +18,9 @@ TRIAL_TIMEOUT_S = 0.25  # the background PING that closes an open breaker
 HEALTH_INTERVAL_S = 0.25  # how often the background task looks at an open breaker
 PUSH_BATCH = 32  # pushes per pipeline of the worker
 MAX_CONNECTIONS = 32  # per server: probes, fetches and the worker at once
+# redis-py reads a reply in chunks of this many bytes: at its 64 KiB default, pipelined GETs of 8 MiB values came
+# over loopback at 0.37 GB/s, at 1 MiB at 0.83-1.21 (docs/benchmarks.md, the shared tier)
+SOCKET_READ_BYTES = 1024**2
 EVENTS_MAXLEN = 100_000  # entries kept per events stream (XADD MAXLEN ~)
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -45,6 +48,7 @@ class RemoteConfig:
     queue_bytes: int = DEFAULT_QUEUE_BYTES
     push_batch: int = PUSH_BATCH
     max_connections: int = MAX_CONNECTIONS
+    socket_read_bytes: int = SOCKET_READ_BYTES
     events_maxlen: int = EVENTS_MAXLEN
 
     def check(self) -> None:
@@ -52,8 +56,8 @@ class RemoteConfig:
         check_url(self.url, self.cluster)
         if self.ttl_s is not None and self.ttl_s < 1:
             raise RemoteConfigError(f"the remote TTL is a whole number of seconds >= 1, not {self.ttl_s}")
-        if self.push_batch < 1 or self.max_connections < 1 or self.events_maxlen < 1:
-            raise RemoteConfigError("push_batch, max_connections and events_maxlen are at least 1")
+        if min(self.push_batch, self.max_connections, self.events_maxlen, self.socket_read_bytes) < 1:
+            raise RemoteConfigError("push_batch, max_connections, events_maxlen and socket_read_bytes are at least 1")
 
 
 def check_url(url: str, cluster: bool) -> None:

@@ -37,6 +37,11 @@ T = TypeVar("T")
 
 OFFLOAD_BYTES = 1024**2  # encrypt or decrypt more than this on a worker thread, off the event loop
 DRAIN_POLL_S = 0.005  # how often drain() looks at the queue
+# GETs per pipeline of a fetch, and pipelines in flight at once. Redis answers a pipeline only once it has copied
+# every reply: 32 values of 8 MiB waited 100 ms for their first byte, and a larger one outwaits the socket's
+# read timeout. Pipelines of 2 values, 2 at once, came at 1.5 GB/s over loopback against 0.9-1.0 for one of 32.
+FETCH_BATCH_KEYS = 2
+FETCH_IN_FLIGHT = 2
 MAX_EVENT_KEYS = 1024  # block keys per stream entry (64 hex digits each); a longer list takes several entries
 
 
@@ -153,20 +158,28 @@ class RemoteTier:
         return found
 
     async def fetch(self, namespace: str, keys: Sequence[bytes], kind: Kind = Kind.BLOCK) -> list[bytes | None]:
-        """The values of ``keys`` (None for each one absent, undecryptable or lost), through pipelined GETs
-        bounded by ``fetch_timeout_s``; with a TTL, each one found has its TTL refreshed (GETEX)."""
+        """The values of ``keys`` (None for each one absent, undecryptable or lost), through pipelines of
+        ``FETCH_BATCH_KEYS`` GETs, ``FETCH_IN_FLIGHT`` at once, each bounded by ``fetch_timeout_s``; with a TTL,
+        each one found has its TTL refreshed (GETEX)."""
         if not keys:
             return []
         names = [rkeys.value_key(namespace, k, kind) for k in keys]
         ttl = self.config.ttl_s
         cmds = [_cmd("get", n) if ttl is None else _cmd("getex", n, ex=ttl) for n in names]
-        r = await self._call(_pipeline(cmds), self.config.fetch_timeout_s)
-        if isinstance(r, _Failed):
-            self.stats.misses[r.reason] += len(keys)
-            return [None] * len(keys)
+        slots = asyncio.Semaphore(FETCH_IN_FLIGHT)
+
+        async def batch(lo: int) -> list[Any]:
+            async with slots:
+                r = await self._call(_pipeline(cmds[lo : lo + FETCH_BATCH_KEYS]), self.config.fetch_timeout_s)
+            return [r] * min(FETCH_BATCH_KEYS, len(cmds) - lo) if isinstance(r, _Failed) else r
+
+        got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), FETCH_BATCH_KEYS)))
+        r = [v for part in got for v in part]
         values = [v if isinstance(v, bytes) else None for v in r]
         for v in r:
-            if isinstance(v, Exception):
+            if isinstance(v, _Failed):  # its whole pipeline failed
+                self.stats.misses[v.reason] += 1
+            elif isinstance(v, Exception):
                 self.stats.misses[_reason_of(v)] += 1
             elif v is None:
                 self.stats.misses[Reason.ABSENT] += 1
