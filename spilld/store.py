@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -738,40 +738,36 @@ class Store:
 
     # --- files from another tier ------------------------------------------------------------------
 
-    async def adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, fetched: dict[bytes, bytes]) -> Entry:
-        """Keep a manifest fetched from another tier, with the blocks it names that this store lacks (``fetched``,
-        by key). Every file is checked whole in memory first (header, rules, every tensor hash; a block: that it
-        is the one asked for, of this identity and namespace). The new blocks are then written, all before any is
-        synced (``fileio.publish_all``: each to a temp file, fsynced, renamed), the folder synced, and the
-        manifest, its blocks checked against it, written and renamed last: the order of a put. A check that fails raises (``FileFormatError`` for wrong bytes,
-        ``BlockMissing`` for a block neither held nor fetched) and leaves nothing behind."""
+    async def adopt(
+        self, ident: fmt.Identity, namespace: str, manifest: bytes, fetched: AsyncIterable[dict[bytes, bytes]]
+    ) -> Entry:
+        """Keep a manifest fetched from another tier, with the blocks it names that this store lacks, which
+        ``fetched`` hands over in batches (by key) while the next ones are still on their way. Each file is checked
+        whole in memory first (header, rules, every tensor hash; a block: that it is the one asked for, of this
+        identity and namespace); each batch is then written, all its files before any is synced
+        (``fileio.publish_all``); once every block is held, the folder is synced, and the manifest, its blocks
+        checked against it, written and renamed last: the order of a put. A check that fails raises
+        (``FileFormatError`` for wrong bytes, ``BlockMissing`` for a block neither held nor fetched), as does
+        ``fetched``, and leaves nothing behind."""
         scope = (identity_fingerprint(ident), namespace)
         m = await off_loop(functools.partial(_checked_fetch, manifest, scope, None), background=True)
         if m.blocks is None:
             raise errors.BlockInvalid("a fetched manifest names no blocks")
-        new = [k for k in dict.fromkeys(m.blocks.keys) if k not in self._blocks]
-        for k in new:
-            if k not in fetched:
-                raise errors.BlockMissing(f"block {k.hex()} is neither held nor fetched")
-        await asyncio.gather(
-            *(off_loop(functools.partial(_checked_fetch, fetched[k], scope, k), background=True) for k in new)
-        )  # fmt: skip
         folder = self.folder(ident, namespace)
         path = self.new_path(ident, namespace)
         pinned = [self._blocks[k] for k in m.blocks.keys if k in self._blocks]
         for rec in pinned:
             rec.pins += 1
+        held = {rec.key for rec in pinned}
         self.claim_folder(folder)
         try:
             await self._make_folder(folder)
-            names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
-            files = [(names[k], fetched[k]) for k in new]  # all written, then all synced: one pass of the device
-            await off_loop(lambda: fileio.publish_all(self.ops, files, self.durability), background=True)
-            for k in new:
-                rec = self._add_block(k, names[k], len(fetched[k]))
-                rec.pins += 1
-                pinned.append(rec)
-                self.counters.blocks_fetched += 1
+            async for batch in fetched:
+                new = {k: v for k, v in batch.items() if k not in held and k in m.blocks.keys}
+                pinned += await self._adopt_blocks(new, scope, folder)
+                held.update(new)
+            if missing := [k for k in m.blocks.keys if k not in held]:
+                raise errors.BlockMissing(f"block {missing[0].hex()} is neither held nor fetched")
             await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
             await off_loop(functools.partial(self._check_named, m, path), background=True)
             await off_loop(functools.partial(self._write_file, path, manifest), background=True)
@@ -789,6 +785,21 @@ class Store:
         self._settle_new(entry, m)
         await self.delete_doomed_async()
         return entry
+
+    async def _adopt_blocks(self, new: dict[bytes, bytes], scope: tuple[str, str], folder: str) -> list[Block]:
+        """Fetched blocks checked (on worker threads), published in ``folder``, and held: their records, pinned."""
+        await asyncio.gather(
+            *(off_loop(functools.partial(_checked_fetch, v, scope, k), background=True) for k, v in new.items())
+        )  # fmt: skip
+        names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
+        files = [(names[k], v) for k, v in new.items()]
+        await off_loop(lambda: fileio.publish_all(self.ops, files, self.durability), background=True)
+        recs = []
+        for k, v in new.items():
+            recs.append(rec := self._add_block(k, names[k], len(v)))
+            rec.pins += 1
+            self.counters.blocks_fetched += 1
+        return recs
 
     def _settle_new(self, entry: Entry, header: fmt.Header) -> int:
         """``entry`` just joined the index: what it replaces goes, then what the quota and the cap need; the most

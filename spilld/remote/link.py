@@ -15,12 +15,13 @@ remote chain ends (or one that names that block), then the blocks it names that 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
 import socket
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import msgpack
@@ -41,6 +42,9 @@ log = logging.getLogger("spilld.remote")
 PUSH_MODES = ("all", "evicted", "none")  # every entry stored with blocks; those the disk evicts; none: fetch only
 EVICTED_IN_FLIGHT = 8  # evicted entries whose files are kept for their push at once (more are not pushed)
 MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming more is not fetched: a miss)
+# Blocks a fill fetches per batch: the store checks and writes one batch while the next is fetched, so a fill holds
+# two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
+FILL_BATCH_KEYS = 8
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -53,6 +57,10 @@ def root_space(fingerprint: str, namespace: str, provider: str, size: int) -> by
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+class _Absent(Exception):
+    """A block the manifest names is not on the remote tier (evicted, or lost) while a fill fetches it."""
 
 
 class RemoteLink:
@@ -217,14 +225,14 @@ class RemoteLink:
         except errors.SpillError:
             self.tier.note_bad_bytes()
             return self._missed("bad_bytes")
-        want = [k for k in keys if not self.store.has_block(k)]
+        want = list(dict.fromkeys(k for k in keys if not self.store.has_block(k)))
         if len(want) > MAX_FILL_BLOCKS:
             return self._missed("too_many_blocks")
-        got = await self.tier.fetch(namespace, want)
-        if any(v is None for v in got):
-            return self._missed("blocks_absent")
         try:
-            await self.store.adopt(ident, namespace, manifest, {k: v for k, v in zip(want, got, strict=True) if v})
+            async with contextlib.aclosing(self._fetched(namespace, want)) as batches:
+                await self.store.adopt(ident, namespace, manifest, batches)
+        except _Absent:
+            return self._missed("blocks_absent")
         except errors.FileFormatError as exc:
             self.tier.note_bad_bytes()
             log.warning("refused a manifest or block from the remote tier: %s", exc)
@@ -234,6 +242,23 @@ class RemoteLink:
             return self._missed("store_error")
         self.fills += 1
         return True
+
+    async def _fetched(self, namespace: str, want: list[bytes]) -> AsyncGenerator[dict[bytes, bytes], None]:
+        """``want``'s values in batches of ``FILL_BATCH_KEYS``, the next batch fetched while the store checks and
+        writes this one (at most two batches in memory); ``_Absent`` once one is missing."""
+        parts = [want[lo : lo + FILL_BATCH_KEYS] for lo in range(0, len(want), FILL_BATCH_KEYS)]
+        ahead: asyncio.Future[list[bytes | None]] | None = None
+        try:
+            for i, part in enumerate(parts):
+                got = await (ahead or self.tier.fetch(namespace, part))
+                ahead = asyncio.ensure_future(self.tier.fetch(namespace, parts[i + 1])) if i + 1 < len(parts) else None
+                values = [v for v in got if v is not None]
+                if len(values) < len(part):
+                    raise _Absent
+                yield dict(zip(part, values, strict=True))
+        finally:
+            if ahead is not None:  # the store gave up on this fill: the fetch is not wanted (it never raises)
+                ahead.cancel()
 
     def _missed(self, why: str) -> bool:
         self.fill_misses[why] += 1
