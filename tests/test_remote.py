@@ -16,18 +16,28 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from mlx_lm.models import cache as C
 
+import spilld
 import tests.redis_servers as tests_redis
+from spilld import fileio
+from spilld.entries import Hit
+from spilld.loader import Loaded
 from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
+from spilld.remote import link as link_module
 from spilld.remote import tier as tier_module
 from spilld.remote.breaker import Breaker, State
 from spilld.remote.client import make_client
 from spilld.remote.config import SOCKET_READ_BYTES
 from spilld.remote.crypto import Sealer
 from spilld.remote.errors import DecryptError
+from spilld.remote.link import RemoteLink
+from spilld.store import Store
+from tests.caches import fill, live, same
 from tests.redis_servers import Cluster, RedisServer, redis_cluster, redis_server
 
 NS = "tenant-a"
+FILL_IDENT = spilld.Identity("fill-test")
 PROBE_BOUND_S = 0.5  # what the issue asks of a probe against a hung server
 FAST_S = 0.05  # a call refused by an open breaker, or an offer: no network at all
 
@@ -600,3 +610,81 @@ async def test_cluster_resharding_mid_test_is_a_miss_never_an_error() -> None:
             assert await tier.fetch(NS, fresh) == fresh
         finally:
             await tier.close()
+
+
+# --- a fill, in process: a Store and its RemoteLink on each side ---------------------------------------------------
+
+
+async def pushed_store(root: Any, url: str, tokens: int) -> tuple[Store, RemoteTier, list[Any]]:
+    """A store whose link pushed one entry of ``tokens`` tokens (blocks of 16), every push done."""
+    caches = [fill(C.KVCache(), tokens, heads=2, dim=8, seed=s) for s in range(2)]
+    store = Store(str(root), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(url))
+    link = RemoteLink(tier, store)
+    await store.put(list(range(tokens)), caches, FILL_IDENT)
+    assert await link.drain(10)
+    return store, tier, caches
+
+
+@pytest.mark.asyncio
+async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it_writes_one(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "FILL_BATCH_KEYS", 2)
+    _, tier_a, caches = await pushed_store(tmp_path / "a", server.url, 16 * 7 + 3)  # 7 blocks and a tail
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store)
+    events: list[tuple[str, int]] = []
+    real_fetch, real_publish = tier.fetch, fileio.publish_all
+
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK) -> Any:
+        if kind is Kind.BLOCK:
+            events.append(("fetch", len(ks)))
+        return await real_fetch(ns, ks, kind)
+
+    def publish(ops: Any, files: Any, durability: Any) -> None:
+        events.append(("write", len(files)))
+        real_publish(ops, files, durability)
+
+    monkeypatch.setattr(tier, "fetch", fetch)
+    monkeypatch.setattr(fileio, "publish_all", publish)
+    prompt = [*range(16 * 7 + 3), 999]
+    try:
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        # four batches; each next one asked for before this one is written, and never two ahead
+        assert events == [
+            *[("fetch", 2), ("fetch", 2), ("write", 2)],
+            *[("fetch", 2), ("write", 2), ("fetch", 1), ("write", 2)],
+            *[("write", 1), ("write", 1)],  # the last block, then the manifest
+        ]
+        hit = store.lookup(FILL_IDENT, "", prompt)
+        assert isinstance(hit, Hit) and hit.matched == 16 * 7 + 3
+        got = await store.restore_async(hit, FILL_IDENT)
+        assert isinstance(got, Loaded) and all(same(live(a), live(b)) for a, b in zip(got.caches, caches, strict=True))
+    finally:
+        await tier.close()
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "FILL_BATCH_KEYS", 2)
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 7 + 3)
+    (entry,) = store_a.entries
+    with server.client() as c:
+        assert c.delete(keys.block_key("", entry.blocks[5]))  # in the third batch: two were written by then
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store)
+    try:
+        assert not await link.fill(FILL_IDENT, "", [*range(16 * 7 + 3), 999], store.provider_id)
+        assert link.fill_misses["blocks_absent"] == 1 and store.counters.blocks_fetched == 4
+        assert not store.blocks and store.count == 0
+        left = [f for _, _, fs in os.walk(tmp_path / "b") for f in fs if f.endswith((".spilld-block", ".spilld"))]
+        assert left == []
+    finally:
+        await tier.close()
+        await tier_a.close()
