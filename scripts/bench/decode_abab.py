@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -47,17 +49,79 @@ def p99(xs: list[float]) -> float:
     return s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
 
 
+class _Stored:
+    stored = True
+
+
+class Sink:
+    """Where a spill window's work goes (``--via``): an embedded ``Spiller`` (``ThreadLockLease`` on the engine's
+    lock), a spilld daemon in another process (``spilld.Client`` with the same lease), or ``python``: no spill, a
+    thread that runs pure Python for the window (it holds the GIL as a spill's Python would, and touches neither
+    the GPU's memory nor the disk)."""
+
+    def __init__(self, args: argparse.Namespace, lock: Any, folder: str) -> None:
+        self.via = args.via
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        lease = spilld.ThreadLockLease(lock)
+        ident = spilld.Identity("abab")
+        if self.via == "spiller":
+            self.loop = asyncio.new_event_loop()
+            self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+            self.thread.start()
+            open_ = spilld.Spiller.open(folder, identity=ident, lease=lease, queue_cap=8 << 30)
+            self.spiller = asyncio.run_coroutine_threadsafe(open_, self.loop).result()
+        elif self.via == "daemon":
+            sock = os.path.join(folder, "s.sock")
+            cmd = [sys.executable, "-m", "spilld", "--dir", os.path.join(folder, "store"), "--socket", sock]
+            self.daemon = subprocess.Popen(
+                [*cmd, "--cap", "16GiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            deadline = time.monotonic() + 60
+            while not os.path.exists(sock):
+                if self.daemon.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the daemon did not start")
+                time.sleep(0.05)
+            self.client = spilld.Client(sock, identity=ident, lease=lease, queue_cap=8 << 30)
+
+    def spill(self, tokens: list[int], caches: list[Any], live: bool) -> Any:
+        if self.via == "spiller":
+            return self.spiller.spill_threadsafe(tokens, caches, live=live)
+        if self.via == "daemon":
+            return self.client.spill(tokens, caches, live=live, droppable=False)
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        stop = threading.Event()
+
+        def busy() -> None:
+            x = 0
+            while not stop.is_set():
+                for i in range(1000):
+                    x += i
+
+        threading.Thread(target=busy, daemon=True).start()
+        fut.stop = stop  # type: ignore[attr-defined]
+        return fut
+
+    def stop_python(self, fut: Any) -> None:
+        if not fut.done():
+            fut.stop.set()
+            fut.set_result(_Stored())
+
+    def close(self) -> None:
+        if self.via == "spiller" and self.loop is not None:
+            asyncio.run_coroutine_threadsafe(self.spiller.close(), self.loop).result()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+        elif self.via == "daemon" and self.daemon is not None:
+            self.client.close()
+            self.daemon.terminate()
+            self.daemon.wait(timeout=120)
+
+
 def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> dict[str, Any]:
     lock: Any = spilld.FairLock() if args.lock == "fair" else threading.Lock()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    spiller = asyncio.run_coroutine_threadsafe(
-        spilld.Spiller.open(
-            folder, identity=spilld.Identity("abab"), lease=spilld.ThreadLockLease(lock), queue_cap=8 << 30
-        ),
-        loop,
-    ).result()
+    sink = Sink(args, lock, folder)
     own = C.make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(1, args.context + 1))]), cache=own))
     live_big = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=1)
@@ -86,6 +150,8 @@ def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> di
         if state == "spill":
             spill_lat.append(dt)
             left -= 1
+            if left <= 0 and isinstance(pending, concurrent.futures.Future) and args.via == "python":
+                sink.stop_python(pending)
             if left <= 0 and pending.done():
                 outcome = pending.result()
                 if not outcome.stored:
@@ -109,16 +175,13 @@ def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> di
             caches = live_big if case == "snapshot" else evict[len(pairs)]
             spilled = nbytes(caches)
             handed = time.perf_counter()
-            pending = spiller.spill_threadsafe(list(range(caches[0].offset)), caches, live=case == "snapshot")
+            pending = sink.spill(list(range(caches[0].offset)), caches, live=case == "snapshot")
             pending.add_done_callback(lambda _f: settled.__setitem__(0, time.perf_counter()))
             if case == "eviction":
                 evict[len(pairs)] = []  # the engine drops them
             del caches
             state, left = "spill", args.window
-    asyncio.run_coroutine_threadsafe(spiller.close(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
-    loop.close()
+    sink.close()
     if pending is not None:
         pending.result(timeout=600)  # decode stopped: the starved spill gets the lock now
     ratios = [p["ratio"] for p in pairs] or [float("nan")]
@@ -146,6 +209,13 @@ def main() -> None:
         default="fair",
         help="the engine's generation lock: spilld.FairLock (default) or threading.Lock, which a fast decode loop "
         "takes back at once: the spill then waits for decode to pause",
+    )
+    p.add_argument(
+        "--via",
+        choices=["spiller", "daemon", "python"],
+        default="spiller",
+        help="where a spill window's work goes: an embedded Spiller (default), a spilld daemon in another process, "
+        "or python: no spill, a thread running pure Python for the window (the GIL alone)",
     )
     p.add_argument("--max-seconds", type=float, default=120.0, help="give up a case after this long (a starved spill)")
     p.add_argument("--switch-interval", type=float, default=None)
