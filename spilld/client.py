@@ -30,6 +30,7 @@ from . import format as fmt
 from . import protocol as P
 from .api import Deadline, Hit
 from .assemble import beside
+from .bytecopy import copy_into
 from .codecs import CodecProvider, default_provider
 from .config import default_socket
 from .entries import Miss, MissReason, check_namespace
@@ -613,7 +614,7 @@ def _fill(seg: memoryview, runs: list[memoryview]) -> tuple[int, list[memoryview
     while left and pos < len(seg):
         r = left[0]
         n = min(r.nbytes, len(seg) - pos)
-        seg[pos : pos + n] = r[:n]
+        copy_into(seg[pos : pos + n], r[:n])
         pos += n
         left = left[1:] if n == r.nbytes else [r[n:], *left[1:]]
     return pos, left

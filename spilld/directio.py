@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from . import fileio
+from .bytecopy import copy_into
 from .lease import lower_thread_priority
 
 BLOCK = 4096  # O_DIRECT length and offset granularity (logical block size on Linux)
@@ -99,7 +100,7 @@ class DirectWriter:
                 pos = 0
                 while pos < run.nbytes:
                     n = min(CHUNK - fill, run.nbytes - pos)
-                    buf[fill : fill + n] = run[pos : pos + n]
+                    copy_into(memoryview(buf)[fill : fill + n], run[pos : pos + n])
                     fill += n
                     pos += n
                     if fill == CHUNK:

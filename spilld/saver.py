@@ -25,6 +25,7 @@ import xxhash
 
 from . import directio, errors, fileio
 from . import format as fmt
+from .bytecopy import copy_into
 from .codecs import CodecProvider, default_provider
 from .fileio import DEFAULT_OPS, Durability, FileOps, temp_path_for
 from .lease import Begun, NoLease, RunStep, off_loop, within
@@ -359,7 +360,7 @@ def _copy_live_rows(src: LiveSource, out: memoryview, start: int, limit: int | N
     for r in runs:
         lo, hi = max(start, pos), min(end, pos + r.nbytes)
         if lo < hi:
-            out[lo:hi] = r[lo - pos : hi - pos]
+            copy_into(out[lo:hi], r[lo - pos : hi - pos])
         pos += r.nbytes
         r.release()
     del held, a
