@@ -284,23 +284,31 @@ def start_writeback(fd: int) -> None:
     """``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`` where libc has it (Linux); a no-op elsewhere."""
     global _sync_file_range
     if _sync_file_range is None:
-        _sync_file_range = False
-        if sys.platform == "linux":
-            try:
-                import ctypes
+        import ctypes
 
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _sync_file_range = fn
-            except (OSError, AttributeError):
-                pass
-    if _sync_file_range is not False and _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+        _sync_file_range = libc_call("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    if _sync_file_range and _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
         import ctypes
 
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS, errno.ESPIPE):  # a filesystem that cannot: the fsync does it
             raise OSError(err, os.strerror(err))
+
+
+def libc_call(name: str, argtypes: list[Any]) -> Any:
+    """libc's function ``name`` (taking ``argtypes``, returning an int, setting errno), or False where there is
+    none: not Linux, or a libc without it."""
+    if sys.platform != "linux":
+        return False
+    try:
+        import ctypes
+
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def remove_quietly(ops: FileOps, path: str) -> None:

@@ -416,17 +416,9 @@ def _address(mv: memoryview) -> int:
 def _libc_madvise() -> Any:
     global _madvise
     if _madvise is None:
-        _madvise = False
-        if sys.platform == "linux":
-            try:
-                import ctypes
+        import ctypes
 
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
+        _madvise = fileio.libc_call("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
     return _madvise
 
 

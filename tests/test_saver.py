@@ -270,6 +270,21 @@ def test_publish_all_is_all_or_nothing(tmp_path: Any, fail: tuple[str, int], err
     assert ops.open_now == 0 and open_fds() == before
 
 
+def test_start_writeback_is_quiet_where_it_cannot_and_raises_a_real_error(tmp_path: Any) -> None:
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"x" * 100_000)
+    fileio.start_writeback(fd)
+    os.close(fd)
+    r, w = os.pipe()
+    fileio.start_writeback(w)  # a pipe cannot (ESPIPE): the fsync that follows does the work
+    os.close(r)
+    os.close(w)
+    if fileio.libc_call("sync_file_range", []) is not False:  # Linux
+        with pytest.raises(OSError):
+            fileio.start_writeback(w)  # closed: EBADF is an error, not a filesystem that cannot
+    assert fileio.libc_call("no_such_function_in_any_libc", []) is False
+
+
 def test_plan_drift_is_caught(tmp_path: Any) -> None:
     # A codec whose source changes size between plan and write.
     cache = fill(C.KVCache(), 9)
