@@ -114,6 +114,7 @@ class Sink:
 
         from spilld import dtypes
 
+        os.makedirs(os.path.dirname(self.bare_path), exist_ok=True)
         fd = os.open(self.bare_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if self.via == "write" else -1
         try:
             off = 0
