@@ -50,7 +50,7 @@ from .loader import Loaded, load, read_header
 from .lockfile import LOCK_NAME, FileLock
 from .matching import Found, Query, common_prefix, start_key
 from .queue import unpin
-from .saver import AnySource, Attachment, SaveResult, Staging, plan, save_async
+from .saver import WRITE_BATCH_BYTES, AnySource, Attachment, SaveResult, Staging, plan, save_async, take_all
 from .validate import validate_header
 
 log = logging.getLogger("spilld.store")
@@ -640,6 +640,9 @@ class Store:
                 provider=self.provider,
             )  # fmt: skip
         ident = planned[0].identity
+        if self.block_tokens and run_step is not None and not write_in_lease and not batch_bytes:
+            # an engine's arrays: their bytes taken once each in its lease, then every block written in batches
+            planned, batch_bytes = (planned[0], await take_all(planned[1], run_step)), WRITE_BATCH_BYTES
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
         held = self._held_blocks(cut)
         if held_rows and (cut is None or held * cut.size < held_rows):
