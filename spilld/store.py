@@ -761,12 +761,12 @@ class Store:
         pinned = [self._blocks[k] for k in m.blocks.keys if k in self._blocks]
         for rec in pinned:
             rec.pins += 1
-        held = {rec.key for rec in pinned}
+        held, named = {rec.key for rec in pinned}, set(m.blocks.keys)
         self.claim_folder(folder)
         try:
             await self._make_folder(folder)
             async for batch in fetched:
-                new = {k: v for k, v in batch.items() if k not in held and k in m.blocks.keys}
+                new = {k: v for k, v in batch.items() if k not in held and k in named}
                 pinned += await self._adopt_blocks(new, scope, folder)
                 held.update(new)
             if missing := [k for k in m.blocks.keys if k not in held]:
