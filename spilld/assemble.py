@@ -13,8 +13,6 @@ import dataclasses
 import functools
 import math
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +21,7 @@ import msgpack
 
 from . import blocks, errors
 from . import format as fmt
+from .lru import LRU
 
 BlockPaths = Callable[[bytes], str | None]  # a block key -> its file (None: not on disk)
 # A block's header from its prefix, its first bytes (prefix, header, padding) and its file size when they are
@@ -203,24 +202,18 @@ def check_block(bh: fmt.Header, m: fmt.Header, i: int, root: bytes, layout: list
 
 
 LAYOUTS_CACHED = 1024  # block layouts remembered per process: as many as the loader remembers block headers
-_layouts: OrderedDict[int, tuple[list[fmt.CacheEntry], list[object]]] = OrderedDict()
-_layouts_lock = threading.Lock()
+_layouts: LRU[int, tuple[list[fmt.CacheEntry], list[object]]] = LRU(LAYOUTS_CACHED)
 
 
 def _layout_of(caches: list[fmt.CacheEntry]) -> list[object]:
     """``blocks.layout_of(caches)``, remembered for the list it was computed from (kept alive with it, so its id is
     not reused): a block header the loader remembers is checked again on every restore that reads it, and its
     layout cost ~25 us of a 1 GiB restore's 128 blocks each time. A header's caches are never changed in place."""
-    with _layouts_lock:
-        got = _layouts.get(id(caches))
-        if got is not None and got[0] is caches:
-            _layouts.move_to_end(id(caches))
-            return got[1]
+    got = _layouts.get(id(caches))
+    if got is not None and got[0] is caches:
+        return got[1]
     layout = blocks.layout_of(caches)
-    with _layouts_lock:
-        _layouts[id(caches)] = (caches, layout)
-        while len(_layouts) > LAYOUTS_CACHED:
-            _layouts.popitem(last=False)
+    _layouts.put(id(caches), (caches, layout))
     return layout
 
 

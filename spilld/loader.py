@@ -10,8 +10,6 @@ import math
 import mmap
 import os
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
@@ -23,6 +21,7 @@ from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
 from .fileio import DEFAULT_OPS, FileOps
+from .lru import LRU
 from .saver import Attachment
 from .validate import header_from_bytes
 
@@ -51,8 +50,7 @@ def _read_header_fd(fd: int, path: str, expect: assemble.ExpectFn | None = None,
 
 
 BLOCK_HEADERS_CACHED = 1024  # validated block headers kept per process (a block is immutable once published)
-_block_headers: OrderedDict[tuple[str, int, int, int, int], fmt.Header] = OrderedDict()
-_block_headers_lock = threading.Lock()
+_block_headers: LRU[tuple[str, int, int, int, int], fmt.Header] = LRU(BLOCK_HEADERS_CACHED)
 
 
 def _read_block_header(fd: int, path: str, expect: assemble.ExpectFn | None = None) -> fmt.Header:
@@ -62,16 +60,10 @@ def _read_block_header(fd: int, path: str, expect: assemble.ExpectFn | None = No
     hash on each read."""
     st = os.fstat(fd)
     key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _block_headers_lock:
-        got = _block_headers.get(key)
-        if got is not None:
-            _block_headers.move_to_end(key)
-            return got
+    if (got := _block_headers.get(key)) is not None:
+        return got
     header = _read_header_fd(fd, path, expect, st.st_size)
-    with _block_headers_lock:
-        _block_headers[key] = header
-        while len(_block_headers) > BLOCK_HEADERS_CACHED:
-            _block_headers.popitem(last=False)
+    _block_headers.put(key, header)
     return header
 
 

@@ -63,6 +63,7 @@ class Sink:
         self.via = args.via
         self.bare_path = os.path.join(folder, "bare.bin")
         self.daemon: subprocess.Popen[bytes] | None = None
+        self.busy_stop = threading.Event()  # ends the python arm's busy thread
         self.loop: asyncio.AbstractEventLoop | None = None
         lease = spilld.ThreadLockLease(lock)
         ident = spilld.Identity("abab")
@@ -95,17 +96,15 @@ class Sink:
             arrays = [a for c in caches for a in (c.keys, c.values)]
             threading.Thread(target=self._bare, args=(arrays, fut), daemon=True).start()
             return fut
-        stop = threading.Event()
-
-        def busy() -> None:
-            x = 0
-            while not stop.is_set():
-                for i in range(1000):
-                    x += i
-
-        threading.Thread(target=busy, daemon=True).start()
-        fut.stop = stop  # type: ignore[attr-defined]
+        self.busy_stop.clear()
+        threading.Thread(target=self._busy, daemon=True).start()
         return fut
+
+    def _busy(self) -> None:
+        x = 0
+        while not self.busy_stop.is_set():
+            for i in range(1000):
+                x += i
 
     def _bare(self, arrays: list[Any], fut: Any) -> None:
         """The bytes of ``arrays`` hashed (xxh3) or written (``pwrite``, one fsync at the end) in 8 MiB chunks by
@@ -134,9 +133,10 @@ class Sink:
                 os.close(fd)
         fut.set_result(_Stored())
 
-    def stop_python(self, fut: Any) -> None:
-        if not fut.done():
-            fut.stop.set()
+    def window_ended(self, fut: Any) -> None:
+        """The spill window has its tokens: the python arm's work ends with them (a spill ends when it is durable)."""
+        if self.via == "python" and not fut.done():
+            self.busy_stop.set()
             fut.set_result(_Stored())
 
     def close(self) -> None:
@@ -182,8 +182,8 @@ def run_case(case: str, args: argparse.Namespace, model: Any, folder: str) -> di
         if state == "spill":
             spill_lat.append(dt)
             left -= 1
-            if left <= 0 and isinstance(pending, concurrent.futures.Future) and args.via == "python":
-                sink.stop_python(pending)
+            if left <= 0:
+                sink.window_ended(pending)
             if left <= 0 and pending.done():
                 outcome = pending.result()
                 if not outcome.stored:
