@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from . import fileio
+from . import fileio, mlxthreads
 from .bytecopy import copy_into
 from .lease import lower_thread_priority
 
@@ -63,8 +63,7 @@ class DirectWriter:
         self.fd, self.path, self.ops = fd, path, ops
         self._jobs: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue(maxsize=DEPTH)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="spilld-direct-writer", daemon=True)
-        self._thread.start()
+        self._thread = mlxthreads.start_thread(self._run, "spilld-direct-writer", daemon=True)
         self._closed = False
 
     def _run(self) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
-from . import errors
+from . import errors, mlxthreads
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ def _compute_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _compute
     with _background_lock:
         if _compute is None:
-            _compute = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="spilld-cpu")
+            _compute = mlxthreads.worker_pool(2, "spilld-cpu")
         return _compute
 
 
@@ -57,9 +57,7 @@ def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _background
     with _background_lock:
         if _background is None:
-            _background = concurrent.futures.ThreadPoolExecutor(
-                max_workers=2, thread_name_prefix="spilld-io", initializer=lower_thread_priority
-            )
+            _background = mlxthreads.worker_pool(2, "spilld-io", initializer=lower_thread_priority)
         return _background
 
 
@@ -73,7 +71,7 @@ async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bo
     """
     loop = asyncio.get_running_loop()
     pool = _compute_pool() if compute else _background_pool() if background else None
-    fut = loop.run_in_executor(pool, fn)
+    fut = loop.run_in_executor(pool, mlxthreads.releasing(fn))
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import xxhash
 
-from . import assemble, errors, fileio
+from . import assemble, errors, fileio, mlxthreads
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
@@ -554,9 +554,7 @@ def _decode_parallel(reader: _Reader, entries: list[fmt.CacheEntry], threads: in
     plan = _Recorder(reader.provider, reader.path)
     for e in entries:
         plan.decode(e)
-    pool: concurrent.futures.Executor = (
-        concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="spilld-load") if threads > 1 else _Inline()
-    )
+    pool: concurrent.futures.Executor = mlxthreads.worker_pool(threads, "spilld-load") if threads > 1 else _Inline()
     with pool:
         arrays = _read_all(reader, plan.wants, pool)
     ctx = _Prefetched(reader, arrays)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import threading
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from . import mlxthreads
 
 T = TypeVar("T")
 
@@ -29,8 +30,7 @@ class LoopThread:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
+        self._thread = mlxthreads.start_thread(self.loop.run_forever, name, daemon=True)
         # A caller that exits without ``stop`` must not leave a thread that ran mlx work alive at interpreter
         # shutdown (mlx aborts the process: 'terminate called without an active exception').
         atexit.register(self.stop)

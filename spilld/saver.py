@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, cast
 import numpy as np
 import xxhash
 
-from . import directio, errors, fileio
+from . import directio, errors, fileio, mlxthreads
 from . import format as fmt
 from .bytecopy import copy_into
 from .codecs import CodecProvider, default_provider
@@ -798,7 +798,7 @@ def _all_bytes(planned: tuple[fmt.Header, list[AnySource]] | None) -> bool:
 
 def _close_later(loop: asyncio.AbstractEventLoop, gen: Generator[Any, None, Any]) -> None:
     """Close a save's generator (its file closed, its temp removed) on a worker thread: its late step returned."""
-    loop.run_in_executor(None, gen.close)
+    loop.run_in_executor(None, mlxthreads.releasing(gen.close))
 
 
 def run_step_sync(step: SaveStep) -> None:

@@ -25,6 +25,7 @@ import sys, threading, time
 import mlx.core as mx
 from mlx_lm.models import cache as C
 import spilld
+from spilld import mlxthreads
 from spilld.client import Client
 from spilld.lease import ThreadLockLease
 
@@ -43,8 +44,7 @@ def engine():
                 futs.append(client.spill(list(range(cache.offset)), [cache], live=step % 20 == 0, droppable=False))
         time.sleep(0.002)
 
-th = threading.Thread(target=engine)
-th.start()
+th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
 print("ready", flush=True)
 th.join()
 outcomes = [f.result(timeout=60).outcome.value for f in futs]

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 import spilld
+from spilld import mlxthreads
 from spilld import protocol as P
 from spilld.client import AsyncClient
 from spilld.lockfile import LOCK_NAME
@@ -281,7 +282,6 @@ def test_sigterm_with_a_full_queue_finishes_the_work() -> None:
 
 
 def test_sync_client_from_an_engine_thread(daemon: Daemon) -> None:
-    import threading
 
     from spilld.client import Client
 
@@ -295,8 +295,7 @@ def test_sync_client_from_an_engine_thread(daemon: Daemon) -> None:
             cache, _ = prefill(model, prompt)
             out.append((client.spill(prompt, cache).result(timeout=60), next_logits(model, cache, 3)))
 
-        th = threading.Thread(target=engine)
-        th.start()
+        th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
         th.join()
         settled, want = out[0]
         assert settled.stored

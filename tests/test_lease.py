@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import spilld
-from spilld import AsyncLockLease, IdleGate, NoLease, ThreadLockLease
+from spilld import AsyncLockLease, IdleGate, NoLease, ThreadLockLease, mlxthreads
 
 pytestmark = pytest.mark.asyncio
 
@@ -66,8 +66,7 @@ async def test_thread_lock_lease_waits_for_the_engine_thread() -> None:
             time.sleep(0.05)
             events.append("engine end")
 
-    th = threading.Thread(target=engine)
-    th.start()
+    th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     entered.wait()
     await lease(lambda: events.append("step"))
     th.join()
@@ -92,8 +91,7 @@ async def test_idle_gate_never_overlaps_engine_steps() -> None:
         time.sleep(0.001)
         spans.append(("step", t0, time.perf_counter()))
 
-    th = threading.Thread(target=engine)
-    th.start()
+    th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     for _ in range(20):
         await gate(step)
     stop.set()
@@ -129,8 +127,7 @@ async def _engine_arrives_during_a_step() -> list[str]:
             time.sleep(0.01)
             events.append("engine out")
 
-    th = threading.Thread(target=engine)
-    th.start()
+    th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     one = asyncio.ensure_future(gate(first))
     while not first_running.is_set():
         await asyncio.sleep(0.001)
@@ -202,8 +199,7 @@ async def test_a_thread_lock_lease_on_a_fair_lock_runs_while_an_engine_loops() -
             with lock:  # a decode loop that takes its lock back at once
                 steps[0] += 1
 
-    t = threading.Thread(target=engine)
-    t.start()
+    t = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     try:
         ran = await asyncio.wait_for(lease(lambda: "ran"), timeout=10)
     finally:

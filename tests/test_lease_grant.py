@@ -21,6 +21,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+from spilld import mlxthreads
 from spilld.client import Client
 from tests.caches import fill
 from tests.daemons import Daemon, cleanup, new_root
@@ -76,8 +77,7 @@ def run(d: Daemon, grant: bool) -> tuple[int, int]:
                 engine_spans.append((t0, time.monotonic()))
             time.sleep(0.0003)  # the gap between two decode steps
 
-    th = threading.Thread(target=engine)
-    th.start()
+    th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     try:
         futs = [client.spill(list(range(256 + i)), caches) for i in range(SPILLS)]
         assert all(f.result(timeout=120).stored for f in futs)

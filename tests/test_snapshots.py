@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
-from spilld import saver
+from spilld import mlxthreads, saver
 from spilld.client import Client
 from spilld.codecs import base
 from spilld.lease import NoLease, ThreadLockLease
@@ -201,8 +201,7 @@ def run_engine(
         except BaseException as exc:  # reported on the test's thread
             out["error"] = exc
 
-    th = threading.Thread(target=engine, name="engine")
-    th.start()
+    th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     th.join(timeout=300)
     if "error" in out:
         raise out["error"]
@@ -316,8 +315,7 @@ def _spill_from_engine_thread(
             except BaseException as exc:
                 out["error"] = exc
 
-        th = threading.Thread(target=engine)
-        th.start()
+        th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
         th.join()
         if "error" in out:
             raise out["error"]

@@ -12,7 +12,7 @@ import pytest
 
 import spilld
 import spilld.saver
-from spilld import Outcome
+from spilld import Outcome, mlxthreads
 from tests.models import next_logits, prefill, random_tokens, tiny_llama
 
 pytestmark = pytest.mark.asyncio
@@ -56,8 +56,7 @@ async def test_spill_from_the_engine_thread(tmp_path: Any) -> None:
             cache, _ = prefill(model, prompt)
             out.append(sp.spill_threadsafe(prompt, cache))
 
-    th = threading.Thread(target=engine)
-    th.start()
+    th = mlxthreads.start_thread(engine, "engine")  # an engine thread frees its mlx streams as it ends
     await asyncio.get_running_loop().run_in_executor(None, th.join)
     settled = await asyncio.wrap_future(out[0])
     assert settled.stored and (await sp.drain()).done

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import __version__, blocks, errors, shm
+from .. import __version__, blocks, errors, mlxthreads, shm
 from .. import format as fmt
 from .. import protocol as P
 from ..lease import off_loop
@@ -426,7 +426,9 @@ class Connection(asyncio.BufferedProtocol):
         sp.claim(index, offset, length)  # before allocating: only bytes the spill declared (and was admitted for)
         buf = np.empty(length, np.uint8).data  # not zeroed: the copy fills every byte
         sp.chunks[index].append(buf)
-        fut = asyncio.get_running_loop().run_in_executor(None, shm.read_segment, name, buf)
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, mlxthreads.releasing(lambda: shm.read_segment(name, buf))
+        )
         sp.reads.add(fut)
 
         def done(f: asyncio.Future[None]) -> None:

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from mlx_lm.models.cache import LRUPromptCache, PromptTrie
 
-from .. import errors
+from .. import errors, mlxthreads
 from .. import format as fmt
 from ..config import default_socket, parse_duration
 from ..daemon.listen import is_served
@@ -297,8 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 prompt_cache,
                 state.setdefault("stop", threading.Event()),
             )
-            state["metrics"] = threading.Thread(target=_write_counters_every, args=args, name="spilld-metrics")
-            state["metrics"].start()
+            state["metrics"] = mlxthreads.start_thread(lambda: _write_counters_every(*args), "spilld-metrics")
         generator = server.ResponseGenerator(model_provider, prompt_cache)
         if group.rank() == 0:
             server._run_http_server(host, port, generator, **kwargs)
