@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from decode_interference import add_engine_args, big_cache, build_model, decode_step, nbytes
 
 import spilld
+from spilld import mlxthreads
 
 MiB = 1024 * 1024
 
@@ -69,8 +70,7 @@ class Sink:
         ident = spilld.Identity("abab")
         if self.via == "spiller":
             self.loop = asyncio.new_event_loop()
-            self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-            self.thread.start()
+            self.thread = mlxthreads.start_thread(self.loop.run_forever, "spill-loop", daemon=True)
             open_ = spilld.Spiller.open(folder, identity=ident, lease=lease, queue_cap=8 << 30)
             self.spiller = asyncio.run_coroutine_threadsafe(open_, self.loop).result()
         elif self.via == "daemon":
@@ -94,7 +94,7 @@ class Sink:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         if self.via in ("hash", "write"):
             arrays = [a for c in caches for a in (c.keys, c.values)]
-            threading.Thread(target=self._bare, args=(arrays, fut), daemon=True).start()
+            mlxthreads.start_thread(lambda: self._bare(arrays, fut), "bare", daemon=True)
             return fut
         self.busy_stop.clear()
         threading.Thread(target=self._busy, daemon=True).start()
@@ -263,7 +263,7 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     folder = args.dir or tempfile.mkdtemp(prefix="spilld-abab-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     model = build_model(args)
-    out = {"device": str(mx.default_device()), "args": vars(args), "cases": []}
+    out: dict[str, Any] = {"device": str(mx.default_device()), "args": vars(args), "cases": []}
     try:
         for case in args.cases.split(","):
             r = run_case(case, args, model, folder)

@@ -40,6 +40,7 @@ from mlx_lm.models import llama
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import spilld
+from spilld import mlxthreads
 
 MiB = 1024 * 1024
 
@@ -131,8 +132,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     res = Result(arm, case)
     lock = threading.Lock()
     loop = asyncio.new_event_loop()
-    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
-    loop_thread.start()
+    loop_thread = mlxthreads.start_thread(loop.run_forever, "spill-loop", daemon=True)
     lease = spilld.ThreadLockLease(lock)
     spiller: spilld.Spiller | None = None
     scrubbing = None
@@ -242,8 +242,7 @@ def spill_call_cost(folder: str, layers: int = 32, tokens: int = 8192 - 1) -> di
     """Engine-thread cost of Spiller.spill(); the default cache is 1 GiB (32 layers of (1, 8, 8192, 128) f16)."""
     caches = big_cache(layers, tokens, 8, 128, seed=7)
     loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
+    th = mlxthreads.start_thread(loop.run_forever, "spill-loop", daemon=True)
     sp = asyncio.run_coroutine_threadsafe(spilld.Spiller.open(folder, identity=spilld.Identity("bench")), loop).result()
     costs = []
     futs = []

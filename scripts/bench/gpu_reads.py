@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import glob
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from spilld import mlxthreads
 from spilld.lease import FairLock
 
 LOCK = FairLock()  # the engine's generation lock
@@ -193,9 +194,7 @@ def main() -> int:
         for name, fn in readers.items():
             arrs = arrays(a.arrays, 16, seed=rnd * 100 + len(rows))
             got: dict[str, float] = {}
-            th = threading.Thread(target=run_into, args=(fn, arrs, got)) if fn else None
-            if th is not None:
-                th.start()
+            th = mlxthreads.start_thread(functools.partial(run_into, fn, arrs, got), "reader") if fn else None
             lat = decode(w, x, a.steps)
             while th is not None and th.is_alive():  # decode for as long as the reader runs
                 lat += decode(w, x, 20)
