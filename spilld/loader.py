@@ -22,7 +22,7 @@ from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
 from .fileio import DEFAULT_OPS, FileOps
 from .lru import LRU
-from .saver import Attachment
+from .saver import Attachment, held_arrays
 from .validate import header_from_bytes
 
 # Reading headers (the daemon's index scan, ``spilld verify``) needs no mlx; building arrays imports it then.
@@ -611,9 +611,16 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
         raise errors.NotReusable(
             f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path
         )
+    trimmed = [c for c, e in zip(caches, header.caches, strict=True) if e.offset is not None and e.offset > upto]
     for c, e in zip(caches, header.caches, strict=True):
         if e.offset is not None and e.offset > upto:
             c.trim(e.offset - upto)
+    # A trim may leave lazy arrays (a batch cache's offsets) bound to this thread's streams, which go with the
+    # thread: evaluated here, where they were made.
+    if trimmed:
+        import mlx.core as mx
+
+        mx.eval(held_arrays(trimmed))
 
 
 def load(

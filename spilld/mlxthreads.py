@@ -1,10 +1,10 @@
-"""Threads that run mlx work free its per-thread state before they end.
+"""Threads that run mlx work free their per-thread state before they end.
 
 mlx keeps each thread's streams in thread-local state, and its contract (since 0.32) is that a thread other than
 the main one calls ``mx.clear_streams()`` before it ends: freed later, at thread or process teardown, they abort
 the process ("terminate called without an active exception", exit 134). Measured with mlx 0.32.4 on Linux: a
-script whose one pool of two threads evaluated a product aborted at exit in 12 of 20 runs, 0 of 40 with the pool's
-threads freeing their streams as they end. An engine must not die at exit because it embedded spilld, so every
+script whose one pool of two threads evaluated a product aborted at exit in 12 of 20 runs, 0 of 20 with the pool's
+threads freeing their streams as they end (``docs/reliability.md``). An engine must not die at exit because it embedded spilld, so every
 thread spilld starts is made here (``worker_pool``, ``start_thread``), and work it hands to a pool it did not make
 is wrapped (``releasing``).
 """
@@ -31,11 +31,17 @@ def release_streams() -> None:
 
 
 class _AtThreadEnd:
-    """Held in a thread-local slot: Python drops it on the ending thread itself, as it clears that thread's state."""
+    """Held in a thread-local slot: Python drops it as it clears its thread's state, on that thread when it ends,
+    but on the main thread at interpreter exit for a daemon thread still running then: only its own thread frees."""
 
-    __slots__ = ()
+    __slots__ = ("ident",)
+
+    def __init__(self) -> None:
+        self.ident = threading.get_ident()
 
     def __del__(self) -> None:
+        if threading.get_ident() != self.ident:  # never the main thread's streams, which it may still use
+            return
         try:
             release_streams()
         except Exception:  # nothing to report to at thread teardown; mlx's own teardown is what remains

@@ -97,7 +97,7 @@ class Sink:
             mlxthreads.start_thread(lambda: self._bare(arrays, fut), "bare", daemon=True)
             return fut
         self.busy_stop.clear()
-        threading.Thread(target=self._busy, daemon=True).start()
+        threading.Thread(target=self._busy, daemon=True).start()  # pure Python: no mlx streams to free
         return fut
 
     def _busy(self) -> None:

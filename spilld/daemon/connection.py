@@ -426,6 +426,7 @@ class Connection(asyncio.BufferedProtocol):
         sp.claim(index, offset, length)  # before allocating: only bytes the spill declared (and was admitted for)
         buf = np.empty(length, np.uint8).data  # not zeroed: the copy fills every byte
         sp.chunks[index].append(buf)
+        # releasing: no mlx runs in the daemon, but every hand-off to a pool goes through it (tests/test_mlxthreads.py)
         fut = asyncio.get_running_loop().run_in_executor(
             None, mlxthreads.releasing(lambda: shm.read_segment(name, buf))
         )
