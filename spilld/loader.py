@@ -611,16 +611,9 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
         raise errors.NotReusable(
             f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path
         )
-    trimmed = [c for c, e in zip(caches, header.caches, strict=True) if e.offset is not None and e.offset > upto]
     for c, e in zip(caches, header.caches, strict=True):
         if e.offset is not None and e.offset > upto:
             c.trim(e.offset - upto)
-    # A trim may leave lazy arrays (a batch cache's offsets) bound to this thread's streams, which go with the
-    # thread: evaluated here, where they were made.
-    if trimmed:
-        import mlx.core as mx
-
-        mx.eval(held_arrays(trimmed))
 
 
 def load(
@@ -680,4 +673,15 @@ def load(
     if upto is not None:
         _cut(caches, whole, upto, p)
         tokens = tokens[:upto]
+    _evaluated(caches)
     return Loaded(tokens, caches, header, attachments, whole.checkpoint, header.meta)
+
+
+def _evaluated(caches: list[Any]) -> None:
+    """Evaluate every array the caches hold: a lazy one (a batch cache's offsets after a trim) is bound to this
+    thread's streams, and a load often runs on a worker thread whose streams end with it (then mlx refuses it:
+    "There is no Stream(cpu, 0) in current thread"). The tensors read are evaluated already: a no-op for them."""
+    if caches:
+        import mlx.core as mx
+
+        mx.eval(held_arrays(caches))
