@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from spilld import cli
+from spilld.daemon.listen import serve_inherited
 from spilld.service import activation, install, lifecycle, units
 from spilld.service.lifecycle import Progress
 from spilld.service.sdnotify import Notifier, notify_address, watchdog_interval
@@ -355,6 +356,31 @@ def log_of(root: str) -> str:
 
 def has(prefix: str) -> Callable[[list[str]], bool]:
     return lambda got: any(m.startswith(prefix) for msg in got for m in msg.split("\n"))
+
+
+def test_an_inherited_socket_is_served_without_the_loops_cleanup_of_its_path() -> None:
+    """Since Python 3.13 an event loop unlinks a Unix server's path when it closes, unless ``cleanup_socket=False``
+    (the test below failed there: the manager's socket was gone after the daemon stopped). A loop that takes the
+    parameter is told not to; one that does not (3.11's asyncio) is not given it."""
+    seen: list[dict[str, Any]] = []
+
+    class Newer(asyncio.SelectorEventLoop):
+        async def create_unix_server(  # type: ignore[override]
+            self, factory: Any, path: Any = None, *, sock: Any = None, cleanup_socket: bool = True, **kw: Any
+        ) -> Any:
+            seen.append({"sock": sock, "cleanup_socket": cleanup_socket})
+            return "server"
+
+    class Older(asyncio.SelectorEventLoop):
+        async def create_unix_server(self, factory: Any, path: Any = None, *, sock: Any = None, **kw: Any) -> Any:  # type: ignore[override]
+            seen.append({"sock": sock, **kw})
+            return "server"
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        for loop in (Newer, Older):
+            with asyncio.Runner(loop_factory=loop) as runner:
+                assert runner.run(serve_inherited(s, object)) == "server"
+    assert seen == [{"sock": s, "cleanup_socket": False}, {"sock": s}]
 
 
 def test_socket_activation_with_a_real_inherited_fd(root: str) -> None:

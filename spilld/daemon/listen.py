@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 import stat
@@ -14,7 +15,9 @@ from ..peer import peer_uid
 
 AlreadyRunning = errors.AlreadyRunning  # kept here too: callers import it from spilld.daemon
 PeerRefused = errors.PeerRefused  # defined in errors.py, where every code is mapped
-__all__ = ["AlreadyRunning", "PeerRefused", "bind", "is_served", "peer_uid", "socket_folder", "socket_lock"]
+__all__ = [
+    "AlreadyRunning", "PeerRefused", "bind", "is_served", "peer_uid", "serve_inherited", "socket_folder", "socket_lock"
+]  # fmt: skip
 
 OPEN_TO_OTHERS = stat.S_IWGRP | stat.S_IWOTH  # a folder others can write: they could take the socket's name
 
@@ -76,6 +79,22 @@ def socket_lock(path: str) -> FileLock:
     """The lock beside the socket: taken before the stale-socket probe, so two daemons starting at once
     cannot both find the name free (or both unlink each other's socket)."""
     return FileLock(path + SOCKET_LOCK_SUFFIX, f"the socket {path}")
+
+
+async def serve_inherited(listener: socket.socket, handler: Any) -> asyncio.AbstractServer:
+    """Serve on a socket a service manager made and handed over (socket activation). Its path is the manager's, never
+    removed here: nor by the event loop, which since Python 3.13 (and in uvloop) unlinks a Unix server's path when
+    it closes unless told not to (``cleanup_socket``); the manager's next start would find no socket."""
+    loop = asyncio.get_running_loop()
+    keep: dict[str, Any] = {"cleanup_socket": False} if _accepts(loop.create_unix_server, "cleanup_socket") else {}
+    return await loop.create_unix_server(handler, sock=listener, **keep)
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: an older loop, without the parameter
+        return False
 
 
 async def bind(path: str, handler: Any, lock: FileLock | None = None) -> asyncio.AbstractServer:

@@ -36,7 +36,7 @@ from ..service.lifecycle import Lifecycle, Progress
 from ..store import Store
 from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, received_bytes
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
-from .listen import bind, socket_lock
+from .listen import bind, serve_inherited, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
 
 if TYPE_CHECKING:
@@ -195,9 +195,7 @@ class Daemon:
 
     async def _listen(self) -> None:
         if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
-            self._server = await asyncio.get_running_loop().create_unix_server(
-                lambda: Connection(self), sock=self.listener
-            )
+            self._server = await serve_inherited(self.listener, lambda: Connection(self))
             self.cfg.socket = socket_path(self.listener) or self.cfg.socket
         else:
             self._socket_lock = socket_lock(self.cfg.socket)
