@@ -36,3 +36,5 @@ def test_copy_into_copies_from_typed_buffers_and_refuses_other_lengths() -> None
     assert bytes(dst) == src.tobytes()
     with pytest.raises(ValueError):
         bytecopy.copy_into(memoryview(dst)[1:], memoryview(src))
+    with pytest.raises(ValueError, match="copy of"):  # numpy would broadcast one byte over the whole buffer
+        bytecopy.copy_into(memoryview(dst), memoryview(b"x"))

@@ -230,6 +230,8 @@ def test_the_client_reads_replies_in_large_chunks() -> None:
     """redis-py's 64 KiB default read size cut pipelined GETs of megabyte values to a third of their speed."""
     client: Any = make_client(RemoteConfig("redis://127.0.0.1:1/0"), None)
     assert client.connection_pool.connection_kwargs["socket_read_size"] == SOCKET_READ_BYTES >= 1024**2
+    set_here: Any = make_client(RemoteConfig("redis://127.0.0.1:1/0", socket_read_bytes=12345), None)
+    assert set_here.connection_pool.connection_kwargs["socket_read_size"] == 12345
     with pytest.raises(RemoteConfigError):
         RemoteConfig("redis://127.0.0.1:1/0", socket_read_bytes=0).check()
 
@@ -266,9 +268,40 @@ async def test_a_fetch_is_split_into_small_pipelines_a_few_at_once(
     monkeypatch.setattr(tier_module, "_pipeline", recording)
     got = await tier.fetch(NS, ks)
     assert got == [None if i == 3 else b"value %d" % i for i in range(len(ks))]  # in order, the absent one None
-    assert max(sizes) == tier_module.FETCH_BATCH_KEYS and sum(sizes) == len(ks)
-    assert running[1] == tier_module.FETCH_IN_FLIGHT
+    n = tier_module.FETCH_BATCH_KEYS
+    assert sizes == [n] * (len(ks) // n) + [len(ks) % n] and 1 < n <= 4  # small pipelines (32 in one: lost whole)
+    assert 1 < running[1] == tier_module.FETCH_IN_FLIGHT <= 4  # a few at once, never one after another
     assert tier.counters()["hits"] == len(ks) - 1 and tier.counters()["misses"]["absent"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_pipeline_that_times_out_loses_only_its_own_keys(
+    tier: RemoteTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ks = chain(4 * tier_module.FETCH_BATCH_KEYS + 1)  # an odd count: the last pipeline is short
+    for i, k in enumerate(ks):
+        assert await tier.push(NS, k, b"value %d" % i)
+    calls = [0]
+    real = tier_module._pipeline
+    lost = {2, len(ks) // tier_module.FETCH_BATCH_KEYS}  # the third pipeline and the last, short one
+
+    def failing(cmds: Any) -> Any:
+        nth, calls[0] = calls[0], calls[0] + 1
+        run = real(cmds)
+
+        async def maybe(c: Any) -> Any:
+            if nth in lost:
+                raise TimeoutError
+            return await run(c)
+
+        return maybe
+
+    monkeypatch.setattr(tier_module, "_pipeline", failing)
+    got = await tier.fetch(NS, ks)
+    n = tier_module.FETCH_BATCH_KEYS
+    gone = [i for i in range(len(ks)) if i // n in lost]
+    assert got == [None if i in gone else b"value %d" % i for i in range(len(ks))]  # in order, the same length
+    assert tier.counters()["misses"]["timeout"] == len(gone) and tier.counters()["hits"] == len(ks) - len(gone)
 
 
 @pytest.mark.asyncio
@@ -637,13 +670,19 @@ async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it
     link = RemoteLink(tier, store)
     events: list[tuple[str, int]] = []
     real_fetch, real_publish = tier.fetch, fileio.publish_all
+    loop = asyncio.get_running_loop()
+    written = [asyncio.Event() for _ in range(8)]  # set as each write starts (on a worker thread)
 
     async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK) -> Any:
         if kind is Kind.BLOCK:
+            nth = sum(e == "fetch" for e, _ in events)
             events.append(("fetch", len(ks)))
+            if nth:  # held until the batch before it is being written: only a fetch made ahead can wait for that
+                await asyncio.wait_for(written[nth - 1].wait(), 10)
         return await real_fetch(ns, ks, kind)
 
     def publish(ops: Any, files: Any, durability: Any) -> None:
+        loop.call_soon_threadsafe(written[sum(e == "write" for e, _ in events)].set)
         events.append(("write", len(files)))
         real_publish(ops, files, durability)
 
@@ -679,8 +718,25 @@ async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
     store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
     tier = await started(relaxed(server.url))
     link = RemoteLink(tier, store)
+    real_fetch, fetches = tier.fetch, []
+
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK) -> Any:
+        if kind is Kind.BLOCK:
+            if len(fetches) == 3:  # the batch after the broken one, fetched ahead
+                fetches.append("slow")
+                await asyncio.sleep(30)
+            fetches.append(f"fetch {len(ks)}")
+        return await real_fetch(ns, ks, kind)
+
+    monkeypatch.setattr(tier, "fetch", fetch)
     try:
-        assert not await link.fill(FILL_IDENT, "", [*range(16 * 7 + 3), 999], store.provider_id)
+        task = asyncio.ensure_future(link.fill(FILL_IDENT, "", [*range(16 * 7 + 3), 999], store.provider_id))
+        assert not await asyncio.wait_for(task, 10)
+        await asyncio.sleep(0)
+        # the fetch made ahead was cancelled when the fill gave up (before it began), not left running behind it
+        assert fetches == ["fetch 2", "fetch 2", "fetch 2"], fetches
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()
+                    and "fetch" in repr(t.get_coro())]  # fmt: skip
         assert link.fill_misses["blocks_absent"] == 1 and store.counters.blocks_fetched == 4
         assert not store.blocks and store.count == 0
         left = [f for _, _, fs in os.walk(tmp_path / "b") for f in fs if f.endswith((".spilld-block", ".spilld"))]

@@ -244,6 +244,7 @@ def test_publish_all_writes_every_file_before_any_fsync_and_renames_once_all_are
     assert ops.most_open == 4 and ops.open_now == 0
     fsyncs = [n for k, n in ops.calls if k == "fsync"]
     assert fsyncs == [n for k, n in ops.calls if k == "write"]  # each file's own fd, in order
+    assert [n for k, n in ops.calls if k == "writeback"] == fsyncs  # each started on the file just written
     assert max(i for i, c in enumerate(kinds) if c == "fsync") < kinds.index("rename")
     assert [n for k, n in ops.calls if k == "rename"] == fsyncs
 
@@ -257,11 +258,16 @@ def test_publish_all_without_durability_syncs_nothing(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize(
     ("fail", "err"),
-    [(("write", 3), errors.DiskFull), (("fsync", 2), errors.StorageError), (("rename", 2), errors.StorageError)],
+    [
+        (("write", 3), errors.DiskFull),
+        (("writeback", 2), errors.StorageError),
+        (("fsync", 2), errors.StorageError),
+        (("rename", 2), errors.StorageError),
+    ],
 )
 def test_publish_all_is_all_or_nothing(tmp_path: Any, fail: tuple[str, int], err: type[Exception]) -> None:
-    """A failure at any step (a third file's write, a second fsync, the second rename once the first is done)
-    leaves no temp file and no published name, and no fd open."""
+    """A failure at any step (a third file's write, a second writeback, a second fsync, the second rename once the
+    first is done) is a typed error and leaves no temp file and no published name, and no fd open."""
     before = open_fds()
     ops = PublishOps(fail)
     with pytest.raises(err):

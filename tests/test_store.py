@@ -862,7 +862,9 @@ async def test_an_evicted_entrys_files_wait_for_their_listener_before_their_unli
 
 
 @pytest.mark.asyncio
-async def test_a_block_put_takes_each_array_once_in_the_lease_then_writes_its_blocks_in_batches(tmp_path: Path) -> None:
+async def test_a_block_put_takes_each_array_once_in_the_lease_then_writes_its_blocks_in_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An engine's lease is asked once per array (its zero-copy bytes taken), not once per tensor of every block: a
     128 MiB put at B = 64 made 1,024 lease calls and thread hops, and beside a busy engine thread it ran 7-16x
     slower than one file (docs/benchmarks.md). The bytes written are still exactly the arrays'."""
@@ -872,10 +874,19 @@ async def test_a_block_put_takes_each_array_once_in_the_lease_then_writes_its_bl
         calls.append(fn)
         return fn()
 
+    batches: list[int] = []
+    real_save = spilld.store.save_async
+
+    async def save(*a: Any, **kw: Any) -> Any:
+        batches.append(kw.get("batch_bytes", 0))
+        return await real_save(*a, **kw)
+
+    monkeypatch.setattr(spilld.store, "save_async", save)
     caches = [fill(C.KVCache(), 16 * 5 + 3, heads=2, dim=8, seed=s) for s in range(3)]
     store = Store(str(tmp_path), disk_cap=2**30, block_tokens=16)
     await store.put(toks(83), caches, IDENT, run_step=lease)
     assert len(calls) == 2 * len(caches)  # K and V of each cache; it was one a tensor of each of 5 blocks and the tail
+    assert batches == [spilld.saver.WRITE_BATCH_BYTES] * 6  # 5 blocks and the manifest, each written in batches
     assert store.counters.blocks_written == 5
     hit = store.lookup(IDENT, "", [*toks(83), 0])
     assert isinstance(hit, Hit) and hit.matched == 83
