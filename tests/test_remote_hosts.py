@@ -362,7 +362,12 @@ async def test_two_hosts_share_over_tls_and_a_host_that_distrusts_the_server_get
             cache = prefill(model, make_prompt_cache, conv)
             assert (await ca.spill(conv, cache, droppable=False)).stored
             await pushed(ca, 3 + 3 + 2)
-            got = await cb.load([*conv, 4])  # host B trusts the server's certificate: filled over TLS
+            for _ in range(10):  # host B trusts the server's certificate: filled over TLS
+                got = await cb.load([*conv, 4])
+                if got is not None:
+                    break
+                # a TLS handshake or probe past its bound (100 and 50 ms) on a loaded machine is a miss, then a retry
+                await asyncio.sleep(0.5)
             assert got is not None and got.tokens == conv
             assert equal(next_logits(model, got.caches, 4), next_logits(model, cache, 4))
             assert await cc.load([*conv, 4]) is None  # host C's CA is another: no connection, misses
