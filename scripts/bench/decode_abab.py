@@ -41,6 +41,7 @@ from decode_interference import add_engine_args, big_cache, build_model, decode_
 
 import spilld
 from spilld import mlxthreads
+from spilld.daemon.listen import is_served
 
 MiB = 1024 * 1024
 
@@ -80,7 +81,7 @@ class Sink:
                 [*cmd, "--cap", "16GiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
             deadline = time.monotonic() + 60
-            while not os.path.exists(sock):
+            while not is_served(sock):  # accepting, not only bound (a refused connect raced the listen)
                 if self.daemon.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the daemon did not start")
                 time.sleep(0.05)

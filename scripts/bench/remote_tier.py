@@ -50,6 +50,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import spilld
 from spilld.client import AsyncClient
+from spilld.daemon.listen import is_served
 from spilld.tinymodel import TinySpec
 
 VOCAB = 256
@@ -91,7 +92,7 @@ class Host:
         self.log = open(os.path.join(self.root, "log"), "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 60
-        while not os.path.exists(self.socket):
+        while not is_served(self.socket):  # accepting, not only bound (a refused connect raced the listen)
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"daemon {name} did not start (its log: {self.log.name})")
             time.sleep(0.02)

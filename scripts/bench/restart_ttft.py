@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from spilld.daemon.listen import is_served
+
 SOCKET_WAIT_S = 30.0  # a daemon that has not bound its socket by then failed to start
 DEMO_TIMEOUT_S = 300.0
 
@@ -38,7 +40,7 @@ def one_run(block_tokens: int) -> dict[str, Any]:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + SOCKET_WAIT_S
-        while not os.path.exists(sock):
+        while not is_served(sock):  # accepting, not only bound (a refused connect raced the listen)
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the daemon did not start: {daemon.stderr.read() if daemon.stderr else ''}")
             time.sleep(0.05)

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as C
 
 import spilld
+from spilld.daemon.listen import is_served
 
 IDENT = spilld.Identity("bench-warm-start")
 
@@ -70,7 +71,7 @@ class Daemon:
         cmd = [sys.executable, "-m", "spilld", "--dir", self.dir, "--socket", self.sock, "--cap", "2GiB", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        while not os.path.exists(self.sock):
+        while not is_served(self.sock):  # accepting, not only bound (a refused connect raced the listen)
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the daemon did not start")
             time.sleep(0.02)
