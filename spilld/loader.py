@@ -22,7 +22,7 @@ from .codecs import CodecProvider, default_provider
 from .codecs.rules import CAPACITY_STEP
 from .fileio import DEFAULT_OPS, FileOps
 from .lru import LRU
-from .saver import Attachment, held_arrays
+from .saver import Attachment, evaluated
 from .validate import header_from_bytes
 
 # Reading headers (the daemon's index scan, ``spilld verify``) needs no mlx; building arrays imports it then.
@@ -673,15 +673,6 @@ def load(
     if upto is not None:
         _cut(caches, whole, upto, p)
         tokens = tokens[:upto]
-    _evaluated(caches)
-    return Loaded(tokens, caches, header, attachments, whole.checkpoint, header.meta)
-
-
-def _evaluated(caches: list[Any]) -> None:
-    """Evaluate every array the caches hold: a lazy one (a batch cache's offsets after a trim) is bound to this
-    thread's streams, and a load often runs on a worker thread whose streams end with it (then mlx refuses it:
-    "There is no Stream(cpu, 0) in current thread"). The tensors read are evaluated already: a no-op for them."""
-    if caches:
-        import mlx.core as mx
-
-        mx.eval(held_arrays(caches))
+    # Every array evaluated here: a lazy one (a batch cache's offsets after a trim) is bound to this thread's streams,
+    # and a load often runs on a worker thread whose streams end with it. The tensors read are evaluated already.
+    return Loaded(tokens, evaluated(caches), header, attachments, whole.checkpoint, header.meta)

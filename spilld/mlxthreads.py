@@ -4,9 +4,9 @@ mlx keeps each thread's streams in thread-local state, and its contract (since 0
 the main one calls ``mx.clear_streams()`` before it ends: freed later, at thread or process teardown, they abort
 the process ("terminate called without an active exception", exit 134). Measured with mlx 0.32.4 on Linux: a
 script whose one pool of two threads evaluated a product aborted at exit in 12 of 20 runs, 0 of 20 with the pool's
-threads freeing their streams as they end (``docs/reliability.md``). An engine must not die at exit because it embedded spilld, so every
-thread spilld starts is made here (``worker_pool``, ``start_thread``), and work it hands to a pool it did not make
-is wrapped (``releasing``).
+threads freeing their streams as they end (``docs/reliability.md``). An engine must not die at exit because it
+embedded spilld, so every thread spilld starts is made here (``worker_pool``, ``start_thread``), and work it hands
+to a pool it did not make is wrapped (``releasing``).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def clone_and_size(caches: Sequence[Any], provider: CodecProvider | None = None)
 
     p = provider or default_provider()
     clones = [p.clone(c) for c in caches]
-    arrays = {id(a): a for a in held_arrays(clones)}
+    arrays = {id(a): a for a in _held_arrays(clones)}
     mx.eval(list(arrays.values()))
     return clones, sum(a.nbytes for a in arrays.values())
 
@@ -181,11 +181,11 @@ def evaluated(caches: Sequence[Any]) -> list[Any]:
     """The caches themselves, their pending work evaluated here (a no-op for evaluated caches)."""
     import mlx.core as mx
 
-    mx.eval(held_arrays(list(caches)))
+    mx.eval(_held_arrays(list(caches)))
     return list(caches)
 
 
-def held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
+def _held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
     """Every mlx array a cache object holds (attributes, lists, tuples, nested caches)."""
     import mlx.core as mx
 
@@ -194,9 +194,9 @@ def held_arrays(obj: Any, depth: int = 0) -> list[mx.array]:
     if depth > fmt.MAX_NESTING + 2:
         return []
     if isinstance(obj, (list, tuple)):
-        return [a for x in obj for a in held_arrays(x, depth + 1)]
+        return [a for x in obj for a in _held_arrays(x, depth + 1)]
     if hasattr(obj, "__dict__"):
-        return [a for x in vars(obj).values() for a in held_arrays(x, depth + 1)]
+        return [a for x in vars(obj).values() for a in _held_arrays(x, depth + 1)]
     return []
 
 
