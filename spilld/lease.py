@@ -71,7 +71,8 @@ async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bo
     """
     loop = asyncio.get_running_loop()
     pool = _compute_pool() if compute else _background_pool() if background else None
-    fut = loop.run_in_executor(pool, mlxthreads.releasing(fn))
+    # spilld's own pools free their threads' mlx streams already; a loop's default executor is told per call
+    fut = loop.run_in_executor(pool, mlxthreads.releasing(fn) if pool is None else fn)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
