@@ -611,23 +611,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def remove_empty_folders(root: str) -> None:
-    """Identity and namespace folders left empty by an evict go (rmdir refuses a folder that is not empty)."""
-    for fp in os.listdir(root):
-        fp_dir = os.path.join(root, fp)
-        if fp.startswith(".") or not os.path.isdir(fp_dir):
-            continue
-        for ns in os.listdir(fp_dir):
-            try:
-                os.rmdir(os.path.join(fp_dir, ns))
-            except OSError:
-                pass
-        try:
-            os.rmdir(fp_dir)
-        except OSError:
-            pass
-
-
 def _remove_files(rows: list[dict[str, Any]], label: str, quiet: bool) -> tuple[int, int]:
     """Unlink each row's path, with progress: (files removed, their bytes)."""
     progress = Progress(label, quiet=quiet)
@@ -648,7 +631,7 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
     """Evict from a folder no daemon answers for, under the folder's lock: a daemon serving it on another socket
     holds it (AlreadyRunning names its pid), and none can start on it meanwhile."""
     from .lockfile import LOCK_NAME, FileLock
-    from .store import list_entries
+    from .store import list_entries, remove_empty_folders
 
     lock = FileLock(os.path.join(root, LOCK_NAME), f"the folder {root}")
     lock.acquire()

@@ -19,7 +19,8 @@ import spilld.saver
 from spilld import fileio, matching
 from spilld import format as fmt
 from spilld.entries import Hit, Miss, MissReason, checkpoint_namespace, identity_fingerprint, namespace_hash
-from spilld.store import DEFAULT_DISK_CAP, EXT, LOOKUP_ATTEMPTS, QUARANTINE, Store, default_disk_cap
+from spilld.store import DEFAULT_DISK_CAP, EXT, QUARANTINE, Store, default_disk_cap
+from spilld.store.store import LOOKUP_ATTEMPTS
 from tests.blocks_corpus import files
 from tests.caches import chunked, fill, live, same
 
@@ -745,7 +746,7 @@ async def test_a_write_that_cannot_make_its_folder_is_a_counted_store_error(
 ) -> None:
     from spilld import errors
     from spilld.entries import identity_fingerprint
-    from spilld.store import STORE_ERROR_RUN_LOG
+    from spilld.store.store import STORE_ERROR_RUN_LOG
 
     s = Store(tmp_path, disk_cap=2**40)
     (tmp_path / identity_fingerprint(IDENT)).write_bytes(b"a file where the model's folder goes")
@@ -875,13 +876,13 @@ async def test_a_block_put_takes_each_array_once_in_the_lease_then_writes_its_bl
         return fn()
 
     batches: list[int] = []
-    real_save = spilld.store.save_async
+    real_save = spilld.store.store.save_async
 
     async def save(*a: Any, **kw: Any) -> Any:
         batches.append(kw.get("batch_bytes", 0))
         return await real_save(*a, **kw)
 
-    monkeypatch.setattr(spilld.store, "save_async", save)
+    monkeypatch.setattr(spilld.store.store, "save_async", save)
     caches = [fill(C.KVCache(), 16 * 5 + 3, heads=2, dim=8, seed=s) for s in range(3)]
     store = Store(str(tmp_path), disk_cap=2**30, block_tokens=16)
     await store.put(toks(83), caches, IDENT, run_step=lease)

@@ -14,25 +14,23 @@ import bisect
 import contextlib
 import functools
 import logging
-import math
 import os
 import secrets
 import shutil
-import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from . import assemble, blocks, errors, fileio, validate
-from . import format as fmt
-from .admission import Admission
-from .blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
-from .codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
-from .config import DEFAULT_IO_TIMEOUT_S
-from .entries import (
+from .. import assemble, blocks, errors, fileio, validate
+from .. import format as fmt
+from ..admission import Admission
+from ..blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
+from ..codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
+from ..config import DEFAULT_IO_TIMEOUT_S
+from ..entries import (
     Block,
     Entry,
     Hit,
@@ -45,24 +43,25 @@ from .entries import (
     identity_fingerprint,
     namespace_hash,
 )
-from .lease import RunStep, off_loop, within
-from .loader import Loaded, load, read_header
-from .lockfile import LOCK_NAME, FileLock
-from .matching import Found, Query, common_prefix, start_key
-from .queue import unpin
-from .saver import WRITE_BATCH_BYTES, AnySource, Attachment, SaveResult, Staging, plan, save_async, take_all
-from .validate import validate_header
+from ..lease import RunStep, off_loop, within
+from ..loader import Loaded, load, read_header
+from ..lockfile import LOCK_NAME, FileLock
+from ..matching import Found, Query, common_prefix, start_key
+from ..queue import unpin
+from ..saver import WRITE_BATCH_BYTES, AnySource, Attachment, SaveResult, Staging, plan, save_async, take_all
+from ..validate import validate_header
+from .eviction import evict_order
+from .folders import FolderClaims, remove_empty_folders
+from .index import Index, ns_dir
+from .listing import EXT
+from .pins import read_pins, write_pins
+from .quarantine import QUARANTINE_MAX_BYTES, move_aside
+from .unlinks import Unlinks, unlink_all
 
 log = logging.getLogger("spilld.store")
 T = TypeVar("T")
 
-EXT = ".spilld"
-QUARANTINE = ".quarantine"
-QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
-EVICT_PROGRESS_S = 0.5  # an evict's unlinks report their progress at most this often
-QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the oldest go first (counted)
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
-PINS_FILE = ".spilld-pins"  # in the root: the pinned entries' paths, relative to the root, one a line
 DEFAULT_DISK_CAP = 64 * 1024**3
 EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of the event loop
 STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
@@ -75,39 +74,9 @@ def default_disk_cap(root: str) -> int:
     return min(DEFAULT_DISK_CAP, shutil.disk_usage(root).free // 4)
 
 
-def _ns_dir(path: str) -> str:
-    """The namespace folder's name (its hash) of a file in the store."""
-    return os.path.basename(os.path.dirname(path))
-
-
-def _pop(index: dict[Any, dict[str, Entry]], where: Any, path: str) -> None:
-    group = index.get(where)
-    if group is not None:
-        group.pop(path, None)
-        if not group:
-            del index[where]
-
-
 def _set_mtime(path: str, when: float) -> None:
     with contextlib.suppress(OSError):
         os.utime(path, (when, when))
-
-
-def _unlink_all(
-    ops: fileio.FileOps,
-    paths: Sequence[str],
-    sizes: dict[str, int] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Remove ``paths``; with ``progress``, tell it the files and bytes left now and then (a long evict's line)."""
-    sizes = sizes or {}
-    left, left_bytes, last = len(paths), sum(sizes.get(p, 0) for p in paths), -math.inf
-    for p in paths:
-        if progress is not None and time.monotonic() - last >= EVICT_PROGRESS_S:
-            progress(left, left_bytes)
-            last = time.monotonic()
-        fileio.remove_quietly(ops, p)
-        left, left_bytes = left - 1, left_bytes - sizes.get(p, 0)
 
 
 class Store:
@@ -151,20 +120,9 @@ class Store:
         self.verify = verify
         self.counters = StoreCounters()
         self._evicted: dict[tuple[str, str], deque[np.ndarray]] = {}
-        # The index: changed only on the thread that owns the store (the event loop), read anywhere.
-        self._by_path: dict[str, Entry] = {}
-        self._by_start: dict[tuple[str, int], dict[str, Entry]] = {}  # (namespace, first token): lookup candidates
-        self._blocks: dict[bytes, Block] = {}  # prefix blocks by key
-        self._by_last: dict[bytes, dict[str, Entry]] = {}  # entries with blocks, by their last block
-        self._roots: dict[tuple[str, str, str], dict[bytes, tuple[int, bool]]] = {}  # layouts stored per prompt space
-        self._entry_bytes = 0  # running sums: the cap is checked on every put
-        self._block_bytes = 0
-        self._ns_bytes: Counter[str] = Counter()  # per namespace folder name (its hash): what a quota counts
-        self._doomed: list[str] = []  # files whose entries left the index, still to unlink (off the loop)
-        self._kept: Counter[str] = Counter()  # files a listener reads before they may be unlinked (keep_file)
-        self._deferred: set[str] = set()  # doomed files whose unlink waits for their release_file
-        self._busy: Counter[str] = Counter()  # folders a save writes into: never removed as empty
-        self._folders = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
+        self.index = Index()  # changed only on the thread that owns the store (the event loop), read anywhere
+        self._doomed = Unlinks()  # files whose entries left the index, still to unlink (off the loop)
+        self._folders = FolderClaims()  # folders a save writes into: never removed as empty
         self._error_run = 0  # writes failed in a row
         self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
@@ -185,11 +143,11 @@ class Store:
     @property
     def entries(self) -> list[Entry]:
         """Every indexed entry, oldest indexed first (a copy)."""
-        return list(self._by_path.values())
+        return list(self.index.by_path.values())
 
     @property
     def count(self) -> int:
-        return len(self._by_path)
+        return len(self.index.by_path)
 
     def acquire(self) -> None:
         """Become the folder's one owner for this process's life (``AlreadyRunning`` if another spilld is)."""
@@ -209,14 +167,10 @@ class Store:
 
     def claim_folder(self, folder: str) -> None:
         """Mark a folder as written into: the empty-folder sweep leaves it (and its parent) alone until released."""
-        with self._folders:
-            self._busy[folder] += 1
+        self._folders.claim(folder)
 
     def release_folder(self, folder: str) -> None:
-        with self._folders:
-            self._busy[folder] -= 1
-            if self._busy[folder] <= 0:
-                del self._busy[folder]
+        self._folders.release(folder)
 
     def make_folder(self, folder: str) -> None:
         """Create a claimed entry folder and its model folder, each new one durable (blocking: a worker thread)."""
@@ -225,25 +179,25 @@ class Store:
     @property
     def total_bytes(self) -> int:
         """Bytes on disk, each block once (what the disk cap counts)."""
-        return self._entry_bytes + self._block_bytes
+        return self.index.total_bytes
 
     @property
     def blocks(self) -> list[Block]:
-        return list(self._blocks.values())
+        return list(self.index.blocks.values())
 
     def block_path(self, key: bytes) -> str | None:
-        rec = self._blocks.get(key)
+        rec = self.index.blocks.get(key)
         return rec.path if rec is not None else None
 
     def block_bytes(self, key: bytes) -> int:
-        rec = self._blocks.get(key)
+        rec = self.index.blocks.get(key)
         return rec.nbytes if rec is not None else 0
 
     # --- scan ----------------------------------------------------------------------
 
     def scan(self) -> int:
         """Rebuild the index from the files under the root; reap temp orphans; quarantine bad files."""
-        self._clear_index()
+        self.index = Index()
         held = self.lock.held
         reap = held or self._try_lock()  # temp files are ours to reap only when no other spilld runs here
         took = reap and not held
@@ -252,7 +206,7 @@ class Store:
         finally:
             if took:
                 self.lock.release()
-        self._pins = {p for p in self._read_pins() if p in self._by_path}
+        self._pins = {p for p in read_pins(self.root) if p in self.index.by_path}
         log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
         self.evict_to_cap()
         self._delete_doomed()
@@ -278,18 +232,18 @@ class Store:
                     if (got := self._scan_file(os.path.join(ns_dir, name), fp, ns, reap)) is not None:
                         manifests.append(got)
         for path, header, mtime in manifests:  # once every block is known
-            missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in self._blocks]
+            missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in self.index.blocks]
             if missing:
                 self.quarantine(path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path))
                 continue
-            self._index(path, header, mtime)
-        orphans = [b for b in self._blocks.values() if not b.refs]
+            self.index.add(path, header, mtime)
+        orphans = [b for b in self.index.blocks.values() if not b.refs]
         for b in orphans:  # written before a crash took their manifest, or left by evicted ones
             self._drop_block(b)
         if reap:
             self.counters.blocks_reclaimed += len(orphans)
         else:  # another spilld owns the folder: its blocks are not ours to remove
-            self._doomed = [p for p in self._doomed if not p.endswith(BLOCK_EXT)]
+            self._doomed.forget_where(lambda p: p.endswith(BLOCK_EXT))
 
     def _scan_block(self, path: str, name: str, reap: bool) -> None:
         """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
@@ -300,12 +254,11 @@ class Store:
             size = os.stat(path).st_size
         except OSError:
             return
-        if key in self._blocks:  # two puts wrote the same block: keep one
+        if key in self.index.blocks:  # two puts wrote the same block: keep one
             if reap:
                 fileio.remove_quietly(self.ops, path)
             return
-        self._blocks[key] = Block(key, path, size)
-        self._count(path, size, block=True)
+        self.index.add_block(key, path, size)
 
     def _scan_file(self, path: str, fp: str, ns_dir: str, reap: bool = True) -> tuple[str, fmt.Header, float] | None:
         name = os.path.basename(path)
@@ -333,68 +286,16 @@ class Store:
             return None
         return path, header, os.stat(path).st_mtime
 
-    def _index(self, path: str, header: fmt.Header, last_used: float) -> Entry:
-        b = header.blocks
-        e = Entry(
-            path=path,
-            fingerprint=identity_fingerprint(header.identity),
-            namespace=header.identity.namespace,
-            tokens=np.asarray(header.tokens, dtype=np.uint32),
-            nbytes=header.file_size,
-            trimmable=header.trimmable,
-            min_reusable=header.min_reusable_offset,
-            last_used=last_used,
-            checkpoint=header.checkpoint,
-            codec_provider=header.codec_provider,
-            blocks=list(b.keys) if b else [],
-            block_size=b.size if b else 0,
-            whole=blocks.whole(header),
-        )
-        if b is not None:
-            for k in b.keys:
-                self._blocks[k].refs.add(path)
-                self._blocks[k].namespace = e.namespace
-            roots = self._roots.setdefault((e.fingerprint, e.namespace, e.codec_provider), {})
-            roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
-        self._by_path[path] = e
-        self._count(path, e.nbytes, block=False)
-        if e.blocks:  # found through its chain; supersede finds it through its last block
-            self._by_last.setdefault(e.blocks[-1], {})[path] = e
-        else:
-            self._by_start.setdefault(start_key(e.namespace, e.tokens), {})[path] = e
-        return e
-
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
-        rec = self._blocks.get(key)
+        rec = self.index.blocks.get(key)
         if rec is not None:  # another put published the same block meanwhile: ours is a spare
-            self._doomed.append(path)
+            self._doomed.add(path)
             return rec
-        rec = self._blocks[key] = Block(key, path, nbytes)
-        self._count(path, nbytes, block=True)
-        return rec
-
-    def _count(self, path: str, nbytes: int, *, block: bool) -> None:
-        """Bytes on disk, in all and per namespace folder (each block once): what the caps count."""
-        if block:
-            self._block_bytes += nbytes
-        else:
-            self._entry_bytes += nbytes
-        self._ns_bytes[_ns_dir(path)] += nbytes
+        return self.index.add_block(key, path, nbytes)
 
     def _drop_block(self, rec: Block) -> None:
-        if self._blocks.get(rec.key) is rec:
-            del self._blocks[rec.key]
-            self._count(rec.path, -rec.nbytes, block=True)
-            self._doomed.append(rec.path)
-
-    def _unref(self, e: Entry) -> None:
-        """The entry's blocks lose a reference; those no manifest names (or put pins) any more go."""
-        for k in e.blocks:
-            rec = self._blocks.get(k)
-            if rec is None:
-                continue
-            rec.refs.discard(e.path)
-            self._reclaim_if_unused(rec)
+        if self.index.drop_block(rec):
+            self._doomed.add(rec.path)
 
     def _reclaim_if_unused(self, rec: Block) -> None:
         """A block no manifest names and no put is about to name goes."""
@@ -403,15 +304,6 @@ class Store:
             self.counters.blocks_reclaimed += 1
             for listener in self.listeners:
                 listener.reclaimed(rec)
-
-    def _clear_index(self) -> None:
-        self._by_path = {}
-        self._by_start = {}
-        self._blocks = {}
-        self._by_last = {}
-        self._roots = {}
-        self._entry_bytes = self._block_bytes = 0
-        self._ns_bytes = Counter()
 
     # --- lookup ------------------------------------------------------------------------
 
@@ -436,7 +328,7 @@ class Store:
             found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots or q.ask else Found()
             # Its best entry superseded while the comparison ran (the same prompt spilled again): compare again,
             # against the index as it is now, rather than miss an entry that is still there under a new name.
-            if found.best is None or found.best.entry.path in self._by_path:
+            if found.best is None or found.best.entry.path in self.index.by_path:
                 break
         return self._settle(q, found)
 
@@ -445,16 +337,18 @@ class Store:
         fp = identity_fingerprint(ident)
         ask = (self._ask_scope(ident, namespace), self.admission.size) if self.admission is not None else None
         prov = provider or self.provider_id
-        group = self._by_start.get(start_key(namespace, want), {}) if len(want) > 1 else {}
-        roots = [(r, size, whole) for r, (size, whole) in self._roots.get((fp, namespace, prov), {}).items()]
+        group = self.index.by_start.get(start_key(namespace, want), {}) if len(want) > 1 else {}
+        roots = [(r, size, whole) for r, (size, whole) in self.index.roots.get((fp, namespace, prov), {}).items()]
         evicted = list(self._evicted.get((fp, namespace), ()))
-        return Query(want, fp, prov, group, evicted, roots if len(want) > 1 else [], self._blocks, self._by_path, ask)
+        return Query(
+            want, fp, prov, group, evicted, roots if len(want) > 1 else [], self.index.blocks, self.index.by_path, ask
+        )
 
     def _settle(self, q: Query, found: Found) -> Hit | Miss:
         if self.admission is not None:  # the prompt's asks, hashed with the comparisons (off the loop, async)
             self.admission.count(found.asked)
         if found.best is not None:
-            if found.best.entry.path in self._by_path:
+            if found.best.entry.path in self.index.by_path:
                 return found.best
             return self._miss(MissReason.EVICTED)  # removed while the comparison ran
         if found.untrimmable:
@@ -508,7 +402,7 @@ class Store:
 
     def _bad_file(self, e: Entry, exc: errors.FileFormatError) -> str:
         """The file a failed read blames: a bad block takes every manifest that names it out of the index."""
-        rec = self._block_of(e, exc.path)
+        rec = self.index.block_of(e, exc.path)
         if rec is None:
             return e.path
         self._take_out_block(rec)
@@ -516,31 +410,26 @@ class Store:
 
     def _take_out_block(self, rec: Block) -> None:
         """A bad block out of the index, with every entry naming it (the file is the caller's to move aside)."""
-        del self._blocks[rec.key]  # out first: it is moved aside, never unlinked with the manifests' own
-        self._count(rec.path, -rec.nbytes, block=True)
+        self.index.drop_block(rec)  # out first: it is moved aside, never unlinked with the manifests' own
         self._remove_naming(rec)
 
     async def found_bad_async(self, path: str, exc: errors.FileFormatError) -> bool:
         """A file found bad outside a read (the scrub): moved aside; a bad block takes every entry naming it out
         of the index. False if the store no longer holds that file (evicted meanwhile)."""
         name = os.path.basename(path)
-        rec = self._blocks.get(key) if (key := blocks.key_of_name(name)) is not None else None
+        rec = self.index.blocks.get(key) if (key := blocks.key_of_name(name)) is not None else None
         if rec is not None and rec.path == path:
             self._take_out_block(rec)
-        elif path not in self._by_path:
+        elif path not in self.index.by_path:
             return False
         await self.quarantine_async(path, exc)
         await self.delete_doomed_async()
         return True
 
-    def _block_of(self, e: Entry, path: str | None) -> Block | None:
-        """The block of ``e`` stored at ``path`` (the file a failed read names), if it is one."""
-        return next((r for k in e.blocks if (r := self._blocks.get(k)) is not None and r.path == path), None)
-
     def _remove_naming(self, rec: Block) -> None:
         """Every entry that names ``rec`` out of the index (its block is bad or gone: none of them can be read)."""
         for p in list(rec.refs):
-            if (other := self._by_path.get(p)) is not None:
+            if (other := self.index.by_path.get(p)) is not None:
                 self._remove(other)
 
     async def restore_async(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
@@ -568,11 +457,11 @@ class Store:
 
     def _read_path(self, e: Entry, exc: errors.SpillError) -> str:
         """The file a failed read of ``e`` was reading: one of its blocks, or the entry's own file."""
-        rec = self._block_of(e, exc.path)
+        rec = self.index.block_of(e, exc.path)
         return rec.path if rec is not None else e.path
 
     def _failed_read(self, e: Entry, outcome: errors.SpillError, gone: bool) -> Miss:
-        rec = self._block_of(e, outcome.path)
+        rec = self.index.block_of(e, outcome.path)
         if gone and rec is not None:  # a block removed under us: every entry naming it is unusable
             log.warning("a block of %d entries is gone: %s", len(rec.refs), rec.path)
             self._remove_naming(rec)
@@ -588,7 +477,7 @@ class Store:
         return self._miss(MissReason.IDENTITY_MISMATCH)
 
     def entry_at(self, path: str) -> Entry | None:
-        return self._by_path.get(path)
+        return self.index.by_path.get(path)
 
     def touch(self, e: Entry) -> None:
         """A restore counts as use (kept across restarts through the file's mtime)."""
@@ -680,7 +569,7 @@ class Store:
             raise
         finally:
             self.release_folder(folder)
-        entry = self._index(path, result.header, time.time())  # no await between the save's end and this
+        entry = self.index.add(path, result.header, time.time())  # no await between the save's end and this
         self._unpin(pinned)
         if pin:
             self._pins.add(path)
@@ -695,7 +584,7 @@ class Store:
         try:
             if pin:
                 pins = sorted(self._pins)
-                await off_loop(lambda: self._write_pins(pins))
+                await off_loop(lambda: write_pins(self.root, pins, self.ops, self.durability))
             await self.delete_doomed_async()
         except asyncio.CancelledError:  # the entry is stored and indexed: say so (the unlinks still finish)
             if (task := asyncio.current_task()) is not None:
@@ -709,14 +598,14 @@ class Store:
         its manifest is indexed."""
         pinned: list[Block] = []
         # received bytes only (a batched save): a block's cut touches nothing of an engine's, so it may run on a thread
-        missing = [i for i, k in enumerate(cut.keys) if k not in self._blocks]
+        missing = [i for i, k in enumerate(cut.keys) if k not in self.index.blocks]
         ahead = _Ahead(cut, missing, kw["batch_bytes"] > 0)
         # on ENOSPC, room for what the put still writes (the missing blocks left and the manifest), at once
         each = cut.block_bytes
         room = cut.header.data_bytes - len(cut.keys) * each + len(missing) * each
         try:
             for i, key in enumerate(cut.keys):
-                rec = self._blocks.get(key)
+                rec = self.index.blocks.get(key)
                 if rec is None:
                     bpath = os.path.join(folder, blocks.block_name(key))
                     block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
@@ -758,7 +647,7 @@ class Store:
             raise errors.BlockInvalid("a fetched manifest names no blocks")
         folder = self.folder(ident, namespace)
         path = self.new_path(ident, namespace)
-        pinned = [self._blocks[k] for k in m.blocks.keys if k in self._blocks]
+        pinned = [self.index.blocks[k] for k in m.blocks.keys if k in self.index.blocks]
         for rec in pinned:
             rec.pins += 1
         held, named = {rec.key for rec in pinned}, set(m.blocks.keys)
@@ -782,7 +671,7 @@ class Store:
             raise
         finally:
             self.release_folder(folder)
-        entry = self._index(path, m, time.time())
+        entry = self.index.add(path, m, time.time())
         self._unpin(pinned)
         self.counters.adopted += 1
         self._settle_new(entry, m)
@@ -820,7 +709,7 @@ class Store:
         """Each block a manifest names is on disk and is the one it names (headers only: the new ones were
         checked whole, the others when they were written)."""
         assert m.blocks is not None
-        resolve = lambda k: r.path if (r := self._blocks.get(k)) is not None else None  # noqa: E731
+        resolve = lambda k: r.path if (r := self.index.blocks.get(k)) is not None else None  # noqa: E731
         assemble.checked_blocks(m, path, resolve, lambda p, _: read_header(p, self.ops), len(m.blocks.keys))
 
     def _wrote(self, nbytes: int) -> None:
@@ -891,11 +780,11 @@ class Store:
         self._error_run = 0
 
     def has_block(self, key: bytes) -> bool:
-        return key in self._blocks
+        return key in self.index.blocks
 
     def leading_blocks(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (a chain, in order) this store holds, from the first on."""
-        return next((i for i, k in enumerate(keys) if k not in self._blocks), len(keys))
+        return self.index.leading_blocks(keys)
 
     def held_rows(self, header: fmt.Header) -> int:
         """How many leading tokens of a planned entry's ``header`` this store holds as blocks: the rows of its
@@ -927,9 +816,9 @@ class Store:
         """Remove the entries ``new`` replaces (exact copies; prefixes it extends): the most tokens one held."""
         # an entry with blocks that is a prefix of this one ends at one of its blocks (keys chain the whole prefix)
         held = 0
-        cands = list(self._by_start.get(start_key(new.namespace, new.tokens), {}).values())
+        cands = list(self.index.by_start.get(start_key(new.namespace, new.tokens), {}).values())
         for k in new.blocks:
-            cands += self._by_last.get(k, {}).values()
+            cands += self.index.by_last.get(k, {}).values()
         for e in cands:
             if e is new or e.fingerprint != new.fingerprint or e.namespace != new.namespace or e.path in self._pins:
                 continue
@@ -955,7 +844,7 @@ class Store:
 
         Their files join the ones to delete (``delete_doomed_async``, or at once by the sync callers).
         """
-        return self._evict_until(self._by_path.values(), lambda: self.total_bytes <= self.disk_cap, keep)
+        return self._evict_until(self.index.by_path.values(), lambda: self.total_bytes <= self.disk_cap, keep)
 
     def _evict_until(self, entries: Iterable[Entry], fits: Callable[[], bool], keep: Entry | None) -> int:
         """Evict ``entries`` in eviction order (all but ``keep``) until ``fits()``: how many went."""
@@ -974,7 +863,7 @@ class Store:
         """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed;
         listeners told (``StoreListener.evicted``) unless ``tell`` is False (room for a write: unlinked at once)."""
         listeners = self.listeners if tell else []
-        named = [rec for k in e.blocks if (rec := self._blocks.get(k)) is not None] if listeners else []
+        named = [rec for k in e.blocks if (rec := self.index.blocks.get(k)) is not None] if listeners else []
         self._remember_evicted(e)
         self._remove(e)
         self.counters.evicted += 1
@@ -983,30 +872,18 @@ class Store:
 
     def keep_file(self, path: str) -> None:
         """Hold off the unlink of ``path`` (a file of an entry just evicted) until as many ``release_file``."""
-        self._kept[path] += 1
+        self._doomed.keep(path)
 
     def release_file(self, path: str) -> None:
         """One ``keep_file`` of ``path`` done: once none is left, a doomed file joins those to unlink."""
-        self._kept[path] -= 1
-        if self._kept[path] <= 0:
-            del self._kept[path]
-            if path in self._deferred:
-                self._deferred.discard(path)
-                self._doomed.append(path)
+        self._doomed.release(path)
 
     def _evict_order(self, entries: Iterable[Entry]) -> list[Entry]:
-        """Least recently used first, pinned entries last: the newest pins, as long as they fit the pin cap (with
-        their blocks); older pins beyond it take their place among the others."""
-        order = sorted(entries, key=lambda x: x.last_used)
-        kept: set[str] = set()
-        used = 0
-        for e in reversed(order):
-            if e.path in self._pins:
-                size = e.nbytes + sum(self._blocks[k].nbytes for k in e.blocks if k in self._blocks)
-                if used + size <= self.pin_cap:
-                    kept.add(e.path)
-                    used += size
-        return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]
+        """Least recently used first, the newest pins (within the pin cap, with their blocks) last."""
+        return evict_order(entries, self._pins, self._size_with_blocks, self.pin_cap)
+
+    def _size_with_blocks(self, e: Entry) -> int:
+        return e.nbytes + sum(rec.nbytes for k in e.blocks if (rec := self.index.blocks.get(k)) is not None)
 
     # --- pins -------------------------------------------------------------------------
 
@@ -1018,48 +895,34 @@ class Store:
         path is not an entry here. Writes the pins file (blocking: ``pin_async`` on a loop)."""
         if not self._set_pin(path, on):
             return False
-        self._write_pins(sorted(self._pins))
+        write_pins(self.root, sorted(self._pins), self.ops, self.durability)
         return True
 
     async def pin_async(self, path: str, on: bool = True) -> bool:
         if not self._set_pin(path, on):
             return False
         pins = sorted(self._pins)
-        await off_loop(lambda: self._write_pins(pins))
+        await off_loop(lambda: write_pins(self.root, pins, self.ops, self.durability))
         return True
 
     def _set_pin(self, path: str, on: bool) -> bool:
-        if path not in self._by_path:
+        if path not in self.index.by_path:
             return False
         (self._pins.add if on else self._pins.discard)(path)
         return True
 
-    def _read_pins(self) -> list[str]:
-        try:
-            with open(os.path.join(self.root, PINS_FILE), encoding="utf-8") as f:
-                names = f.read(1 << 24).splitlines()
-        except (OSError, UnicodeDecodeError):
-            return []
-        return [os.path.join(self.root, n) for n in names if n and not os.path.isabs(n) and ".." not in n.split("/")]
-
-    def _write_pins(self, pins: list[str]) -> None:
-        """Atomically and durably: a temp file beside it, renamed over it, the root synced."""
-        text = "".join(os.path.relpath(p, self.root) + "\n" for p in pins).encode()
-        fileio.publish_bytes(self.ops, os.path.join(self.root, PINS_FILE), text, self.durability)
-        fileio.sync_dir(self.ops, self.root, self.durability)
-
     def namespace_bytes(self, namespace: str) -> int:
         """Bytes on disk of one namespace (all models; each of its blocks once)."""
-        return self._ns_bytes[namespace_hash(namespace)]
+        return self.index.namespace_bytes(namespace_hash(namespace))
 
     def _evict_to_quota(self, new: Entry) -> int:
         """Least recently used entries of ``new``'s namespace go until it fits its quota: one tenant's spills never
         evict another's (the disk cap, over all of them, is checked after)."""
-        quota, ns = self.namespace_quota, _ns_dir(new.path)
-        if quota is None or self._ns_bytes[ns] <= quota:
+        quota, ns = self.namespace_quota, ns_dir(new.path)
+        if quota is None or self.index.namespace_bytes(ns) <= quota:
             return 0
-        mine = [e for e in self._by_path.values() if _ns_dir(e.path) == ns]
-        n = self._evict_until(mine, lambda: self._ns_bytes[ns] <= quota, new)
+        mine = [e for e in self.index.by_path.values() if ns_dir(e.path) == ns]
+        n = self._evict_until(mine, lambda: self.index.namespace_bytes(ns) <= quota, new)
         self.counters.quota_evicted += n
         return n
 
@@ -1067,7 +930,7 @@ class Store:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
         start = self.total_bytes
         gone = 0
-        for e in self._evict_order(self._by_path.values()):
+        for e in self._evict_order(self.index.by_path.values()):
             if gone and start - self.total_bytes >= nbytes:
                 break
             self._evict(e, tell=False)  # the disk is full: its files must go now, not after a listener reads them
@@ -1078,36 +941,25 @@ class Store:
         self._evicted.setdefault((e.fingerprint, e.namespace), deque(maxlen=EVICTED_MEMORY)).append(e.tokens)
 
     def _forget(self, e: Entry) -> None:
-        if self._by_path.get(e.path) is e:
-            del self._by_path[e.path]
+        """Out of the index (its file stays); its blocks that no manifest names (or put pins) any more go."""
+        if self.index.by_path.get(e.path) is e:
             self._pins.discard(e.path)
-            self._count(e.path, -e.nbytes, block=False)
-            self._unref(e)
-            if e.blocks:
-                _pop(self._by_last, e.blocks[-1], e.path)
-            else:
-                _pop(self._by_start, start_key(e.namespace, e.tokens), e.path)
+            for rec in self.index.remove(e):
+                self._reclaim_if_unused(rec)
 
     def _remove(self, e: Entry) -> None:
         """Out of the index now; the file joins those to delete."""
         self._forget(e)
-        self._doomed.append(e.path)
-
-    def _take_doomed(self) -> list[str]:
-        doomed, self._doomed = self._doomed, []
-        if self._kept:  # a listener still reads these: unlinked at their release_file
-            self._deferred.update(p for p in doomed if p in self._kept)
-            doomed = [p for p in doomed if p not in self._kept]
-        return doomed
+        self._doomed.add(e.path)
 
     def _delete_doomed(self) -> None:
-        _unlink_all(self.ops, self._take_doomed())
+        unlink_all(self.ops, self._doomed.take())
 
     async def delete_doomed_async(self) -> None:
         """Unlink the files of entries that left the index, on a worker thread."""
-        if doomed := self._take_doomed():
+        if doomed := self._doomed.take():
             try:
-                await within(off_loop(lambda: _unlink_all(self.ops, doomed)), self.io_timeout, "unlinks")
+                await within(off_loop(lambda: unlink_all(self.ops, doomed)), self.io_timeout, "unlinks")
             except errors.StorageTimeout as exc:  # the entries are out of the index: their files go when it can
                 log.warning("%d files not removed yet: %s", len(doomed), exc)
 
@@ -1122,7 +974,7 @@ class Store:
         return n
 
     def _drop_where(self, pred: Callable[[Entry], bool]) -> int:
-        gone = [e for e in self._by_path.values() if pred(e)]
+        gone = [e for e in self.index.by_path.values() if pred(e)]
         for e in gone:
             self._remove(e)
         return len(gone)
@@ -1136,16 +988,16 @@ class Store:
         """Remove entries of one identity folder and/or unused for a while, and clear emptied folders: the index
         changes here (``EVICT_BATCH`` entries a turn of the
         loop), every unlink and the sweep on a worker. ``progress(files, bytes)`` left to unlink is called from
-        that worker, first before any unlink, then at most every ``EVICT_PROGRESS_S``."""
+        that worker, first before any unlink, then at most every ``UNLINK_PROGRESS_S``."""
         gone = self._evict_match(fingerprint, older_than_s)
         for i in range(0, len(gone), EVICT_BATCH):
             self._evict_entries(gone[i : i + EVICT_BATCH])
             await asyncio.sleep(0)  # other requests are answered between two batches
         n, nbytes = len(gone), sum(e.nbytes for e in gone)
-        doomed = self._take_doomed()
+        doomed = self._doomed.take()
 
         def work() -> None:
-            _unlink_all(self.ops, doomed, {e.path: e.nbytes for e in gone}, progress)
+            unlink_all(self.ops, doomed, {e.path: e.nbytes for e in gone}, progress)
             self.remove_empty_folders()
 
         await off_loop(work)
@@ -1154,7 +1006,7 @@ class Store:
     def _evict_match(self, fingerprint: str | None, older_than_s: float | None) -> list[Entry]:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
         return [
-            e for e in self._by_path.values()
+            e for e in self.index.by_path.values()
             if (fingerprint is None or e.fingerprint == fingerprint) and (cutoff is None or e.last_used < cutoff)
         ]  # fmt: skip
 
@@ -1167,27 +1019,14 @@ class Store:
 
         A folder a save has claimed is left, and so is its model folder: the save may be about to write there.
         """
-        for fp in os.listdir(self.root):
-            fp_dir = os.path.join(self.root, fp)
-            if fp.startswith(".") or not os.path.isdir(fp_dir):
-                continue
-            for ns in os.listdir(fp_dir):
-                self._rmdir_unless_busy(os.path.join(fp_dir, ns))
-            self._rmdir_unless_busy(fp_dir)
-
-    def _rmdir_unless_busy(self, folder: str) -> None:
-        with self._folders:
-            if any(b == folder or b.startswith(folder + os.sep) for b in self._busy):
-                return
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only succeeds when empty
+        remove_empty_folders(self.root, self._folders)
 
     # --- generation checkpoints -------------------------------------------------------
 
     def find_checkpoint(self, ident: fmt.Identity, key: str) -> Entry | None:
         ns = checkpoint_namespace(key)
         fp = identity_fingerprint(ident)
-        found = [e for e in self._by_path.values() if e.namespace == ns and e.fingerprint == fp and e.checkpoint]
+        found = [e for e in self.index.by_path.values() if e.namespace == ns and e.fingerprint == fp and e.checkpoint]
         return max(found, key=lambda e: (e.ntokens, e.last_used), default=None)
 
     def remove_checkpoints(self, key: str) -> int:
@@ -1203,31 +1042,21 @@ class Store:
     def quarantine(self, path: str, why: BaseException) -> None:
         """Move a bad file aside (never served again) and count it."""
         self._quarantine_index(path, why)
-        self.counters.quarantine_removed += self._move_aside(path)
+        self.counters.quarantine_removed += move_aside(self.root, path, self.quarantine_cap, self.ops)
 
     async def quarantine_async(self, path: str, why: BaseException) -> None:
         """``quarantine`` with the move on a worker thread; the index changes here."""
         self._quarantine_index(path, why)
-        self.counters.quarantine_removed += await off_loop(lambda: self._move_aside(path))
+        self.counters.quarantine_removed += await off_loop(
+            lambda: move_aside(self.root, path, self.quarantine_cap, self.ops)
+        )
 
     def _quarantine_index(self, path: str, why: BaseException) -> None:
-        e = self._by_path.get(path)
+        e = self.index.by_path.get(path)
         if e is not None:
             self._forget(e)
         self.counters.quarantined += 1
         log.warning("quarantined %s: %s", path, why)
-
-    def _move_aside(self, path: str) -> int:
-        """Move the file into the quarantine and trim it to its caps: how many old files that removed."""
-        qdir = os.path.join(self.root, QUARANTINE)
-        with contextlib.suppress(OSError):
-            os.makedirs(qdir, mode=0o700, exist_ok=True)
-        dest = os.path.join(qdir, f"{int(time.time() * 1000)}-{os.path.basename(path)}")
-        try:
-            os.rename(path, dest)
-        except OSError:
-            fileio.remove_quietly(self.ops, path)
-        return trim_quarantine(qdir, QUARANTINE_KEEP, self.quarantine_cap, self.ops)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
@@ -1243,8 +1072,8 @@ class Store:
             "quarantined": c.quarantined,
             "quarantine_removed": c.quarantine_removed,
             "reaped_temp": c.reaped_temp,
-            "blocks": len(self._blocks),
-            "block_bytes": self._block_bytes,
+            "blocks": len(self.index.blocks),
+            "block_bytes": self.index.block_bytes,
             "bytes_written": c.bytes_written,
             "blocks_written": c.blocks_written,
             "blocks_reused": c.blocks_reused,
@@ -1301,56 +1130,6 @@ class _Ahead:
             t.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
-
-
-def trim_quarantine(qdir: str, keep: int, cap_bytes: int, ops: fileio.FileOps = fileio.DEFAULT_OPS) -> int:
-    """Remove the oldest quarantined files until at most ``keep`` remain, holding at most ``cap_bytes``: how many
-    went. Names start with the millisecond they were moved, so name order is age order."""
-    try:
-        names = sorted(os.listdir(qdir))
-    except OSError:
-        return 0
-    sizes = []
-    for name in names:
-        try:
-            sizes.append(os.lstat(os.path.join(qdir, name)).st_size)
-        except OSError:
-            sizes.append(0)
-    total, removed = sum(sizes), 0
-    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
-        if len(names) - i <= keep and total <= cap_bytes:
-            break
-        fileio.remove_quietly(ops, os.path.join(qdir, name))
-        total -= size
-        removed += 1
-    return removed
-
-
-def list_entries(root: str) -> list[dict[str, Any]]:
-    """Every readable entry under ``root``, read-only (safe beside a running daemon)."""
-    rows: list[dict[str, Any]] = []
-    if not os.path.isdir(root):
-        return rows
-    for fp in sorted(os.listdir(root)):
-        fp_dir = os.path.join(root, fp)
-        if fp.startswith(".") or not os.path.isdir(fp_dir):
-            continue
-        for dirpath, _, names in os.walk(fp_dir):
-            for name in names:
-                if not name.endswith(EXT) or fileio.is_temp_name(name):
-                    continue
-                path = os.path.join(dirpath, name)
-                try:
-                    h = read_header(path)
-                    st = os.stat(path)
-                except (errors.SpillError, OSError):
-                    continue
-                rows.append({
-                    "path": path, "fingerprint": fp, "model_id": h.identity.model_id, "namespace": h.identity.namespace,
-                    "tokens": len(h.tokens), "bytes": st.st_size, "last_used": st.st_mtime, "trimmable": h.trimmable,
-                    "checkpoint": h.checkpoint.key if h.checkpoint else None,
-                })  # fmt: skip
-    return sorted(rows, key=lambda r: r["last_used"], reverse=True)
 
 
 def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fmt.Header:

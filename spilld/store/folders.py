@@ -1,0 +1,55 @@
+"""A store's folders: the ones a save is writing into (claimed), and the sweep that removes those left empty."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import Counter
+
+
+class FolderClaims:
+    """Folders a save writes into, counted: the sweep of empty folders leaves a claimed one, and its model folder,
+    alone until released. Thread-safe: saves claim on the loop, the sweep runs on a worker thread."""
+
+    def __init__(self) -> None:
+        self._busy: Counter[str] = Counter()
+        self._lock = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
+
+    def claim(self, folder: str) -> None:
+        with self._lock:
+            self._busy[folder] += 1
+
+    def release(self, folder: str) -> None:
+        with self._lock:
+            self._busy[folder] -= 1
+            if self._busy[folder] <= 0:
+                del self._busy[folder]
+
+    def rmdir_unless_claimed(self, folder: str) -> None:
+        """Remove ``folder`` if it is empty and neither it nor a folder under it is claimed."""
+        with self._lock:
+            if any(b == folder or b.startswith(folder + os.sep) for b in self._busy):
+                return
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only succeeds when empty
+
+
+def remove_empty_folders(root: str, claims: FolderClaims | None = None) -> None:
+    """Identity and namespace folders under ``root`` left empty go (rmdir refuses a folder that is not empty);
+    with ``claims``, none a save has claimed. Blocking: a worker thread on an event loop."""
+    for fp in os.listdir(root):
+        fp_dir = os.path.join(root, fp)
+        if fp.startswith(".") or not os.path.isdir(fp_dir):
+            continue
+        for ns in os.listdir(fp_dir):
+            _rmdir(os.path.join(fp_dir, ns), claims)
+        _rmdir(fp_dir, claims)
+
+
+def _rmdir(folder: str, claims: FolderClaims | None) -> None:
+    if claims is not None:
+        claims.rmdir_unless_claimed(folder)
+        return
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)

@@ -1,0 +1,140 @@
+"""The store's parts on their own, without a disk where they need none: its index, the eviction order, the files
+to unlink, the folder claims, the pins file and the quarantine's caps."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import blocks, fileio
+from spilld.entries import Entry
+from spilld.saver import plan
+from spilld.store.eviction import evict_order
+from spilld.store.folders import FolderClaims, remove_empty_folders
+from spilld.store.index import Index
+from spilld.store.pins import PINS_FILE, read_pins, write_pins
+from spilld.store.quarantine import trim_quarantine
+from spilld.store.unlinks import Unlinks
+from tests.caches import fill
+
+IDENT = spilld.Identity("model-p", "cfg-p", "tok-p", "")
+B = 16
+
+
+def _cut(tokens: list[int], seed: int = 0) -> blocks.Split:
+    cut = blocks.split(*plan(tokens, [fill(C.KVCache(), len(tokens), seed=seed)], identity=IDENT), B)
+    assert cut is not None
+    return cut
+
+
+def _add(index: Index, cut: blocks.Split, path: str, when: float = 0.0) -> Entry:
+    for i, key in enumerate(cut.keys):
+        if key not in index.blocks:
+            index.add_block(key, f"/r/fp/ns/{key.hex()}.blk", 1000 + i)
+    manifest = cut.manifest()[0]
+    manifest.file_size = 500  # what the save reports; its bytes on disk are counted from it
+    return index.add(path, manifest, when)
+
+
+def test_the_index_counts_shared_blocks_once_and_hands_back_the_ones_an_entry_named() -> None:
+    index = Index()
+    a = _add(index, _cut(list(range(40))), "/r/fp/ns/a.spilld")
+    b = _add(index, _cut([*range(32), 99, 98, 97]), "/r/fp/ns/b.spilld")  # shares its first two blocks with a
+    assert len(a.blocks) == len(b.blocks) == 2 and a.blocks == b.blocks
+    assert index.block_bytes == 1000 + 1001  # each block counted once
+    assert index.total_bytes == 1000 + 1001 + 500 + 500 == index.namespace_bytes("ns")
+    assert index.by_last[a.blocks[-1]] == {a.path: a, b.path: b}
+    assert index.leading_blocks([*a.blocks, b"\0" * 32]) == 2 and index.leading_blocks([b"\0" * 32]) == 0
+
+    named = index.remove(a)
+    assert [r.key for r in named] == a.blocks and all(r.refs == {b.path} for r in named)
+    assert index.remove(a) == []  # not indexed any more: nothing to hand back twice
+    assert index.by_last[a.blocks[-1]] == {b.path: b}
+    index.remove(b)
+    assert all(not r.refs for r in named) and a.blocks[-1] not in index.by_last
+    for rec in named:
+        assert index.drop_block(rec) and not index.drop_block(rec)
+    assert index.total_bytes == 0 and index.namespace_bytes("ns") == 0 and index.by_path == {}
+
+
+def test_an_entry_without_blocks_is_found_by_its_first_token() -> None:
+    index = Index()
+    header, _ = plan(list(range(5, 25)), [fill(C.KVCache(), 20)], identity=IDENT)
+    header.file_size = 700
+    e = index.add("/r/fp/ns/w.spilld", header, 0.0)
+    assert e.blocks == [] and list(index.by_start.values()) == [{e.path: e}] and index.total_bytes == 700
+    assert index.remove(e) == [] and index.by_start == {} and index.total_bytes == 0
+
+
+def _entry(path: str, last_used: float, nbytes: int = 10) -> Entry:
+    return Entry(path, "fp", "", np.zeros(4, np.uint32), nbytes, True, 0, last_used)
+
+
+def test_the_eviction_order_is_lru_with_the_newest_pins_that_fit_last() -> None:
+    everyone = [_entry("new", 3), _entry("pin_old", 0), _entry("old", 1), _entry("pin_new", 2.5), _entry("mid", 2)]
+    pinned = {"pin_old", "pin_new"}
+    size = lambda e: e.nbytes * 2  # noqa: E731 (an entry with its blocks)
+    names = lambda cap: [e.path for e in evict_order(everyone, pinned, size, cap)]  # noqa: E731
+    assert names(40) == ["old", "mid", "new", "pin_old", "pin_new"]
+    # room for one pin: the newest keeps its place at the end, the older one goes by age like the rest
+    assert names(20) == ["pin_old", "old", "mid", "new", "pin_new"]
+    assert names(19) == ["pin_old", "old", "mid", "pin_new", "new"]  # none fits: plain LRU
+
+
+def test_a_kept_file_is_unlinked_only_after_its_last_release() -> None:
+    u = Unlinks()
+    u.add("a")
+    u.add("b")
+    u.keep("b")
+    u.keep("b")
+    assert u.take() == ["a"]
+    assert u.take() == []
+    u.release("b")
+    assert u.take() == []  # one keep left
+    u.release("b")
+    assert u.take() == ["b"]
+    u.add("c.blk")
+    u.add("d")
+    u.forget_where(lambda p: p.endswith(".blk"))
+    assert u.take() == ["d"]
+
+
+def test_the_sweep_leaves_claimed_folders_and_their_model_folder(tmp_path: Path) -> None:
+    for d in ("fp1/ns1", "fp1/ns2", "fp2/ns3", ".quarantine"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "fp2/ns3/x.spilld").write_bytes(b"x")
+    (tmp_path / "fp4").mkdir()
+    claims = FolderClaims()
+    claims.claim(str(tmp_path / "fp1/ns1"))
+    claims.claim(str(tmp_path / "fp4/ns4"))  # a save about to make its folder: its model folder stays too
+    remove_empty_folders(str(tmp_path), claims)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        ".quarantine", "fp1", "fp1/ns1", "fp2", "fp2/ns3", "fp2/ns3/x.spilld", "fp4"
+    ]  # fmt: skip
+    claims.release(str(tmp_path / "fp1/ns1"))
+    claims.release(str(tmp_path / "fp4/ns4"))
+    remove_empty_folders(str(tmp_path))  # no claims: every empty one
+    assert not (tmp_path / "fp1").exists() and not (tmp_path / "fp4").exists() and (tmp_path / "fp2/ns3").exists()
+
+
+def test_the_pins_file_names_nothing_outside_the_root(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    write_pins(root, [os.path.join(root, "fp/ns/a.spilld")], fileio.DEFAULT_OPS, fileio.Durability.FSYNC)
+    assert read_pins(root) == [os.path.join(root, "fp/ns/a.spilld")]
+    (tmp_path / PINS_FILE).write_text("fp/ns/b.spilld\n/etc/passwd\n../x.spilld\nfp/../../y\n\n")
+    assert read_pins(root) == [os.path.join(root, "fp/ns/b.spilld")]
+    (tmp_path / PINS_FILE).write_bytes(b"\xff\xfe")  # not text: no pins, no error
+    assert read_pins(root) == []
+
+
+def test_the_quarantine_keeps_the_newest_within_its_count_and_bytes(tmp_path: Path) -> None:
+    for i in range(6):
+        (tmp_path / f"{1000 + i}-f{i}").write_bytes(b"x" * 100)
+    assert trim_quarantine(str(tmp_path), keep=4, cap_bytes=10_000) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1002-f2", "1003-f3", "1004-f4", "1005-f5"]
+    assert trim_quarantine(str(tmp_path), keep=4, cap_bytes=250) == 2  # bytes bound it too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1004-f4", "1005-f5"]
