@@ -1,0 +1,152 @@
+"""What every command shares: exit codes, one-line refusals (``UsageError``, ``Parser``), the argument types
+(one parser for every size and duration), paths, a progress line, and the blocking connection to the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from ..config import check_socket_path, format_size, parse_duration, parse_size
+
+EXIT_OK = 0
+EXIT_BAD_FILE = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_UNREACHABLE = 4
+EXIT_ALREADY_RUNNING = 5
+EXIT_SERVICE = 6
+EXIT_DAEMON_ERROR = 7
+EXIT_NOT_INSTALLED = 8  # `service status`: not installed or not loaded (4 stays 'cannot reach the daemon')
+EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug of ours
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: whoever read our output went away
+
+PROGRESS_EVERY_S = 0.1  # a terminal's progress line is redrawn at most this often
+
+
+class UsageError(Exception):
+    """A bad option or path found after parsing: one line, exit 2."""
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """'1 entry', '2 entries', '0 clients'."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
+class Progress:
+    """A progress line on a terminal (stderr), redrawn at most every PROGRESS_EVERY_S; silent otherwise."""
+
+    def __init__(self, label: str, *, quiet: bool = False) -> None:
+        self.label = label
+        self.on = not quiet and sys.stderr.isatty()
+        self._last = 0.0
+        self._shown = False
+
+    def show(self, items_left: int, bytes_left: int, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.on or (not force and now - self._last < PROGRESS_EVERY_S):
+            return
+        self._last, self._shown = now, True
+        left = f"{plural(items_left, 'item')}, {format_size(bytes_left)} left"
+        print(f"\r{self.label}: {left}   ", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self._shown:
+            print(file=sys.stderr)
+            self._shown = False
+
+
+# --- argument types: one parser for every size and duration --------------------------------------
+
+
+def _arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name  # argparse names the type in its messages
+    return convert
+
+
+size_arg = _arg_type(parse_size, "size")
+size_or_zero_arg = _arg_type(lambda t: parse_size(t, minimum=0), "size")
+duration_arg = _arg_type(parse_duration, "duration")
+positive_duration_arg = _arg_type(lambda t: parse_duration(t, positive=True), "duration")
+socket_arg = _arg_type(check_socket_path, "socket path")
+
+
+def _checked_text(text: str) -> str:
+    parse_size(text)
+    return text
+
+
+size_text_arg = _arg_type(_checked_text, "size")  # checked, kept as written (service files pass it on)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line refusals (exit 2) instead of a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+# --- paths ---------------------------------------------------------------------------------------------
+
+
+def folder_arg(path: str | None, default: Callable[[], str], *, must_exist: bool) -> str:
+    """An absolute folder for ``--dir``; UsageError if it names a file or sits below one (or, with
+    ``must_exist``, is missing). Nothing is created here."""
+    full = os.path.abspath(os.path.expanduser(path or default()))
+    probe = full
+    while not os.path.lexists(probe):
+        if must_exist:
+            raise UsageError(f"no such folder: {full}")
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is not a folder" if probe == full else f"is below {probe}, which is not a folder"
+        raise UsageError(f"--dir {full} {where}")
+    return full
+
+
+def regular_file(path: str) -> str:
+    """``path`` if it is a file we can read as one (a folder or a FIFO would fail or hang): else UsageError."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UsageError(f"{path}: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path} is a folder (`spilld verify --dir {path}` checks a whole store)")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path} is not a regular file")
+    return path
+
+
+def socket_path(args: argparse.Namespace) -> str:
+    """``--socket``, else the default (``$SPILLD_SOCKET`` included), checked like the option."""
+    from ..config import default_socket
+
+    try:
+        return check_socket_path(args.socket or default_socket())
+    except ValueError as exc:
+        raise UsageError(f"{exc} (from SPILLD_SOCKET or the default)") from None
+
+
+# --- talking to the daemon ------------------------------------------------------------------------------
+
+
+def control(args: argparse.Namespace) -> Any:
+    from ..control import Control
+
+    return Control(socket_path(args), name=f"spilld {args.command}")
+
+
+def ask(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, **kw: Any) -> Any:
+    with control(args) as c:
+        return c.call(method, params or {}, **kw)

@@ -1,0 +1,118 @@
+"""``evict``: through the daemon that serves the folder, else straight from the folder under its lock."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from ..config import format_size
+from .common import EXIT_OK, Progress, UsageError, ask, control, folder_arg, plural, socket_path
+from .files import quarantine_files
+
+
+def _remove_files(rows: list[dict[str, Any]], label: str, quiet: bool) -> tuple[int, int]:
+    """Unlink each row's path, with progress: (files removed, their bytes)."""
+    progress = Progress(label, quiet=quiet)
+    left, n, nbytes = sum(r["bytes"] for r in rows), 0, 0
+    for i, r in enumerate(rows):
+        progress.show(len(rows) - i, left)
+        left -= r["bytes"]
+        try:
+            os.unlink(r["path"])
+        except FileNotFoundError:
+            continue  # gone meanwhile (superseded, evicted by a daemon)
+        n, nbytes = n + 1, nbytes + r["bytes"]
+    progress.done()
+    return n, nbytes
+
+
+def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> tuple[int, int]:
+    """Evict from a folder no daemon answers for, under the folder's lock: a daemon serving it on another socket
+    holds it (AlreadyRunning names its pid), and none can start on it meanwhile."""
+    from ..lockfile import LOCK_NAME, FileLock
+    from ..store import list_entries, remove_empty_folders
+
+    lock = FileLock(os.path.join(root, LOCK_NAME), f"the folder {root}")
+    lock.acquire()
+    try:
+        cutoff = time.time() - older if older is not None else None
+        rows = [
+            r
+            for r in list_entries(root)
+            if (args.fingerprint is None or r["fingerprint"] == args.fingerprint)
+            and (cutoff is None or r["last_used"] < cutoff)
+        ]
+        got = _remove_files(rows, f"evicting from {root}", args.json)
+        remove_empty_folders(root)
+    finally:
+        lock.release()
+    return got
+
+
+def _daemon_dir(args: argparse.Namespace) -> str | None:
+    """The folder of the daemon answering on the socket, or None when none answers."""
+    from ..protocol import ConnectionLost
+
+    try:
+        with control(args) as c:
+            return str(c.server.get("dir") or "") or None
+    except ConnectionLost:
+        return None
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    """Evict through the daemon that serves the folder, else from the folder itself; say which."""
+    from ..config import default_dir
+
+    if not (args.all or args.fingerprint or args.older_than is not None or args.quarantine):
+        raise UsageError("evict needs --fingerprint, --older-than, --quarantine or --all (every entry)")
+    served = _daemon_dir(args)
+    root = folder_arg(args.dir or served, default_dir, must_exist=True)
+    if served is not None and not _same_folder(root, served):
+        raise UsageError(
+            f"the daemon on {socket_path(args)} serves {served}, not {root}: stop it, or name its socket with --socket"
+        )
+    out: dict[str, Any] = {"dir": root, "through_daemon": served is not None, "evicted": 0, "bytes": 0}
+    if args.all or args.fingerprint or args.older_than is not None:
+        params = {"fingerprint": args.fingerprint, "older_than_s": args.older_than}
+        if served is not None:
+            progress = Progress(f"evicting from {root}", quiet=args.json)
+
+            def show(note: Any) -> None:
+                if note.method == "evict_progress":
+                    progress.show(int(note.params["pending_items"]), int(note.params["pending_bytes"]), force=True)
+
+            try:
+                r = ask(args, "evict", params, timeout=None, on_note=show)
+            finally:
+                progress.done()
+            out["evicted"], out["bytes"] = int(r["evicted"]), int(r["bytes"])
+        else:
+            out["evicted"], out["bytes"] = _evict_direct(root, args, args.older_than)
+    if args.quarantine:
+        out["quarantine_removed"], out["quarantine_bytes"] = _remove_files(
+            quarantine_files(root), "removing quarantined files", args.json
+        )
+    _print_evicted(out, socket_path(args), args.json)
+    return EXIT_OK
+
+
+def _print_evicted(out: dict[str, Any], sock: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out))
+        return
+    how = f"through the daemon on {sock}" if out["through_daemon"] else "from the folder (no daemon answers)"
+    print(f"evicted {plural(out['evicted'], 'entry', 'entries')} ({format_size(out['bytes'])}) from {out['dir']} {how}")
+    if "quarantine_removed" in out:
+        n, nbytes = out["quarantine_removed"], out["quarantine_bytes"]
+        print(f"removed {plural(n, 'quarantined file')} ({format_size(nbytes)})")

@@ -1,0 +1,221 @@
+"""``inspect``, ``verify`` and ``ls``: commands that read a store's files (no daemon needed, nothing written)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import stat
+import sys
+from typing import Any
+
+from .. import errors
+from .. import format as fmt
+from ..config import format_size
+from .common import EXIT_BAD_FILE, EXIT_OK, Progress, UsageError, folder_arg, plural, regular_file
+
+# --- inspect, verify ---------------------------------------------------------------------------------
+
+
+def _entry_summary(e: fmt.CacheEntry, depth: int = 0) -> list[str]:
+    pad = "  " * depth
+    fields = " ".join(f"{k}={v}" for k, v in e.fields.items())
+    size = sum(s.nbytes for s in e.tensors)
+    lines = [
+        f"{pad}{e.kind} v{e.version} offset={e.offset} min_reusable={e.min_reusable} "
+        f"trimmable={e.trimmable} tensors={len(e.tensors)} bytes={size} {fields}".rstrip()
+    ]
+    for s in e.tensors:
+        lines.append(f"{pad}  @{s.off:<12} {s.dtype:<9} {list(s.shape)} {s.nbytes} B xxh3={s.hash.hex()}")
+    for c in e.children:
+        lines.extend(_entry_summary(c, depth + 1))
+    return lines
+
+
+def header_json(h: fmt.Header) -> dict[str, Any]:
+    d = h.to_wire()
+    d["tokens"] = h.tokens
+    d["data_start"] = h.data_start
+    d["file_size"] = h.file_size
+    d["trimmable"] = h.trimmable
+    d["min_reusable_offset"] = h.min_reusable_offset
+    return dict(_jsonable(d))
+
+
+def _jsonable(o: Any) -> Any:
+    """``o`` with every bytes value as hex."""
+    if isinstance(o, bytes):
+        return o.hex()
+    if isinstance(o, dict):
+        return {k: _jsonable(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_jsonable(v) for v in o]
+    return o
+
+
+def _print_header(h: fmt.Header, path: str) -> None:
+    when = datetime.datetime.fromtimestamp(h.created_at_ms / 1000, tz=datetime.UTC)
+    ident = h.identity
+    print(f"file         {path}")
+    packed = ", packed (64-byte alignment)" if h.align == fmt.COMPACT_ALIGN else ""
+    print(
+        f"format       v{h.version}, {h.file_size} bytes, data at {h.data_start}{packed}, "
+        f"created {when:%Y-%m-%d %H:%M:%S} UTC"
+    )
+    print(f"codecs       {h.codec_provider}")
+    print(
+        f"identity     model={ident.model_id!r} config={ident.config_fingerprint!r} tokenizer={ident.tokenizer_hash!r} ns={ident.namespace!r}"
+    )
+    print(f"tokens       {len(h.tokens)}  trimmable={h.trimmable}  min_reusable={h.min_reusable_offset}")
+    if h.checkpoint:
+        print(f"checkpoint   {h.checkpoint.to_wire()}")
+    for k, v in h.meta.items():
+        print(f"meta         {k}={v}")
+    print(f"caches       {len(h.caches)} ({h.data_bytes} bytes of tensors)")
+    for i, e in enumerate(h.caches):
+        for line in _entry_summary(e):
+            print(f"  [{i}] {line}" if not line.startswith(" ") else f"      {line}")
+    for a in h.attachments:
+        print(f"attachment   {a.schema} {a.metadata} tensors={len(a.tensors)}")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..loader import read_header, verify_file
+
+    path = regular_file(args.file)
+    try:
+        h = verify_file(path) if args.verify else read_header(path)
+    except errors.SpillError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "code": exc.code, "error": str(exc)}))
+        else:
+            print(f"spilld: {exc} [{exc.code}]", file=sys.stderr)
+        return EXIT_BAD_FILE
+    if args.json:
+        print(json.dumps({"ok": True, "hashes_checked": args.verify, "header": header_json(h)}, indent=2))
+    else:
+        _print_header(h, path)
+        print("hashes       " + ("all tensor hashes match" if args.verify else "not checked (--no-verify)"))
+    return EXIT_OK
+
+
+def store_files(root: str) -> list[tuple[str, str]]:
+    """(path, identity folder) of every entry file under a store's root, temp files and quarantine left out."""
+    from ..fileio import is_temp_name
+    from ..store import EXT
+
+    found = []
+    for fp in sorted(os.listdir(root)):
+        fp_dir = os.path.join(root, fp)
+        if fp.startswith(".") or not os.path.isdir(fp_dir):
+            continue
+        for dirpath, _, names in os.walk(fp_dir):
+            found += [(os.path.join(dirpath, n), fp) for n in sorted(names) if n.endswith(EXT) and not is_temp_name(n)]
+    return found
+
+
+def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Header | None]:
+    """(why it is bad or None, its header): every hash, and for a store's file, that it sits in its identity's
+    folder."""
+    from ..entries import identity_fingerprint
+    from ..loader import verify_file
+
+    try:
+        h = verify_file(path)
+    except errors.SpillError as exc:
+        return f"{exc.reason} [{exc.code}]", None
+    if folder_fp is not None and identity_fingerprint(h.identity) != folder_fp:
+        return "sits in the folder of another identity [header_malformed]", h
+    return None, h
+
+
+def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
+    """Check every entry of a store: (files checked, bad ones); bad ones are printed as they are found."""
+    files = store_files(root)
+    sizes = {p: os.path.getsize(p) if os.path.exists(p) else 0 for p, _ in files}
+    progress = Progress(f"verifying {root}", quiet=quiet)
+    left_bytes, bad = sum(sizes.values()), 0
+    for i, (path, fp) in enumerate(files):
+        progress.show(len(files) - i, left_bytes)
+        why, _ = _check_file(path, fp)
+        left_bytes -= sizes[path]
+        if why is not None:
+            bad += 1
+            progress.done()
+            print(f"BAD  {path}: {why}")
+    progress.done()
+    print(f"{root}: {plural(len(files), 'entry', 'entries')} ({format_size(sum(sizes.values()))}) checked, {bad} bad")
+    return len(files), bad
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..config import default_dir
+
+    if not args.files and args.dir is None:
+        raise UsageError("verify needs FILE... or --dir DIR (a whole store)")
+    bad = 0
+    if args.dir is not None:
+        bad += _verify_store(folder_arg(args.dir, default_dir, must_exist=True), args.quiet)[1]
+    for path in args.files:
+        if os.path.isdir(path):  # a folder named as a file: checked as a store
+            bad += _verify_store(os.path.abspath(path), args.quiet)[1]
+            continue
+        regular_file(path)
+        why, h = _check_file(path, None)
+        if why is None and h is not None:
+            print(f"ok   {path} ({len(h.slots())} tensors, {h.data_bytes} bytes)")
+        else:
+            bad += 1
+            print(f"BAD  {path}: {why}")
+    return EXIT_BAD_FILE if bad else EXIT_OK
+
+
+# --- ls, evict -------------------------------------------------------------------------------------------
+
+
+def quarantine_files(root: str) -> list[dict[str, Any]]:
+    """The files moved aside as bad, oldest first (their names start with the time they were moved)."""
+    from ..store import QUARANTINE
+
+    qdir = os.path.join(root, QUARANTINE)
+    rows = []
+    for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
+        path = os.path.join(qdir, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # removed meanwhile
+        if stat.S_ISREG(st.st_mode):
+            rows.append({"path": path, "bytes": st.st_size, "moved": st.st_mtime})
+    return rows
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from ..config import default_dir
+    from ..store import list_entries
+
+    root = folder_arg(args.dir, default_dir, must_exist=False)
+    if args.quarantine:
+        qrows = quarantine_files(root)
+        if args.json:
+            print(json.dumps(qrows, indent=2))
+            return EXIT_OK
+        for r in qrows:
+            when = datetime.datetime.fromtimestamp(r["moved"]).strftime("%Y-%m-%d %H:%M")
+            print(f"{when}  {format_size(r['bytes']):>10}  {r['path']}")
+        total = format_size(sum(r["bytes"] for r in qrows))
+        print(f"{plural(len(qrows), 'quarantined file')}, {total} in {root}")
+        return EXIT_OK
+    rows = list_entries(root)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for r in rows:
+        when = datetime.datetime.fromtimestamp(r["last_used"]).strftime("%Y-%m-%d %H:%M")
+        print(
+            f"{when}  {r['tokens']:>7} tok  {format_size(r['bytes']):>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  {r['path']}"
+        )
+    total = format_size(sum(r["bytes"] for r in rows))
+    print(f"{plural(len(rows), 'entry', 'entries')}, {total} in {root}")
+    return EXIT_OK

@@ -1,0 +1,74 @@
+"""``main``: run one command; every failure is one line on stderr and an exit code (never a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .. import errors
+from .common import (
+    EXIT_ALREADY_RUNNING,
+    EXIT_BAD_FILE,
+    EXIT_BROKEN_PIPE,
+    EXIT_DAEMON_ERROR,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    UsageError,
+)
+from .parser import build_parser, with_command
+
+DEBUG_ENV = "SPILLD_DEBUG"  # set to 1: an internal error shows its traceback
+UNREACHABLE_CODES = {"connection_lost", "busy", "timeout"}  # the daemon is gone, stopping, or silent
+USAGE_CODES = {"unusable_folder", "foreign_daemon", "activation_error"}
+
+
+def _exit_for(exc: errors.SpillError) -> int:
+    if isinstance(exc, errors.FileFormatError):
+        return EXIT_BAD_FILE
+    if exc.code in UNREACHABLE_CODES:
+        return EXIT_UNREACHABLE
+    if exc.code == "already_running":
+        return EXIT_ALREADY_RUNNING
+    if exc.code in USAGE_CODES:
+        return EXIT_USAGE
+    return EXIT_DAEMON_ERROR
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"spilld: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr and an exit code (never a traceback)."""
+    parser = build_parser()
+    commands = [c for a in parser._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+    args_list = with_command(list(sys.argv[1:] if argv is None else argv), commands)
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # --help, --version, or a refusal already printed
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except errors.SpillError as exc:
+        return _fail(f"{exc} [{exc.code}]", _exit_for(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        return _fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", EXIT_USAGE)
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        return _fail(f"internal error: {exc!r} (set {DEBUG_ENV}=1 for the traceback)", EXIT_INTERNAL)

@@ -1,0 +1,126 @@
+"""``drain``, ``pin`` and ``status``: commands to a running daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .. import errors
+from ..config import format_size
+from .common import EXIT_BAD_FILE, EXIT_OK, EXIT_TIMEOUT, Progress, ask, plural, socket_path
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    progress = Progress("draining")
+
+    def show(note: Any) -> None:
+        if note.method == "drain_progress":
+            progress.show(int(note.params["pending_items"]), int(note.params["pending_bytes"]), force=True)
+
+    wait = 3600.0 if args.timeout is None else args.timeout  # the daemon's own default
+    try:
+        r = ask(args, "drain", {"timeout": wait}, timeout=None, on_note=show)
+    finally:
+        progress.done()
+    if r["done"]:
+        print("drained: everything acknowledged is durable")
+        return EXIT_OK
+    left = plural(int(r["pending_items"]), "item")
+    print(f"timeout: {left} ({format_size(r['pending_bytes'])}) still queued")
+    return EXIT_TIMEOUT
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    """Pin or unpin an entry through the daemon (evicted last, never superseded; kept across restarts)."""
+    path = os.path.abspath(args.path)
+    r = ask(args, "pin", {"path": path, "on": not args.unpin})
+    if not r["found"]:
+        print(f"spilld: {path}: not an entry of the daemon's store (see spilld ls)", file=sys.stderr)
+        return EXIT_BAD_FILE
+    print(f"{'unpinned' if args.unpin else 'pinned'} {path}")
+    return EXIT_OK
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    q, d = st["queue"], st["store"]
+    misses = ", ".join(f"{k} {v}" for k, v in d["misses"].items() if v) or "none"
+    clients = plural(int(st["clients"]), "client")
+    print(f"spilld {st['version']} pid {st['pid']}, up {st['uptime_s']:.0f} s, {clients}, socket {st['socket']}")
+    items = plural(int(q["pending_items"]), "item")
+    print(f"queue   {items}, {format_size(q['pending_bytes'])} of {format_size(st['cap'])} cap")
+    print(
+        f"        stored {q['stored']}, dropped {q['dropped']}, cancelled {q['cancelled']}, failed {q['failed']}, "
+        f"written {format_size(q['bytes_written'])}"
+    )
+    entries = plural(int(d["entries"]), "entry", "entries")
+    print(f"disk    {entries}, {format_size(d['bytes'])} of {format_size(d['disk_cap'])} cap in {st['dir']}")
+    if "blocks" in d:
+        print(
+            f"blocks  {d['blocks']} ({format_size(d['block_bytes'])}), written {d['blocks_written']}, "
+            f"reused {d['blocks_reused']}, reclaimed {d['blocks_reclaimed']}"
+            + (f"; not sent by clients (held) {format_size(st['ingest']['held_bytes'])}" if "ingest" in st else "")
+        )
+    if "written_day" in d:
+        budget = f" of a {format_size(d['write_budget'])} budget" if d.get("write_budget") else ""
+        print(
+            f"wear    written {format_size(d['written_day'])} in 24 h{budget}, {format_size(d['written_week'])} in 7 days,"
+            f" {format_size(d['bytes_written'])} since start; shed for the budget {d['dropped_budget']}"
+        )
+        unique = int(d.get("unique_added", 0))
+        amp = f"{int(d['bytes_written']) / unique:.2f}x" if unique else "-"
+        gate = (
+            f", shed by the gate (--admit-after {d['admit_after']}) {d['dropped_admit']}"
+            if d.get("admit_after")
+            else ""
+        )
+        print(f"        unique bytes added {format_size(unique)}, write amplification {amp}{gate}")
+    if "warm" in st:
+        w = st["warm"]
+        print(
+            f"warm    read {format_size(w['read_bytes'])} of {format_size(w['planned_bytes'])} ahead "
+            f"({w['files']} files), {'done' if w['done'] else 'reading'}"
+        )
+    if "scrub" in st:
+        s = st["scrub"]
+        state = "paused (serving)" if s["paused"] else f"{s['files']} of {s['planned_files']} files checked"
+        print(
+            f"scrub   {state} in this pass ({format_size(s['bytes'])}), {s['passes']} passes done, "
+            f"{s['bad']} bad files found"
+        )
+    if "remote" in st:
+        r = st["remote"]
+        misses = ", ".join(f"{k} {v}" for k, v in {**r.get("misses", {}), **r.get("fill_misses", {})}.items() if v)
+        print(
+            f"remote  {r.get('state')}, push {r.get('push')}: fills {r.get('fills')}, hits {r.get('hits')}, "
+            f"fetched {format_size(int(r.get('bytes_fetched', 0)))}, pushed {format_size(int(r.get('bytes_pushed', 0)))}"
+            f", queue {r.get('queue', {}).get('len', 0)}; misses: {misses or 'none'}"
+        )
+    lookups = f"{st['lookups']}, " if "lookups" in st else ""
+    print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
+    by_code = ", ".join(f"{k} {v}" for k, v in d.get("errors", {}).items() if v)
+    print(
+        f"errors  store {d['store_errors']}{f' ({by_code})' if by_code else ''}, "
+        f"quarantined {d['quarantined']}, evicted {d['evicted']}"
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    form = "json" if args.json else args.format
+    try:
+        st = dict(ask(args, "status"))
+    except errors.SpillError as exc:
+        if form == "json":  # a script still gets an object to read
+            print(json.dumps({"ok": False, "code": exc.code, "error": str(exc), "socket": socket_path(args)}))
+        raise
+    if form == "json":
+        print(json.dumps(st, indent=2))
+    elif form == "prometheus":
+        from ..metrics import exposition
+
+        sys.stdout.write(exposition(st).decode())
+    else:
+        _print_status(st)
+    return EXIT_OK

@@ -1,0 +1,59 @@
+"""``service``: install, remove and query spilld under launchd or systemd."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, UsageError
+
+# --- service ---------------------------------------------------------------------------------------------
+
+
+def _service_spec(args: argparse.Namespace) -> Any:
+    from ..service.units import ServiceSpec
+
+    absolute = lambda p: os.path.abspath(os.path.expanduser(p)) if p else None  # noqa: E731
+    return ServiceSpec(
+        cap=args.cap,
+        dir=absolute(args.dir),
+        socket=absolute(args.socket),
+        drain_deadline=args.drain_deadline,
+        socket_activation=args.socket_activation,
+    )
+
+
+def _service_status(manager: Any, home: Path) -> int:
+    from ..service import install as svc
+
+    st = svc.status(manager, home, svc.run_command)
+    for path, present in st.files.items():
+        print(f"{'installed' if present else 'missing  '}  {path}")
+    for line in st.detail:
+        print(line)
+    return EXIT_OK if st.installed and st.loaded else EXIT_NOT_INSTALLED
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from ..service import install as svc
+
+    manager = args.manager or svc.default_manager()
+    if manager is None:
+        raise UsageError(f"no service manager for {sys.platform} (launchd or systemd)")
+    home = Path.home()
+    if args.action == "status":
+        return _service_status(manager, home)
+    if args.action == "install":
+        plan = svc.install_plan(manager, _service_spec(args), home)
+    else:
+        plan = svc.uninstall_plan(manager, home)
+    if args.dry_run:
+        svc.show(plan, sys.stdout)
+        return EXIT_OK
+    if not svc.apply(plan, svc.run_command, sys.stderr):
+        return EXIT_SERVICE
+    print(f"{args.action}ed: {', '.join(str(p) for p in [*plan.write, *plan.remove])}")
+    return EXIT_OK
