@@ -171,7 +171,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_BAD_FILE if bad else EXIT_OK
 
 
-# --- ls, evict -------------------------------------------------------------------------------------------
+# --- ls ------------------------------------------------------------------------------------------------
 
 
 def quarantine_files(root: str) -> list[dict[str, Any]]:

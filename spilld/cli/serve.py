@@ -14,7 +14,7 @@ from .common import EXIT_ALREADY_RUNNING, EXIT_OK, EXIT_UNREACHABLE, UsageError,
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..config import Config, default_dir
+    from ..config import default_dir
     from ..daemon import AlreadyRunning, run, setup_logging
     from ..service.activation import ActivationError
 

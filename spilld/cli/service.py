@@ -10,8 +10,6 @@ from typing import Any
 
 from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, UsageError
 
-# --- service ---------------------------------------------------------------------------------------------
-
 
 def _service_spec(args: argparse.Namespace) -> Any:
     from ..service.units import ServiceSpec
