@@ -11,7 +11,8 @@ Arms: idle (no spill), mlxlm (mlx_lm save_prompt_cache + fsync, called on the en
 with a ThreadLockLease on the generation lock; durability fsync; in the snapshot case with live=True), spilld_views
 (snapshot case only: plain zero-copy views, to show the copy they force on the engine), scrub (eviction case only: no
 spill, while the daemon's idle-time scrub checks a store of ``--scrub-mib`` MiB at ``--scrub-rate`` on the spiller's
-loop, as a daemon left idle by its clients would). Every arm runs in every round, interleaved.
+loop, in the engine's process), scrub_daemon (the same, by a real ``spilld serve`` left idle by its clients: its
+scrub in a process of its own, as deployed). Every arm runs in every round, interleaved.
 
     python scripts/bench/decode_interference.py --rounds 3 --json bench-out/interference.json --plot docs/decode_interference.png
 """
@@ -138,6 +139,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     scrubbing = None
     if arm == "scrub":
         scrubbing = start_scrub(folder, args, loop)
+    scrub_daemon = start_scrub_daemon(folder, args, loop) if arm == "scrub_daemon" else None
     if arm.startswith("spilld"):
         spiller = asyncio.run_coroutine_threadsafe(
             spilld.Spiller.open(folder, identity=spilld.Identity("bench"), lease=lease, queue_cap=4 << 30), loop
@@ -150,7 +152,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     spill_at = list(range(args.warmup, args.tokens, step))[: args.spills]
     # caches the engine will evict, made before the clock starts (making them is not decode work)
     evict = {}
-    if case == "eviction" and arm != "idle":
+    if case == "eviction" and arm not in ("idle", "scrub", "scrub_daemon"):
         evict = {s: big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=s) for s in spill_at}
     futures: list[Any] = []
     settled_at: list[float] = []
@@ -171,7 +173,7 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
         if k - 1 in spill_at:
             res.after_spill_ms.append(dt)
             res._after_idx.append(len(res.lat_ms) - 1)
-        if k in spill_at and arm not in ("idle", "scrub"):
+        if k in spill_at and arm not in ("idle", "scrub", "scrub_daemon"):
             res.spill_k.append(k)
             caches = live_big if case == "snapshot" else evict.pop(k)
             res.spilled_bytes += nbytes(caches)
@@ -204,7 +206,9 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     if scrubbing is not None:
         task, scrub = scrubbing
         res.scrubbed_bytes = scrub.stats.bytes + scrub.stats.passes * sum(n for _, n, _ in scrub.targets())
-        loop.call_soon_threadsafe(task.cancel)
+        asyncio.run_coroutine_threadsafe(cancelled(task), loop).result()
+    if scrub_daemon is not None:
+        res.scrubbed_bytes = scrub_daemon.stop()
     res.longest_lease_ms = lease.longest_hold_s * 1e3
     if spiller is not None:
         asyncio.run_coroutine_threadsafe(spiller.close(), loop).result()
@@ -216,17 +220,30 @@ def run_arm(arm: str, case: str, args: argparse.Namespace, model: Any, folder: s
     return res
 
 
-def start_scrub(folder: str, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> tuple[Any, Any]:
-    """A store of ``--scrub-mib`` MiB in ``folder``/scrub, and its scrub running on ``loop`` (no first delay)."""
-    from spilld.scrub import Scrub
+async def cancelled(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has unwound (its check on a worker thread included)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def scrub_store(folder: str, args: argparse.Namespace) -> Any:
+    """A store of ``--scrub-mib`` MiB in ``folder``/scrub, for a scrub to check."""
     from spilld.store import Store
 
+    store = Store(os.path.join(folder, "scrub"), disk_cap=2**42, durability="none")
+    per = args.big_tokens * args.heads * args.dim * 2 * 2  # bytes of one layer's K and V
+    for i in range(max(1, args.scrub_mib * MiB // (per * args.big_layers))):
+        caches = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=100 + i)
+        await store.put(list(range(i * 100_000, i * 100_000 + args.big_tokens)), caches, spilld.Identity("s"))
+    return store
+
+
+def start_scrub(folder: str, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> tuple[Any, Any]:
+    """The store of ``scrub_store`` and its scrub running on ``loop``, in this process (no first delay)."""
+    from spilld.scrub import Scrub
+
     async def start() -> tuple[Any, Any]:
-        store = Store(os.path.join(folder, "scrub"), disk_cap=2**42, durability="none")
-        per = args.big_tokens * args.heads * args.dim * 2 * 2  # bytes of one layer's K and V
-        for i in range(max(1, args.scrub_mib * MiB // (per * args.big_layers))):
-            caches = big_cache(args.big_layers, args.big_tokens, args.heads, args.dim, seed=100 + i)
-            await store.put(list(range(i * 100_000, i * 100_000 + args.big_tokens)), caches, spilld.Identity("s"))
+        store = await scrub_store(folder, args)
         scrub = Scrub(store, args.scrub_rate * MiB, interval=0.0)
 
         async def run() -> None:
@@ -236,6 +253,45 @@ def start_scrub(folder: str, args: argparse.Namespace, loop: asyncio.AbstractEve
         return asyncio.get_running_loop().create_task(run()), scrub
 
     return asyncio.run_coroutine_threadsafe(start(), loop).result()
+
+
+class ScrubDaemon:
+    """A real ``spilld serve`` on the store of ``scrub_store``, with no client: its idle-time scrub checks the store
+    at ``--scrub-rate`` (a pass a second at most) in a process of its own, as in a deployment."""
+
+    def __init__(self, folder: str, args: argparse.Namespace) -> None:
+        from tests.daemons import Daemon, new_root
+
+        self.root = new_root()
+        flags = ["--dir", os.path.join(folder, "scrub"), "--durability", "none", "--warm-bytes", "0"]
+        flags += ["--scrub-rate", f"{args.scrub_rate}MiB", "--scrub-every", "1s"]
+        self.daemon = Daemon(self.root, flags).start()
+        deadline = time.monotonic() + 30
+        while self.scrubbed() == 0:  # its first pass starts one interval after the start
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon's scrub did not start:\n{self.daemon.read_log()}")
+            time.sleep(0.1)
+        self.before = self.scrubbed()
+
+    def scrubbed(self) -> int:
+        out = self.daemon.cli("--socket", self.daemon.socket, "status", "--json", timeout=30)
+        st = json.loads(out.stdout)
+        return int(st["scrub"]["bytes"]) + int(st["scrub"]["passes"]) * int(st["store"]["bytes"])
+
+    def stop(self) -> int:
+        """Stop the daemon: the bytes its scrub checked while the arm ran."""
+        from tests.daemons import cleanup
+
+        try:
+            return self.scrubbed() - self.before
+        finally:
+            self.daemon.stop()
+            cleanup(self.root)
+
+
+def start_scrub_daemon(folder: str, args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> ScrubDaemon:
+    asyncio.run_coroutine_threadsafe(scrub_store(folder, args), loop).result()
+    return ScrubDaemon(folder, args)
 
 
 def spill_call_cost(folder: str, layers: int = 32, tokens: int = 8192 - 1) -> dict[str, float]:
@@ -310,7 +366,7 @@ def main() -> None:
     add_engine_args(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="eviction,snapshot")
-    p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views,scrub")
+    p.add_argument("--arms", default="idle,mlxlm,spilld,spilld_views,scrub,scrub_daemon")
     p.add_argument("--scrub-mib", type=int, default=256, help="scrub arm: MiB of the store it checks (default 256)")
     p.add_argument(
         "--scrub-rate", type=int, default=32, help="scrub arm: MiB a second (default 32, the daemon's default)"
@@ -348,7 +404,7 @@ def main() -> None:
         arms = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
         for case in args.cases.split(","):
             for arm in arms:
-                if (arm == "spilld_views" and case != "snapshot") or (arm == "scrub" and case != "eviction"):
+                if (arm == "spilld_views" and case != "snapshot") or (arm.startswith("scrub") and case != "eviction"):
                     continue
                 gc.collect()
                 r = run_arm(arm, case, args, model, folder)
@@ -361,7 +417,7 @@ def main() -> None:
                     f"  after-spill {[round(x, 1) for x in r.after_spill_ms]}  spill() {[round(x, 2) for x in r.spill_call_ms]} ms"
                     f"  lease max {s['longest_lease_ms']:.2f} ms"
                     + (f"  {s['spill_GBps']:.2f} GB/s" if s["spill_GBps"] else "")
-                    + (f"  scrubbed {r.scrubbed_bytes / MiB:.0f} MiB" if arm == "scrub" else ""),
+                    + (f"  scrubbed {r.scrubbed_bytes / MiB:.0f} MiB" if arm.startswith("scrub") else ""),
                     flush=True,
                 )
     print("\nmedians over rounds:")
