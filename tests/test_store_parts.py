@@ -138,3 +138,57 @@ def test_the_quarantine_keeps_the_newest_within_its_count_and_bytes(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1002-f2", "1003-f3", "1004-f4", "1005-f5"]
     assert trim_quarantine(str(tmp_path), keep=4, cap_bytes=250) == 2  # bytes bound it too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1004-f4", "1005-f5"]
+
+
+def _check_index(index: Index) -> None:
+    """Every sum and cross-reference of ``index`` rebuilt from its entries and blocks."""
+    entries, recs = list(index.by_path.values()), list(index.blocks.values())
+    assert index.entry_bytes == sum(e.nbytes for e in entries)
+    assert index.block_bytes == sum(r.nbytes for r in recs)
+    assert sum(index.ns_bytes.values()) == index.total_bytes
+    for rec in recs:
+        assert rec.refs == {e.path for e in entries if rec.key in e.blocks}
+    last = {(e.blocks[-1], e.path) for e in entries if e.blocks}
+    assert {(k, p) for k, group in index.by_last.items() for p in group} == last
+    assert all(group for group in [*index.by_last.values(), *index.by_start.values()])  # no empty group kept
+    assert sum(len(g) for g in index.by_start.values()) == sum(1 for e in entries if not e.blocks)
+
+
+def test_the_index_stays_consistent_through_random_adds_and_removes() -> None:
+    """A model check: random puts (shared prefixes, some without blocks), removals, and blocks dropped once no
+    entry names them, as the store does; after every step the index's sums and references are rebuilt and
+    compared."""
+    rng = np.random.default_rng(7)
+    base = list(range(100, 164))
+    cuts = [_cut(base[: 16 * n] + [900 + n] * 5, seed=n) for n in (1, 2, 3, 4)]
+    cuts += [_cut([*base[:16], 7, 7, 7, 7, *base[20:40]], seed=9)]
+    plain = [plan([5, 6, *range(n)], [fill(C.KVCache(), n + 2)], identity=IDENT)[0] for n in (8, 12)]
+    for h in plain:
+        h.file_size = 300
+    index, n, spares_dropped = Index(), 0, 0
+    for _ in range(300):
+        op = rng.integers(3)
+        if op == 0:  # a put: its blocks first, then the manifest
+            n += 1
+            kind = rng.integers(5)
+            if kind == 0:
+                index.add(f"/r/fp/ns/p{n}.spilld", plain[rng.integers(len(plain))], float(n))
+            elif kind == 1:  # it failed after its blocks: they are indexed, named by nothing
+                for key in cuts[rng.integers(len(cuts))].keys:
+                    if key not in index.blocks:
+                        index.add_block(key, f"/r/fp/ns/{key.hex()}.blk", 1234)
+            else:
+                _add(index, cuts[rng.integers(len(cuts))], f"/r/fp/ns/m{n}.spilld", float(n))
+        elif op == 1 and index.by_path:  # an eviction: the entry, then the blocks nothing names now
+            paths = sorted(index.by_path)
+            e = index.by_path[paths[rng.integers(len(paths))]]
+            for rec in index.remove(e):
+                if not rec.refs:
+                    assert index.drop_block(rec)
+        elif op == 2:  # a block no entry names (a put that failed after writing it) goes
+            spare = [r for r in index.blocks.values() if not r.refs]
+            if spare:
+                assert index.drop_block(spare[rng.integers(len(spare))])
+                spares_dropped += 1
+        _check_index(index)
+    assert n > 50 and index.by_path and spares_dropped > 5  # the walk did add, keep and reclaim
