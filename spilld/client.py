@@ -219,7 +219,7 @@ class AsyncClient:
         """Send an answer to one of the daemon's requests; a lost connection has already ended the ask."""
         if self._writer is None or self._writer.is_closing():
             return
-        self._writer.writelines(P.response(msgid, result, error))
+        write_each(self._writer, P.response(msgid, result, error))
 
     def _fail_all(self, err: errors.SpillError) -> None:
         # The daemon may still be writing from our segments: never reuse them; a new pool comes with the next connection.
@@ -237,7 +237,7 @@ class AsyncClient:
         if self._writer is None or self._writer.is_closing():
             raise await self._why_closed(P.ConnectionLost("not connected"))
         async with self._send_lock:
-            self._writer.writelines(bufs)
+            write_each(self._writer, bufs)
             try:
                 await self._writer.drain()
             except (OSError, RuntimeError) as exc:
@@ -581,6 +581,15 @@ def _drop(fut: asyncio.Future[Any]) -> None:
         fut.cancel()
     elif not fut.cancelled():
         fut.exception()
+
+
+def write_each(writer: asyncio.StreamWriter, bufs: list[bytes | memoryview]) -> None:
+    """A frame's buffers written one by one, with no await between them (nothing can come between two parts of a
+    frame). Not ``writelines``: on Python 3.11 the standard loop joins them into one new bytes object first (a copy
+    of every payload on the engine's loop: 1.8 s of CPU a GiB sent, against 0.4 s written one by one), and on
+    3.13.0 it queues them without the pause that ``drain`` waits on."""
+    for buf in bufs:
+        writer.write(buf)
 
 
 def _close_made(fut: asyncio.Future[ShmPool]) -> None:

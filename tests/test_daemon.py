@@ -411,6 +411,40 @@ async def test_both_ingest_paths_store_exact_data(daemon: Daemon, shm: bool) -> 
 
 
 @pytest.mark.asyncio
+async def test_inline_payloads_reach_the_socket_as_the_engines_views(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame's parts are written one by one, each payload as a view of the snapshot's bytes: ``writelines``
+    joins them into a new bytes object first on Python 3.11's own loop (every byte copied once more, on the
+    engine's loop) and queues them without the pause ``drain`` waits on under 3.13.0."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    cache = [fill(C.KVCache(), 3000, heads=8, dim=128, seed=3)]  # 2 x 5.9 MiB
+    client = await AsyncClient.open(daemon.socket, identity=spilld.Identity("x"), shm=False)
+    writer = client._writer
+    assert writer is not None
+    written: list[tuple[type, int]] = []
+    real_write = writer.write
+
+    def write(data: bytes | memoryview) -> None:
+        written.append((type(data), memoryview(data).nbytes))
+        real_write(data)
+
+    def writelines(_: Any) -> None:
+        raise AssertionError("writelines: every payload joined into a copy (Python 3.11)")
+
+    monkeypatch.setattr(writer, "write", write)
+    monkeypatch.setattr(writer, "writelines", writelines)
+    assert (await client.spill(list(range(3000)), cache)).stored
+    big = [(kind, n) for kind, n in written if n >= 1 << 20]
+    assert sum(n for _, n in big) >= 2 * 3000 * 8 * 128 * 2  # both tensors went through write, inline
+    assert all(kind is memoryview for kind, _ in big), big  # never a joined copy
+    await client.close()
+
+
+@pytest.mark.asyncio
 async def test_an_item_larger_than_the_segment_pool_still_ships(daemon: Daemon) -> None:
     from mlx_lm.models import cache as C
 
