@@ -115,7 +115,7 @@ class Store:
         fileio.make_dirs(self.ops, self.root, self.durability)
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
-        self._pins: set[str] = set()  # paths of pinned entries (kept in PINS_FILE)
+        self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
         self._provider = provider  # built on first use: the daemon only moves bytes and never needs codecs
         self.verify = verify
         self.counters = StoreCounters()
