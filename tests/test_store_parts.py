@@ -18,6 +18,7 @@ from spilld.store.folders import FolderClaims, remove_empty_folders
 from spilld.store.index import Index
 from spilld.store.pins import PINS_FILE, read_pins, write_pins
 from spilld.store.quarantine import trim_quarantine
+from spilld.store.scan import scan_root
 from spilld.store.unlinks import Unlinks
 from tests.caches import fill
 
@@ -192,3 +193,24 @@ def test_the_index_stays_consistent_through_random_adds_and_removes() -> None:
                 spares_dropped += 1
         _check_index(index)
     assert n > 50 and index.by_path and spares_dropped > 5  # the walk did add, keep and reclaim
+
+
+def test_the_scan_reports_bad_files_and_reaps_only_when_it_may(tmp_path: Path) -> None:
+    """``scan_root`` indexes blocks by name, reports a bad entry file without touching it, and removes temp files
+    and a second copy of a block only with ``reap`` (the caller holds the folder's lock)."""
+    folder = tmp_path / "fp" / "ns"
+    folder.mkdir(parents=True)
+    key = bytes(range(32))
+    first, second = blocks.block_name(key), blocks.block_name(key)  # the same block written twice
+    (folder / first).write_bytes(b"b" * 100)
+    (folder / second).write_bytes(b"b" * 100)
+    (folder / f".x{fileio.TEMP_SUFFIX}").write_bytes(b"t")
+    (folder / "bad.spilld").write_bytes(b"not a header")
+    for reap in (False, True):
+        found = scan_root(str(tmp_path), fileio.DEFAULT_OPS, reap)
+        assert list(found.index.blocks) == [key] and found.index.block_bytes == 100
+        assert [(os.path.basename(p), type(e).__name__) for p, e in found.bad] == [("bad.spilld", "BadMagic")]
+        assert found.orphans == list(found.index.blocks.values())  # no manifest names it
+        left = sorted(p.name for p in folder.iterdir())
+        assert found.reaped_temp == (1 if reap else 0)
+        assert len(left) == (2 if reap else 4) and "bad.spilld" in left  # the store moves bad files, not the scan

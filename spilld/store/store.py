@@ -56,6 +56,7 @@ from .index import Index, ns_dir
 from .listing import EXT
 from .pins import read_pins, write_pins
 from .quarantine import QUARANTINE_MAX_BYTES, move_aside
+from .scan import Scanned, scan_root
 from .unlinks import Unlinks, unlink_all
 
 log = logging.getLogger("spilld.store")
@@ -197,12 +198,11 @@ class Store:
 
     def scan(self) -> int:
         """Rebuild the index from the files under the root; reap temp orphans; quarantine bad files."""
-        self.index = Index()
         held = self.lock.held
         reap = held or self._try_lock()  # temp files are ours to reap only when no other spilld runs here
         took = reap and not held
         try:
-            self._scan_folders(reap)
+            self._take_scan(scan_root(self.root, self.ops, reap), reap)
         finally:
             if took:
                 self.lock.release()
@@ -218,73 +218,18 @@ class Store:
         except errors.StorageError:  # a folder we may only read: nothing is reaped
             return False
 
-    def _scan_folders(self, reap: bool) -> None:
-        manifests: list[tuple[str, fmt.Header, float]] = []
-        for fp in sorted(os.listdir(self.root)):
-            fp_dir = os.path.join(self.root, fp)
-            if fp.startswith(".") or not os.path.isdir(fp_dir):
-                continue
-            for ns in sorted(os.listdir(fp_dir)):
-                ns_dir = os.path.join(fp_dir, ns)
-                if not os.path.isdir(ns_dir):
-                    continue
-                for name in os.listdir(ns_dir):
-                    if (got := self._scan_file(os.path.join(ns_dir, name), fp, ns, reap)) is not None:
-                        manifests.append(got)
-        for path, header, mtime in manifests:  # once every block is known
-            missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in self.index.blocks]
-            if missing:
-                self.quarantine(path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path))
-                continue
-            self.index.add(path, header, mtime)
-        orphans = [b for b in self.index.blocks.values() if not b.refs]
-        for b in orphans:  # written before a crash took their manifest, or left by evicted ones
+    def _take_scan(self, found: Scanned, reap: bool) -> None:
+        """The scan's index becomes the store's; its bad files are moved aside, its orphan blocks removed."""
+        self.index = found.index
+        self.counters.reaped_temp += found.reaped_temp
+        for path, exc in found.bad:
+            self.quarantine(path, exc)
+        for b in found.orphans:  # written before a crash took their manifest, or left by evicted ones
             self._drop_block(b)
         if reap:
-            self.counters.blocks_reclaimed += len(orphans)
+            self.counters.blocks_reclaimed += len(found.orphans)
         else:  # another spilld owns the folder: its blocks are not ours to remove
             self._doomed.forget_where(lambda p: p.endswith(BLOCK_EXT))
-
-    def _scan_block(self, path: str, name: str, reap: bool) -> None:
-        """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
-        key = blocks.key_of_name(name)
-        if key is None:
-            return
-        try:
-            size = os.stat(path).st_size
-        except OSError:
-            return
-        if key in self.index.blocks:  # two puts wrote the same block: keep one
-            if reap:
-                fileio.remove_quietly(self.ops, path)
-            return
-        self.index.add_block(key, path, size)
-
-    def _scan_file(self, path: str, fp: str, ns_dir: str, reap: bool = True) -> tuple[str, fmt.Header, float] | None:
-        name = os.path.basename(path)
-        if fileio.is_temp_name(name):
-            if reap:  # under the folder's lock: no other spilld is writing it
-                fileio.remove_quietly(self.ops, path)
-                self.counters.reaped_temp += 1
-            return None
-        if name.endswith(BLOCK_EXT):
-            self._scan_block(path, name, reap)
-            return None
-        if not name.endswith(EXT):
-            return None
-        try:
-            header = read_header(path)
-            if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns_dir:
-                raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
-            if header.block is not None:
-                raise errors.BlockInvalid("a block under a manifest's name", path=path)
-        except errors.FileFormatError as exc:
-            self.quarantine(path, exc)
-            return None
-        except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO...): left alone, not indexed
-            log.warning("skipped %s: %s", path, exc)
-            return None
-        return path, header, os.stat(path).st_mtime
 
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
         rec = self.index.blocks.get(key)

@@ -1,0 +1,108 @@
+"""The scan at a start: a store's index rebuilt from the files under its root (manifests by their headers, blocks
+by their names), with what it found wrong. Temp files are reaped here when the caller may (it holds the folder's
+lock); bad files are only reported: the store moves them aside."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .. import blocks, errors, fileio
+from .. import format as fmt
+from ..blocks import BLOCK_EXT
+from ..entries import Block, identity_fingerprint, namespace_hash
+from ..loader import read_header
+from .index import Index
+from .listing import EXT
+
+log = logging.getLogger("spilld.store")
+
+
+@dataclass
+class Scanned:
+    """What a scan found: the index, the files to move aside (in the order found), the indexed blocks no manifest
+    names (a crash took their manifest, or evicted entries left them), and the temp files it removed."""
+
+    index: Index = field(default_factory=Index)
+    bad: list[tuple[str, errors.FileFormatError]] = field(default_factory=list)
+    orphans: list[Block] = field(default_factory=list)
+    reaped_temp: int = 0
+
+
+def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
+    """Index every file under ``root``; with ``reap``, remove temp files and duplicate blocks (only a caller that
+    holds the folder's lock may: no other spilld is writing there). Blocking: runs before the store serves."""
+    found = Scanned()
+    manifests: list[tuple[str, fmt.Header, float]] = []
+    for folder, fp, ns in _namespace_folders(root):
+        for name in os.listdir(folder):
+            if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
+                manifests.append(got)
+    for path, header, mtime in manifests:  # once every block is known
+        missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in found.index.blocks]
+        if missing:
+            found.bad.append((path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path)))
+            continue
+        found.index.add(path, header, mtime)
+    found.orphans = [b for b in found.index.blocks.values() if not b.refs]
+    return found
+
+
+def _namespace_folders(root: str) -> Iterator[tuple[str, str, str]]:
+    """(folder, identity folder name, namespace folder name) of every namespace folder under ``root``."""
+    for fp in sorted(os.listdir(root)):
+        fp_dir = os.path.join(root, fp)
+        if fp.startswith(".") or not os.path.isdir(fp_dir):
+            continue
+        for ns in sorted(os.listdir(fp_dir)):
+            if os.path.isdir(folder := os.path.join(fp_dir, ns)):
+                yield folder, fp, ns
+
+
+def _scan_file(
+    found: Scanned, path: str, fp: str, ns: str, ops: fileio.FileOps, reap: bool
+) -> tuple[str, fmt.Header, float] | None:
+    """A block is indexed at once; a manifest is returned (indexed once every block is known); the rest is
+    reaped, reported bad, or left alone."""
+    name = os.path.basename(path)
+    if fileio.is_temp_name(name):
+        if reap:  # under the folder's lock: no other spilld is writing it
+            fileio.remove_quietly(ops, path)
+            found.reaped_temp += 1
+        return None
+    if name.endswith(BLOCK_EXT):
+        _scan_block(found.index, path, name, ops, reap)
+        return None
+    if not name.endswith(EXT):
+        return None
+    try:
+        header = read_header(path)
+        if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns:
+            raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
+        if header.block is not None:
+            raise errors.BlockInvalid("a block under a manifest's name", path=path)
+    except errors.FileFormatError as exc:
+        found.bad.append((path, exc))
+        return None
+    except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO...): left alone, not indexed
+        log.warning("skipped %s: %s", path, exc)
+        return None
+    return path, header, os.stat(path).st_mtime
+
+
+def _scan_block(index: Index, path: str, name: str, ops: fileio.FileOps, reap: bool) -> None:
+    """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
+    key = blocks.key_of_name(name)
+    if key is None:
+        return
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return
+    if key in index.blocks:  # two puts wrote the same block: keep one
+        if reap:
+            fileio.remove_quietly(ops, path)
+        return
+    index.add_block(key, path, size)
