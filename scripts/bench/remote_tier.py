@@ -17,7 +17,10 @@ The first token of the remote and local arms must equal the prefill's. Then Redi
 
 Part ``throughput``: a synthetic cache (``--tp-layers`` layers of K and V f16 ``(1, 8, T, 128)``, ``--tp-mib`` MiB)
 spilled on host A; per run a fresh host B restores it through Redis (fill and load, every hash checked), then again
-from its own disk (warm), and host A from its disk (warm); GB/s of cache bytes, medians.
+from its own disk (warm), and host A from its disk (warm); GB/s of cache bytes, medians. Beside them, the
+machine's ceiling for this path (``raw``): every value Redis holds for the cache read over one plain socket,
+pipelined GETs, each reply received into a buffer allocated once (no client library, no check, no write): what
+any client could fetch over this loopback from this Redis.
 
 Part ``shared``: 10 conversations sharing a ``--system-tokens`` system prompt, 5 spilled on each of two hosts
 (synthetic caches whose system rows are the same bytes); bytes pushed by both hosts against the bytes Redis holds
@@ -166,6 +169,29 @@ def joined(a: list[Any], b: list[Any]) -> list[Any]:
     return out
 
 
+def raw_get_seconds(url: str) -> tuple[float, int]:
+    """Seconds to fetch every string value of ``spilld:*`` with pipelined GETs over a plain socket, and their bytes."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    sizes = {k: int(r.strlen(k)) for k in r.scan_iter("spilld:*") if r.type(k) == b"string"}
+    r.close()
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    cmds = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in sizes)
+    want = sum(len(b"$%d\r\n\r\n" % n) + n for n in sizes.values())
+    buf = memoryview(bytearray(max(sizes.values(), default=0) + 64))
+    with socket.create_connection((host, int(port))) as s:
+        t0 = time.perf_counter()
+        s.sendall(cmds)
+        got = 0
+        while got < want:
+            n = s.recv_into(buf, min(buf.nbytes, want - got))
+            if n == 0:
+                raise RuntimeError("redis closed the connection")
+            got += n
+        return time.perf_counter() - t0, sum(sizes.values())
+
+
 async def throughput(args: argparse.Namespace, work: str, url: str) -> dict[str, Any]:
     per_token = args.tp_layers * 2 * 8 * 128 * 2
     tokens = max(args.block_tokens * 2, args.tp_mib * 2**20 // per_token)
@@ -174,7 +200,8 @@ async def throughput(args: argparse.Namespace, work: str, url: str) -> dict[str,
     nbytes = per_token * tokens
     prompt = [*range(tokens), 0]
     a = Host(work, "tp-a", url, args.block_tokens)
-    arms: dict[str, list[float]] = {"remote": [], "b_local": [], "a_local": []}
+    arms: dict[str, list[float]] = {"remote": [], "b_local": [], "a_local": [], "raw": []}
+    raw_bytes = 0
     try:
         ca = await AsyncClient.open(a.socket, identity=ident, name="tp-a")
         if not (await ca.spill(prompt[:-1], caches, droppable=False)).stored:
@@ -195,13 +222,16 @@ async def throughput(args: argparse.Namespace, work: str, url: str) -> dict[str,
                 await cb.close()
             finally:
                 b.stop()
+            seconds, raw_bytes = raw_get_seconds(url)
+            arms["raw"].append(seconds * nbytes / raw_bytes)  # scaled to the cache's bytes: the same GB/s
         await ca.close()
     finally:
         a.stop()
     gbs = {k: round(nbytes / 1e9 / statistics.median(v), 3) for k, v in arms.items()}
     return {
         "bytes": nbytes, "tokens": tokens, "seconds": arms, "gb_s": gbs,
-        "remote_over_local": round(gbs["remote"] / gbs["b_local"], 3),
+        "remote_over_local": round(gbs["remote"] / gbs["b_local"], 3), "raw_bytes": raw_bytes,
+        "remote_over_raw": round(gbs["remote"] / gbs["raw"], 3),
     }  # fmt: skip
 
 
@@ -295,6 +325,8 @@ async def ttft(args: argparse.Namespace, work: str, url: str, redis: subprocess.
                 await cb.close()
             finally:
                 b.stop()
+            seconds, raw_bytes = raw_get_seconds(url)
+            arms["raw"].append(seconds * nbytes / raw_bytes)  # scaled to the cache's bytes: the same GB/s
         med = {k: statistics.median(v) for k, v in arms.items()}
         out["ttft_s"] = arms
         out["median_ms"] = {k: round(1e3 * v, 1) for k, v in med.items()}
@@ -357,7 +389,8 @@ def main() -> None:
         print(
             f"throughput: {t['bytes'] / 2**20:.0f} MiB, {args.runs} runs, medians GB/s: host B through Redis "
             f"{t['gb_s']['remote']}, host B from its disk {t['gb_s']['b_local']}, host A from its disk "
-            f"{t['gb_s']['a_local']}; Redis / local {t['remote_over_local']}x"
+            f"{t['gb_s']['a_local']}; Redis / local {t['remote_over_local']}x; raw GETs over a plain socket (the "
+            f"ceiling) {t['gb_s']['raw']}, Redis / raw {t['remote_over_raw']}x"
         )
     if "shared" in out:
         s = out["shared"]
