@@ -325,8 +325,6 @@ async def ttft(args: argparse.Namespace, work: str, url: str, redis: subprocess.
                 await cb.close()
             finally:
                 b.stop()
-            seconds, raw_bytes = raw_get_seconds(url)
-            arms["raw"].append(seconds * nbytes / raw_bytes)  # scaled to the cache's bytes: the same GB/s
         med = {k: statistics.median(v) for k, v in arms.items()}
         out["ttft_s"] = arms
         out["median_ms"] = {k: round(1e3 * v, 1) for k, v in med.items()}
