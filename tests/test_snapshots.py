@@ -404,7 +404,7 @@ def test_a_cut_grown_back_before_the_write_fails_it(tmp_path: Any) -> None:
 
 
 def test_an_engine_that_never_evaluates_fails_the_live_write(tmp_path: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(saver, "LIVE_LAZY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(saver.tensorbytes, "LIVE_LAZY_TIMEOUT_S", 0.3)  # where it is read
     cache = fill(C.KVCache(), 30)
     lock = threading.Lock()
     lt = LoopThread("spiller")
