@@ -16,7 +16,7 @@ from mlx_lm.models import cache as C
 
 import spilld
 import spilld.loader as L
-from spilld import errors
+from spilld import buffers, errors
 from spilld.entries import Hit
 from spilld.store import Store
 
@@ -217,7 +217,7 @@ async def test_unfilled_buffers_hold_the_rows_read_and_zeros_after(
     and zeros in the step capacity's rows; float32 and bfloat16 (allocated as uint16, then viewed); one file and
     blocks with a tail."""
     if zero_filled:
-        monkeypatch.setattr(L, "_unfilled_works", False)
+        monkeypatch.setattr(buffers, "_unfilled_works", False)
     s = Store(tmp_path, disk_cap=2**40, block_tokens=block_tokens)
     tokens = list(range(ROWS))
     for caches in (big(5), _bf16(7)):
@@ -229,13 +229,13 @@ async def test_unfilled_buffers_hold_the_rows_read_and_zeros_after(
             for x, y in ((a.keys, b.keys), (a.values, b.values)):
                 assert mx.array_equal(x[..., :ROWS, :], y[..., :ROWS, :]).item()
                 assert not mx.any(y[..., ROWS:, :]).item()
-    assert L._unfilled_works is (not zero_filled)
+    assert buffers._unfilled_works is (not zero_filled)
 
 
 def test_an_unfilled_buffer_is_one_mlx_allocated_and_evaluated() -> None:
-    arr = L._unfilled([2, 3, 4096, 64], "bfloat16")
+    arr = buffers.unfilled([2, 3, 4096, 64], "bfloat16")
     assert arr is not None and arr.dtype == mx.bfloat16 and arr.shape == (2, 3, 4096, 64)
-    assert L._unfilled([4, 4], "float16") is None  # small: mx.zeros is cheaper than the round trip
+    assert buffers.unfilled([4, 4], "float16") is None  # small: mx.zeros is cheaper than the round trip
 
 
 def _thp_mode() -> str:
@@ -269,10 +269,10 @@ def test_a_large_buffer_gets_huge_pages() -> None:
 
     from spilld import dtypes
 
-    arr = L._unfilled([1, 8, 8192, 256], "float32")  # 64 MiB
-    assert arr is not None and arr.nbytes >= 4 * L.HUGE_PAGE_MIN_BYTES
+    arr = buffers.unfilled([1, 8, 8192, 256], "float32")  # 64 MiB
+    assert arr is not None and arr.nbytes >= 4 * buffers.HUGE_PAGE_MIN_BYTES
     flat = np.frombuffer(dtypes.buffer(arr).cast("B"), dtype=np.uint8)
-    assert L._advise_huge(flat.ctypes.data, flat.nbytes)
+    assert buffers.advise_huge(flat.ctypes.data, flat.nbytes)
     flat[:] = 1  # the reads' page faults
     huge = 2 * 2**20
     assert _huge_kib_at(-(-flat.ctypes.data // huge) * huge) >= 2048  # its first whole 2 MiB: madvise split it off
