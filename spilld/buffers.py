@@ -1,6 +1,7 @@
 """New mlx buffers for a load, made for the bytes about to be read into them: allocated without a zero fill
-(``unfilled``), transparent huge pages asked for the large ones (``advise_huge``), and the pages of those without
-faulted in with one call (``populate``), on Linux; elsewhere each is a no-op or the plain way (``mx.zeros``).
+(``unfilled``, wherever mlx loads a .npy from a file object; else the caller zero-fills), transparent huge pages
+asked for the large ones (``advise_huge``) and, for a manifest's buffers without them, the pages faulted in with
+one call (``populate``). The two ``madvise`` calls are Linux's; elsewhere they do nothing.
 """
 
 from __future__ import annotations

@@ -438,8 +438,8 @@ def _read_all(
     reader: _Reader, wants: dict[int, tuple[fmt.Slot, int | None]], pool: concurrent.futures.Executor
 ) -> dict[int, mx.array]:
     """The tensors the codecs will ask for. Every buffer is allocated first, on this thread: mlx makes each on
-    its stream's thread, which takes the GIL to call back into ``buffers.unfilled``, so allocations made from busy
-    loader threads wait on one another. Then the pool fills them: a whole file's tensors one task each; a
+    its stream's thread, which takes the GIL to call back into Python (the file object ``buffers.unfilled`` hands
+    ``mx.load``), so allocations made from busy loader threads wait on one another. Then the pool fills them: a whole file's tensors one task each; a
     manifest's pages faulted in per buffer, then each of its files (a block, the manifest) read by one task
     straight into the buffers at their row offsets, adjacent pieces in reads of up to ``READ_CHUNK`` bytes."""
     bufs = {k: reader.alloc(slot, cap) for k, (slot, cap) in wants.items()}

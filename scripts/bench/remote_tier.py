@@ -170,25 +170,31 @@ def joined(a: list[Any], b: list[Any]) -> list[Any]:
 
 
 def raw_get_seconds(url: str) -> tuple[float, int]:
-    """Seconds to fetch every string value of ``spilld:*`` with pipelined GETs over a plain socket, and their bytes."""
+    """Seconds to fetch every string value of ``spilld:*`` with pipelined GETs over a plain socket, and their bytes.
+    Each reply's header is checked against the value's length (a value gone or changed meanwhile fails the arm)."""
     import redis
 
     r = redis.Redis.from_url(url)
     sizes = {k: int(r.strlen(k)) for k in r.scan_iter("spilld:*") if r.type(k) == b"string"}
     r.close()
+    if not sizes:
+        raise RuntimeError("redis holds no value to fetch")
     host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     cmds = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in sizes)
-    want = sum(len(b"$%d\r\n\r\n" % n) + n for n in sizes.values())
-    buf = memoryview(bytearray(max(sizes.values(), default=0) + 64))
-    with socket.create_connection((host, int(port))) as s:
+    buf = memoryview(bytearray(max(sizes.values()) + 2))
+    with socket.create_connection((host, int(port)), timeout=30) as s, s.makefile("rb", buffering=0) as f:
         t0 = time.perf_counter()
         s.sendall(cmds)
-        got = 0
-        while got < want:
-            n = s.recv_into(buf, min(buf.nbytes, want - got))
-            if n == 0:
-                raise RuntimeError("redis closed the connection")
-            got += n
+        for n in sizes.values():
+            head = f.readline()  # unbuffered: one byte a call, a few calls a value
+            if head != b"$%d\r\n" % n:
+                raise RuntimeError(f"redis answered {head[:40]!r} for a value of {n} bytes")
+            got = 0
+            while got < n + 2:
+                k = s.recv_into(buf[got : n + 2])
+                if k == 0:
+                    raise RuntimeError("redis closed the connection")
+                got += k
         return time.perf_counter() - t0, sum(sizes.values())
 
 
@@ -199,6 +205,10 @@ async def throughput(args: argparse.Namespace, work: str, url: str) -> dict[str,
     caches = kv(args.tp_layers, tokens, seed=1)
     nbytes = per_token * tokens
     prompt = [*range(tokens), 0]
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        r.flushall()  # the raw arm reads every value Redis holds: only this part's
     a = Host(work, "tp-a", url, args.block_tokens)
     arms: dict[str, list[float]] = {"remote": [], "b_local": [], "a_local": [], "raw": []}
     raw_bytes = 0

@@ -1,7 +1,7 @@
 """What a spill takes on the engine's thread: token ids, zero-copy clones of its caches and attachments, evaluated.
 
-Each function here runs where the engine's arrays live (only that thread can evaluate their graphs); what they
-return can be written later, on any thread.
+Each function here but ``token_list`` runs where the engine's arrays live (only that thread can evaluate their
+graphs); what they return can be written later, on any thread. ``token_list`` checks the ids later, off that thread.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Running a save's steps: all at once on one thread (``save``, ``drive``), or one step per event-loop turn inside
-the caller's execution lease (``save_async``), engine-free steps batched off the loop."""
+the caller's execution lease (``save_async``), engine-free steps batched off the loop; ``take_all`` takes an
+engine's arrays up front, one lease call each, so that a whole save's writes can be batched."""
 
 from __future__ import annotations
 

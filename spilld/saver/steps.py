@@ -4,8 +4,6 @@ write happens."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import os
 import time
 from collections.abc import Generator, Sequence
@@ -20,7 +18,7 @@ from ..lease import RunStep
 from ..validate import validate_header
 from .capture import Attachment, token_list
 from .partfile import PartFile
-from .tensorbytes import LIVE_CHUNK_BYTES, LIVE_RETRY_S, AnySource, BytesSource, Staging, TensorBytes, array_sources
+from .tensorbytes import LIVE_CHUNK_BYTES, AnySource, BytesSource, Staging, TensorBytes, array_sources
 
 if TYPE_CHECKING:
     from ..codecs.live import LiveCapture
@@ -62,8 +60,7 @@ class TensorStep:
 
     async def take_in_lease(self, lease: RunStep, chunk: int = LIVE_CHUNK_BYTES) -> None:
         """``materialize`` through ``lease``, ``chunk`` bytes per hold, letting the engine run between holds."""
-        while not await lease(functools.partial(self.materialize_part, chunk)):
-            await asyncio.sleep(LIVE_RETRY_S if self.bytes.stalled_since is not None else 0)
+        await self.bytes.take_in_lease(lease, chunk)
 
     def write(self) -> None:
         """Hash and write the bytes at their planned offset; touches no mlx state."""
