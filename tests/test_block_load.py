@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +56,38 @@ async def test_a_large_manifest_loads_exactly_through_the_file_readers(tmp_path:
         assert b.offset == ROWS and b.keys.shape[2] > ROWS  # step capacity kept
         assert mx.array_equal(a.keys[..., :ROWS, :], b.keys[..., :ROWS, :]).item()
         assert mx.array_equal(a.values[..., :ROWS, :], b.values[..., :ROWS, :]).item()
+
+
+@pytest.mark.asyncio
+async def test_blocks_are_read_on_at_most_block_load_threads_and_one_file_on_more(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Many threads asked for: a manifest's block files are read on at most ``BLOCK_LOAD_THREADS`` (more only wait
+    for the GIL), a whole file's tensors on more. Each read is slowed, so that every thread the pool may start is."""
+    seen: dict[str, set[int]] = {"blocks": set(), "one": set()}
+    arm = ["blocks"]
+
+    def slowed(real: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            seen[arm[0]].add(threading.get_ident())
+            time.sleep(0.01)
+            return real(*a, **k)
+
+        return run
+
+    monkeypatch.setattr(L._Reader, "read_file", slowed(L._Reader.read_file))
+    monkeypatch.setattr(L._Reader, "fill", slowed(L._Reader.fill))
+    caches, tokens = big(), list(range(ROWS))
+    for name, b in (("blocks", 16), ("one", 0)):
+        s = Store(tmp_path / name, disk_cap=2**40, block_tokens=b)
+        await s.put(tokens, caches, IDENT)
+        hit = s.lookup(IDENT, "", [*tokens, 1])
+        assert isinstance(hit, Hit) and hit.entry.path
+        arm[0] = name
+        got = L.load(hit.entry.path, expect=IDENT, threads=8, blocks=s.block_path)
+        assert got.caches[0].offset == ROWS
+    assert 1 < len(seen["blocks"]) <= L.BLOCK_LOAD_THREADS
+    assert len(seen["one"]) > L.BLOCK_LOAD_THREADS
 
 
 @contextlib.contextmanager
