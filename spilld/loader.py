@@ -305,9 +305,9 @@ class _Buffer:
     filled: int
 
     def prepare(self) -> None:
-        """Fault in the buffer's pages where asked (``buffers.populate``) and zero the rows of an unfilled one that no
-        piece fills (step capacity), as in a fresh cache. A loader thread's work: the allocation itself stays on
-        one thread (``_read_all``)."""
+        """Fault in the buffer's pages where asked (``buffers.populate``) and zero the rows of an unfilled one
+        that no piece fills (step capacity), as in a fresh cache. A loader thread's work: the allocation itself
+        stays on one thread (``_read_all``)."""
         if not self.unfilled:
             return
         import numpy as np
@@ -449,9 +449,10 @@ def _read_all(
 ) -> dict[int, mx.array]:
     """The tensors the codecs will ask for. Every buffer is allocated first, on this thread: mlx makes each on
     its stream's thread, which takes the GIL to call back into Python (the file object ``buffers.unfilled`` hands
-    ``mx.load``), so allocations made from busy loader threads wait on one another. Then the pool fills them: a whole file's tensors one task each; a
-    manifest's pages faulted in per buffer, then each of its files (a block, the manifest) read by one task
-    straight into the buffers at their row offsets, adjacent pieces in reads of up to ``READ_CHUNK`` bytes."""
+    ``mx.load``), so allocations made from busy loader threads wait on one another. Then the pool fills them: a
+    whole file's tensors one task each; a manifest's pages faulted in per buffer, then each of its files (a block,
+    the manifest) read by one task straight into the buffers at their row offsets, adjacent pieces in reads of up
+    to ``READ_CHUNK`` bytes."""
     bufs = {k: reader.alloc(slot, cap) for k, (slot, cap) in wants.items()}
     if not reader.pieces:
         _results({k: pool.submit(reader.fill, b) for k, b in bufs.items()})

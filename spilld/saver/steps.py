@@ -4,8 +4,6 @@ write happens."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import os
 import time
 from collections.abc import Generator, Sequence
@@ -18,7 +16,6 @@ from ..codecs import CodecProvider, default_provider
 from ..fileio import DEFAULT_OPS, Durability, FileOps
 from ..lease import RunStep
 from ..validate import validate_header
-from . import tensorbytes
 from .capture import Attachment, token_list
 from .partfile import PartFile
 from .tensorbytes import LIVE_CHUNK_BYTES, AnySource, BytesSource, Staging, TensorBytes, array_sources
@@ -63,8 +60,7 @@ class TensorStep:
 
     async def take_in_lease(self, lease: RunStep, chunk: int = LIVE_CHUNK_BYTES) -> None:
         """``materialize`` through ``lease``, ``chunk`` bytes per hold, letting the engine run between holds."""
-        while not await lease(functools.partial(self.materialize_part, chunk)):
-            await asyncio.sleep(tensorbytes.LIVE_RETRY_S if self.bytes.stalled_since is not None else 0)
+        await self.bytes.take_in_lease(lease, chunk, self.materialize_part)
 
     def write(self) -> None:
         """Hash and write the bytes at their planned offset; touches no mlx state."""

@@ -10,7 +10,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, TypeGuard, cast
 
@@ -246,9 +246,12 @@ class TensorBytes:
             )
         return False
 
-    async def take_in_lease(self, lease: RunStep, chunk: int = LIVE_CHUNK_BYTES) -> None:
-        """Take every byte through ``lease``, ``chunk`` bytes per hold, letting the engine run between holds."""
-        while not await lease(functools.partial(self.take, chunk)):
+    async def take_in_lease(
+        self, lease: RunStep, chunk: int = LIVE_CHUNK_BYTES, take: Callable[[int | None], bool] | None = None
+    ) -> None:
+        """Take every byte through ``lease``, ``chunk`` bytes per hold, letting the engine run between holds.
+        ``take``: what each hold calls instead of ``self.take`` (a step's own ``materialize_part``)."""
+        while not await lease(functools.partial(take or self.take, chunk)):
             await asyncio.sleep(LIVE_RETRY_S if self.stalled_since is not None else 0)
 
     def runs_now(self) -> list[memoryview]:
