@@ -121,6 +121,58 @@ def redis_server(*args: str, password: str | None = None) -> Iterator[RedisServe
         server.cleanup()
 
 
+def self_signed(folder: str, name: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, made with openssl (``cert``, ``key`` paths)."""
+    cert, key = os.path.join(folder, f"{name}.pem"), os.path.join(folder, f"{name}.key")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+         "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+@dataclass
+class TLSServer:
+    """A ``redis-server`` that speaks TLS only, on a self-signed certificate (``cert``)."""
+
+    port: int
+    cert: str
+    other_cert: str  # a second self-signed certificate: a client that trusts only it distrusts the server
+
+    def url(self, ca: str) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+
+
+@contextlib.contextmanager
+def tls_redis_server() -> Iterator[TLSServer]:
+    folder = tempfile.mkdtemp(prefix="spilld-redis-tls-")
+    cert, key = self_signed(folder, "server")
+    other, _ = self_signed(folder, "other")
+    port = free_port()
+    assert REDIS_SERVER, "redis-server is not installed (scripts/test.sh installs it)"
+    cmd = [REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--tls-cert-file", cert,
+           "--tls-key-file", key, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no", "--save", "",
+           "--appendonly", "no", "--dir", folder]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = TLSServer(port, cert, other)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with redis.Redis.from_url(server.url(cert), socket_timeout=2) as probe:
+                    probe.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        yield server
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass
 class Cluster:
     nodes: list[RedisServer]

@@ -25,6 +25,8 @@ from tests.conftest import LONG
 from tests.daemons import Daemon, cleanup, new_root
 
 KILLS = 1000 if LONG else 50
+AFTER_ACK = 0.75  # the share of kills timed from the cycle's first acknowledged entry
+ACK_WAIT_S = 60.0  # a daemon that stores nothing for this long under load is broken
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDENT = spilld.Identity("crash")
 
@@ -35,18 +37,30 @@ def item(n: int) -> tuple[list[int], list[Any]]:
     return tokens, [fill(C.KVCache(), 512, heads=4, dim=64, seed=n) for _ in range(2)]  # 2 x 512 KiB
 
 
+def stored(f: asyncio.Future[Any]) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is None and bool(f.result().stored)
+
+
 async def load_cycle(d: Daemon, first: int, rng: random.Random) -> list[int]:
     """Spill items until killed at a random moment; return the item numbers acknowledged as stored."""
     acked: list[int] = []
     client = await AsyncClient.open(d.socket, identity=IDENT, shm=rng.random() < 0.5)
     n = first
     futs: dict[int, Any] = {}
-    kill_at = asyncio.get_running_loop().time() + rng.uniform(0.0, 0.4)
-    while asyncio.get_running_loop().time() < kill_at:
+    loop = asyncio.get_running_loop()
+    delay = rng.uniform(0.0, 0.4)
+    # most kills land a random moment after the first acknowledgment (so a slow machine still kills under load),
+    # the others a random moment after the connect, often before anything was stored
+    since = None if rng.random() < AFTER_ACK else loop.time()
+    give_up = loop.time() + ACK_WAIT_S
+    while since is None or loop.time() < since + delay:
+        assert loop.time() < give_up, "the daemon acknowledged nothing"
         tokens, caches = item(n)
         futs[n] = client.spill(tokens, caches, droppable=False)
         n += 1
         await asyncio.sleep(rng.uniform(0, 0.02))
+        if since is None and any(stored(f) for f in futs.values()):
+            since = loop.time()
     assert d.proc is not None
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
@@ -91,7 +105,7 @@ def test_sigkill_under_load_never_loses_or_corrupts_an_acknowledged_entry() -> N
             return checked
 
         assert asyncio.run(verify()) == len(acked)
-        assert len(acked) > KILLS // 5  # the load really ran between kills
+        assert len(acked) >= KILLS // 2  # the load really ran between kills (3 in 4 cycles kill after an ack)
         print(f"{KILLS} kills: {len(acked)} acknowledged entries, all loaded exactly")
         for f in (os.path.join(p, n) for p, _, fs in os.walk(d.dir) for n in fs if n.endswith(".spilld")):
             spilld.loader.verify_file(f)

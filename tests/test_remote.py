@@ -7,8 +7,11 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
 import signal
+import ssl
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -28,13 +31,13 @@ from spilld.remote import link as link_module
 from spilld.remote import tier as tier_module
 from spilld.remote.breaker import Breaker, State
 from spilld.remote.client import make_client
-from spilld.remote.config import SOCKET_READ_BYTES
+from spilld.remote.config import CONNECT_TIMEOUT_S, SOCKET_READ_BYTES, TLS_CONNECT_TIMEOUT_S, TRIAL_TIMEOUT_S
 from spilld.remote.crypto import Sealer
 from spilld.remote.errors import DecryptError
 from spilld.remote.link import RemoteLink
 from spilld.store import Store
 from tests.caches import fill, live, same
-from tests.redis_servers import Cluster, RedisServer, redis_cluster, redis_server
+from tests.redis_servers import Cluster, RedisServer, redis_cluster, redis_server, tls_redis_server
 
 NS = "tenant-a"
 FILL_IDENT = spilld.Identity("fill-test")
@@ -411,6 +414,48 @@ async def test_wrong_password_disables_the_tier(caplog: pytest.LogCaptureFixture
             assert nopw.state == "disabled" and "requires a password" in str(nopw.counters()["disabled_reason"])
         finally:
             await nopw.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's certificate")
+async def test_over_tls_every_connection_shares_one_context_built_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[str] = []  # the threads that built an SSL context (each loads the system's CA store)
+    real = ssl.create_default_context
+
+    def counted(*a: Any, **kw: Any) -> ssl.SSLContext:
+        built.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    ks = chain(8)
+    with tls_redis_server() as s:
+        built.clear()  # the server's own start-up check made one
+        tier = await started(relaxed(s.url(s.cert), max_connections=8))
+        try:
+            assert tier.state == "closed"
+            assert all(await asyncio.gather(*(tier.push(NS, k, b"v" * 64) for k in ks)))  # 8 connections at once
+            assert await tier.fetch(NS, ks) == [b"v" * 64] * len(ks)
+            assert len(built) == 1 and built[0] != threading.main_thread().name, built
+        finally:
+            await tier.close()
+        # a CA file that is not there: the tier is off, with its reason, and nothing raises
+        broken = await started(relaxed(s.url(s.cert + ".gone")))
+        try:
+            assert broken.state == "disabled" and "TLS settings" in str(broken.counters()["disabled_reason"])
+            assert await broken.probe_chain(NS, ks) == 0 and not broken.offer(NS, ks[0], b"v")
+        finally:
+            await broken.close()
+
+
+def test_a_tls_connect_is_bounded_by_its_own_timeout() -> None:
+    plain, tls = RemoteConfig("redis://127.0.0.1:1/0"), RemoteConfig("rediss://127.0.0.1:1/0")
+    assert plain.connect_bound_s == CONNECT_TIMEOUT_S and plain.trial_bound_s == TRIAL_TIMEOUT_S
+    assert tls.connect_bound_s == TLS_CONNECT_TIMEOUT_S > CONNECT_TIMEOUT_S
+    assert tls.trial_bound_s == TRIAL_TIMEOUT_S + TLS_CONNECT_TIMEOUT_S
+    pool = make_client(tls, None).connection_pool
+    assert pool.connection_kwargs["socket_connect_timeout"] == TLS_CONNECT_TIMEOUT_S
 
 
 @pytest.mark.asyncio

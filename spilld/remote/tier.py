@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..lease import off_loop
 from . import credentials
 from . import keys as rkeys
 from .breaker import Breaker, State
-from .client import Client, close_client, make_client
+from .client import Client, close_client, make_client, tls_context
 from .config import RemoteConfig
 from .crypto import Sealer
 from .errors import DecryptError
@@ -79,6 +80,7 @@ class RemoteTier:
         self.queue = PushQueue(config.queue_items, config.queue_bytes)
         self.stats = Stats()
         self._client: Client | None = None
+        self._tls: ssl.SSLContext | None = None  # one per tier, for every connection (rediss:// only)
         self._disabled: str | None = None  # why, once the server refused our credentials
         self._tasks: list[asyncio.Task[None]] = []
         self._busy = 0  # pushes taken by the worker and not finished
@@ -87,13 +89,17 @@ class RemoteTier:
     # --- life ---------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect (within ``trial_timeout_s``) and start the push worker and the reconnection task.
+        """Connect (within ``trial_bound_s``) and start the push worker and the reconnection task.
 
         A server that cannot be reached leaves the breaker open (the tier retries in the background); one that
         refuses the password disables the tier, with one log line.
         """
-        self._client = make_client(self.config, self._password)
-        if isinstance(await self._call(_ping, self.config.trial_timeout_s), _Failed) and not self._disabled:
+        try:
+            self._tls = await asyncio.to_thread(tls_context, self.config, self._password)
+        except (OSError, ValueError, rx.RedisError) as e:  # a CA file missing or not one, a bad ssl_cert_reqs
+            self._disable(f"its TLS settings cannot be used ({e})")
+        self._client = make_client(self.config, self._password, self._tls)
+        if isinstance(await self._call(_ping, self.config.trial_bound_s), _Failed) and not self._disabled:
             self.breaker.trip()
             log.warning("remote tier %s unreachable; misses until it answers", self._where())
         self._tasks = [asyncio.create_task(self._push_worker()), asyncio.create_task(self._health_loop())]
@@ -337,12 +343,12 @@ class RemoteTier:
             await asyncio.sleep(self.config.health_interval_s)
             if self.breaker.state is not State.HALF_OPEN:
                 continue
-            old, self._client = self._client, make_client(self.config, self._password)
+            old, self._client = self._client, make_client(self.config, self._password, self._tls)
             if old is not None:  # closed aside: a socket to a hung server may take its timeout to close
                 task = asyncio.create_task(_close_quietly(old))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            if not isinstance(await self._call(_ping, self.config.trial_timeout_s), _Failed):
+            if not isinstance(await self._call(_ping, self.config.trial_bound_s), _Failed):
                 log.info("remote tier %s answers again", self._where())
 
     def _auth_problem(self, e: Exception) -> str:
