@@ -95,7 +95,7 @@ class RemoteTier:
         refuses the password disables the tier, with one log line.
         """
         try:
-            self._tls = await asyncio.to_thread(tls_context, self.config, self._password)
+            self._tls = await off_loop(lambda: tls_context(self.config, self._password), compute=True)
         except (OSError, ValueError, rx.RedisError) as e:  # a CA file missing or not one, a bad ssl_cert_reqs
             self._disable(f"its TLS settings cannot be used ({e})")
         self._client = make_client(self.config, self._password, self._tls)
