@@ -211,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="disconnect clients silent this long (default 300 s)",
     )
     srv.add_argument(
+        "--request-timeout",
+        type=positive_duration_arg,
+        default=30.0,
+        help="time a client has to finish a frame it began, and an engine to grant its lease for a write step "
+        "(default 30 s)",
+    )
+    srv.add_argument(
         "--metrics-file",
         default=None,
         help="write Prometheus metrics to this file every few seconds, atomically (for node_exporter's textfile "

@@ -27,6 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             durability=Durability(args.durability),
             drain_deadline=args.drain_deadline,
             idle_timeout=args.idle_timeout,
+            request_timeout=args.request_timeout,
             metrics_file=_metrics_file(args.metrics_file),
             block_tokens=args.block_tokens,
             write_budget=args.write_budget,
