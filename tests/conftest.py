@@ -1,4 +1,4 @@
-"""Shared fixtures: async tests run under both the asyncio and the uvloop loop."""
+"""Shared fixtures: async tests run under both the asyncio and the uvloop loop (``one_loop``: asyncio only)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ import uvloop
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.get_closest_marker("one_loop"):
+        return {"asyncio": asyncio.new_event_loop}
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line(
+        "markers",
+        "one_loop: asyncio only, for slow tests whose loop is not what they test (it only drives clients of daemon "
+        "processes, which run uvloop; or the same code runs on both loops in other tests)",
+    )
 
 
 LONG = os.environ.get("SPILLD_LONG") == "1"

@@ -638,6 +638,7 @@ async def test_cluster_node_killed_is_a_miss_never_an_error() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.one_loop  # 17-35 s; the tier's calls run on uvloop in the other cluster tests
 async def test_cluster_resharding_mid_test_is_a_miss_never_an_error() -> None:
     """Every slot of one master moves to another (``redis-cli --cluster reshard``, keys migrated) while the tier
     fetches and probes: each answer is the value pushed or a miss, never an error or other bytes; afterwards every

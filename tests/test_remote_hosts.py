@@ -28,6 +28,7 @@ from tests.redis_servers import RedisServer, redis_server, tls_redis_server
 
 B = 16
 SETTLE_S = 30.0
+pytestmark = pytest.mark.one_loop  # the tiers run in the daemons (uvloop); the test's loop drives their clients
 
 
 @pytest.fixture(scope="module")

@@ -65,12 +65,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=10, help="runs per arm (default 10)")
     p.add_argument("--blocks", default="0,64", help="the arms' --block-tokens, comma-separated (default 0,64)")
-    p.add_argument("--smoke", action="store_true", help="one run per arm")
+    p.add_argument("--smoke", action="store_true", help="one run of the last arm (each run is a whole demo)")
     p.add_argument("--json", default=None, help="write the figures here too")
     a = p.parse_args()
-    if a.smoke:
-        a.runs = 1
     arms = [int(b) for b in a.blocks.split(",")]
+    if a.smoke:
+        a.runs, arms = 1, arms[-1:]
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in arms}
     for r in range(a.runs):
         for b in arms if r % 2 == 0 else reversed(arms):
