@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from mlx_lm.models import cache as C
+from redis.asyncio import RedisCluster
+from redis.asyncio.cluster import ClusterNode
 
 import spilld
 import tests.redis_servers as tests_redis
@@ -30,7 +32,7 @@ from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, Remo
 from spilld.remote import link as link_module
 from spilld.remote import tier as tier_module
 from spilld.remote.breaker import Breaker, State
-from spilld.remote.client import make_client
+from spilld.remote.client import make_client, tls_context
 from spilld.remote.config import CONNECT_TIMEOUT_S, SOCKET_READ_BYTES, TLS_CONNECT_TIMEOUT_S, TRIAL_TIMEOUT_S
 from spilld.remote.crypto import Sealer
 from spilld.remote.errors import DecryptError
@@ -447,6 +449,18 @@ async def test_over_tls_every_connection_shares_one_context_built_off_the_loop(
             assert await broken.probe_chain(NS, ks) == 0 and not broken.offer(NS, ks[0], b"v")
         finally:
             await broken.close()
+
+
+def test_a_cluster_client_over_tls_shares_the_context_on_every_node() -> None:
+    """No server: what makes the connections of the startup node, and of the nodes the slot map names later."""
+    config = RemoteConfig("rediss://127.0.0.1:1?ssl_cert_reqs=none", cluster=True)
+    ctx = tls_context(config, None)
+    assert ctx is not None
+    client = make_client(config, None, ctx)
+    assert isinstance(client, RedisCluster)
+    later = ClusterNode("127.0.0.1", 2, **client.connection_kwargs)  # as the slot map's nodes are made
+    for node in (client.startup_nodes[0], later):
+        assert node.connection_class(**node.connection_kwargs).ssl_context.get() is ctx
 
 
 def test_a_tls_connect_is_bounded_by_its_own_timeout() -> None:

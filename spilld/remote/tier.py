@@ -92,7 +92,8 @@ class RemoteTier:
         """Connect (within ``trial_bound_s``) and start the push worker and the reconnection task.
 
         A server that cannot be reached leaves the breaker open (the tier retries in the background); one that
-        refuses the password disables the tier, with one log line.
+        refuses the password, or TLS settings that cannot be used (a missing CA file), disable the tier, with one
+        log line.
         """
         try:
             self._tls = await off_loop(lambda: tls_context(self.config, self._password), compute=True)
