@@ -11,7 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -41,6 +41,21 @@ def _free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def wait_pingable(proc: subprocess.Popen[bytes], client: Callable[[], redis.Redis], log: Callable[[], str]) -> None:
+    """Until a new ``client()`` answers PING; the server's ``log()`` if it exits first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, log()
+        try:
+            with client() as c:
+                c.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 @dataclass
@@ -73,17 +88,8 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.proc is not None and self.proc.poll() is None, self.log()
-            try:
-                with self.client() as c:
-                    c.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        assert self.proc is not None
+        wait_pingable(self.proc, self.client, self.log)
 
     def log(self) -> str:
         with contextlib.suppress(OSError), open(os.path.join(self.dir, "redis.log")) as f:
@@ -157,15 +163,7 @@ def tls_redis_server() -> Iterator[TLSServer]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = TLSServer(port, cert, other)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                with redis.Redis.from_url(server.url(cert), socket_timeout=2) as probe:
-                    probe.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.05)
+        wait_pingable(proc, lambda: redis.Redis.from_url(server.url(cert), socket_timeout=2), lambda: "")
         yield server
     finally:
         proc.kill()

@@ -2,9 +2,9 @@
 context (``spilld.remote.client.tls_context``), arms alternating in one run.
 
 A TLS-only ``redis-server`` is started here on a free localhost port, on a self-signed certificate made with
-openssl. Per arm and round, ``--connects`` clients are made one after another, each connected by a PING: the time
-of each connect (context, TCP connect, handshake, PING), all of it on the event loop's thread. Reported: the median
-and the slowest connect per arm, and the ratio of the medians.
+openssl (``tests.redis_servers.tls_redis_server``). Per arm and round, ``--connects`` clients are made one after
+another, each connected by a PING: the time of each connect (context, TCP connect, handshake, PING), all of it on
+the event loop's thread. Reported: the median and the slowest connect per arm, and the ratio of the medians.
 
     python scripts/bench/tls_connect.py [--rounds 5] [--connects 20] [--smoke] [--json out.json]
 """
@@ -15,46 +15,17 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
+import sys
 import time
-from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from spilld.remote import RemoteConfig
 from spilld.remote.client import close_client, make_client, tls_context
+from tests.redis_servers import tls_redis_server
 
-START_TIMEOUT_S = 10.0
 BOUND_S = 5.0  # per connect, loose: what is measured is how long it takes, not whether it fits the tier's bound
-
-
-def certificate(folder: str) -> tuple[str, str]:
-    cert, key = os.path.join(folder, "server.pem"), os.path.join(folder, "server.key")
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return cert, key
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(folder: str, cert: str, key: str) -> tuple[subprocess.Popen[bytes], int]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (scripts/test.sh installs it)")
-    port = free_port()
-    cmd = [exe, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--tls-cert-file", cert,
-           "--tls-key-file", key, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no", "--save", "",
-           "--appendonly", "no", "--dir", folder]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 
 async def connect_times(config: RemoteConfig, shared: bool, n: int) -> list[float]:
@@ -70,37 +41,14 @@ async def connect_times(config: RemoteConfig, shared: bool, n: int) -> list[floa
     return out
 
 
-async def wait_ready(config: RemoteConfig, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            await connect_times(config, True, 1)
-            return
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-
-
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    folder = tempfile.mkdtemp(prefix="spilld-tls-bench-")
-    proc = None
-    try:
-        cert, key = certificate(folder)
-        proc, port = start_server(folder, cert, key)
-        url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={cert}"
-        config = RemoteConfig(url, tls_connect_timeout_s=BOUND_S, socket_timeout_s=BOUND_S)
-        await wait_ready(config, proc)
+async def run(args: argparse.Namespace) -> dict[str, list[float]]:
+    with tls_redis_server() as server:
+        config = RemoteConfig(server.url(server.cert), tls_connect_timeout_s=BOUND_S, socket_timeout_s=BOUND_S)
         times: dict[str, list[float]] = {"per_connection": [], "shared": []}
         for r in range(args.rounds):
             for arm in ("per_connection", "shared") if r % 2 == 0 else ("shared", "per_connection"):
                 times[arm] += await connect_times(config, arm == "shared", args.connects)
         return times
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> int:
