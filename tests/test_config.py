@@ -89,3 +89,18 @@ def test_config_checks_every_value(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
     monkeypatch.chdir(tmp_path)
     cfg = Config(socket="s.sock", dir="store")  # relative: taken from the current folder
     assert cfg.socket == sock and cfg.dir == str(tmp_path / "store")
+
+
+def test_the_remote_ttl_is_a_duration_in_whole_seconds() -> None:
+    # README: every duration goes through one parser; Redis takes a TTL in whole seconds, so it is rounded up
+    from spilld.cli.parser import build_parser
+
+    def ttl(text: str) -> Any:
+        return build_parser().parse_args(["serve", "--remote-ttl", text]).remote_ttl
+
+    assert ttl("7d") == 7 * 86400 and ttl("3600") == 3600 and ttl("1.2") == 2 and ttl("0.5") == 1
+    assert build_parser().parse_args(["serve"]).remote_ttl is None
+    for bad in ("0", "-5", "soon"):
+        with pytest.raises(SystemExit) as exc:
+            ttl(bad)
+        assert exc.value.code == 2

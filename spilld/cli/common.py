@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import stat
 import sys
@@ -79,6 +80,8 @@ size_arg = _arg_type(parse_size, "size")
 size_or_zero_arg = _arg_type(lambda t: parse_size(t, minimum=0), "size")
 duration_arg = _arg_type(parse_duration, "duration")
 positive_duration_arg = _arg_type(lambda t: parse_duration(t, positive=True), "duration")
+# Redis takes a TTL in whole seconds: a duration rounded up, so "0.5" is 1 s rather than refused or 0
+whole_seconds_arg = _arg_type(lambda t: max(1, math.ceil(parse_duration(t, positive=True))), "duration")
 socket_arg = _arg_type(check_socket_path, "socket path")
 
 

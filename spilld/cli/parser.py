@@ -17,7 +17,17 @@ from ..config import (
     parse_size,
 )
 from ..fileio import Durability
-from .common import Parser, duration_arg, positive_duration_arg, size_arg, size_or_zero_arg, size_text_arg, socket_arg
+from .common import (
+    EXIT_NOT_INSTALLED,
+    Parser,
+    duration_arg,
+    positive_duration_arg,
+    size_arg,
+    size_or_zero_arg,
+    size_text_arg,
+    socket_arg,
+    whole_seconds_arg,
+)
 from .evict import cmd_evict
 from .files import cmd_inspect, cmd_ls, cmd_verify
 from .running import cmd_drain, cmd_pin, cmd_status
@@ -150,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--io-timeout",
         type=positive_duration_arg,
         default=DEFAULT_IO_TIMEOUT_S,
-        help="a write step or an unlink that takes longer fails its work, so a hung disk never stalls serving: "
-        "the spill fails (io_timeout), lookups and other clients go on (default 30s)",
+        help="a write step, restore read or unlink that takes longer fails its work, so a hung disk never stalls "
+        "serving: the spill fails or the restore is a miss (io_timeout), lookups and other clients go on "
+        "(default 30s)",
     )
     srv.add_argument(
         "--scrub-rate",
@@ -184,10 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--remote-ttl",
-        type=int,
+        type=whole_seconds_arg,
         default=None,
-        metavar="SECONDS",
-        help="keys pushed expire after this long unused (each fetch renews them; default: kept until Redis evicts)",
+        metavar="DURATION",
+        help="keys pushed expire after this long unused, in whole seconds (e.g. 3600, 12h, 7d; each fetch renews "
+        "them; default: kept until Redis evicts)",
     )
     srv.add_argument(
         "--remote-password-file", default=None, help="a file (mode 0600) holding the remote tier's password"
@@ -305,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         "action",
         choices=["install", "uninstall", "status"],
         help="install: write the files, load and start the service; uninstall: stop it (it drains), unload, "
-        "remove the files; status: are the files there and is it loaded (exit 4 if not)",
+        "remove the files; status: are the files there and is it loaded "
+        f"(exit {EXIT_NOT_INSTALLED} if not)",
     )
     svc.add_argument("--dry-run", action="store_true", help="print the files and the commands; change nothing")
     svc.add_argument("--cap", type=size_text_arg, default="4GiB", help="the daemon's --cap (default 4GiB)")
