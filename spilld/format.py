@@ -521,7 +521,7 @@ def _entry_from_wire(d: Any, depth: int = 0) -> CacheEntry:
         offset=offset,
         min_reusable=mr,
         trimmable=_want(d["trimmable"], bool, "cache.trimmable"),
-        fields=_want(d["fields"], dict, "cache.fields"),
+        fields=_fields(d["fields"]),
         tensors=_slots_from_wire(d["tensors"]),
         children=[_entry_from_wire(c, depth + 1) for c in children],
     )
@@ -541,6 +541,14 @@ def _checkpoint_from_wire(d: Any) -> GenerationCheckpoint | None:
         seed=_int(d["seed"], "checkpoint.seed", lo=-(2**63)),
         seed_was_explicit=_want(d["seed_was_explicit"], bool, "checkpoint.seed_was_explicit"),
     )
+
+
+def _fields(d: Any) -> dict[str, Any]:
+    """A cache's fields: names are text (a bytes name beside a text one could never be put in order, §5.2's key)."""
+    _want(d, dict, "cache.fields")
+    for k in d:
+        _want(k, str, "cache.fields key")
+    return dict(d)
 
 
 def _metadata(d: Any) -> dict[str, str | int | float | bool]:

@@ -92,8 +92,12 @@ def _blocks(header: fmt.Header, table: Mapping[str, KindRule] | None) -> int:
         raise errors.BlockInvalid("a manifest that names no blocks")
     if b.rows > len(header.tokens):
         raise errors.BlockInvalid(f"{len(b.keys)} blocks of {b.size} tokens, the file records {len(header.tokens)}")
-    if not blocks.positional_leaves(header):
+    leaves = blocks.positional_leaves(header)
+    if not leaves:
         raise errors.BlockInvalid("a manifest with blocks but no positional cache")
+    # the key's layout names each tensor's rows and last dimension: checked here, before the codec rules run
+    if any(len(s.shape) < 2 for e, _ in leaves for s in e.tensors):
+        raise errors.TensorRankMismatch("a positional tensor of a manifest has fewer than 2 dimensions (rows, width)")
     # its keys are the chain of its own tokens: a manifest cannot name blocks of another prefix (SHA-256 a block)
     if blocks.chain(blocks.header_root(header, b.size), header.tokens, b.size, len(b.keys)) != b.keys:
         raise errors.BlockKeyMismatch("the manifest's block keys are not the chain of its tokens and layout")

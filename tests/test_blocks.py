@@ -492,6 +492,45 @@ async def test_a_hostile_block_is_refused_and_quarantined(
     check(rescanned(tmp_path))  # after a restart too
 
 
+def _rank_zero(w: dict[str, Any]) -> None:
+    slot = w["caches"][0]["tensors"][0]  # one element: its byte count still right for its shape
+    slot["shape"], slot["bytes"] = [], fmt.DTYPE_SIZES[slot["dtype"]]
+
+
+def _bytes_field_name(w: dict[str, Any]) -> None:
+    w["caches"][0]["fields"] |= {"step": 1, b"step": 2}  # a text and a bytes name: no order between them
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("edit", "code"),
+    [(_rank_zero, "tensor_rank_mismatch"), (_bytes_field_name, "header_malformed")],
+    ids=["rank-0", "bytes-field-name"],
+)
+async def test_a_hostile_manifest_layout_is_refused_by_every_reader(
+    edit: Callable[[dict[str, Any]], None], code: str, tmp_path: Path
+) -> None:
+    """A manifest's block keys hash its layout (each tensor's width, its fields in order) before the codec rules
+    run: a layout that cannot be hashed is a typed refusal for the loader, the scan, `spilld ls` and the scrub,
+    never an exception that stops them (found in review: IndexError and TypeError stopped a restart's scan)."""
+    from spilld import scrub
+    from spilld.store.listing import list_entries
+
+    s = store(tmp_path)
+    pa, pb, a, b = await _two_sharing(s)
+    rewrite(pa, edit)
+    bad = copy_to(pa, os.path.dirname(pa), entry_name())  # a second bad one, for the scrub and the restart's scan
+    assert _refused(s, IDENT, [*a, 1], pa) == code
+    with pytest.raises(errors.FileFormatError) as exc:
+        scrub.check_one(bad, True)
+    assert exc.value.code == code
+    assert [r["path"] for r in list_entries(str(tmp_path))] == [pb]
+    again = rescanned(tmp_path)  # the scan goes on past it: the bad one quarantined, the good one served
+    assert again.entry_at(bad) is None and not os.path.exists(bad)
+    assert os.path.basename(bad) in [q.split("-", 1)[1] for q in quarantined(str(tmp_path))]
+    assert same(lives(restored(again, IDENT, [*b, 1]).caches), lives(conversation(b)))
+
+
 @pytest.mark.asyncio
 async def test_a_block_whose_bytes_flipped_is_a_miss_and_only_its_manifests_go(tmp_path: Path) -> None:
     s = store(tmp_path)
