@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +51,19 @@ def io_errors(what: str, path: str) -> Iterator[None]:
         raise cls(f"{what} failed: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
 
 
+def open_regular(path: str) -> int:
+    """``path`` opened for reading if it is a regular file; else OSError (EINVAL). Opened without blocking, so a
+    FIFO named like a cache file (no writer at its other end) is refused at once instead of hanging its reader."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a folder, FIFO, socket or device)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class FileOps:
     """The raw syscalls of the save and load paths, one method each.
 
@@ -64,7 +78,7 @@ class FileOps:
         os.ftruncate(fd, size)
 
     def open_read(self, path: str) -> int:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return open_regular(path)
 
     def open_dir(self, path: str) -> int:
         return os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

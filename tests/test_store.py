@@ -120,6 +120,43 @@ async def test_put_restart_scan_lookup_restore_is_exact(tmp_path: Path) -> None:
     assert s.counters.hits == 1
 
 
+def _in_thread(fn: Any, timeout: float = 20.0) -> Any:
+    """``fn()`` on a daemon thread, failing the test if it has not returned within ``timeout`` (a hang)."""
+    import threading
+
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} still blocked after {timeout} s"
+    return out[0]
+
+
+@pytest.mark.asyncio
+async def test_special_files_named_like_entries_are_left_alone_and_block_nothing(tmp_path: Path) -> None:
+    """A FIFO or a folder named like a cache file, and a FIFO at the pins file's name: a restart's scan, `spilld ls`
+    and the pins reader pass them (a FIFO without a writer used to block the scan for ever: found in review) and
+    leave them where they are; the good entry beside them is served."""
+    from spilld.store.listing import list_entries
+    from spilld.store.pins import PINS_FILE, read_pins
+
+    tokens = toks(24)
+    r = await Store(tmp_path).put(tokens, kv_layers(24), IDENT)
+    folder = os.path.dirname(r.path)
+    fifo, sub = os.path.join(folder, "fifo" + EXT), os.path.join(folder, "folder" + EXT)
+    os.mkfifo(fifo, 0o600)
+    os.mkdir(sub)
+    os.mkfifo(os.path.join(tmp_path, PINS_FILE), 0o600)
+    s = Store(tmp_path)
+    assert _in_thread(s.scan) == 1
+    assert _in_thread(lambda: [row["path"] for row in list_entries(str(tmp_path))]) == [r.path]
+    assert _in_thread(lambda: read_pins(str(tmp_path))) == []
+    with pytest.raises(spilld.errors.StorageError, match="not a regular file"):
+        spilld.loader.read_header(fifo)
+    assert os.path.exists(fifo) and os.path.isdir(sub) and quarantined(tmp_path) == []
+    assert same(lives(restored(s, IDENT, "", [*tokens, 1]).caches), lives(kv_layers(24)))
+
+
 @pytest.mark.asyncio
 async def test_restore_cuts_caches_and_tokens_to_the_match(tmp_path: Path) -> None:
     tokens = toks(24)

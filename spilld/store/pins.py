@@ -17,7 +17,8 @@ PINS_MAX_BYTES = 1 << 24  # the most of the file read: far more names than a dis
 def read_pins(root: str) -> list[str]:
     """The pinned paths the file under ``root`` names (none if it is missing or unreadable)."""
     try:
-        with open(os.path.join(root, PINS_FILE), encoding="utf-8") as f:
+        fd = fileio.open_regular(os.path.join(root, PINS_FILE))  # a FIFO there is refused, never waited on
+        with open(fd, encoding="utf-8") as f:
             names = f.read(PINS_MAX_BYTES).splitlines()
     except (OSError, UnicodeDecodeError):
         return []

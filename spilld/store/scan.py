@@ -79,6 +79,7 @@ def _scan_file(
         return None
     try:
         header = read_header(path)
+        mtime = os.stat(path).st_mtime
         if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns:
             raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
         if header.block is not None:
@@ -86,10 +87,13 @@ def _scan_file(
     except errors.FileFormatError as exc:
         found.bad.append((path, exc))
         return None
-    except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO...): left alone, not indexed
+    except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO, not a regular file): left alone
         log.warning("skipped %s: %s", path, exc)
         return None
-    return path, header, os.stat(path).st_mtime
+    except OSError as exc:  # gone since it was listed
+        log.warning("skipped %s: %s", path, exc)
+        return None
+    return path, header, mtime
 
 
 def _scan_block(index: Index, path: str, name: str, ops: fileio.FileOps, reap: bool) -> None:
