@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from . import blocks, errors
 from . import format as fmt
 from .lru import LRU
+from .unpack import unpack
 
 BlockPaths = Callable[[bytes], str | None]  # a block key -> its file (None: not on disk)
 # A block's header from its prefix, its first bytes (prefix, header, padding) and its file size when they are
@@ -116,7 +115,7 @@ class Expected:
         """Block ``i``'s header, when ``raw`` (bytes ``[0, D)`` of a file of ``size`` bytes) is what it must be."""
         head = raw[fmt.PREFIX_LEN : fmt.PREFIX_LEN + prefix.header_len]
         try:
-            wire = msgpack.unpackb(head, raw=False, use_list=True, strict_map_key=True)
+            wire = unpack(head)
             created = wire["created_at_ms"]
             hashes = [t["hash"] for c in wire["caches"] for t in c["tensors"]]
         except Exception:  # any shape msgpack decodes, or fails to: the validator names what is wrong

@@ -15,6 +15,7 @@ import msgpack
 import xxhash
 
 from . import errors
+from .unpack import unpack
 
 MAGIC = b"\x89SPILLD\n"
 # what this build writes: v2 added prefix blocks (a manifest's ``blocks``, a block's ``block``), v3 packed files
@@ -434,12 +435,7 @@ def decode_header(header_bytes: bytes, prefix: Prefix, file_size: int, path: str
     if xxh3(header_bytes) != prefix.header_hash:
         raise errors.HeaderHashMismatch("header hash mismatch (corrupt or truncated)", path=path)
     try:
-        raw = msgpack.unpackb(
-            header_bytes,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-        )
+        raw = unpack(header_bytes)  # objects bounded by its size: a 64 MiB header of empty maps would be ~4.6 GiB
     except Exception as exc:  # msgpack raises several unrelated types
         raise errors.HeaderMalformed(f"header is not valid msgpack: {exc}", path=path) from exc
     try:

@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 
 from . import errors
+from .unpack import unpack
 
 PROTOCOL_VERSION = 1
 FRAME_HEAD = struct.Struct("<II")
@@ -179,7 +180,7 @@ class FrameDecoder:
             self._start(mlen)
         elif self._raw is _UNSET:  # the msgpack part
             try:
-                raw = msgpack.unpackb(self._buf, raw=False, strict_map_key=True, use_list=True)
+                raw = unpack(self._buf)  # at most MAX_EXPANSION x its size in objects
             except Exception as exc:  # msgpack raises several unrelated types
                 raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
             if self._plen:

@@ -15,7 +15,9 @@ from spilld import format as fmt
 from spilld import protocol as P
 
 GIANT_ROWS = 4500  # x 64 heads x 256 dims x 2 tensors, float16: 281 MiB declared
-HUGE_HEADER_TOKENS = 500_000  # a 2 MB message that parses into ~24 MB
+# a 1 MB message (counted at unpack.MAX_EXPANSION = 24x while received: 24 MB, within --cap 64MiB / 2 beside
+# other spills) that parses into ~12 MB; at 500,000 tokens its 48 MB count no longer fit beside anything
+HUGE_HEADER_TOKENS = 250_000
 LORIS_ROWS = 2048  # x 8 heads x 128 dims x 2 tensors, float16: 8 MiB declared, 4 KiB sent
 
 
@@ -152,7 +154,7 @@ async def slow_loris(sock: str, counts: Counter[str], idle_timeout: float) -> No
 
 
 async def huge_headers(sock: str, counts: Counter[str], idle_timeout: float) -> None:
-    """Opens spills whose headers hold half a million tokens each, as many as the daemon takes, and sends
+    """Opens spills whose headers hold a quarter of a million tokens each, as many as the daemon takes, and sends
     nothing for them: each is held against the cap until the idle timeout aborts it."""
 
     async def body() -> None:

@@ -334,3 +334,24 @@ def test_file_is_aligned_by_its_size_and_ends_at_last_tensor(rows: int, tmp_path
     last = max(s.off + s.nbytes for s in h.slots())
     assert h.data_start + last == os.path.getsize(path)
     assert (h.data_start + last < fmt.ALIGN) == (rows == 40)
+
+
+def test_a_header_of_empty_containers_is_refused_before_it_expands(tmp_path: Any) -> None:
+    """A header with a right hash and a key the parser ignores, holding a million empty maps: refused as
+    `header_malformed` by the bounded decoder, its objects never made (found in review: ~72 bytes each, so a
+    64 MiB header would have been ~4.6 GiB at every read of the file)."""
+    import tracemalloc
+
+    wire = {"format": fmt.FORMAT_VERSION, "junk": [{} for _ in range(1 << 20)]}
+    hb = msgpack.packb(wire, use_bin_type=True)
+    head, _ = fmt.encode_prefix(hb, version=fmt.FORMAT_VERSION, align=fmt.COMPACT_ALIGN)
+    path = tmp_path / "x.spilld"
+    path.write_bytes(head + bytes(4096))
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.HeaderMalformed, match="maps and arrays"):
+            spilld.loader.read_header(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(hb), (peak, len(hb))

@@ -145,3 +145,52 @@ def test_a_payload_not_admitted_is_read_through_a_small_buffer_and_thrown_away()
     assert out[0].discarded == len(big) and out[0].payload == b"" and bytes(out[1].payload) == b"ok"
     assert largest <= P.DISCARD_CHUNK  # never a buffer for the refused payload itself
     assert [n for _, n in seen] == [len(big), 2] and len(sizes) == 2  # every message asked before its buffer
+
+
+def _traced_peak(fn: object) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()  # type: ignore[operator]
+    except errors.SpillError:
+        pass
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("empty", [b"\x80", b"\x90"], ids=["maps", "arrays"])
+def test_a_message_of_empty_containers_is_refused_before_it_expands(empty: bytes) -> None:
+    """msgpack makes a 64-72 byte object of each one-byte empty map or array: a 4 MiB message of them was ~300 MiB
+    of objects, against the 12x its size the daemon counted for it (found in review). The decoder now refuses more
+    containers than ``container_limit`` of the message's size, so what it makes stays within MAX_EXPANSION x."""
+    from spilld.unpack import MAX_EXPANSION
+
+    n = P.MAX_MSG_BYTES - 32
+    body = b"\x94\x02\xa4note\xdd" + struct.pack(">I", n) + empty * n  # [2, "note", [{}, {}, ...]] (4 long)
+    body = body[: P.MAX_MSG_BYTES]
+    dec = P.FrameDecoder()
+    peak = _traced_peak(lambda: dec.feed(P.FRAME_HEAD.pack(len(body), 0) + body))
+    with pytest.raises(P.ProtocolError, match="maps and arrays"):
+        P.FrameDecoder().feed(P.FRAME_HEAD.pack(len(body), 0) + body)
+    assert peak < MAX_EXPANSION * len(body), (peak, len(body))
+
+
+def test_the_largest_headers_spilld_writes_are_within_the_container_limit() -> None:
+    """The bound refuses nothing spilld makes: every golden header, and a spill header of MAX_OPEN_TENSORS kv
+    tensors (one container per ~30 bytes: a tensor's map and its shape), decode through the bounded decoder."""
+    from spilld.daemon.ingest import MAX_OPEN_TENSORS
+    from spilld.saver import plan
+    from spilld.unpack import container_limit, unpack
+    from tests.golden_cases import GOLDEN, GOLDEN_TOKENS
+
+    for make in GOLDEN.values():
+        wire = msgpack.packb(plan(GOLDEN_TOKENS, make())[0].to_wire(), use_bin_type=True)
+        assert unpack(wire) == msgpack.unpackb(wire, raw=False)
+    slot = {"off": 0, "bytes": 2 * 8 * 128, "shape": [1, 8, 1, 128], "dtype": "float16", "hash": b"\0" * 8}
+    entry = {"kind": "kv", "v": 1, "offset": 1, "min_reusable": 0, "trimmable": True, "fields": {}, "children": []}
+    caches = [{**entry, "tensors": [slot, slot]} for _ in range(MAX_OPEN_TENSORS // 2)]
+    big = msgpack.packb({"format": 3, "tokens": b"\0\0\0\0", "caches": caches}, use_bin_type=True)
+    assert len(big) <= P.MAX_MSG_BYTES and 4 * len(caches) + 2 <= container_limit(len(big))
+    assert unpack(big)["caches"][-1]["tensors"][1]["shape"] == [1, 8, 1, 128]

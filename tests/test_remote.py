@@ -804,3 +804,43 @@ async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
     finally:
         await tier.close()
         await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_a_root_value_longer_than_a_root_is_bad_bytes_never_decoded(server: RedisServer, tmp_path: Any) -> None:
+    """Bytes from Redis are hostile: a namespace's root (36 bytes of msgpack) replaced by 1 MiB of empty maps is a
+    miss counted as bad bytes, refused before it is decoded (found in review: it was decoded whole, ~590 MiB of
+    objects for an 8 MiB value); a fill of the same prefix works again once the right root is back."""
+    from spilld.entries import identity_fingerprint
+    from spilld.remote.link import MAX_ROOT_VALUE_BYTES, root_space
+
+    store_a, tier_a, caches = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    space = root_space(identity_fingerprint(FILL_IDENT), "", store_a.provider_id, 16)
+    name = keys.value_key("", space, Kind.ROOT)
+    hostile = b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x80" * (1 << 20)  # an array of a million empty maps
+    with server.client() as c:
+        good = c.get(name)
+        assert good is not None and len(good) <= MAX_ROOT_VALUE_BYTES
+        c.set(name, hostile)
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    prompt = [*range(16 * 3 + 3), 999]
+    try:
+        import tracemalloc
+
+        tracemalloc.start()
+        try:
+            assert not await RemoteLink(tier, store).fill(FILL_IDENT, "", prompt, store.provider_id)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 * 2**20, peak  # the value itself (1 MiB) and the reply's buffers; decoded, ~72 MiB
+        assert tier.counters()["misses"]["bad_bytes"] == 1 and store.lookup(FILL_IDENT, "", prompt).__class__ is not Hit
+        with server.client() as c:
+            c.set(name, good)
+        assert await RemoteLink(tier, store).fill(FILL_IDENT, "", prompt, store.provider_id)
+        got = await store.restore_async(store.lookup(FILL_IDENT, "", prompt), FILL_IDENT)  # type: ignore[arg-type]
+        assert isinstance(got, Loaded) and all(same(live(a), live(b)) for a, b in zip(got.caches, caches, strict=True))
+    finally:
+        await tier.close()
+        await tier_a.close()

@@ -17,6 +17,7 @@ from .. import protocol as P
 from ..config import Config, format_size
 from ..entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 from ..queue import Outcome, SpillItem, SpillQueue
+from ..unpack import MAX_EXPANSION
 from ..validate import validate_header
 from .connection import Connection, Incoming, Received
 
@@ -28,10 +29,11 @@ MAX_OPEN_TENSORS = 16_384  # tensors (slots) declared by the spills open on one 
 RECEIVING_SHARE = 2
 MAX_SPILL_CAPS = 2  # one spill may be up to this x --cap (taken alone, when nothing else is received); larger: never
 # The parsed form of a header, as measured (tracemalloc, CPython 3.11): ~40 bytes a token (a list of ints),
-# ~1 KiB a tensor (its slot, shape and entry objects); a message being received or decoded, up to ~10x its size.
+# ~1 KiB a tensor (its slot, shape and entry objects); a message being received or decoded, at most
+# unpack.MAX_EXPANSION x its size (the decoder refuses more maps and arrays than that allows).
 PARSED_BYTES_PER_TOKEN = 48
 PARSED_BYTES_PER_TENSOR = 1024
-DECODED_BYTES_PER_MSG_BYTE = 12
+DECODED_BYTES_PER_MSG_BYTE = MAX_EXPANSION
 BIG_MSG_BYTES = 64 * 1024  # messages this large are counted against the cap while received and decoded
 
 

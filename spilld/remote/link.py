@@ -32,6 +32,7 @@ from ..config import Config
 from ..entries import Block, Entry, identity_fingerprint
 from ..lease import off_loop
 from ..store import Store
+from ..unpack import unpack
 from ..validate import header_from_bytes
 from .config import RemoteConfig
 from .keys import BLOCK_KEY_BYTES, Kind
@@ -45,6 +46,7 @@ MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming mor
 # Blocks a fill fetches per batch: the store checks and writes one batch while the next is fetched, so a fill holds
 # two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
 FILL_BATCH_KEYS = 8
+MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -199,7 +201,9 @@ class RemoteLink:
             return self._roots[space][0]
         (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT)
         try:
-            root, whole = msgpack.unpackb(raw) if raw is not None else (None, False)
+            if raw is not None and len(raw) > MAX_ROOT_VALUE_BYTES:
+                raise ValueError(f"a root value of {len(raw)} bytes")  # never decoded: bytes from Redis are hostile
+            root, whole = unpack(raw) if raw is not None else (None, False)
         except (ValueError, TypeError, msgpack.UnpackException):
             self.tier.note_bad_bytes()
             return None
