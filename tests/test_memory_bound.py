@@ -153,7 +153,7 @@ def parsed_headers_count(small: Daemon) -> None:
 
 
 def test_big_messages_count_while_they_are_received(small: Daemon) -> None:
-    size = P.MAX_MSG_BYTES  # each such message counts 12x its size (its decoded form) from its frame head
+    size = P.MAX_MSG_BYTES  # each such message counts MAX_EXPANSION (24) x its size (its decoded form) from its frame head
     need = size * ingest.DECODED_BYTES_PER_MSG_BYTE
     fits = max(1, 64 * MiB // ingest.RECEIVING_SHARE // need)  # (one is always taken when nothing else is held)
     held = []
@@ -201,3 +201,20 @@ def test_payloads_get_no_buffer_unless_admitted(small: Daemon) -> None:
     w.send(P.request(5, "status", {}, b"a payload where none belongs"))
     msgs = w.until_closed()
     assert msgs[-1].kind == P.NOTIFICATION and msgs[-1].params["code"] == "protocol_error"
+
+
+@pytest.mark.asyncio
+async def test_a_put_past_the_rows_a_spill_sends_gets_no_buffer() -> None:
+    """With held rows a tensor is sent (and counted) without its first rows: a payload up to the whole tensor's
+    size was given a buffer all the same, then refused (found in review: up to 64 MiB a frame never counted). The
+    payload admission and the put's own check are now one rule, ``Incoming.next_within``."""
+    from spilld.daemon.connection import Incoming
+
+    header = ingest.accept_header(kv_header(64, heads=2, dim=8))
+    sp = Incoming(header, True, "", held_rows=48)
+    whole, sent = header.slots()[0].nbytes, sp.expect[0]
+    assert sent == whole // 4  # 16 of 64 rows, each head's in turn
+    assert not sp.next_within(0, 0, whole) and not sp.next_within(0, 0, sent + 1)
+    assert sp.next_within(0, 0, sent)
+    sp.claim(0, 0, sent - 2)
+    assert sp.next_within(0, sent - 2, 2) and not sp.next_within(0, 0, 2) and not sp.next_within(2, 0, 1)

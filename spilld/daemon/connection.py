@@ -50,9 +50,14 @@ class Incoming:
     def nbytes(self) -> int:
         return sum(self.expect)
 
+    def next_within(self, index: int, offset: int, n: int) -> bool:
+        """Whether ``n`` bytes at ``offset`` of tensor ``index`` are its next ones, within what it is sent (and was
+        counted for: held rows are not sent)."""
+        return 0 <= index < len(self.slots) and offset == self.got[index] and offset + n <= self.expect[index]
+
     def claim(self, index: int, offset: int, n: int) -> None:
         """Check that ``n`` bytes at ``offset`` of tensor ``index`` are the next ones, within it; count them."""
-        if not 0 <= index < len(self.slots) or offset != self.got[index] or offset + n > self.expect[index]:
+        if not self.next_within(index, offset, n):
             raise P.BadParams(f"put out of order or out of range (tensor {index}, offset {offset}, {n} bytes)")
         self.got[index] += n
         self.last = asyncio.get_running_loop().time()
@@ -281,7 +286,7 @@ class Connection(asyncio.BufferedProtocol):
         sp = self.spills.get(sid) if type(sid) is int else None
         if sp is None or sp.error is not None or type(index) is not int or type(offset) is not int:
             return False
-        return 0 <= index < len(sp.slots) and offset == sp.got[index] and offset + size <= sp.slots[index].nbytes
+        return sp.next_within(index, offset, size)
 
     def _dispatch(self, msg: P.Message) -> None:
         held, self._held_msg = self._held_msg, 0
