@@ -153,7 +153,8 @@ def parsed_headers_count(small: Daemon) -> None:
 
 
 def test_big_messages_count_while_they_are_received(small: Daemon) -> None:
-    size = P.MAX_MSG_BYTES  # each such message counts MAX_EXPANSION (24) x its size (its decoded form) from its frame head
+    # each such message counts MAX_EXPANSION (24) x its size (its decoded form) from its frame head
+    size = P.MAX_MSG_BYTES
     need = size * ingest.DECODED_BYTES_PER_MSG_BYTE
     fits = max(1, 64 * MiB // ingest.RECEIVING_SHARE // need)  # (one is always taken when nothing else is held)
     held = []

@@ -844,3 +844,36 @@ async def test_a_root_value_longer_than_a_root_is_bad_bytes_never_decoded(server
     finally:
         await tier.close()
         await tier_a.close()
+
+
+def test_the_example_router_passes_stream_entries_it_cannot_read(server: RedisServer) -> None:
+    """Anyone who may write the events stream may write anything to it: entries without a host, or with bytes that
+    are not UTF-8, are passed over (found in review: a KeyError every poll, the stream never read past it)."""
+    from spilld.remote.keys import events_key
+    from spilld.remote.router import PrefixRouter
+
+    root = hashlib.sha256(b"root").digest()
+    key = hashlib.sha256(root + b"block").digest().hex()
+    with server.client() as r:
+        stream = events_key("")
+        r.xadd(stream, {"kind": "stored", "keys": key})  # no host
+        r.xadd(stream, {"kind": "stored", "keys": key, "host": b"\xff\xfe"})  # not UTF-8
+        r.xadd(stream, {"kind": "stored", "host": "h1"})  # no keys
+        good = r.xadd(stream, {"kind": "stored", "keys": key, "host": "h2"})
+        router = PrefixRouter(r, "", root, 16)
+        router.poll()
+        assert router.holders == {key: {"h2"}}
+        assert router.last == good
+        router.poll()  # nothing new, nothing raised
+        assert router.last == good
+
+
+def test_the_router_in_the_design_doc_is_the_one_in_the_tree() -> None:
+    """docs/design.md shows the router's class: the same lines as spilld/remote/router.py's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "spilld", "remote", "router.py")) as f:
+        code = f.read()
+    with open(os.path.join(root, "docs", "design.md")) as f:
+        doc = f.read()
+    cls = code[code.index("class PrefixRouter") :].rstrip()
+    assert cls in doc

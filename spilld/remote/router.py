@@ -23,10 +23,14 @@ class PrefixRouter:
         got: Any = self.r.xread({self.stream: self.last}, count=1000, block=1)  # (bytes replies)
         for _, entries in got or []:
             for eid, f in entries:
-                self.last, host = eid, f[b"host"].decode()
-                for k in f[b"keys"].decode().split(","):
+                self.last = eid  # first: an entry it cannot read is passed, never read again
+                try:
+                    host, ks = f[b"host"].decode(), f[b"keys"].decode().split(",")
+                except (KeyError, AttributeError, UnicodeDecodeError):
+                    continue  # anyone who can write the stream can write anything to it
+                for k in ks:
                     held = self.holders.setdefault(k, set())
-                    (held.add if f[b"kind"] == b"stored" else held.discard)(host)
+                    (held.add if f.get(b"kind") == b"stored" else held.discard)(host)
 
     def route(self, tokens: list[int], hosts: list[str]) -> str:
         self.poll()
