@@ -35,10 +35,12 @@ class FileLock:
         self.path = path
         self.what = what
         self.fd: int | None = None
+        self.shared = False  # held shared (with other embedded writers), not exclusively
 
     @property
     def held(self) -> bool:
-        return self.fd is not None
+        """Held exclusively: this process is the one owner."""
+        return self.fd is not None and not self.shared
 
     def acquire(self) -> None:
         """Take the lock or raise ``AlreadyRunning`` naming the holder's pid (``StorageError`` if no file can be made)."""
@@ -47,27 +49,44 @@ class FileLock:
             who = f"pid {pid}" if pid is not None else "a process that has not written its pid yet"
             raise errors.AlreadyRunning(f"{self.what} is in use by another spilld ({who}; lock {self.path})")
 
-    def try_acquire(self) -> bool:
-        """Take the lock if nobody holds it; False if somebody does."""
+    def try_acquire(self, shared: bool = False) -> bool:
+        """Take the lock if nobody holds it (``shared``: if nobody holds it exclusively); False if somebody does."""
         if self.fd is not None:
-            return True
+            return self.shared == shared or not self.shared
         with io_errors("lock file", self.path):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
         except OSError:
             os.close(fd)
             raise
-        with io_errors("lock file", self.path):
+        self.fd, self.shared = fd, shared  # ours from here, released by ``release``
+        if shared:
+            return True
+        # the pid only names the owner to others: on a full disk they read "has not written its pid yet"
+        with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
+        return True
+
+    def share(self) -> bool:
+        """Turn an exclusive hold into a shared one (other embedded writers may then share the folder); False if
+        it was lost in the turn (flock converts by dropping, then taking: another process may come between)."""
+        if self.fd is None or self.shared:
+            return self.fd is not None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            self.release()
+            return False
+        self.shared = True
         return True
 
     def release(self) -> None:
+        self.shared = False
         if self.fd is not None:
             fd, self.fd = self.fd, None
             with contextlib.suppress(OSError):

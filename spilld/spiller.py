@@ -75,8 +75,23 @@ class Spiller:
         await self.close()
 
     async def _start(self) -> Spiller:
-        """Scan the folder (off the event loop), then bind to the running loop (spills wait for the scan)."""
-        await off_loop(self.store.scan)
+        """Scan the folder (off the event loop), then bind to the running loop (spills wait for the scan).
+
+        Until ``close`` the folder's lock is held shared, with any other Spillers writing there: no daemon starts on
+        it and no other scan reaps it (the blocks of a put still under way would look like orphans). Only a Spiller
+        that found the lock free scans with it held alone, so that its scan may reap; in a daemon's folder a
+        Spiller writes as a guest, reaping nothing."""
+        lock = self.store.lock
+        alone = lock.try_acquire()
+        if not alone:
+            lock.try_acquire(shared=True)
+        try:
+            await off_loop(self.store.scan)
+        except BaseException:
+            self.store.close()
+            raise
+        if alone:
+            lock.share()
         self._loop = asyncio.get_running_loop()
         return self
 
@@ -229,8 +244,11 @@ class Spiller:
         return await self.queue.drain(timeout)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
-        """Let the queue finish (up to ``timeout``), then stop taking spills."""
-        return await self.queue.close(timeout)
+        """Let the queue finish (up to ``timeout``), then stop taking spills and let the folder's lock go."""
+        try:
+            return await self.queue.close(timeout)
+        finally:
+            self.store.close()
 
     def stats(self) -> dict[str, Any]:
         return {"queue": self.queue.counters(), "store": self.store.stats()}

@@ -236,6 +236,74 @@ def test_the_scan_reaps_temp_files_only_under_the_folder_lock(tmp_path: Path) ->
     assert not s.lock.held  # a scan that took the lock to reap gives it back
 
 
+@pytest.mark.asyncio
+async def test_an_open_spiller_keeps_its_folder_from_other_scans_and_daemons(tmp_path: Path) -> None:
+    """A Spiller writes without a daemon: while it is open, another spilld's scan must not reap what its puts are
+    writing, nor a daemon start there (found in review: a second store's scan took the blocks of a put still under
+    way for orphans, and the put said stored). Spillers share the folder with each other."""
+    a = await spilld.Spiller.open(tmp_path, identity=IDENT)
+    folder = tmp_path / identity_fingerprint(IDENT) / "base"
+    folder.mkdir(parents=True)
+    temp = folder / f".x.spilld.abc{fileio.TEMP_SUFFIX}"
+    temp.write_bytes(b"a put under way")
+    try:
+        other = Store(tmp_path, disk_cap=2**40)
+        other.scan()
+        assert temp.exists() and other.counters.reaped_temp == 0
+        with pytest.raises(errors.AlreadyRunning):
+            Store(tmp_path).acquire()  # what a daemon's start does
+        b = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("another model"))  # shares the folder
+        await b.close()
+        assert temp.exists()
+    finally:
+        await a.close()
+    last = Store(tmp_path, disk_cap=2**40)
+    last.scan()
+    assert not temp.exists() and last.counters.reaped_temp == 1  # every Spiller closed: the scan may reap
+
+
+@pytest.mark.asyncio
+async def test_a_scan_under_another_owners_lock_evicts_and_moves_nothing(tmp_path: Path) -> None:
+    """A store that scans a folder another spilld owns (its cap may be smaller) leaves the owner's entries and
+    bad files where they are (found in review: it evicted them down to its own cap)."""
+    owner = Store(tmp_path, disk_cap=2**40)
+    for i in range(3):
+        await owner.put(list(range(i * 100, i * 100 + 8)), [fill(C.KVCache(), 8, seed=i)], IDENT)
+    bad = os.path.join(os.path.dirname(owner.entries[0].path), "0" * 24 + ".spilld")
+    Path(bad).write_bytes(b"not a cache file")
+    lock = FileLock(str(tmp_path / LOCK_NAME), "the folder")
+    lock.acquire()
+    try:
+        small = Store(tmp_path, disk_cap=1)
+        assert small.scan() == 3
+        assert all(os.path.exists(e.path) for e in owner.entries) and os.path.exists(bad)
+    finally:
+        lock.release()
+    small.scan()  # nobody owns it now: this store's cap and quarantine apply
+    assert small.count == 0 and not os.path.exists(bad)
+
+
+def test_a_lock_whose_pid_cannot_be_written_is_still_held_and_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pid in a lock file only names its holder: a full disk there must not leave the flock taken by a
+    descriptor nobody holds (found in review: every later start was refused until the process ended)."""
+
+    def full(*_: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    lock = FileLock(str(tmp_path / LOCK_NAME), "the folder")
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwrite", full)
+        assert lock.try_acquire() and lock.held
+    other = FileLock(str(tmp_path / LOCK_NAME), "the folder")
+    with pytest.raises(errors.AlreadyRunning, match="has not written its pid yet"):
+        other.acquire()
+    lock.release()
+    other.acquire()
+    other.release()
+
+
 # --- 3. start healthy or not at all ------------------------------------------------------------------------
 
 

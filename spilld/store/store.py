@@ -197,9 +197,11 @@ class Store:
     # --- scan ----------------------------------------------------------------------
 
     def scan(self) -> int:
-        """Rebuild the index from the files under the root; reap temp orphans; quarantine bad files."""
+        """Rebuild the index from the files under the root. When no other spilld owns the folder (its lock is ours
+        or free), also reap temp orphans, quarantine bad files and evict to the cap; else the files are the owner's
+        and nothing is removed or moved."""
         held = self.lock.held
-        reap = held or self._try_lock()  # temp files are ours to reap only when no other spilld runs here
+        reap = held or self._try_lock()
         took = reap and not held
         try:
             self._take_scan(scan_root(self.root, self.ops, reap), reap)
@@ -208,8 +210,9 @@ class Store:
                 self.lock.release()
         self._pins = {p for p in read_pins(self.root) if p in self.index.by_path}
         log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
-        self.evict_to_cap()
-        self._delete_doomed()
+        if reap:  # another owner's files are never evicted to this store's cap
+            self.evict_to_cap()
+            self._delete_doomed()
         return self.count
 
     def _try_lock(self) -> bool:
@@ -223,7 +226,10 @@ class Store:
         self.index = found.index
         self.counters.reaped_temp += found.reaped_temp
         for path, exc in found.bad:
-            self.quarantine(path, exc)
+            if reap:
+                self.quarantine(path, exc)
+            else:  # not indexed, left for the folder's owner to move aside
+                log.warning("not indexed (another spilld owns %s): %s", self.root, exc)
         for b in found.orphans:  # written before a crash took their manifest, or left by evicted ones
             self._drop_block(b)
         if reap:
