@@ -105,21 +105,25 @@ def test_a_kept_file_is_unlinked_only_after_its_last_release() -> None:
 
 
 def test_the_sweep_leaves_claimed_folders_and_their_model_folder(tmp_path: Path) -> None:
-    for d in ("fp1/ns1", "fp1/ns2", "fp2/ns3", ".quarantine"):
+    fp1, fp2, fp4 = "00000000000000f1", "00000000000000f2", "00000000000000f4"  # spilld's names: 16 hex digits
+    ns1, ns3 = "00000000000000a1", "00000000000000a3"
+    for d in (f"{fp1}/{ns1}", f"{fp1}/base", f"{fp2}/{ns3}", ".quarantine", "inbox", "projects/drafts", f"{fp2}/mine"):
         (tmp_path / d).mkdir(parents=True)
-    (tmp_path / "fp2/ns3/x.spilld").write_bytes(b"x")
-    (tmp_path / "fp4").mkdir()
+    (tmp_path / f"{fp2}/{ns3}/x.spilld").write_bytes(b"x")
+    (tmp_path / fp4).mkdir()
     claims = FolderClaims()
-    claims.claim(str(tmp_path / "fp1/ns1"))
-    claims.claim(str(tmp_path / "fp4/ns4"))  # a save about to make its folder: its model folder stays too
+    claims.claim(str(tmp_path / f"{fp1}/{ns1}"))
+    claims.claim(str(tmp_path / f"{fp4}/00000000000000a4"))  # a save about to make its folder: its model's stays
     remove_empty_folders(str(tmp_path), claims)
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
-        ".quarantine", "fp1", "fp1/ns1", "fp2", "fp2/ns3", "fp2/ns3/x.spilld", "fp4"
-    ]  # fmt: skip
-    claims.release(str(tmp_path / "fp1/ns1"))
-    claims.release(str(tmp_path / "fp4/ns4"))
-    remove_empty_folders(str(tmp_path))  # no claims: every empty one
-    assert not (tmp_path / "fp1").exists() and not (tmp_path / "fp4").exists() and (tmp_path / "fp2/ns3").exists()
+    users = ["inbox", "projects", "projects/drafts"]  # not spilld's names: never removed (found in review: they were)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == sorted([
+        ".quarantine", fp1, f"{fp1}/{ns1}", fp2, f"{fp2}/{ns3}", f"{fp2}/{ns3}/x.spilld", f"{fp2}/mine", fp4, *users
+    ])  # fmt: skip
+    claims.release(str(tmp_path / f"{fp1}/{ns1}"))
+    claims.release(str(tmp_path / f"{fp4}/00000000000000a4"))
+    remove_empty_folders(str(tmp_path))  # no claims: every empty one of spilld's
+    assert not (tmp_path / fp1).exists() and not (tmp_path / fp4).exists() and (tmp_path / f"{fp2}/{ns3}").exists()
+    assert all((tmp_path / u).is_dir() for u in users) and (tmp_path / f"{fp2}/mine").is_dir()
 
 
 def test_the_pins_file_names_nothing_outside_the_root(tmp_path: Path) -> None:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from collections import Counter
+
+# The names spilld gives its folders (entries.identity_fingerprint, namespace_hash): 16 hex digits, or "base".
+# The sweep removes no other folder, however empty: a user's folders under --dir are theirs.
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class FolderClaims:
@@ -40,10 +45,11 @@ def remove_empty_folders(root: str, claims: FolderClaims | None = None) -> None:
     with ``claims``, none a save has claimed. Blocking: a worker thread on an event loop."""
     for fp in os.listdir(root):
         fp_dir = os.path.join(root, fp)
-        if fp.startswith(".") or not os.path.isdir(fp_dir):
+        if not _HEX16.fullmatch(fp) or not os.path.isdir(fp_dir):
             continue
         for ns in os.listdir(fp_dir):
-            _rmdir(os.path.join(fp_dir, ns), claims)
+            if ns == "base" or _HEX16.fullmatch(ns):
+                _rmdir(os.path.join(fp_dir, ns), claims)
         _rmdir(fp_dir, claims)
 
 
