@@ -132,7 +132,11 @@ class AsyncClient:
             self._check_peer()  # before a single byte goes out
             self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
             hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
-            self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease})
+            try:
+                self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease})
+            except BaseException:  # refused, timed out or cancelled: nothing of this connection is left open
+                await self._disconnect()
+                raise
 
     def _check_peer(self) -> None:
         """Refuse a daemon that runs as another user: our caches are not theirs to receive."""
@@ -286,16 +290,28 @@ class AsyncClient:
     async def close(self, timeout: float | None = None) -> DrainReport:
         """Ship what is queued and hear back about it, then close the connection; ``timeout`` bounds the call."""
         deadline = Deadline(timeout)
-        local = await self.queue.close(deadline.left())
-        unanswered = await self._wait_commits(deadline.left())
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
-        if self._read_task is not None:
-            await asyncio.gather(self._read_task, return_exceptions=True)
-        self._drop_pool()
+        try:
+            local = await self.queue.close(deadline.left())
+            unanswered = await self._wait_commits(deadline.left())
+        finally:  # cancelled too: the shared-memory pool, the socket and the reader go
+            self._drop_pool()
+            await self._disconnect()
         return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes)
+
+    async def _disconnect(self) -> None:
+        """Close the connection and wait for its reader to end (it fails what still waits for an answer)."""
+        writer, task, self._writer, self._read_task = self._writer, self._read_task, None, None
+        if writer is not None:
+            writer.close()
+        if task is not None:
+            task.cancel()
+        try:
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+        finally:
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
 
     # --- spilling -----------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import errors
 from . import protocol as P
 from .peer import refuse_foreign
 
@@ -37,12 +36,12 @@ class Control:
             raise P.ConnectionLost(f"cannot reach spilld at {path}: {exc.strerror or exc}") from None
         try:
             refuse_foreign(self.sock, path)
-        except errors.ForeignDaemon:
+            self.server: dict[str, Any] = self.call(
+                "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}
+            )
+        except BaseException:  # a foreign daemon, or a hello refused or unanswered: the socket goes with it
             self.sock.close()
             raise
-        self.server: dict[str, Any] = self.call(
-            "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}
-        )
 
     def __enter__(self) -> Control:
         return self
