@@ -877,3 +877,35 @@ def test_the_router_in_the_design_doc_is_the_one_in_the_tree() -> None:
         doc = f.read()
     cls = code[code.index("class PrefixRouter") :].rstrip()
     assert cls in doc
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_refused_at_its_socket_closes_its_shared_tier(server: RedisServer, tmp_path: Any) -> None:
+    """A start that fails after the shared tier opened (the socket another daemon serves) leaves none of the tier
+    running: no task of its, no connection to Redis (found in review: its push worker, health task and client
+    stayed for the process's life)."""
+    from spilld import errors
+    from spilld.config import Config
+    from spilld.daemon import Daemon as InProcess
+
+    def connected() -> int:
+        with server.client() as c:
+            return int(c.info("clients")["connected_clients"]) - 1  # not this one
+
+    sock = str(tmp_path / "run" / "s.sock")
+    first = InProcess(Config(dir=str(tmp_path / "a"), socket=sock, disk_cap=2**30))
+    await first.start()
+    try:
+        before = set(asyncio.all_tasks())
+        second = InProcess(Config(dir=str(tmp_path / "b"), socket=sock, disk_cap=2**30, remote=server.url))
+        with pytest.raises(errors.AlreadyRunning):
+            await second.start()
+        await asyncio.sleep(0.2)
+        assert [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()] == []
+        deadline = time.monotonic() + 5
+        while connected() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert connected() == 0
+    finally:
+        first.stopping.set()
+        await first.stop()

@@ -131,6 +131,9 @@ class Daemon:
             await self._listen()
         except BaseException:
             self._release_locks()
+            if self.remote is not None:  # its push worker, health task and connections end with the refusal
+                remote, self.remote = self.remote, None
+                await remote.close(0)
             raise
         if self.cfg.warm_bytes:
             self.readahead = ReadAhead(warm_order(self.store, self.cfg.warm_bytes), self.cfg.warm_rate, self._busy)
