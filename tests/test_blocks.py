@@ -732,6 +732,29 @@ async def test_a_put_whose_held_blocks_went_fails_and_leaves_nothing(tmp_path: P
     assert s.count == 0 and not blocks_on_disk(str(tmp_path)) and not manifests_on_disk(str(tmp_path))
 
 
+@pytest.mark.asyncio
+async def test_held_blocks_that_go_while_the_put_makes_its_folder_fail_it_as_held_block_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The put's first wait (making its folder, which may evict to make room) comes before its blocks are pinned:
+    a held block evicted there fails the put with `held_block_gone`, not an error about rows it was never sent
+    (found in review)."""
+    s = store(tmp_path)
+    first, turn = toks(2 * B + 3), toks(4 * B)
+    await s.put(first, conversation(first), IDENT)
+    real = s._make_folder
+
+    async def evicting(folder: str) -> None:
+        s.remove_where(lambda e: True)  # room made for the folder: every entry went, and its blocks
+        await s.delete_doomed_async()
+        await real(folder)
+
+    monkeypatch.setattr(s, "_make_folder", evicting)
+    with pytest.raises(errors.HeldBlockGone):
+        await s.put(turn, conversation(turn), IDENT, held_rows=2 * B)
+    assert s.count == 0 and not blocks_on_disk(str(tmp_path)) and not manifests_on_disk(str(tmp_path))
+
+
 # --- 8. v1 files beside v2 ones ------------------------------------------------------------------
 
 

@@ -484,11 +484,7 @@ class Store:
             # an engine's arrays: their bytes taken once each in its lease, then every block written in batches
             planned, batch_bytes = (planned[0], await take_all(planned[1], run_step)), WRITE_BATCH_BYTES
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
-        held = self._held_blocks(cut)
-        if held_rows and (cut is None or held * cut.size < held_rows):
-            raise errors.HeldBlockGone(
-                f"a block of the first {held_rows} tokens went (evicted) after the client was told it was held"
-            )
+        held = self._check_held(cut, held_rows)
         if droppable and self.admission is not None:
             self._admit(planned[0], held)
         logical = planned[0].data_bytes
@@ -502,6 +498,7 @@ class Store:
         self.claim_folder(folder)  # from here to the rename, no sweep removes the folder under the write
         try:
             await self._with_room(lambda: self._make_folder(folder), 0)  # once: the blocks and the entry share it
+            self._check_held(cut, held_rows)  # again: room made for the folder may have evicted one
             if cut is not None:  # the blocks first, each durable before the manifest that names it
                 pinned = await self._put_blocks(cut, folder, ident, kw, written)
                 planned = cut.manifest()
@@ -742,6 +739,16 @@ class Store:
         positional caches a writer need not have (a multiple of ``block_tokens``; 0 without blocks)."""
         cut = blocks.split(header, [], self.block_tokens) if self.block_tokens else None
         return self._held_blocks(cut) * self.block_tokens
+
+    def _check_held(self, cut: Split | None, held_rows: int) -> int:
+        """The leading blocks of ``cut`` on disk; ``HeldBlockGone`` if fewer than the ``held_rows`` a client left out
+        (they are pinned from the put's first block on, so this is checked until then)."""
+        held = self._held_blocks(cut)
+        if held_rows and (cut is None or held * cut.size < held_rows):
+            raise errors.HeldBlockGone(
+                f"a block of the first {held_rows} tokens went (evicted) after the client was told it was held"
+            )
+        return held
 
     def _held_blocks(self, cut: Split | None) -> int:
         """How many leading blocks of ``cut`` the store holds already."""
