@@ -219,3 +219,19 @@ async def test_a_put_past_the_rows_a_spill_sends_gets_no_buffer() -> None:
     assert sp.next_within(0, 0, sent)
     sp.claim(0, 0, sent - 2)
     assert sp.next_within(0, sent - 2, 2) and not sp.next_within(0, 0, 2) and not sp.next_within(2, 0, 1)
+
+
+def test_only_spill_and_lookup_take_big_params(small: Daemon) -> None:
+    """A big message is counted only until its handler starts; a drain, barrier or commit then waits for a long
+    time holding its params. So only spill and lookup (whose tokens make them big) may send big params: a drain
+    padded with 1 MiB is refused at once (found in review: up to 64 such requests a connection, held uncounted)."""
+    w = Wire(small.socket)
+    w.hello()
+    w.send(P.request(5, "drain", {"timeout": 600.0, "pad": b"\0" * MiB}))
+    _, error = w.answer(5)
+    assert error is not None and error["code"] == "bad_params" and "only spill and lookup" in error["message"]
+    w.send(P.request(6, "lookup", {"identity": {"model_id": "m"}, "tokens": b"\0\0\0\0" * (MiB // 4)}))  # big, fine
+    result, error = w.answer(6)
+    assert error is None and result["reason"] == "no_entry"
+    assert status(small)["ingest"]["buffers"] == 0
+    w.close()

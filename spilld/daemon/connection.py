@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spilld.daemon")
 
+# The only methods whose params may be a big message (its tokens): the others' params are small, and some of them
+# wait a long time (drain, barrier, commit) holding their params, which are counted only until a handler starts.
+BIG_PARAMS_METHODS = frozenset({"spill", "lookup"})
 MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say why (then: no such spill)
 
 
@@ -318,6 +321,10 @@ class Connection(asyncio.BufferedProtocol):
             handler = self.daemon.methods.get(msg.method)
             if handler is None:
                 self._respond(msg.msgid, error=P.UnknownMethod(f"unknown method {msg.method!r}"))
+                return None
+            if held and msg.method not in BIG_PARAMS_METHODS:  # a drain or commit would keep it, uncounted
+                too_big = P.BadParams(f"{msg.method}: only spill and lookup take params this large")
+                self._respond(msg.msgid, error=too_big)
                 return None
             hold = [held]  # released once: when the handler starts, or when the task ends if it never started
             task = asyncio.get_running_loop().create_task(self._call(handler, msg, hold))
