@@ -207,7 +207,6 @@ class SpillQueue:
             if victim is None:
                 return  # nothing may go: the cap is soft
             self._queue.remove(victim)
-            self.dropped += 1
             self._finish(victim, Settled(Outcome.DROPPED))
 
     def would_fit(self, nbytes: int) -> bool:
@@ -221,7 +220,6 @@ class SpillQueue:
         for rec in list(self._queue):
             if (barriers or not rec.item.is_barrier) and pred(rec.item):
                 self._queue.remove(rec)
-                self.cancelled += 1
                 self._finish(rec, Settled(Outcome.CANCELLED))
                 n += 1
         return n
@@ -253,10 +251,8 @@ class SpillQueue:
                 self._finish(rec, Settled(Outcome.CANCELLED))
                 raise
             except errors.Shed as exc:  # the store declined a droppable item (e.g. its write budget is spent)
-                self.dropped += 1
                 self._finish(rec, Settled(Outcome.DROPPED, error=exc))
             except Exception as exc:
-                self.failed += 1
                 log.warning(
                     "spill of %d bytes (ns=%r key=%r) failed: %s",
                     rec.item.nbytes,
@@ -267,7 +263,6 @@ class SpillQueue:
                 unpin(exc)
                 self._finish(rec, Settled(Outcome.FAILED, error=exc))
             else:
-                self.stored += 1
                 self.bytes_written += int(getattr(value, "file_bytes", 0) or 0)
                 self._finish(rec, Settled(self._done, value=value))
             finally:
@@ -278,6 +273,7 @@ class SpillQueue:
         if rec.released:
             return
         rec.released = True
+        self._count(result.outcome)
         if rec.item.seq:
             self.pending_bytes -= rec.item.nbytes
         try:
@@ -292,6 +288,17 @@ class SpillQueue:
             rec.item.payload = None  # planned sources and received bytes go with the clones
         if not rec.future.done():
             rec.future.set_result(result)
+
+    def _count(self, outcome: Outcome) -> None:
+        """Every item settles once, through ``_finish``: counted there, so the counters add up to what was queued."""
+        if outcome in (Outcome.STORED, Outcome.SHIPPED):  # (a client's local queue: handed to the daemon)
+            self.stored += 1
+        elif outcome is Outcome.DROPPED:
+            self.dropped += 1
+        elif outcome is Outcome.FAILED:
+            self.failed += 1
+        else:
+            self.cancelled += 1
 
     # --- drain and close --------------------------------------------------------
 

@@ -244,6 +244,29 @@ async def test_counters_track_everything() -> None:
     assert c["peak_bytes"] >= 20
 
 
+async def test_the_counters_add_up_to_every_item_queued_whatever_path_settled_it() -> None:
+    """An item that cannot be sized, the one in flight when a close times out, one queued then, and one offered
+    after the close: each settles once and is counted once (found in review: 1 of these 4 was counted)."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()  # never set: the first item stays in flight
+
+    def size(it: SpillItem) -> int:
+        if it.key == "odd":
+            raise TypeError("no size")
+        return 10
+
+    q = SpillQueue(1000, rec.store, bytes_of=size)
+    futs = [q.enqueue(item(k)) for k in ("a", "odd", "b")]
+    await rec.started.wait()
+    await q.close(timeout=0.05)  # a cancelled in flight, b cancelled queued
+    futs.append(q.enqueue(item("late")))
+    outcomes = [f.result().outcome for f in futs]
+    assert outcomes == [Outcome.CANCELLED, Outcome.FAILED, Outcome.CANCELLED, Outcome.CANCELLED]
+    c = q.counters()
+    assert (c["stored"], c["dropped"], c["failed"], c["cancelled"]) == (0, 0, 1, 3)
+    assert c["pending_items"] == 0 and c["pending_bytes"] == 0
+
+
 async def test_a_close_timeout_after_the_rename_never_leaves_an_unindexed_durable_file(tmp_path: Any) -> None:
     import threading
 
