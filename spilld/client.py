@@ -392,7 +392,7 @@ class AsyncClient:
                 tb = TensorBytes(i, slot, src, self._staging)
                 try:
                     await tb.take_in_lease(self.lease, LIVE_CHUNK_BYTES)
-                    await self._send_tensor(sid, i, tb.runs)
+                    await self._send_tensor(sid, i, tb.runs, tb.borrowed)
                 finally:
                     tb.release()
                 await asyncio.sleep(0)  # one tensor per loop turn
@@ -440,20 +440,23 @@ class AsyncClient:
             raise
         return fut
 
-    async def _send_tensor(self, sid: int, index: int, runs: list[memoryview]) -> None:
+    async def _send_tensor(self, sid: int, index: int, runs: list[memoryview], borrowed: bool) -> None:
+        """``borrowed``: the runs are a buffer the next tensor reuses (see ``_send_runs_inline``)."""
         if self.use_shm and self.server.get("shm") and (pool := await self._shm_pool()) is not None:
-            await self._send_tensor_shm(pool, sid, index, runs)
+            await self._send_tensor_shm(pool, sid, index, runs, borrowed)
         else:
-            await self._send_runs_inline(sid, index, 0, runs)
+            await self._send_runs_inline(sid, index, 0, runs, borrowed)
 
-    async def _send_tensor_shm(self, pool: ShmPool, sid: int, index: int, runs: list[memoryview]) -> None:
+    async def _send_tensor_shm(
+        self, pool: ShmPool, sid: int, index: int, runs: list[memoryview], borrowed: bool
+    ) -> None:
         """Copy the bytes into pool segments (off the loop) and send their names."""
         offset = 0
         pending = [r for r in runs if r.nbytes]
         while pending:
             got = pool.try_take()
             if got is None:  # every segment is with the daemon: the rest goes inline
-                await self._send_runs_inline(sid, index, offset, pending)
+                await self._send_runs_inline(sid, index, offset, pending, borrowed)
                 return
             name, seg = got
             filled, pending = await off_loop(functools.partial(_fill, seg, pending), background=True)
@@ -461,8 +464,14 @@ class AsyncClient:
             await self._send(P.notification("put_shm", params))
             offset += filled
 
-    async def _send_runs_inline(self, sid: int, index: int, offset: int, runs: list[memoryview]) -> None:
-        """``runs``, one after another from ``offset`` of the tensor, in ``put`` frames."""
+    async def _send_runs_inline(
+        self, sid: int, index: int, offset: int, runs: list[memoryview], borrowed: bool
+    ) -> None:
+        """``runs``, one after another from ``offset`` of the tensor, in ``put`` frames. The transport may keep
+        what it is given past ``drain`` (below its high-water mark, uvloop and Python 3.12+ keep the views
+        themselves), so ``borrowed`` runs, which the next tensor writes over, are copied first."""
+        if borrowed:
+            runs = [memoryview(bytes(r)) for r in runs]
         for run in runs:
             await self._send_inline(sid, index, offset, run)
             offset += run.nbytes

@@ -326,6 +326,8 @@ class Daemon:
         async def action() -> int:
             return await self.store.remove_checkpoints_async(key) if delete else 0  # unlinks on a worker
 
+        # after every spill committed before it: a commit may still wait for its shared-memory copies
+        await self.ingest.committed(timeout=self.cfg.request_timeout)
         settled = await self.queue.enqueue(SpillItem(key=key, barrier=action))
         return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
 

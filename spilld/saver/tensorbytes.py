@@ -193,6 +193,12 @@ class TensorBytes:
         return self._source is None
 
     @property
+    def borrowed(self) -> bool:
+        """Its runs are the reused staging buffer's (rows copied out of a live cache): the next live tensor taken
+        writes over them, so whatever must outlive that takes a copy."""
+        return self._live_out is not None
+
+    @property
     def engine_free(self) -> bool:
         """Plain bytes (what the daemon received): taking them touches nothing of an engine's."""
         return isinstance(self._source, BytesSource)
