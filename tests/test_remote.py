@@ -168,6 +168,34 @@ def test_breaker_closed_open_half_open() -> None:
     assert b.entered[State.OPEN] == 2 and b.entered[State.HALF_OPEN] == 2 and b.entered[State.CLOSED] == 1
 
 
+@pytest.mark.asyncio
+async def test_a_cancelled_trial_call_gives_the_trial_back(server: RedisServer) -> None:
+    """A half-open breaker lets one trial call through; when that call is cancelled (a fill giving up on the batch
+    it fetched ahead) the trial is given back. Found in review: it stayed out, every call after it was refused as
+    `down` and the tier never came back until a restart."""
+    now = [0.0]
+    tier = await started(relaxed(server.url, breaker_cooldown_s=10), clock=lambda: now[0])
+    try:
+        k = hashlib.sha256(b"trial").digest()
+        assert await tier.push(NS, k, b"value")
+        tier.breaker.trip()
+        now[0] = 10.0  # half-open: the next call is the trial
+        server.signal(signal.SIGSTOP)  # the trial hangs, then its caller gives up on it
+        try:
+            trial = asyncio.ensure_future(tier.fetch(NS, [k]))
+            await asyncio.sleep(0.2)
+            trial.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await trial
+        finally:
+            server.signal(signal.SIGCONT)
+        assert tier.breaker.state is State.HALF_OPEN
+        assert await tier.fetch(NS, [k]) == [b"value"]  # the next call is the trial again, and it succeeds
+        assert tier.breaker.state is State.CLOSED
+    finally:
+        await tier.close()
+
+
 def test_crypto_binds_key_namespace_and_kind() -> None:
     k1, k2 = chain(2)
     a, b = Sealer(os.urandom(32)), Sealer(os.urandom(32))

@@ -65,6 +65,12 @@ class Breaker:
         if self._state is State.HALF_OPEN or (self._state is State.CLOSED and self._failures >= self.threshold):
             self._open()
 
+    def abandon(self) -> None:
+        """A call it let through was cancelled before it ended: no verdict on the server. A half-open trial is
+        given back, so the next call may try (else no call would ever be let through again)."""
+        if self._state is State.HALF_OPEN:
+            self._trial_out = False
+
     def trip(self) -> None:
         """Open now, whatever the count (the connection is known to be gone)."""
         if self._state is not State.OPEN:

@@ -311,6 +311,9 @@ class RemoteTier:
         try:
             async with asyncio.timeout(timeout_s):
                 result = await op(client)
+        except asyncio.CancelledError:  # (a fill gave up on the batch it fetched ahead)
+            self.breaker.abandon()
+            raise
         except rx.AuthenticationError as e:
             self._disable(self._auth_problem(e))
             return _Failed(Reason.DOWN)
