@@ -262,5 +262,5 @@ def test_unknown_field_keys_of_any_type_are_refused(sample: bytes) -> None:
         validate_header(fmt.header_from_wire(wire))
     del wire["caches"][1]["fields"]["x"]
     wire["caches"][1]["fields"][b"raw"] = 1  # msgpack map keys may be bytes too: a name must be text, from the parser
-    with pytest.raises(errors.HeaderMalformed, match="cache.fields key"):
+    with pytest.raises(errors.HeaderMalformed, match=r"cache\.fields key"):
         fmt.header_from_wire(wire)
