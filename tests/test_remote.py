@@ -234,6 +234,13 @@ def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> No
         RemoteTier(RemoteConfig(url, key_file=secret_file(tmp_path, "short", b"x" * 31)), environ={})
     with pytest.raises(RemoteConfigError, match="chmod 600"):
         RemoteTier(RemoteConfig(url, key_file=secret_file(tmp_path, "k", os.urandom(32), 0o640)), environ={})
+    # found in review: a FIFO hung the start for ever; bytes that are not UTF-8 were an internal error (exit 70)
+    fifo = str(tmp_path / "pw-fifo")
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(RemoteConfigError, match="not a regular file"):
+        RemoteTier(RemoteConfig(url, password_file=fifo), environ={})
+    with pytest.raises(RemoteConfigError, match="not UTF-8"):
+        RemoteTier(RemoteConfig(url, password_file=secret_file(tmp_path, "pw-bin", b"\xff\xfe\n")), environ={})
 
 
 # --- one server -----------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ _OPEN_TO_OTHERS = stat.S_IRWXG | stat.S_IRWXO
 def read_private_file(path: str, what: str) -> bytes:
     """The bytes of a regular file that neither its group nor others may read, write or run (0600, 0400)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        # without blocking: a FIFO at that path is refused below instead of waiting for a writer for ever
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise RemoteConfigError(f"{what} {path!r} cannot be opened: {e.strerror}") from e
     with os.fdopen(fd, "rb") as f:
@@ -38,7 +39,10 @@ def read_private_file(path: str, what: str) -> bytes:
 def password(path: str | None, environ: Mapping[str, str]) -> str | None:
     """The password: from ``path`` when given (its first line), else from $SPILLD_REMOTE_PASSWORD, else None."""
     if path is not None:
-        text = read_private_file(path, "the remote password file").decode("utf-8", "strict")
+        try:
+            text = read_private_file(path, "the remote password file").decode("utf-8", "strict")
+        except UnicodeDecodeError as e:
+            raise RemoteConfigError(f"the remote password file {path!r} is not UTF-8 text ({e.reason})") from e
         lines = text.splitlines()
         return lines[0] if lines else ""
     return environ.get(PASSWORD_ENV) or None
