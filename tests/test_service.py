@@ -606,6 +606,66 @@ def test_launchd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsy
     assert cli.main(["service", "status", "--manager", "launchd"]) == cli.EXIT_NOT_INSTALLED
 
 
+def test_files_spilld_did_not_write_are_never_replaced_removed_or_stopped(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's own spilld.service / spilld.socket (no marker line), or a link to one kept elsewhere, is not
+    spilld's: install refuses to replace it and runs nothing; uninstall and a reinstall without socket activation
+    leave it, and stop nothing of it (found in review: both were deleted, a symlink became a plain file)."""
+    home, runner = fake_home
+    folder = home / ".config" / "systemd" / "user"
+    folder.mkdir(parents=True)
+    mine = folder / "spilld.service"
+    mine.write_text("[Service]\nExecStart=/usr/bin/my-own-spilld\n")
+    mine.chmod(0o600)
+    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_SERVICE
+    assert "was not written by spilld service install" in capsys.readouterr().err
+    assert mine.read_text().startswith("[Service]") and (mine.stat().st_mode & 0o777) == 0o600
+    assert runner.calls == [] and not (folder / "spilld.socket").exists()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
+    assert mine.exists() and runner.calls == []  # not stopped, not removed
+    kept = home / "dotfiles" / "spilld.service"  # a link to a file spilld wrote, kept elsewhere: not spilld's either
+    kept.parent.mkdir()
+    kept.write_text(units.systemd_service(ServiceSpec()))
+    mine.unlink()
+    mine.symlink_to(kept)
+    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_SERVICE and mine.is_symlink()
+    mine.unlink()
+    assert cli.main(["service", "install", "--manager", "systemd"]) == 0  # ours now: with the marker
+    sock = folder / "spilld.socket"
+    sock.write_text("[Socket]\nListenStream=/run/user/me/theirs.sock\n")  # replaced by the user by hand
+    runner.calls.clear()
+    capsys.readouterr()
+    assert cli.main(["service", "install", "--manager", "systemd", "--no-socket-activation"]) == 0
+    assert sock.read_text().startswith("[Socket]") and "left alone" in capsys.readouterr().err
+    assert ["systemctl", "--user", "disable", "--now", "spilld.socket"] not in runner.calls
+    runner.calls.clear()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
+    assert sock.exists() and not mine.exists()
+    assert runner.calls[0] == ["systemctl", "--user", "disable", "--now", "spilld.service"]
+
+
+def test_a_binary_plist_of_ours_is_saved_and_put_back_as_bytes(fake_home: tuple[Path, FakeRunner]) -> None:
+    """launchd reads binary plists too: one spilld wrote and the user converted (``plutil -convert binary1``) is
+    saved and put back byte for byte when the manager refuses the reinstall (found in review: reading it as text
+    failed with the old job already stopped). Its marker is gone with the conversion, so it reads as the user's
+    and is refused untouched; one with the marker kept in a string is ours."""
+    home, runner = fake_home
+    assert cli.main(["service", "install", "--manager", "launchd"]) == 0
+    plist = home / "Library" / "LaunchAgents" / units.PLIST_NAME
+    job = plistlib.loads(plist.read_bytes())
+    converted = plistlib.dumps(job, fmt=plistlib.FMT_BINARY)
+    plist.write_bytes(converted)
+    runner.calls.clear()
+    assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
+    assert plist.read_bytes() == converted and runner.calls == []
+    ours = plistlib.dumps(job | {"Comment": units.MARKER}, fmt=plistlib.FMT_BINARY)
+    plist.write_bytes(ours)
+    runner.codes["bootstrap"] = [1]  # the manager refuses: the files are put back
+    assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
+    assert plist.read_bytes() == ours
+
+
 def launchd_reinstall(home: Path, runner: FakeRunner, deadline: float = 20) -> tuple[bool, list[float], str]:
     """Install, then install again over it; the second install's verbs are left in ``runner.calls``."""
     slept: list[float] = []

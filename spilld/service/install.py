@@ -15,6 +15,7 @@ import math
 import os
 import plistlib
 import shlex
+import stat
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,8 @@ class Plan:
     before: list[Step] = field(default_factory=list)  # run before the files change
     after: list[Step] = field(default_factory=list)  # run after
     undo: list[Step] = field(default_factory=list)  # run after the files are put back (a command of `after` failed)
+    foreign: list[Path] = field(default_factory=list)  # files at our names that spilld did not write: never touched
+    refuse: bool = False  # an install that would replace one of them: nothing is done
     stop_s: float = units.stop_timeout_s(units.DRAIN_DEADLINE_S)  # the longest a stop of the daemon may take
 
     @property
@@ -96,6 +99,25 @@ def plist_path(home: Path) -> Path:
 
 def _domain() -> str:
     return f"gui/{os.getuid()}"
+
+
+MARKER_READ_BYTES = 1 << 20  # a unit or plist is small; the marker is in its first lines
+
+
+def written_by_spilld(path: Path) -> bool:
+    """A regular file (not a link) that carries ``units.MARKER``: one spilld wrote, so one it may replace or
+    remove. A user's own file of the same name, or a link to one kept elsewhere, is not."""
+    try:
+        if not stat.S_ISREG(path.lstat().st_mode):
+            return False
+        with path.open("rb") as f:
+            return units.MARKER.encode() in f.read(MARKER_READ_BYTES)
+    except OSError:
+        return False
+
+
+def _foreign(paths: Sequence[Path]) -> list[Path]:
+    return [p for p in paths if os.path.lexists(p) and not written_by_spilld(p)]
 
 
 def installed_files(manager: Manager, home: Path) -> list[Path]:
@@ -138,8 +160,11 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     if manager == "launchd":
         plist = plist_path(home)
         target = f"{_domain()}/{units.LABEL}"
+        foreign = _foreign([plist])
         return Plan(
             write={plist: units.launchd_plist(spec, home)},
+            foreign=foreign,
+            refuse=bool(foreign),
             folders=missing_folders([units.launchd_log(home).parent, Path(units.launchd_socket(spec, home)).parent]),
             before=[
                 Step(["launchctl", "bootout", target], may_fail=True),  # a reinstall replaces the old job
@@ -158,11 +183,15 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     if spec.socket_activation:
         write[folder / units.SOCKET_NAME] = units.systemd_socket(spec)
         names.insert(0, units.SOCKET_NAME)
-    else:  # a socket unit from an earlier install would hold the path the daemon now binds itself
+    elif written_by_spilld(folder / units.SOCKET_NAME):  # an earlier install's would hold the path the daemon binds
         before.append(Step(["systemctl", "--user", "disable", "--now", units.SOCKET_NAME], may_fail=True))
+    stale = [p for p in installed_files(manager, home) if p not in write]
+    foreign = _foreign([*write, *stale])
     return Plan(
         write=write,
-        remove=[p for p in installed_files(manager, home) if p not in write],
+        remove=[p for p in stale if written_by_spilld(p)],
+        foreign=foreign,
+        refuse=bool(_foreign(list(write))),  # a stale file of the user's is only left alone
         before=before,
         after=[
             Step(["systemctl", "--user", "daemon-reload"]),
@@ -177,26 +206,30 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
 
 def uninstall_plan(manager: Manager, home: Path) -> Plan:
     """Commands that stop and disable the service (the daemon drains), then the files go."""
-    files, stop_s = installed_files(manager, home), installed_stop_s(manager, home)
+    every, stop_s = installed_files(manager, home), installed_stop_s(manager, home)
+    files, foreign = [p for p in every if written_by_spilld(p)], _foreign(every)
+    if not files:  # nothing of ours: no command either (a user's own job of that name is theirs to stop)
+        return Plan(foreign=foreign, stop_s=stop_s)
     if manager == "launchd":
         target = f"{_domain()}/{units.LABEL}"
-        return Plan(remove=files, before=[Step(["launchctl", "bootout", target], may_fail=True)], stop_s=stop_s)
+        bootout = [Step(["launchctl", "bootout", target], may_fail=True)]
+        return Plan(remove=files, foreign=foreign, before=bootout, stop_s=stop_s)
+    names = [p.name for p in files]
     return Plan(
         remove=files,
-        before=[
-            Step(["systemctl", "--user", "disable", "--now", units.SERVICE_NAME, units.SOCKET_NAME], may_fail=True)
-        ],
+        foreign=foreign,
+        before=[Step(["systemctl", "--user", "disable", "--now", *names], may_fail=True)],
         after=[Step(["systemctl", "--user", "daemon-reload"], may_fail=True)],
         stop_s=stop_s,
     )
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o644)  # launchd refuses a plist others can write
         os.replace(tmp, path)
     except BaseException:
@@ -247,6 +280,13 @@ def _show_step(step: Step, plan: Plan, out: TextIO) -> None:
 
 def show(plan: Plan, out: TextIO) -> None:
     """Print the plan: every file in full, then every command (what --dry-run shows)."""
+    for path in plan.foreign:
+        why = "refused: it exists" if plan.refuse and path in plan.write else "left alone:"
+        print(
+            f"# {why} {path} was not written by spilld service install (it lacks the line {units.MARKER!r})", file=out
+        )
+    if plan.refuse:
+        return
     for folder in plan.folders:
         print(f"# create folder {folder} (0700)", file=out)
     for step in plan.before:
@@ -265,14 +305,22 @@ def show(plan: Plan, out: TextIO) -> None:
 
 
 def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Carry the plan out; False (with a message) when a command that must succeed failed or timed out."""
+    """Carry the plan out; False (with a message) when a command that must succeed failed or timed out, or when
+    the install would replace a file spilld did not write (then nothing is done)."""
+    for path in plan.foreign:
+        if plan.refuse and path in plan.write:
+            print(f"spilld: {path} exists and was not written by spilld service install: move it away first", file=err)
+        else:
+            print(f"spilld: left alone (not written by spilld service install): {path}", file=err)
+    if plan.refuse:
+        return False
+    saved = _saved_files(plan)  # before any command: a file that cannot be read stops nothing half done
     for folder in plan.folders:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # one made meanwhile by someone else keeps its mode
     if not _run_steps(plan.before, plan, runner, err, sleep):
         return False
-    saved = _saved_files(plan)
     for path, text in plan.write.items():
-        _write_atomic(path, text)
+        _write_atomic(path, text.encode())
     for path in plan.remove:
         path.unlink(missing_ok=True)
     if _run_steps(plan.after, plan, runner, err, sleep):
@@ -281,31 +329,32 @@ def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None
     return False
 
 
-def _saved_files(plan: Plan) -> dict[Path, str | None]:
-    """What each file the plan writes or removes holds now (None: absent), to put back if the manager refuses."""
-    saved: dict[Path, str | None] = {}
+def _saved_files(plan: Plan) -> dict[Path, bytes | None]:
+    """What each file the plan writes or removes holds now (None: absent), to put back if the manager refuses:
+    its bytes, whatever they are (a binary plist is one launchd reads)."""
+    saved: dict[Path, bytes | None] = {}
     for path in [*plan.write, *plan.remove]:
         try:
-            saved[path] = path.read_text()
+            saved[path] = path.read_bytes()
         except FileNotFoundError:
             saved[path] = None
     return saved
 
 
 def _roll_back(
-    saved: dict[Path, str | None], plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None]
+    saved: dict[Path, bytes | None], plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None]
 ) -> None:
     """Put every file back as it was before the plan (the manager refused a command), and say so; a file that
     cannot be put back is named with how to remove it."""
     removed, restored, left = [], [], []
-    for path, text in saved.items():
+    for path, data in saved.items():
         try:
-            if text is None:
+            if data is None:
                 if path.exists():
                     path.unlink()
                     removed.append(path)
-            elif not path.exists() or path.read_text() != text:
-                _write_atomic(path, text)
+            elif not path.exists() or path.read_bytes() != data:
+                _write_atomic(path, data)
                 restored.append(path)
         except OSError:
             left.append(path)

@@ -112,12 +112,19 @@ def launchd_job(spec: ServiceSpec, home: Path) -> dict[str, Any]:
 
 
 def launchd_plist(spec: ServiceSpec, home: Path) -> str:
-    return plistlib.dumps(launchd_job(spec, home), sort_keys=False).decode()
+    text = plistlib.dumps(launchd_job(spec, home), sort_keys=False).decode()
+    head, _, rest = text.partition("<plist ")  # the marker as an XML comment, which launchd and plistlib skip
+    return f"{head}<!-- {MARKER} -->\n<plist {rest}"
 
 
 # --- systemd -----------------------------------------------------------------------------------
 
+# Every file spilld writes for a service manager says so: `service uninstall` removes, and `service install`
+# replaces, only files that carry this line (a user's own unit or plist of the same name is left alone).
+MARKER = "Written by `spilld service install`; `spilld service uninstall` removes it."
+
 SERVICE_TEMPLATE = string.Template("""\
+# ${marker}
 [Unit]
 Description=spilld, a write-behind cold tier for LLM KV caches
 ${socket_deps}
@@ -156,6 +163,7 @@ WantedBy=default.target
 ${also}""")
 
 SOCKET_TEMPLATE = string.Template("""\
+# ${marker}
 [Unit]
 Description=spilld socket
 
@@ -191,11 +199,13 @@ def systemd_service(spec: ServiceSpec) -> str:
         grace=f"{STOP_GRACE_S:g}",
         watchdog=WATCHDOG_S,
         also=f"Also={SOCKET_NAME}\n" if activation else "",
+        marker=MARKER,
     )
 
 
 def systemd_socket(spec: ServiceSpec) -> str:
-    return SOCKET_TEMPLATE.substitute(listen=spec.socket.replace("%", "%%") if spec.socket else SYSTEMD_SOCKET)
+    listen = spec.socket.replace("%", "%%") if spec.socket else SYSTEMD_SOCKET
+    return SOCKET_TEMPLATE.substitute(listen=listen, marker=MARKER)
 
 
 # --- the shipped examples ----------------------------------------------------------------------
