@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 
+import msgpack
 import pytest
 import pytest_asyncio
 from mlx_lm.models import cache as C
@@ -872,6 +873,10 @@ async def test_a_root_value_longer_than_a_root_is_bad_bytes_never_decoded(server
         assert peak < 16 * 2**20, peak  # the value itself (1 MiB) and the reply's buffers; decoded, ~72 MiB
         assert tier.counters()["misses"]["bad_bytes"] == 1 and store.lookup(FILL_IDENT, "", prompt).__class__ is not Hit
         with server.client() as c:
+            c.set(name, msgpack.packb([b"short", True]))  # short enough, but not a root: bad bytes too
+        assert not await RemoteLink(tier, store).fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert tier.counters()["misses"]["bad_bytes"] == 2
+        with server.client() as c:
             c.set(name, good)
         assert await RemoteLink(tier, store).fill(FILL_IDENT, "", prompt, store.provider_id)
         got = await store.restore_async(store.lookup(FILL_IDENT, "", prompt), FILL_IDENT)  # type: ignore[arg-type]
@@ -944,3 +949,45 @@ async def test_a_daemon_refused_at_its_socket_closes_its_shared_tier(server: Red
     finally:
         first.stopping.set()
         await first.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_manifest_under_another_prompts_key_is_a_miss_that_keeps_nothing(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Under the key of conversation A's last block, the manifest of another conversation: a fill of A is a miss
+    (`wrong_manifest`, counted as bad bytes) and keeps none of the other's blocks (found in review: it wrote them
+    and said filled, and every later lookup of A did the same again)."""
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    (entry_a,) = store_a.entries
+    other = [9000 + t for t in range(16 * 4 + 2)]
+    await store_a.put(other, [fill(C.KVCache(), len(other), heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+    (entry_o,) = [e for e in store_a.entries if e is not entry_a]
+    with server.client() as c:  # pushed by store A's link, behind the put
+        await wait_for(lambda: c.exists(keys.manifest_key("", entry_o.blocks[-1])))
+        c.set(keys.manifest_key("", entry_a.blocks[-1]), c.get(keys.manifest_key("", entry_o.blocks[-1])))
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store)
+    try:
+        assert not await link.fill(FILL_IDENT, "", [*range(16 * 3 + 3), 999], store.provider_id)
+        assert link.fill_misses["wrong_manifest"] == 1 and tier.counters()["misses"]["bad_bytes"] == 1
+        assert store.count == 0 and store.blocks == []
+    finally:
+        await tier.close()
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_refused_reads_and_values_of_the_wrong_shape_are_counted_misses(server: RedisServer) -> None:
+    """A read the server refuses (a key of another type, an ACL) shows in `misses` (it was left out of status),
+    and a root or reference of the wrong length is bad bytes, not a hit."""
+    tier = await started(relaxed(server.url))
+    try:
+        k = hashlib.sha256(b"list").digest()
+        with server.client() as c:
+            c.lpush(keys.block_key(NS, k), b"x")  # WRONGTYPE for a GET
+        assert await tier.fetch(NS, [k]) == [None]
+        assert tier.counters()["misses"]["refused"] == 1
+    finally:
+        await tier.close()

@@ -194,7 +194,7 @@ class RemoteLink:
         manifest = await self._manifest_for(namespace, keys[found - 1])
         if manifest is None:
             return self._missed("no_manifest")
-        return await self._adopt(ident, namespace, manifest)
+        return await self._adopt(ident, namespace, manifest, keys[found - 1])
 
     async def _root(self, namespace: str, space: bytes) -> bytes | None:
         if space in self._roots:
@@ -208,6 +208,8 @@ class RemoteLink:
             self.tier.note_bad_bytes()
             return None
         if not isinstance(root, bytes) or len(root) != BLOCK_KEY_BYTES:
+            if raw is not None:  # a value, but not a root: hostile bytes, never a hit
+                self.tier.note_bad_bytes()
             return None
         self._roots[space] = (root, bool(whole))
         return root
@@ -219,16 +221,22 @@ class RemoteLink:
             return m
         (ref,) = await self.tier.fetch(namespace, [key], Kind.REF)
         if ref is None or len(ref) != BLOCK_KEY_BYTES:
+            if ref is not None:
+                self.tier.note_bad_bytes()
             return None
         (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST)
         return m
 
-    async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes) -> bool:
-        try:
-            keys = _named_blocks(manifest)
+    async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, asked: bytes) -> bool:
+        """Keep the manifest fetched for block ``asked`` and the blocks it names that this host lacks."""
+        try:  # a header and a key chain of up to 64 MiB: checked off the loop
+            keys = await off_loop(functools.partial(_named_blocks, manifest), compute=True)
         except errors.SpillError:
             self.tier.note_bad_bytes()
             return self._missed("bad_bytes")
+        if asked not in keys:  # another prompt's manifest put under this key: nothing of it serves this one
+            self.tier.note_bad_bytes()
+            return self._missed("wrong_manifest")
         want = list(dict.fromkeys(k for k in keys if not self.store.has_block(k)))
         if len(want) > MAX_FILL_BLOCKS:
             return self._missed("too_many_blocks")

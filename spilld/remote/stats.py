@@ -40,7 +40,8 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "hits": self.hits,
-            "misses": {r.value: self.misses[r] for r in Reason if r not in (Reason.OOM, Reason.REFUSED)},
+            # (a read is never refused for memory: OOM is a push's failure only)
+            "misses": {r.value: self.misses[r] for r in Reason if r is not Reason.OOM},
             "probes": self.probes,
             "probe_blocks_found": self.probe_blocks_found,
             "bytes_fetched": self.bytes_fetched,

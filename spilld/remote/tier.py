@@ -382,19 +382,20 @@ class RemoteTier:
         if sealer is None:
             return values
 
-        def one(key: bytes, v: bytes | None) -> bytes | None:
+        def one(key: bytes, v: bytes | None) -> bytes | DecryptError | None:
             if v is None:
                 return None
             try:
                 return sealer.open(namespace, key, v, kind)
-            except DecryptError:
-                self.stats.misses[Reason.DECRYPT] += 1
-                return None
+            except DecryptError as e:
+                return e
 
-        def run() -> list[bytes | None]:
+        def run() -> list[bytes | DecryptError | None]:  # perhaps on a worker thread: counts nothing itself
             return [one(k, v) for k, v in zip(keys, values, strict=True)]
 
-        return await _maybe_thread(run, sum(len(v) for v in values if v is not None))
+        opened = await _maybe_thread(run, sum(len(v) for v in values if v is not None))
+        self.stats.misses[Reason.DECRYPT] += sum(isinstance(v, DecryptError) for v in opened)
+        return [None if isinstance(v, DecryptError) else v for v in opened]
 
 
 async def _maybe_thread(fn: Callable[[], T], nbytes: int) -> T:
