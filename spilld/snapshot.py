@@ -25,7 +25,6 @@ from .saver import (
     clone_and_size,
     clone_attachments,
     encode_now,
-    evaluated,
     finish_plan,
     plan,
     token_ids_now,
@@ -67,7 +66,6 @@ def new_item(
     pin: bool = False,
     attachments: Sequence[Attachment] = (),
     checkpoint: fmt.GenerationCheckpoint | None = None,
-    clone: bool = True,
     live: bool = False,
     leased: bool = True,
 ) -> SpillItem:
@@ -95,10 +93,7 @@ def new_item(
     )
     held = 0
     if not live:
-        if clone:
-            item.caches, held = clone_and_size(caches, provider)
-        else:
-            item.caches, held = evaluated(caches), held_bytes(caches, (), provider)
+        item.caches, held = clone_and_size(caches, provider)
     snap = item.payload = Snapshot(held=held)
     if live:  # read the caches now, at the snapshot point; the header is built by the writer, off this thread
         enc = encode_now(caches, attachments=item.attachments, provider=provider, live=True)

@@ -124,7 +124,6 @@ class Spiller:
         droppable: bool = True,
         attachments: Sequence[Attachment] = (),
         checkpoint: fmt.GenerationCheckpoint | None = None,
-        clone: bool = True,
         live: bool = False,
         pin: bool = False,
     ) -> asyncio.Future[Settled]:
@@ -148,7 +147,7 @@ class Spiller:
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
-            droppable=droppable, attachments=attachments, checkpoint=checkpoint, clone=clone, live=live, pin=pin,
+            droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live, pin=pin,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
         return self._submit(lambda: self.queue.enqueue(item))
