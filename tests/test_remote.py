@@ -382,6 +382,10 @@ async def test_ttl_set_on_push_and_refreshed_on_fetch(server: RedisServer) -> No
             assert await tier.fetch(NS, ks[:1]) == [b"hot"]
             assert c.ttl(name) > 990  # a fetch is a use: the TTL starts again
             c.expire(name, 5)
+            assert await tier.fetch(NS, ks[:1], Kind.BLOCK, 3) == [b"hot"]  # a bounded read (GETRANGE) too
+            assert c.ttl(name) > 990
+            assert await tier.fetch(NS, ks[:1], Kind.BLOCK, 2) == [None]  # one byte over its bound: refused
+            c.expire(name, 5)
             assert not await tier.push(NS, ks[0], b"hot")  # a push of what is there is a use too
             assert c.ttl(name) > 990
     finally:
@@ -769,13 +773,13 @@ async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it
     loop = asyncio.get_running_loop()
     written = [asyncio.Event() for _ in range(8)]  # set as each write starts (on a worker thread)
 
-    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK) -> Any:
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None) -> Any:
         if kind is Kind.BLOCK:
             nth = sum(e == "fetch" for e, _ in events)
             events.append(("fetch", len(ks)))
             if nth:  # held until the batch before it is being written: only a fetch made ahead can wait for that
                 await asyncio.wait_for(written[nth - 1].wait(), 10)
-        return await real_fetch(ns, ks, kind)
+        return await real_fetch(ns, ks, kind, max_bytes)
 
     def publish(ops: Any, files: Any, durability: Any) -> None:
         loop.call_soon_threadsafe(written[sum(e == "write" for e, _ in events)].set)
@@ -816,13 +820,13 @@ async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
     link = RemoteLink(tier, store)
     real_fetch, fetches = tier.fetch, []
 
-    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK) -> Any:
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None) -> Any:
         if kind is Kind.BLOCK:
             if len(fetches) == 3:  # the batch after the broken one, fetched ahead
                 fetches.append("slow")
                 await asyncio.sleep(30)
             fetches.append(f"fetch {len(ks)}")
-        return await real_fetch(ns, ks, kind)
+        return await real_fetch(ns, ks, kind, max_bytes)
 
     monkeypatch.setattr(tier, "fetch", fetch)
     try:
@@ -991,3 +995,30 @@ async def test_refused_reads_and_values_of_the_wrong_shape_are_counted_misses(se
         assert tier.counters()["misses"]["refused"] == 1
     finally:
         await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_a_value_made_larger_than_its_kind_allows_is_never_read_whole(server: RedisServer, tmp_path: Any) -> None:
+    """A block's value replaced by 48 MiB: the fill reads at most one byte past the bound its manifest gives a
+    block (found in review: every value was read whole, up to Redis's 512 MiB, 16 at a time in a fill), counts it
+    as bad bytes and keeps nothing."""
+    import tracemalloc
+
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    (entry,) = store_a.entries
+    with server.client() as c:
+        c.set(keys.block_key("", entry.blocks[1]), b"\0" * (48 << 20))
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    try:
+        tracemalloc.start()
+        try:
+            filled = await RemoteLink(tier, store).fill(FILL_IDENT, "", [*range(16 * 3 + 3), 999], store.provider_id)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert not filled and peak < 8 << 20, peak
+        assert tier.counters()["misses"]["bad_bytes"] == 1 and store.count == 0
+    finally:
+        await tier.close()
+        await tier_a.close()

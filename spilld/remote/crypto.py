@@ -21,6 +21,7 @@ from .keys import Kind
 
 NONCE_BYTES = 12  # AES-GCM's standard nonce; random per value (2^-32 collision odds only after ~2^32 values/key)
 TAG_BYTES = 16
+SEALED_OVERHEAD = NONCE_BYTES + TAG_BYTES  # a sealed value's bytes beyond its plaintext
 AES_KEY_BYTES = 32
 MAX_CACHED_NAMESPACES = 1024  # derived keys kept
 MIN_KEY_FILE_BYTES = 32  # the file is the secret: at least as much entropy as the AES key it seeds

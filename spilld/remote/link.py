@@ -28,6 +28,7 @@ import msgpack
 
 from .. import blocks, errors
 from .. import format as fmt
+from ..assemble import Expected
 from ..config import Config
 from ..entries import Block, Entry, identity_fingerprint
 from ..lease import off_loop
@@ -47,6 +48,10 @@ MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming mor
 # two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
 FILL_BATCH_KEYS = 8
 MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
+# A manifest's header (at most 64 MiB) and its tail (rows under one block, and any non-positional state): a value
+# larger than this is refused unread. A block's bound comes from its manifest (``_block_bound``).
+MAX_MANIFEST_VALUE_BYTES = 256 * 1024 * 1024
+BLOCK_HEADER_SLACK = 4096  # a block's header beside block 0's as planned: its own key, time and hashes
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -199,10 +204,8 @@ class RemoteLink:
     async def _root(self, namespace: str, space: bytes) -> bytes | None:
         if space in self._roots:
             return self._roots[space][0]
-        (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT)
+        (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT, MAX_ROOT_VALUE_BYTES)  # (never read whole)
         try:
-            if raw is not None and len(raw) > MAX_ROOT_VALUE_BYTES:
-                raise ValueError(f"a root value of {len(raw)} bytes")  # never decoded: bytes from Redis are hostile
             root, whole = unpack(raw) if raw is not None else (None, False)
         except (ValueError, TypeError, msgpack.UnpackException):
             self.tier.note_bad_bytes()
@@ -216,21 +219,21 @@ class RemoteLink:
 
     async def _manifest_for(self, namespace: str, key: bytes) -> bytes | None:
         """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too)."""
-        (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST)
+        (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
         if m is not None:
             return m
-        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF)
+        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES)
         if ref is None or len(ref) != BLOCK_KEY_BYTES:
             if ref is not None:
                 self.tier.note_bad_bytes()
             return None
-        (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST)
+        (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
         return m
 
     async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, asked: bytes) -> bool:
         """Keep the manifest fetched for block ``asked`` and the blocks it names that this host lacks."""
         try:  # a header and a key chain of up to 64 MiB: checked off the loop
-            keys = await off_loop(functools.partial(_named_blocks, manifest), compute=True)
+            keys, bound = await off_loop(functools.partial(_named_blocks, manifest), compute=True)
         except errors.SpillError:
             self.tier.note_bad_bytes()
             return self._missed("bad_bytes")
@@ -241,7 +244,7 @@ class RemoteLink:
         if len(want) > MAX_FILL_BLOCKS:
             return self._missed("too_many_blocks")
         try:
-            async with contextlib.aclosing(self._fetched(namespace, want)) as batches:
+            async with contextlib.aclosing(self._fetched(namespace, want, bound)) as batches:
                 await self.store.adopt(ident, namespace, manifest, batches)
         except _Absent:
             return self._missed("blocks_absent")
@@ -255,15 +258,16 @@ class RemoteLink:
         self.fills += 1
         return True
 
-    async def _fetched(self, namespace: str, want: list[bytes]) -> AsyncGenerator[dict[bytes, bytes], None]:
+    async def _fetched(self, namespace: str, want: list[bytes], bound: int) -> AsyncGenerator[dict[bytes, bytes], None]:
         """``want``'s values in batches of ``FILL_BATCH_KEYS``, the next batch fetched while the store checks and
         writes this one (at most two batches in memory); ``_Absent`` once one is missing."""
         parts = [want[lo : lo + FILL_BATCH_KEYS] for lo in range(0, len(want), FILL_BATCH_KEYS)]
         ahead: asyncio.Future[list[bytes | None]] | None = None
         try:
             for i, part in enumerate(parts):
-                got = await (ahead or self.tier.fetch(namespace, part))
-                ahead = asyncio.ensure_future(self.tier.fetch(namespace, parts[i + 1])) if i + 1 < len(parts) else None
+                got = await (ahead or self.tier.fetch(namespace, part, Kind.BLOCK, bound))
+                nxt = parts[i + 1] if i + 1 < len(parts) else None
+                ahead = asyncio.ensure_future(self.tier.fetch(namespace, nxt, Kind.BLOCK, bound)) if nxt else None
                 values = [v for v in got if v is not None]
                 if len(values) < len(part):
                     raise _Absent
@@ -293,12 +297,15 @@ class RemoteLink:
         }
 
 
-def _named_blocks(manifest: bytes) -> list[bytes]:
-    """The block keys a fetched manifest names (its header checked first)."""
+def _named_blocks(manifest: bytes) -> tuple[list[bytes], int]:
+    """The block keys a fetched manifest names (its header checked first), and the most bytes one of its blocks
+    may hold: block 0's file as this build plans it, plus slack for the header fields that vary."""
     header = header_from_bytes(manifest, len(manifest))
     if header.blocks is None:
         raise errors.BlockInvalid("a fetched manifest names no blocks")
-    return list(header.blocks.keys)
+    planned = Expected(header)
+    head = fmt.PREFIX_LEN + len(fmt.pack_header(planned.tpl)) + BLOCK_HEADER_SLACK
+    return list(header.blocks.keys), fmt.align_up(head, fmt.ALIGN) + planned.end
 
 
 async def open_link(cfg: Config, store: Store) -> RemoteLink:

@@ -27,7 +27,7 @@ from . import keys as rkeys
 from .breaker import Breaker, State
 from .client import Client, close_client, make_client, tls_context
 from .config import RemoteConfig
-from .crypto import Sealer
+from .crypto import SEALED_OVERHEAD, Sealer
 from .errors import DecryptError
 from .keys import Kind
 from .pushqueue import Push, PushQueue
@@ -164,38 +164,54 @@ class RemoteTier:
             self.stats.misses[Reason.ABSENT] += 1
         return found
 
-    async def fetch(self, namespace: str, keys: Sequence[bytes], kind: Kind = Kind.BLOCK) -> list[bytes | None]:
-        """The values of ``keys`` (None for each one absent, undecryptable or lost), through pipelines of
-        ``FETCH_BATCH_KEYS`` GETs, ``FETCH_IN_FLIGHT`` at once, each bounded by ``fetch_timeout_s``; with a TTL,
-        each one found has its TTL refreshed (GETEX)."""
+    async def fetch(
+        self, namespace: str, keys: Sequence[bytes], kind: Kind = Kind.BLOCK, max_bytes: int | None = None
+    ) -> list[bytes | None]:
+        """The values of ``keys`` (None for each one absent, undecryptable, lost, or larger than ``max_bytes`` of
+        plaintext), through pipelines of ``FETCH_BATCH_KEYS`` reads, ``FETCH_IN_FLIGHT`` at once, each bounded by
+        ``fetch_timeout_s``; with a TTL, each one found has its TTL refreshed. With ``max_bytes`` a read takes at
+        most one byte more than that (GETRANGE): a value someone made larger is never read whole."""
         if not keys:
             return []
         names = [rkeys.value_key(namespace, k, kind) for k in keys]
-        ttl = self.config.ttl_s
-        cmds = [_cmd("get", n) if ttl is None else _cmd("getex", n, ex=ttl) for n in names]
+        cmds, stride = self._reads(names, max_bytes)
         slots = asyncio.Semaphore(FETCH_IN_FLIGHT)
+        per = FETCH_BATCH_KEYS * stride
 
         async def batch(lo: int) -> list[Any]:
             async with slots:
-                r = await self._call(_pipeline(cmds[lo : lo + FETCH_BATCH_KEYS]), self.config.fetch_timeout_s)
-            return [r] * min(FETCH_BATCH_KEYS, len(cmds) - lo) if isinstance(r, _Failed) else r
+                r = await self._call(_pipeline(cmds[lo : lo + per]), self.config.fetch_timeout_s)
+            return [r] * (min(per, len(cmds) - lo) // stride) if isinstance(r, _Failed) else r[::stride]
 
-        got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), FETCH_BATCH_KEYS)))
+        got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
         r = [v for part in got for v in part]
-        values = [v if isinstance(v, bytes) else None for v in r]
+        limit = None if max_bytes is None else max_bytes + (SEALED_OVERHEAD if self._sealer is not None else 0)
+        values = [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None for v in r]
         for v in r:
             if isinstance(v, _Failed):  # its whole pipeline failed
                 self.stats.misses[v.reason] += 1
             elif isinstance(v, Exception):
                 self.stats.misses[_reason_of(v)] += 1
-            elif v is None:
+            elif not v:  # (GETRANGE reads a missing key as empty: no value is)
                 self.stats.misses[Reason.ABSENT] += 1
+            elif limit is not None and isinstance(v, bytes) and len(v) > limit:
+                self.stats.misses[Reason.BAD_BYTES] += 1
         out = await self._open_all(namespace, keys, values, kind)
         for v in out:
             if v is not None:
                 self.stats.hits += 1
                 self.stats.bytes_fetched += len(v)
         return out
+
+    def _reads(self, names: list[str], max_bytes: int | None) -> tuple[list[_Cmd], int]:
+        """The commands that read ``names`` (a TTL refreshed as they are read), and how many there are a name."""
+        ttl = self.config.ttl_s
+        if max_bytes is None:
+            return [_cmd("get", n) if ttl is None else _cmd("getex", n, ex=ttl) for n in names], 1
+        end = max_bytes + (SEALED_OVERHEAD if self._sealer is not None else 0)  # one byte past it is read
+        if ttl is None:
+            return [_cmd("getrange", n, 0, end) for n in names], 1
+        return [c for n in names for c in (_cmd("getrange", n, 0, end), _cmd("expire", n, ttl))], 2
 
     def note_bad_bytes(self, count: int = 1) -> None:
         """The store refused ``count`` fetched values (wrong bytes under their key): counted as misses."""
