@@ -17,7 +17,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from . import api, fileio
+from . import api, errors, fileio
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .codecs import CodecProvider, default_provider
@@ -81,10 +81,13 @@ class Spiller:
         it and no other scan reaps it (the blocks of a put still under way would look like orphans). Only a Spiller
         that found the lock free scans with it held alone, so that its scan may reap; in a daemon's folder a
         Spiller writes as a guest, reaping nothing."""
-        lock = self.store.lock
-        alone = lock.try_acquire()
-        if not alone:
-            lock.try_acquire(shared=True)
+        lock, alone = self.store.lock, False
+        try:
+            alone = lock.try_acquire()
+            if not alone:
+                lock.try_acquire(shared=True)
+        except errors.StorageError:  # a folder we may only read (no lock file can be made): restores still work
+            pass
         try:
             await off_loop(self.store.scan)
         except BaseException:
