@@ -299,13 +299,15 @@ class RemoteLink:
 
 def _named_blocks(manifest: bytes) -> tuple[list[bytes], int]:
     """The block keys a fetched manifest names (its header checked first), and the most bytes one of its blocks
-    may hold: block 0's file as this build plans it, plus slack for the header fields that vary."""
+    may hold: block 0's file as this build plans it, plus slack for the header fields that vary and for a page of
+    padding a tensor (a block another version wrote may align small tensors to pages)."""
     header = header_from_bytes(manifest, len(manifest))
     if header.blocks is None:
         raise errors.BlockInvalid("a fetched manifest names no blocks")
     planned = Expected(header)
     head = fmt.PREFIX_LEN + len(fmt.pack_header(planned.tpl)) + BLOCK_HEADER_SLACK
-    return list(header.blocks.keys), fmt.align_up(head, fmt.ALIGN) + planned.end
+    padding = len(planned.tpl.slots()) * fmt.ALIGN
+    return list(header.blocks.keys), fmt.align_up(head, fmt.ALIGN) + planned.end + padding
 
 
 async def open_link(cfg: Config, store: Store) -> RemoteLink:
