@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import weakref
 
 from . import errors
 from .fileio import io_errors
@@ -36,6 +37,7 @@ class FileLock:
         self.what = what
         self.fd: int | None = None
         self.shared = False  # held shared (with other embedded writers), not exclusively
+        self._finalizer: weakref.finalize[[int], FileLock] | None = None  # lets go of a lock whose holder was dropped
 
     @property
     def held(self) -> bool:
@@ -63,7 +65,8 @@ class FileLock:
         except OSError:
             os.close(fd)
             raise
-        self.fd, self.shared = fd, shared  # ours from here, released by ``release``
+        self.fd, self.shared = fd, shared  # ours from here, released by ``release`` (or when this object goes)
+        self._finalizer = weakref.finalize(self, _close_quietly, fd)
         if shared:
             return True
         # the pid only names the owner to others: on a full disk they read "has not written its pid yet"
@@ -87,7 +90,15 @@ class FileLock:
 
     def release(self) -> None:
         self.shared = False
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         if self.fd is not None:
             fd, self.fd = self.fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)  # closing the last descriptor drops the flock

@@ -24,6 +24,7 @@ from .codecs import CodecProvider, default_provider
 from .entries import Hit, Miss, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
+from .lockfile import FileLock
 from .queue import DrainReport, Settled, SpillItem, SpillQueue
 from .saver import Attachment, Staging
 from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
@@ -32,6 +33,9 @@ from .store import Store
 log = logging.getLogger("spilld.spiller")
 
 DEFAULT_QUEUE_CAP = 2 * 1024**3
+# A Spiller opened while another scans the folder (holding its lock alone) waits this long for a shared hold
+SHARE_WAIT_S = 60.0
+SHARE_RETRY_S = 0.05
 
 
 class Spiller:
@@ -85,7 +89,7 @@ class Spiller:
         try:
             alone = lock.try_acquire()
             if not alone:
-                lock.try_acquire(shared=True)
+                await self._share(lock)
         except errors.StorageError:  # a folder we may only read (no lock file can be made): restores still work
             pass
         try:
@@ -97,6 +101,16 @@ class Spiller:
             lock.share()
         self._loop = asyncio.get_running_loop()
         return self
+
+    async def _share(self, lock: FileLock) -> None:
+        """Hold ``lock`` shared. Another Spiller holds it alone while it scans (then shares it): wait for that, up to
+        ``SHARE_WAIT_S``. A daemon holds it alone for its life: then write as its guest, reaping nothing."""
+        deadline = asyncio.get_running_loop().time() + SHARE_WAIT_S
+        while not lock.try_acquire(shared=True):
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("%s: its lock stays taken (a daemon serves it?): writing there without it", self.store.root)
+                return
+            await asyncio.sleep(SHARE_RETRY_S)
 
     # --- writing --------------------------------------------------------------------
 

@@ -263,6 +263,28 @@ async def test_an_open_spiller_keeps_its_folder_from_other_scans_and_daemons(tmp
 
 
 @pytest.mark.asyncio
+async def test_spillers_opened_at_once_all_hold_the_folder_and_a_dropped_one_lets_go(tmp_path: Path) -> None:
+    """Two Spillers opened together: the second waits for the first's scan (which holds the lock alone) and then
+    shares it; found in review: it went on holding nothing, so once the first closed a third one's scan reaped
+    the blocks of its put under way. A Spiller dropped without ``close`` lets the lock go with it."""
+    import gc
+
+    a, b = await asyncio.gather(*(spilld.Spiller.open(tmp_path, identity=IDENT) for _ in range(2)))
+    assert a.store.lock.fd is not None and b.store.lock.fd is not None
+    await a.close()
+    with pytest.raises(errors.AlreadyRunning):
+        Store(tmp_path).acquire()  # b still holds it
+    await b.close()
+    dropped = await spilld.Spiller.open(tmp_path, identity=IDENT)
+    assert dropped.store.lock.fd is not None
+    del dropped
+    gc.collect()
+    owner = Store(tmp_path)
+    owner.acquire()  # nothing of the dropped Spiller is left holding the folder
+    owner.close()
+
+
+@pytest.mark.asyncio
 async def test_a_scan_under_another_owners_lock_evicts_and_moves_nothing(tmp_path: Path) -> None:
     """A store that scans a folder another spilld owns (its cap may be smaller) leaves the owner's entries and
     bad files where they are (found in review: it evicted them down to its own cap)."""
