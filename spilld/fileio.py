@@ -51,10 +51,11 @@ def io_errors(what: str, path: str) -> Iterator[None]:
         raise cls(f"{what} failed: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
 
 
-def open_regular(path: str) -> int:
-    """``path`` opened for reading if it is a regular file; else OSError (EINVAL). Opened without blocking, so a
-    FIFO named like a cache file (no writer at its other end) is refused at once instead of hanging its reader."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+def open_regular(path: str, flags: int = 0) -> int:
+    """``path`` opened for reading (with ``flags`` more) if it is a regular file; else OSError (EINVAL). Opened
+    without blocking, so a FIFO named like a cache file (no writer at its other end) is refused at once instead of
+    hanging its reader."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file (a folder, FIFO, socket or device)")

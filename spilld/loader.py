@@ -41,9 +41,7 @@ def _read_header_fd(fd: int, path: str, expect: assemble.ExpectFn | None = None,
     """The file's checked header: taken as ``expect`` says when it is exactly that, else validated."""
     with fileio.io_errors("read", path):  # an I/O error reading a header is a StorageError, as in a tensor read
         size = os.fstat(fd).st_size if size is None else size
-        head = _read_exact(fd, fmt.PREFIX_LEN, 0)
-    prefix = fmt.decode_prefix(head, size, path)  # bounds the read below
-    with fileio.io_errors("read", path):
+        prefix = fmt.decode_prefix(_read_exact(fd, fmt.PREFIX_LEN, 0), size, path)  # bounds the read below
         raw = _read_exact(fd, prefix.data_start, 0)
     header = expect(prefix, raw, size) if expect is not None else None
     return header if header is not None else header_from_bytes(raw, size, path)

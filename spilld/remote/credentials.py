@@ -7,6 +7,7 @@ import os
 import stat
 from collections.abc import Mapping
 
+from ..fileio import open_regular
 from .errors import RemoteConfigError
 
 PASSWORD_ENV = "SPILLD_REMOTE_PASSWORD"
@@ -16,15 +17,12 @@ _OPEN_TO_OTHERS = stat.S_IRWXG | stat.S_IRWXO
 
 def read_private_file(path: str, what: str) -> bytes:
     """The bytes of a regular file that neither its group nor others may read, write or run (0600, 0400)."""
-    try:
-        # without blocking: a FIFO at that path is refused below instead of waiting for a writer for ever
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:  # a regular file, not a link; a FIFO there is refused instead of waited on
+        fd = open_regular(path, os.O_NOFOLLOW)
     except OSError as e:
         raise RemoteConfigError(f"{what} {path!r} cannot be opened: {e.strerror}") from e
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise RemoteConfigError(f"{what} {path!r} is not a regular file")
         if st.st_mode & _OPEN_TO_OTHERS:
             mode = stat.S_IMODE(st.st_mode)
             raise RemoteConfigError(f"{what} {path!r} is open to its group or others (mode {mode:04o}); chmod 600 it")

@@ -306,7 +306,7 @@ def _named_blocks(manifest: bytes) -> tuple[list[bytes], int]:
         raise errors.BlockInvalid("a fetched manifest names no blocks")
     planned = Expected(header)
     head = fmt.PREFIX_LEN + len(fmt.pack_header(planned.tpl)) + BLOCK_HEADER_SLACK
-    padding = len(planned.tpl.slots()) * fmt.ALIGN
+    padding = planned.tensors * fmt.ALIGN
     return list(header.blocks.keys), fmt.align_up(head, fmt.ALIGN) + planned.end + padding
 
 

@@ -174,7 +174,8 @@ class RemoteTier:
         if not keys:
             return []
         names = [rkeys.value_key(namespace, k, kind) for k in keys]
-        cmds, stride = self._reads(names, max_bytes)
+        limit = None if max_bytes is None else max_bytes + (SEALED_OVERHEAD if self._sealer is not None else 0)
+        cmds, stride = self._reads(names, limit)
         slots = asyncio.Semaphore(FETCH_IN_FLIGHT)
         per = FETCH_BATCH_KEYS * stride
 
@@ -185,7 +186,6 @@ class RemoteTier:
 
         got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
         r = [v for part in got for v in part]
-        limit = None if max_bytes is None else max_bytes + (SEALED_OVERHEAD if self._sealer is not None else 0)
         values = [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None for v in r]
         for v in r:
             if isinstance(v, _Failed):  # its whole pipeline failed
@@ -203,15 +203,16 @@ class RemoteTier:
                 self.stats.bytes_fetched += len(v)
         return out
 
-    def _reads(self, names: list[str], max_bytes: int | None) -> tuple[list[_Cmd], int]:
-        """The commands that read ``names`` (a TTL refreshed as they are read), and how many there are a name."""
+    def _reads(self, names: list[str], limit: int | None) -> tuple[list[_Cmd], int]:
+        """The commands that read ``names`` (a TTL refreshed as they are read), each at most ``limit`` bytes and one
+        more (so that a larger value is seen to be larger), and how many commands there are a name."""
         ttl = self.config.ttl_s
-        if max_bytes is None:
+        if limit is None:
             return [_cmd("get", n) if ttl is None else _cmd("getex", n, ex=ttl) for n in names], 1
-        end = max_bytes + (SEALED_OVERHEAD if self._sealer is not None else 0)  # one byte past it is read
+        # GETRANGE's end is inclusive: limit + 1 bytes at most
         if ttl is None:
-            return [_cmd("getrange", n, 0, end) for n in names], 1
-        return [c for n in names for c in (_cmd("getrange", n, 0, end), _cmd("expire", n, ttl))], 2
+            return [_cmd("getrange", n, 0, limit) for n in names], 1
+        return [c for n in names for c in (_cmd("getrange", n, 0, limit), _cmd("expire", n, ttl))], 2
 
     def note_bad_bytes(self, count: int = 1) -> None:
         """The store refused ``count`` fetched values (wrong bytes under their key): counted as misses."""

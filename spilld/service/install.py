@@ -77,8 +77,12 @@ class Plan:
     after: list[Step] = field(default_factory=list)  # run after
     undo: list[Step] = field(default_factory=list)  # run after the files are put back (a command of `after` failed)
     foreign: list[Path] = field(default_factory=list)  # files at our names that spilld did not write: never touched
-    refuse: bool = False  # an install that would replace one of them: nothing is done
     stop_s: float = units.stop_timeout_s(units.DRAIN_DEADLINE_S)  # the longest a stop of the daemon may take
+
+    @property
+    def refuse(self) -> bool:
+        """It would replace a file spilld did not write: nothing is done."""
+        return any(p in self.write for p in self.foreign)
 
     @property
     def command_timeout_s(self) -> float:
@@ -160,11 +164,9 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     if manager == "launchd":
         plist = plist_path(home)
         target = f"{_domain()}/{units.LABEL}"
-        foreign = _foreign([plist])
         return Plan(
             write={plist: units.launchd_plist(spec, home)},
-            foreign=foreign,
-            refuse=bool(foreign),
+            foreign=_foreign([plist]),
             folders=missing_folders([units.launchd_log(home).parent, Path(units.launchd_socket(spec, home)).parent]),
             before=[
                 Step(["launchctl", "bootout", target], may_fail=True),  # a reinstall replaces the old job
@@ -186,12 +188,10 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     elif written_by_spilld(folder / units.SOCKET_NAME):  # an earlier install's would hold the path the daemon binds
         before.append(Step(["systemctl", "--user", "disable", "--now", units.SOCKET_NAME], may_fail=True))
     stale = [p for p in installed_files(manager, home) if p not in write]
-    foreign = _foreign([*write, *stale])
     return Plan(
         write=write,
         remove=[p for p in stale if written_by_spilld(p)],
-        foreign=foreign,
-        refuse=bool(_foreign(list(write))),  # a stale file of the user's is only left alone
+        foreign=_foreign([*write, *stale]),  # a stale file of the user's is only left alone
         before=before,
         after=[
             Step(["systemctl", "--user", "daemon-reload"]),
@@ -281,7 +281,7 @@ def _show_step(step: Step, plan: Plan, out: TextIO) -> None:
 def show(plan: Plan, out: TextIO) -> None:
     """Print the plan: every file in full, then every command (what --dry-run shows)."""
     for path in plan.foreign:
-        why = "refused: it exists" if plan.refuse and path in plan.write else "left alone:"
+        why = "refused: it exists" if path in plan.write else "left alone:"
         print(
             f"# {why} {path} was not written by spilld service install (it lacks the line {units.MARKER!r})", file=out
         )
@@ -308,7 +308,7 @@ def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None
     """Carry the plan out; False (with a message) when a command that must succeed failed or timed out, or when
     the install would replace a file spilld did not write (then nothing is done)."""
     for path in plan.foreign:
-        if plan.refuse and path in plan.write:
+        if path in plan.write:
             print(f"spilld: {path} exists and was not written by spilld service install: move it away first", file=err)
         else:
             print(f"spilld: left alone (not written by spilld service install): {path}", file=err)

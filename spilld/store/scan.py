@@ -87,10 +87,7 @@ def _scan_file(
     except errors.FileFormatError as exc:
         found.bad.append((path, exc))
         return None
-    except errors.SpillError as exc:  # unreadable now (EMFILE, EACCES, EIO, not a regular file): left alone
-        log.warning("skipped %s: %s", path, exc)
-        return None
-    except OSError as exc:  # gone since it was listed
+    except (errors.SpillError, OSError) as exc:  # unreadable now (EMFILE, EIO, not a regular file, gone): left alone
         log.warning("skipped %s: %s", path, exc)
         return None
     return path, header, mtime
