@@ -91,6 +91,7 @@ class Entry:
     blocks: list[bytes] = field(default_factory=list)  # v2: the prefix blocks it names, in order
     block_size: int = 0
     whole: bool = False  # every cache positional: its blocks alone restore a prefix (attachments aside)
+    restorable: int | None = None  # tokens its caches hold (``Header.restorable_tokens``), when fewer than its tokens
 
     @property
     def ntokens(self) -> int:

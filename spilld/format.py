@@ -266,6 +266,19 @@ class Header:
         return max((c.min_reusable for c in self.caches), default=0)
 
     @property
+    def restorable_tokens(self) -> int:
+        """The tokens the caches hold: no more than the least offset any of them records (a file may record
+        more tokens than its caches saw; those past the least offset cannot be restored)."""
+        offsets: list[int] = []
+        stack = list(self.caches)
+        while stack:
+            c = stack.pop()
+            if c.offset is not None:
+                offsets.append(c.offset)
+            stack.extend(c.children)
+        return min([len(self.tokens), *offsets])
+
+    @property
     def data_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots())
 

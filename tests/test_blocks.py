@@ -769,8 +769,16 @@ def test_a_v1_file_in_the_root_is_indexed_and_restored(kind: str, tmp_path: Path
     assert read_header(path).version == 1
     s = rescanned(tmp_path)
     assert s.count == 1 and s.entry_at(path) is not None and s.total_bytes == os.path.getsize(path)
-    got = restored(s, GOLDEN_IDENT, [*GOLDEN_TOKENS, 1])
-    assert got.tokens == GOLDEN_TOKENS and got.header.version == 1
+    # the golden files record 9 tokens beside caches of 3 to 9 rows: a restore serves only the tokens their caches hold
+    h = read_header(path)
+    held = min([len(GOLDEN_TOKENS), *(c.offset for c in h.caches if c.offset is not None)])
+    prompt = [*GOLDEN_TOKENS, 1]
+    if held < len(GOLDEN_TOKENS) and not h.trimmable:
+        miss = s.lookup(GOLDEN_IDENT, GOLDEN_IDENT.namespace, prompt)
+        assert isinstance(miss, Miss) and miss.reason is MissReason.UNTRIMMABLE
+        return
+    got = restored(s, GOLDEN_IDENT, prompt)
+    assert got.tokens == GOLDEN_TOKENS[:held] and got.header.version == 1
     assert same([live(c) for c in got.caches], [live(c) for c in GOLDEN[kind]()])
 
 

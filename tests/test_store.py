@@ -251,6 +251,25 @@ async def test_lookup_is_capped_at_len_minus_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("block_tokens", [0, 16], ids=["whole", "blocks"])
+async def test_a_match_never_passes_the_rows_the_caches_hold(tmp_path: Path, block_tokens: int) -> None:
+    # 50 tokens recorded, but one cache saw only 37 of them: no more than 37 can be restored
+    s = Store(tmp_path, block_tokens=block_tokens)
+    caches = [fill(C.KVCache(), 50, seed=1), fill(C.KVCache(), 37, seed=2)]
+    await s.put(toks(50), caches, IDENT)
+    hit = s.lookup(IDENT, "", [*toks(50), 7, 7])
+    assert isinstance(hit, Hit) and hit.matched == 37
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded)
+    assert got.tokens == toks(37) and [c.offset for c in got.caches] == [37, 37]
+    assert same(lives(got.caches), lives([trimmed_copy(caches, 13)[0], caches[1]]))
+    # untrimmable, such an entry cannot serve a prompt at all: it holds fewer rows than its tokens
+    await s.put(toks(50, start=5000), [fill(C.RotatingKVCache(max_size=16, keep=4), 37, chunk=3, seed=3)], IDENT)
+    miss = s.lookup(IDENT, "", [*toks(50, start=5000), 7])
+    assert isinstance(miss, Miss) and miss.reason is MissReason.UNTRIMMABLE
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("make", [wrapped_rotating, hybrid], ids=["rotating_wrapped", "arrays_hybrid"])
 async def test_untrimmable_entry_needing_a_cut_is_skipped(tmp_path: Path, make: Any) -> None:
     s = Store(tmp_path)

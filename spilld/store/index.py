@@ -69,6 +69,7 @@ class Index:
             blocks=list(b.keys) if b else [],
             block_size=b.size if b else 0,
             whole=blocks.whole(header),
+            restorable=header.restorable_tokens if header.restorable_tokens < len(header.tokens) else None,
         )
         if b is not None:
             for k in b.keys:
