@@ -376,6 +376,45 @@ async def test_a_manifest_whose_block_is_missing_is_quarantined_and_never_served
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("fails", ["manifest", "block"])
+async def test_a_file_unreadable_at_a_scan_costs_no_stored_entry(
+    tmp_path: Path, fails: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manifest (or a block) that cannot be read at a start (EMFILE, EIO: left alone) must not make the scan take
+    the manifest's blocks for orphans, nor the manifest for one whose block is missing (found in review: the
+    blocks were removed, and the next start quarantined the good manifest)."""
+    from spilld.store import scan as scanning
+
+    s = store(tmp_path)
+    pa, pb, a, b = await _two_sharing(s)
+    s.close()
+    victim = pa if fails == "manifest" else block_file(s, keys(pa)[2])
+    real_header, real_stat = scanning.read_header, os.stat
+
+    def header(path: str, *args: Any, **kw: Any) -> Any:
+        if path == victim:
+            raise errors.StorageError("open: Too many open files", path=path)
+        return real_header(path, *args, **kw)
+
+    def stat(path: Any, *args: Any, **kw: Any) -> Any:
+        if os.fspath(path) == victim:
+            raise OSError(5, "Input/output error")
+        return real_stat(path, *args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(scanning, "read_header", header)
+        m.setattr(scanning.os, "stat", stat)
+        flaky = rescanned(tmp_path)
+    assert flaky.stats()["blocks_reclaimed"] == 0 and flaky.stats()["quarantined"] == 0
+    assert flaky.entry_at(pb) is not None  # the rest of the folder is served
+    assert same(lives(restored(flaky, IDENT, [*b, 1]).caches), lives(conversation(b)))
+    flaky.close()
+    s2 = rescanned(tmp_path)  # the file reads again: everything is there
+    assert s2.count == 2 and s2.stats()["quarantined"] == 0 and s2.stats()["blocks_reclaimed"] == 0
+    assert same(lives(restored(s2, IDENT, [*a, 1]).caches), lives(conversation(a)))
+
+
+@pytest.mark.asyncio
 async def test_a_block_removed_while_running_takes_its_manifest_out(tmp_path: Path) -> None:
     s = store(tmp_path)
     pa, _, a, _ = await _two_sharing(s)

@@ -305,6 +305,27 @@ async def test_a_scan_under_another_owners_lock_evicts_and_moves_nothing(tmp_pat
     assert small.count == 0 and not os.path.exists(bad)
 
 
+@pytest.mark.asyncio
+async def test_a_scan_reads_only_folders_named_as_spilld_names_them(tmp_path: Path) -> None:
+    """A user's folder under the root (here their copy of a namespace folder, under a name of their own, and a
+    folder of theirs inside a model's folder) is theirs: found in review, the scan walked every folder, moved the
+    copied manifest aside, removed spilld's own blocks as duplicates and served the user's copies."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    r = await s.put(list(range(40)), [fill(C.KVCache(), 40, seed=1)], IDENT)
+    s.close()
+    ns = os.path.dirname(r.path)
+    copies = [tmp_path / "my-backup" / "base", Path(os.path.dirname(ns)) / "old"]
+    for c in copies:
+        shutil.copytree(ns, c)
+    theirs = {c: sorted(os.listdir(c)) for c in copies}
+    ours = sorted(os.listdir(ns))
+    again = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    assert again.scan() == 1
+    assert {c: sorted(os.listdir(c)) for c in copies} == theirs and sorted(os.listdir(ns)) == ours
+    assert again.stats()["quarantined"] == 0 and again.stats()["blocks_reclaimed"] == 0
+    assert all(os.path.dirname(b.path) == ns for b in again.blocks)
+
+
 def test_a_lock_whose_pid_cannot_be_written_is_still_held_and_let_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

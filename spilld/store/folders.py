@@ -13,6 +13,16 @@ from collections import Counter
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
+def is_identity_folder(name: str) -> bool:
+    """A name spilld gives a model's folder (``identity_fingerprint``)."""
+    return _HEX16.fullmatch(name) is not None
+
+
+def is_namespace_folder(name: str) -> bool:
+    """A name spilld gives a namespace's folder (``namespace_hash``)."""
+    return name == "base" or _HEX16.fullmatch(name) is not None
+
+
 class FolderClaims:
     """Folders a save writes into, counted: the sweep of empty folders leaves a claimed one, and its model folder,
     alone until released. Thread-safe: saves claim on the loop, the sweep runs on a worker thread."""
@@ -45,10 +55,10 @@ def remove_empty_folders(root: str, claims: FolderClaims | None = None) -> None:
     with ``claims``, none a save has claimed. Blocking: a worker thread on an event loop."""
     for fp in os.listdir(root):
         fp_dir = os.path.join(root, fp)
-        if not _HEX16.fullmatch(fp) or not os.path.isdir(fp_dir):
+        if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
             continue
         for ns in os.listdir(fp_dir):
-            if ns == "base" or _HEX16.fullmatch(ns):
+            if is_namespace_folder(ns):
                 _rmdir(os.path.join(fp_dir, ns), claims)
         _rmdir(fp_dir, claims)
 

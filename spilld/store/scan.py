@@ -14,6 +14,7 @@ from .. import format as fmt
 from ..blocks import BLOCK_EXT
 from ..entries import Block, identity_fingerprint, namespace_hash
 from ..loader import read_header
+from .folders import is_identity_folder, is_namespace_folder
 from .index import Index
 from .listing import EXT
 
@@ -29,6 +30,7 @@ class Scanned:
     bad: list[tuple[str, errors.FileFormatError]] = field(default_factory=list)
     orphans: list[Block] = field(default_factory=list)
     reaped_temp: int = 0
+    unsure: set[str] = field(default_factory=set)  # folders with a file it could not read now (left alone)
 
 
 def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
@@ -42,22 +44,29 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
                 manifests.append(got)
     for path, header, mtime in manifests:  # once every block is known
         missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in found.index.blocks]
-        if missing:
+        if missing and os.path.dirname(path) in found.unsure:  # one may be the block it could not read
+            log.warning("skipped %s: %d of its blocks could not be read now", path, len(missing))
+        elif missing:
             found.bad.append((path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path)))
-            continue
-        found.index.add(path, header, mtime)
+        else:
+            found.index.add(path, header, mtime)
+    # A block no manifest names is an orphan, unless a manifest beside it could not be read: it may name it.
+    unsure = [b for b in found.index.blocks.values() if not b.refs and os.path.dirname(b.path) in found.unsure]
+    for b in unsure:  # neither indexed nor removed: the next scan decides
+        found.index.drop_block(b)
     found.orphans = [b for b in found.index.blocks.values() if not b.refs]
     return found
 
 
 def _namespace_folders(root: str) -> Iterator[tuple[str, str, str]]:
-    """(folder, identity folder name, namespace folder name) of every namespace folder under ``root``."""
+    """(folder, identity folder name, namespace folder name) of every namespace folder under ``root``: only folders
+    named as spilld names them (a user's folder under ``root``, even a copy of one of ours, is theirs)."""
     for fp in sorted(os.listdir(root)):
         fp_dir = os.path.join(root, fp)
-        if fp.startswith(".") or not os.path.isdir(fp_dir):
+        if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
             continue
         for ns in sorted(os.listdir(fp_dir)):
-            if os.path.isdir(folder := os.path.join(fp_dir, ns)):
+            if is_namespace_folder(ns) and os.path.isdir(folder := os.path.join(fp_dir, ns)):
                 yield folder, fp, ns
 
 
@@ -73,7 +82,7 @@ def _scan_file(
             found.reaped_temp += 1
         return None
     if name.endswith(BLOCK_EXT):
-        _scan_block(found.index, path, name, ops, reap)
+        _scan_block(found, path, name, ops, reap)
         return None
     if not name.endswith(EXT):
         return None
@@ -89,18 +98,22 @@ def _scan_file(
         return None
     except (errors.SpillError, OSError) as exc:  # unreadable now (EMFILE, EIO, not a regular file, gone): left alone
         log.warning("skipped %s: %s", path, exc)
+        found.unsure.add(os.path.dirname(path))
         return None
     return path, header, mtime
 
 
-def _scan_block(index: Index, path: str, name: str, ops: fileio.FileOps, reap: bool) -> None:
+def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap: bool) -> None:
     """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
+    index = found.index
     key = blocks.key_of_name(name)
     if key is None:
         return
     try:
         size = os.stat(path).st_size
-    except OSError:
+    except OSError as exc:
+        log.warning("skipped %s: %s", path, exc)
+        found.unsure.add(os.path.dirname(path))
         return
     if key in index.blocks:  # two puts wrote the same block: keep one
         if reap:
