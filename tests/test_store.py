@@ -773,6 +773,68 @@ async def test_disk_full_in_a_put_of_blocks_makes_room_for_the_whole_put_at_once
 # --- folders under concurrent sweeps, failed writes, the lookup index ----------------------------
 
 
+class _FolderSyncs(fileio.FileOps):
+    """Records the folders fsynced; the first one ``fail_in`` names fails (with ``err``), once."""
+
+    def __init__(self, fail_in: str | None = None, err: int = 5) -> None:
+        self.fail_in, self.err = fail_in, err
+        self.synced: list[str] = []
+        self._dirs: dict[int, str] = {}
+
+    def open_dir(self, path: str) -> int:
+        fd = super().open_dir(path)
+        self._dirs[fd] = path
+        return fd
+
+    def fsync(self, fd: int, durability: fileio.Durability) -> None:
+        d = self._dirs.get(fd)
+        if d is not None and self.fail_in is not None and os.path.basename(d) == self.fail_in:
+            self.fail_in = None
+            raise OSError(self.err, os.strerror(self.err))
+        if d is not None:
+            self.synced.append(d)
+        super().fsync(fd, durability)
+
+    def close(self, fd: int) -> None:
+        self._dirs.pop(fd, None)
+        super().close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_folder_made_by_a_failed_put_is_made_durable_by_the_next(tmp_path: Path) -> None:
+    """Found in review: the model folder a put made, whose fsync then failed, was never synced into the root again
+    (only folders made in the same call were), so the next put said stored while a power loss could take the
+    folder and everything in it."""
+    s = Store(tmp_path, disk_cap=2**40)
+    fp = identity_fingerprint(IDENT)
+    s.ops = ops = _FolderSyncs(fail_in=fp)
+    with pytest.raises(spilld.errors.StorageError):
+        await s.put(toks(8), kv_layers(8), IDENT)
+    assert os.path.isdir(tmp_path / fp)  # made, but its name not durable
+    r = await s.put(toks(8), kv_layers(8), IDENT)
+    assert str(tmp_path) in ops.synced and str(tmp_path / fp) in ops.synced  # both levels, before "stored"
+    assert os.path.exists(r.path)
+    ops.synced.clear()
+    await s.put(toks(9, start=50), kv_layers(9), IDENT)
+    assert ops.synced == [os.path.dirname(r.path)]  # once made durable, a put syncs only its own names
+
+
+@pytest.mark.asyncio
+async def test_a_failed_fsync_of_the_blocks_folder_fails_the_put_even_when_room_could_be_made(tmp_path: Path) -> None:
+    """Found in review: ENOSPC from the folder fsync that makes a put's block names durable was taken for a full
+    disk: entries were evicted, the folder fsynced again, and the put said stored. A failed fsync is never
+    retried."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    await s.put(toks(40, start=5000), kv_layers(40), IDENT)  # an entry eviction could take
+    r0 = s.entries[0].path
+    s.ops = _FolderSyncs(fail_in="base", err=28)
+    with pytest.raises(spilld.errors.DiskFull):
+        await s.put(toks(40), kv_layers(40), IDENT)
+    assert [e.path for e in s.entries] == [r0] and s.counters.store_errors == 1
+    assert len(spilld_files(tmp_path)) == 1  # no manifest of the failed put
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(fileio.TEMP_SUFFIX)]
+
+
 class _SweepBeforeCreate(fileio.FileOps):
     """An evict's empty-folder sweep landing between the entry folder's creation and the first write."""
 

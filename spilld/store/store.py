@@ -124,6 +124,7 @@ class Store:
         self.index = Index()  # changed only on the thread that owns the store (the event loop), read anywhere
         self._doomed = Unlinks()  # files whose entries left the index, still to unlink (off the loop)
         self._folders = FolderClaims()  # folders a save writes into: never removed as empty
+        self._durable_folders: set[str] = set()  # entry folders whose names this process made durable
         self._error_run = 0  # writes failed in a row
         self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
@@ -174,8 +175,15 @@ class Store:
         self._folders.release(folder)
 
     def make_folder(self, folder: str) -> None:
-        """Create a claimed entry folder and its model folder, each new one durable (blocking: a worker thread)."""
-        fileio.make_dirs(self.ops, folder, self.durability)
+        """Create a claimed entry folder and its model folder, each durable (blocking: a worker thread). A folder
+        found made is synced too, once a process: an earlier attempt may have made it and failed before its
+        fsync, or another put made it and has not synced it yet."""
+        if folder in self._durable_folders and os.path.isdir(folder):
+            return
+        created = fileio.make_dirs(self.ops, folder, self.durability)
+        found = [d for d in (os.path.dirname(folder), folder) if d not in created]
+        fileio.sync_folders(self.ops, found, self.durability)
+        self._durable_folders.add(folder)
 
     @property
     def total_bytes(self) -> int:
@@ -568,7 +576,7 @@ class Store:
                 rec.pins += 1
                 pinned.append(rec)
             if written:  # one folder sync makes every new block's name durable
-                await self._with_room(lambda: off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability)), 0)
+                await self._sync_folder(folder)
         except BaseException:
             self._unpin(pinned)
             raise
@@ -670,6 +678,15 @@ class Store:
             rec.pins -= 1
             self._reclaim_if_unused(rec)
         pinned.clear()
+
+    async def _sync_folder(self, folder: str) -> None:
+        """fsync ``folder``; a failure fails the put, never retried (not even after making room: a second fsync
+        may succeed without the names the first one failed to make durable)."""
+        try:
+            await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+        except Exception as exc:
+            self._count_error(exc)
+            raise
 
     async def _make_folder(self, folder: str) -> None:
         await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
