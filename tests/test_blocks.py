@@ -22,7 +22,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import spilld
-from spilld import blocks, errors
+from spilld import blocks, errors, fileio
 from spilld import format as fmt
 from spilld.blocks import BLOCK_EXT, positional_slots
 from spilld.client import AsyncClient
@@ -460,8 +460,18 @@ async def test_evicting_removes_only_the_blocks_no_manifest_names(tmp_path: Path
     assert own_a not in {x.key for x in s.blocks} and s.stats()["blocks_reclaimed"] == 1
     assert s.total_bytes == disk_bytes(str(tmp_path))
     assert same(lives(restored(s, IDENT, [*b, 1]).caches), lives(conversation(b)))
+    unlinked: list[str] = []
+
+    class Recorded(fileio.FileOps):
+        def unlink(self, path: str) -> None:
+            unlinked.append(path)
+            super().unlink(path)
+
+    s.ops = Recorded()
     assert s.remove_where(lambda e: e.path == pb) == 1  # the last one: every block goes
     assert blocks_on_disk(str(tmp_path)) == [] and manifests_on_disk(str(tmp_path)) == []
+    # the manifest first: a crash between the unlinks must never leave it naming a block that is gone
+    assert unlinked[0] == pb and len(unlinked) == 4 and all(p.endswith(BLOCK_EXT) for p in unlinked[1:])
     st = s.stats()
     assert (st["blocks"], st["block_bytes"], st["bytes"], st["blocks_reclaimed"]) == (0, 0, 0, 4)
 

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from .. import fileio
+from ..blocks import BLOCK_EXT
 
 UNLINK_PROGRESS_S = 0.5  # a long run of unlinks (an evict's) reports its progress at most this often
 
@@ -42,12 +43,14 @@ class Unlinks:
         self._paths = [p for p in self._paths if not pred(p)]
 
     def take(self) -> list[str]:
-        """The files to unlink now; those a listener keeps wait for their release."""
+        """The files to unlink now, manifests before blocks (a crash between them leaves orphan blocks, which a
+        scan reclaims, never a manifest naming a block that is gone); those a listener keeps wait for their
+        release."""
         paths, self._paths = self._paths, []
         if self._kept:
             self._deferred.update(p for p in paths if p in self._kept)
             paths = [p for p in paths if p not in self._kept]
-        return paths
+        return sorted(paths, key=lambda p: p.endswith(BLOCK_EXT))
 
 
 def unlink_all(
