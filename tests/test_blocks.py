@@ -804,6 +804,36 @@ async def test_held_blocks_that_go_while_the_put_makes_its_folder_fail_it_as_hel
     assert s.count == 0 and not blocks_on_disk(str(tmp_path)) and not manifests_on_disk(str(tmp_path))
 
 
+@pytest.mark.asyncio
+async def test_a_reused_block_found_bad_while_the_manifest_is_written_fails_the_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block a put reuses is found bad (by the scrub, or a restore's read) while the put writes its manifest:
+    the put fails as `block_missing` and leaves no manifest behind (found in review: the manifest was published
+    naming the quarantined block, then indexing it raised KeyError, and the pins of its other blocks leaked)."""
+    s = store(tmp_path)
+    first = [*toks(2 * B), *toks(4, start=5000)]
+    r1 = await s.put(first, conversation(first), IDENT)
+    bad = block_file(s, keys(r1.path)[0])
+    real = s._write
+
+    async def scrubbed_meanwhile(path: str, *args: Any, **kw: Any) -> Any:
+        if not path.endswith(BLOCK_EXT):  # the manifest: the scrub finds the first block bad before it lands
+            assert await s.found_bad_async(bad, errors.TensorHashMismatch("flipped", path=bad))
+        return await real(path, *args, **kw)
+
+    monkeypatch.setattr(s, "_write", scrubbed_meanwhile)
+    turn = [*toks(2 * B), *toks(30, start=7000)]
+    with pytest.raises(errors.BlockMissing):
+        await s.put(turn, conversation(turn), IDENT)
+    monkeypatch.undo()
+    assert s.count == 0 and manifests_on_disk(str(tmp_path)) == []  # the first entry named the bad block too
+    assert all(rec.pins == 0 and not rec.refs for rec in s.blocks)
+    assert blocks_on_disk(str(tmp_path)) == [] and s.total_bytes == disk_bytes(str(tmp_path))
+    r = await s.put(turn, conversation(turn), IDENT)  # written anew, whole
+    assert same(lives(restored(s, IDENT, [*turn, 1]).caches), lives(conversation(turn))) and r.path
+
+
 # --- 8. v1 files beside v2 ones ------------------------------------------------------------------
 
 

@@ -513,6 +513,7 @@ class Store:
                 # never publish a manifest our readers would refuse (its key chain is hashed: off the loop)
                 await off_loop(functools.partial(validate_header, planned[0]), compute=True)
             result = await self._write(path, ident, planned, **kw)
+            self._check_pinned(pinned, path)
         except asyncio.CancelledError:
             # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
             # no durable file the index does not know.
@@ -520,6 +521,7 @@ class Store:
             self._unpin(pinned)
             raise
         except BaseException:
+            fileio.remove_quietly(self.ops, path)  # a manifest published, but naming a block found bad meanwhile
             self._unpin(pinned)  # the blocks it wrote that nothing names: removed now, not at the next put
             await self.delete_doomed_async()
             raise
@@ -546,6 +548,12 @@ class Store:
             if (task := asyncio.current_task()) is not None:
                 task.uncancel()
         return result
+
+    def _check_pinned(self, pinned: list[Block], path: str) -> None:
+        """Every block a manifest names is still the one indexed: a block found bad while the manifest was written
+        (a restore's read, the scrub) left the index though the put held it."""
+        if gone := [rec for rec in pinned if self.index.blocks.get(rec.key) is not rec]:
+            raise errors.BlockMissing(f"block {gone[0].key.hex()} was found bad while the entry was written", path=path)
 
     async def _put_blocks(
         self, cut: Split, folder: str, ident: fmt.Identity, kw: dict[str, Any], written: list[Block]
@@ -620,6 +628,7 @@ class Store:
             await off_loop(functools.partial(self._check_named, m, path), background=True)
             await off_loop(functools.partial(self._write_file, path, manifest), background=True)
             await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+            self._check_pinned(pinned, path)
         except BaseException:
             fileio.remove_quietly(self.ops, path)
             self._unpin(pinned)
