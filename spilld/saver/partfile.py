@@ -72,7 +72,9 @@ class PartFile:
             fileio.sync_dir(self.ops, os.path.dirname(self.path), self.durability)
         self.published = True
 
-    def abort(self) -> None:
+    def abort(self, abandoned: bool = False) -> None:
+        """Close the file and remove it unless published; ``abandoned``: the save's caller never took its result
+        (its publish landed after the caller gave up), so a published name goes too."""
         if self.direct is not None:
             self.direct.close()  # no write may land on a closed (or reused) fd
         if self.fd is not None:
@@ -81,5 +83,5 @@ class PartFile:
                 self.ops.close(fd)
             except OSError:
                 pass  # a failed fd is never fsynced or reused
-        if not self.published:  # a save that fails after its rename (the folder's fsync) takes its name back
+        if not self.published or abandoned:  # a save that fails after its rename takes its name back
             fileio.remove_quietly(self.ops, self.path if self.renamed else self.temp)

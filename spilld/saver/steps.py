@@ -260,6 +260,7 @@ def save_steps(
     direct = direct and header.align % directio.BLOCK == 0  # a packed file's tensors are not block-aligned
     file = PartFile(dest, data_start + data_end, Durability(durability), ops, direct, sync_folder)
     step: SaveStep | None = None
+    done = False
     try:
         for i, slot in enumerate(slots):
             step = TensorStep(i, slot, sources[i], file, data_start, staging)
@@ -272,9 +273,11 @@ def save_steps(
         if not step.done:
             raise errors.SaveAborted("publish step was not run", path=dest)
         header.header_len, header.data_start, header.file_size = header_len, data_start, data_start + data_end
+        done = True
         return SaveResult(dest, header, data_start + data_end)
     finally:
         if isinstance(step, TensorStep):
             step.release()
         sources.clear()
-        file.abort()
+        # closed before its result was taken (a publish past its deadline that landed late): nothing stays
+        file.abort(abandoned=not done)
