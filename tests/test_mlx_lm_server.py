@@ -213,6 +213,30 @@ def test_covered_tokens_uses_the_cache_offset(tiny: tuple[Any, Any]) -> None:
     assert covered_tokens(list(range(5)), [object()]) is None
 
 
+def test_a_draft_models_cache_list_is_stored_as_of_the_tokens_every_cache_holds(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """With ``--draft-model`` the server's cache list is the main model's caches then the draft's, and after a
+    speculative step the main ones hold one row more (found in review: every spill was refused as
+    ``offset_beyond_tokens``, so nothing was ever stored). The entry is stored as of the rows all of them hold,
+    and the server's own caches are left as they are."""
+    model, _ = tiny
+    tier = make_tier()
+    lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
+    p = [9, *range(100, 140)]
+    main, draft = _prefilled(model, p), _prefilled(model, p[:-1])
+    lru.insert_cache("m", p, [*main, *draft])
+    tier._run(tier.spiller.drain(30))
+    assert tier.spiller.store.counters.stored == 1
+    assert [c.offset for c in main] == [len(p)] * len(main)  # the server's caches: untouched
+    loaded = tier.load([*p, 99])
+    assert loaded is not None and loaded.tokens == p[:-1]
+    assert all(c.offset == len(p) - 1 for c in loaded.caches) and len(loaded.caches) == 2 * len(main)
+    got = model(mx.array([[p[-1], 99]]), cache=loaded.caches[: len(main)])
+    want = model(mx.array([[p[-1], 99]]), cache=_prefilled(model, p[:-1]))
+    assert mx.array_equal(got, want).item()
+
+
 def test_evicted_entries_are_spilled_and_come_back(
     tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
 ) -> None:

@@ -36,6 +36,7 @@ from ..daemon.listen import is_served
 from ..identity import model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
 from ..queue import Settled
+from ..saver import clone_caches
 from .tier import ColdTier, DaemonTier, EmbeddedTier
 
 log = logging.getLogger("spilld.mlx_lm")
@@ -51,6 +52,22 @@ def covered_tokens(tokens: Sequence[int], caches: Sequence[Any]) -> int | None:
     """
     offsets = [c.offset for c in caches if isinstance(getattr(c, "offset", None), int)]
     return min(min(offsets), len(tokens)) if offsets else None
+
+
+def held_to(caches: Sequence[Any], n: int) -> list[Any] | None:
+    """The caches as of their first ``n`` tokens. With a draft model the server's list is the main model's caches
+    and the draft's, and the main ones hold a row more after a speculative step: those are cut back, on clones (the
+    server's own caches are left as they are). None when such a cache cannot be cut."""
+    if all(getattr(c, "offset", None) in (None, n) for c in caches):
+        return list(caches)
+    out = clone_caches(caches)
+    for c in out:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int) and offset > n:
+            if not c.is_trimmable():
+                return None
+            c.trim(offset - n)
+    return out
 
 
 Key = tuple[Any, tuple[int, ...]]
@@ -137,9 +154,9 @@ class ColdTierPromptCache(LRUPromptCache):
     def _spill(self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool) -> bool:
         tier = self._tier_for(model)
         n = covered_tokens(tokens, caches)
-        if tier is None or not n:
+        if tier is None or not n or (held := held_to(caches, n)) is None:
             return False
-        future = tier.spill(tokens[:n], caches, droppable=droppable)
+        future = tier.spill(tokens[:n], held, droppable=droppable)
         self.stats["spills"] += 1
         if droppable:
             key = (model, tuple(tokens))
