@@ -321,10 +321,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             generator.join()
 
-    def on_term(signum: int, frame: Any) -> None:
+    def on_stop(signum: int, frame: Any) -> None:
+        if state.setdefault("stopping", False):  # a second Ctrl-C or SIGTERM must not cut the stop short
+            log.warning("already stopping (%s): the server's requests end, then the cold tier drains", signum)
+            return
+        state["stopping"] = True
         raise KeyboardInterrupt  # mlx-lm's server stops cleanly on it; then our queue drains
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     server.run = run  # type: ignore[assignment]  # mlx-lm's own run, with our prompt cache
     sys.argv = [sys.argv[0], *rest]
     code: int | str | None = 0
@@ -336,15 +341,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.exception("mlx_lm.server failed")
         code = 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
-        if "tiers" in state:
-            unstored = state["cache"].spill_unstored()
-            log.info("draining the cold tier (%d more entries; up to %.0f s)", unstored, opts.spilld_drain_timeout)
-            state["tiers"].close(opts.spilld_drain_timeout)
-            log.info("cold tier counters", extra=dict(state["cache"].stats))
-        if "metrics" in state:
-            state["stop"].set()
-            state["metrics"].join()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # nothing may cut the drain short
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            if "tiers" in state:
+                unstored = state["cache"].spill_unstored()
+                log.info("draining the cold tier (%d more entries; up to %.0f s)", unstored, opts.spilld_drain_timeout)
+                state["tiers"].close(opts.spilld_drain_timeout)
+                log.info("cold tier counters: %s", dict(state["cache"].stats))
+        except Exception:
+            log.exception("draining the cold tier failed")
+            code = code or 1
+        finally:
+            if "metrics" in state:
+                state["stop"].set()
+                state["metrics"].join()
     # Everything is drained: skip the interpreter's teardown, where mlx-lm's server aborts about half the
     # time (std::terminate; plain `mlx_lm server` does it too on this version).
     logging.shutdown()
