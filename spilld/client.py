@@ -54,6 +54,10 @@ LEASE_HOLD_MAX_S = 30.0  # the longest a grant holds the engine's lease, whateve
 CLOSE_REASON_WAIT_S = 1.0  # a failed write waits this long for the daemon's reason to arrive
 ANSWER_GRACE_S = 1.0  # a drain waits this long past its deadline for the daemon's answer to travel back
 DRAIN_FOREVER_S = 3600.0  # the daemon's drain timeout when the caller gave none
+# An engine waits on these two (its first request, and each prompt's lookup), so a hung daemon must cost it
+# little: a healthy one answers both in milliseconds.
+CONNECT_TIMEOUT_S = 5.0  # connecting and the hello's answer
+LOOKUP_TIMEOUT_S = 2.0  # a lookup's answer (a restore's read of the files is not bounded by it)
 
 
 class AsyncClient:
@@ -123,9 +127,10 @@ class AsyncClient:
                 return
             self._loop = asyncio.get_running_loop()
             self._told = None
+            limit = min(self.timeout, CONNECT_TIMEOUT_S)
             try:
                 self._reader, self._writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(self.socket_path, limit=4 * 1024 * 1024), self.timeout
+                    asyncio.open_unix_connection(self.socket_path, limit=4 * 1024 * 1024), limit
                 )
             except (OSError, TimeoutError) as exc:
                 raise P.ConnectionLost(f"cannot reach spilld at {self.socket_path}: {exc}") from exc
@@ -133,7 +138,7 @@ class AsyncClient:
             self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
             hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
             try:
-                self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease})
+                self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease}, timeout=limit)
             except BaseException:  # refused, timed out or cancelled: nothing of this connection is left open
                 await self._disconnect()
                 raise
@@ -264,8 +269,10 @@ class AsyncClient:
         if "progress" in kw:
             self._progress[msgid] = kw["progress"]
         try:
-            await self._send(P.request(msgid, method, params))
-            return await asyncio.wait_for(fut, self.timeout if timeout == -1.0 else timeout)
+            # the send too: a daemon that stopped reading leaves it waiting for room in the socket
+            async with asyncio.timeout(self.timeout if timeout == -1.0 else timeout):
+                await self._send(P.request(msgid, method, params))
+                return await fut
         except TimeoutError as exc:
             if isinstance(exc, errors.SpillError):
                 raise  # the daemon's own timeout, already typed
@@ -526,6 +533,7 @@ class AsyncClient:
                     "tokens": fmt.encode_tokens(list(tokens)),
                     "codec_provider": self.provider.id,
                 },
+                timeout=min(self.timeout, LOOKUP_TIMEOUT_S),
             )
         )
         if not r["hit"]:

@@ -305,6 +305,49 @@ def test_spill_unstored_writes_what_the_queue_shed(
     assert all(tier.load([*p, 1]) is not None for p in prompts)
 
 
+def test_a_hung_daemon_costs_the_engine_one_short_wait_not_one_a_request(
+    tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that accepts but does not answer (stopped, swapping): found in review, every prompt's lookup held
+    the server's generation thread for the client's 30 s timeout, and a new tier waited 30 s for its hello."""
+    import os
+
+    from spilld import client as client_mod
+    from spilld.integrations import tier as tier_mod
+    from spilld.integrations.tier import DaemonTier
+
+    model, tokenizer = tiny
+    ident = model_identity(model, tokenizer, model_id="tiny")
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 3.0)
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    tiers: list[DaemonTier] = []
+    try:
+        tiers.append(DaemonTier(d.socket, ident))
+        p = [4, *range(200, 240)]
+        assert tiers[0].spill(p, _prefilled(model, p), droppable=False).result(30).stored
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert tiers[0].load([*p, 1]) is None
+            assert time.monotonic() - t0 < client_mod.LOOKUP_TIMEOUT_S + 1.0
+            t0 = time.monotonic()
+            assert tiers[0].load([*p, 1]) is None and time.monotonic() - t0 < 0.1  # skipped: no second wait
+            t0 = time.monotonic()
+            tiers.append(DaemonTier(d.socket, ident))  # a new model's tier: its hello waits a short while
+            assert time.monotonic() - t0 < client_mod.CONNECT_TIMEOUT_S + 1.0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        time.sleep(3.0)  # the back-off over: the daemon answers again
+        loaded = tiers[0].load([*p, 1])
+        assert loaded is not None and loaded.tokens == p
+    finally:
+        for t in tiers:
+            t.close(10)
+        d.kill()
+        cleanup(d.root)
+
+
 def test_image_placeholder_ids_are_neither_stored_nor_looked_up(
     tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
 ) -> None:

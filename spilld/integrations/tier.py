@@ -111,6 +111,7 @@ class DaemonTier:
         self.kwargs = kwargs
         self._client: Client | None = None
         self._next_try = 0.0
+        self._quiet_until = 0.0  # after a lookup timed out: no lookup before then (each would wait as long)
         self._connect()
 
     def _connect(self) -> Client | None:
@@ -133,11 +134,18 @@ class DaemonTier:
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
         client = self._connect()
-        if client is None:
+        if client is None or time.monotonic() < self._quiet_until:
             return None
-        return guarded_load(
-            lambda: client.load(tokens, longer_than=longer_than), tokens
-        )  # a lost connection reconnects next time
+
+        def load() -> Loaded | None:
+            try:
+                return client.load(tokens, longer_than=longer_than)
+            except errors.Timeout:  # a hung daemon: the next prompts miss at once, for a while
+                self._quiet_until = time.monotonic() + RECONNECT_INTERVAL_S
+                log.warning("spilld daemon does not answer; lookups skipped for %.0f s", RECONNECT_INTERVAL_S)
+                raise
+
+        return guarded_load(load, tokens)  # a lost connection reconnects next time
 
     def stats(self) -> dict[str, Any]:
         client = self._connect()
