@@ -53,6 +53,8 @@ BUSY_BACKOFF_S = 0.05
 LEASE_HOLD_MAX_S = 30.0  # the longest a grant holds the engine's lease, whatever the daemon asks
 CLOSE_REASON_WAIT_S = 1.0  # a failed write waits this long for the daemon's reason to arrive
 ANSWER_GRACE_S = 1.0  # a drain waits this long past its deadline for the daemon's answer to travel back
+ABORT_SEND_S = 1.0  # a spill that failed while shipping tells the daemon to drop it, if that takes no longer
+CLOSE_FLUSH_S = 1.0  # a closing connection's unsent bytes get this long to leave, then the socket is dropped
 DRAIN_FOREVER_S = 3600.0  # the daemon's drain timeout when the caller gave none
 # An engine waits on these two (its first request, and each prompt's lookup), so a hung daemon must cost it
 # little: a healthy one answers both in milliseconds.
@@ -315,7 +317,9 @@ class AsyncClient:
         try:
             if writer is not None:
                 with contextlib.suppress(Exception):
-                    await writer.wait_closed()
+                    async with asyncio.timeout(CLOSE_FLUSH_S):
+                        await writer.wait_closed()
+                writer.transport.abort()  # what a daemon that stopped reading never took is dropped
         finally:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
@@ -406,8 +410,10 @@ class AsyncClient:
             commit = await self._start_call("commit", {"spill": sid})
         except BaseException:
             if self._writer is not None and not self._writer.is_closing():
+                # bounded: a daemon that stopped reading would hold a cancelled ship (and a close) forever
                 with contextlib.suppress(Exception):
-                    await self._send(P.request(next(self._ids), "abort", {"spill": sid}))
+                    async with asyncio.timeout(ABORT_SEND_S):
+                        await self._send(P.request(next(self._ids), "abort", {"spill": sid}))
             raise
         finally:
             snapshot_of(item).planned = None  # shipped: the sources' references go now

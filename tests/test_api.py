@@ -220,6 +220,53 @@ async def test_a_client_call_waits_its_timeout_once_and_says_shipped_only_locall
         cleanup(d.root)
 
 
+@pytest.mark.asyncio
+async def test_close_keeps_its_timeout_when_the_daemon_stops_reading_mid_spill() -> None:
+    """A daemon that stops reading while a spill is sent inline: the socket fills and the ship waits for room.
+    Found in review: close's timeout cancelled the ship, whose abort message then waited for room forever, and so
+    did close (the mlx-lm server's exit hung until the daemon was killed)."""
+    import signal
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    def layer() -> KVCache:
+        c = KVCache()
+        k = mx.ones((1, 8, 8192, 128), dtype=mx.float16)
+        c.update_and_fetch(k, k + 1)
+        mx.eval(c.keys, c.values)
+        return c
+
+    d = DaemonProcess(new_root(), ["--cap", "512MiB"]).start()
+    assert d.proc is not None
+    pid = d.proc.pid
+    try:
+        client = await spilld.AsyncClient.open(d.socket, identity=Identity(model_id="m"), shm=False)
+        real = client._send_tensor
+
+        async def stopping_at_the_first_tensor(*args: Any) -> None:
+            os.kill(pid, signal.SIGSTOP)  # the spill was accepted: its tensors fill the socket
+            await real(*args)
+
+        client._send_tensor = stopping_at_the_first_tensor  # type: ignore[method-assign]
+        try:
+            pending = client.spill(list(range(8192)), [layer(), layer()], droppable=False)  # 64 MiB, inline
+            await asyncio.sleep(1.0)  # it fills the socket, then waits for room
+            t0 = time.monotonic()
+            rep = await asyncio.wait_for(client.close(timeout=1.0), 30)  # fails, rather than hangs, if broken
+            assert not rep.done and time.monotonic() - t0 < 1.0 + 3.0
+            assert not (await pending).stored
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def _recording(enqueue: Any, out: list[Any]) -> Any:
     def wrapped(item: Any) -> Any:
         fut = enqueue(item)
