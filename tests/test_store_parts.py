@@ -202,7 +202,7 @@ def test_the_index_stays_consistent_through_random_adds_and_removes() -> None:
 def test_the_scan_reports_bad_files_and_reaps_only_when_it_may(tmp_path: Path) -> None:
     """``scan_root`` indexes blocks by name, reports a bad entry file without touching it, and removes temp files
     and a second copy of a block only with ``reap`` (the caller holds the folder's lock)."""
-    folder = tmp_path / "fp" / "ns"
+    folder = tmp_path / "0123456789abcdef" / "base"  # named as spilld names its folders
     folder.mkdir(parents=True)
     key = bytes(range(32))
     first, second = blocks.block_name(key), blocks.block_name(key)  # the same block written twice
