@@ -41,7 +41,10 @@ def parse_size(text: str, *, minimum: int = 1) -> int:
     m = _SIZE.match(text)
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2G, 10GB)")
-    return check_size(int(float(m.group(1)) * _UNITS[m.group(2).upper()]), repr(text), minimum=minimum)
+    n = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(n) or n > MAX_SIZE:  # int() of an infinite float raises, not ValueError
+        raise ValueError(f"{text!r}: larger than any disk (at most {MAX_SIZE} bytes)")
+    return check_size(int(n), repr(text), minimum=minimum)
 
 
 def check_size(n: int, what: str | None = None, *, minimum: int = 1) -> int:

@@ -22,7 +22,7 @@ def test_sizes(text: str, n: int) -> None:
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "4 parsecs", "-1G", "4GiBs", "1e9", "4 G B"])
+@pytest.mark.parametrize("text", ["", "GiB", "4 parsecs", "-1G", "4GiBs", "1e9", "4 G B", "9" * 400, "99999999999T"])
 def test_bad_sizes_are_usage_errors(text: str) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
