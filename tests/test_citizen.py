@@ -159,6 +159,22 @@ def test_a_client_refuses_a_daemon_of_another_user_before_sending_a_byte() -> No
 # --- 2. one daemon per folder and per socket ---------------------------------------------------------------
 
 
+def test_a_client_polling_status_logs_one_connection_line_not_one_a_poll(root: str) -> None:
+    """A monitor that runs `spilld status` every few seconds (found in review: an info line per connection, so
+    the daemon's log grew without end under any poll)."""
+    d = Daemon(root).start()
+    try:
+        for _ in range(4):
+            assert d.cli("status", "--socket", d.socket).returncode == 0
+        with socket.socket(socket.AF_UNIX) as s:  # a connection that never says hello: nothing logged
+            s.connect(d.socket)
+    finally:
+        assert d.stop() == 0
+    lines = [json.loads(ln) for ln in d.read_log().splitlines() if ln.startswith("{")]
+    connected = [ln for ln in lines if " connected: " in ln["msg"]]
+    assert [ln["client_name"] for ln in connected] == ["spilld status"], connected
+
+
 def test_a_second_daemon_on_the_same_folder_exits_5_naming_the_first(root: str) -> None:
     first = Daemon(root).start()
     other = new_root()

@@ -387,8 +387,10 @@ class Connection(asyncio.BufferedProtocol):
         self.hello = True
         self.client_name = str(params.get("client", "?"))[:64]
         self.lease_grantor = params.get("lease_grantor", False) is True
-        log.info(
-            "client %d connected: %s", self.id, self.client_name,
+        known = self.daemon.client_names.get(self.client_name) is not None
+        self.daemon.client_names.put(self.client_name, True)
+        log.log(
+            logging.DEBUG if known else logging.INFO, "client %d connected: %s", self.id, self.client_name,
             extra={"client": self.id, "client_name": self.client_name, "pid": params.get("pid"), "grantor": self.lease_grantor},
         )  # fmt: skip
         return {

@@ -8,6 +8,7 @@ import sys
 import time
 
 CLIENT_ERROR_LOGS_PER_S = 10  # log lines a second about misbehaving clients; the rest are counted, then summarized
+CLIENT_NAMES_KEPT = 1024  # a client name connects at info once (a status poll, an engine), then at debug
 
 
 class LogThrottle:

@@ -26,6 +26,7 @@ from ..config import Config, format_size
 from ..entries import Hit, MissReason
 from ..lease import off_loop
 from ..lockfile import FileLock
+from ..lru import LRU
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
 from ..queue import SpillItem, SpillQueue
 from ..readahead import ReadAhead, warm_order
@@ -37,7 +38,7 @@ from ..store import Store
 from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, received_bytes
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
 from .listen import bind, serve_inherited, socket_lock
-from .logs import CLIENT_ERROR_LOGS_PER_S, LogThrottle
+from .logs import CLIENT_ERROR_LOGS_PER_S, CLIENT_NAMES_KEPT, LogThrottle
 
 if TYPE_CHECKING:
     from ..remote.link import RemoteLink
@@ -86,6 +87,7 @@ class Daemon:
         self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.held_rows)
         self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
         self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
+        self.client_names: LRU[str, bool] = LRU(CLIENT_NAMES_KEPT)  # names whose connection was logged at info
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
