@@ -607,7 +607,8 @@ class AsyncClient:
             r = {"done": False, "pending_items": 0, "pending_bytes": 0}
         done = local.done and not unanswered and bool(r["done"])
         items = local.pending_items + unanswered + int(r["pending_items"])
-        return DrainReport(done, items, local.pending_bytes + int(r["pending_bytes"]))
+        lost = local.not_stored + int(r.get("not_stored", 0))
+        return DrainReport(done, items, local.pending_bytes + int(r["pending_bytes"]), lost)
 
     async def status(self) -> dict[str, Any]:
         return dict(await self.call("status"))

@@ -107,9 +107,17 @@ def unpin(exc: BaseException) -> None:
 
 @dataclass
 class DrainReport:
+    """A drain's end: ``done`` when everything queued before it settled; ``not_stored``: how many of those
+    settled otherwise (dropped, failed or cancelled: not durable, whatever ``done`` says)."""
+
     done: bool
     pending_items: int
     pending_bytes: int
+    not_stored: int = 0
+
+
+def _durable(outcome: Outcome) -> bool:
+    return outcome in (Outcome.STORED, Outcome.SHIPPED)  # (a client's local queue: handed to the daemon)
 
 
 @dataclass
@@ -310,7 +318,8 @@ class SpillQueue:
         if futs:
             await asyncio.wait(futs, timeout=timeout)
         left = [f for f in futs if not f.done()]
-        return DrainReport(done=not left, pending_items=self.pending_items, pending_bytes=self.pending_bytes)
+        lost = sum(1 for f in futs if f.done() and not f.cancelled() and not _durable(f.result().outcome))
+        return DrainReport(not left, self.pending_items, self.pending_bytes, lost)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
         """Refuse new items, drain, then stop the writer; what is left at the timeout is cancelled."""

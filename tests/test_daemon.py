@@ -487,6 +487,68 @@ async def test_drain_timeout_exits_3(daemon: Daemon) -> None:
     await granting.close()
 
 
+@pytest.mark.asyncio
+async def test_drain_exits_3_when_what_it_waited_for_ended_not_stored(daemon: Daemon) -> None:
+    """Found in review: a drain whose items were cancelled or failed printed "everything acknowledged is durable"
+    and exited 0. Here the engine whose lease a write waits on refuses it: that write fails."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    hold = asyncio.Event()
+
+    async def lease(fn: Any) -> Any:
+        await hold.wait()
+        raise RuntimeError("the engine refuses")
+
+    granting = await AsyncClient.open(daemon.socket, identity=spilld.Identity("no"), grant_lease=True, lease=lease)
+    granting.lease = spilld.NoLease()
+    fut = granting.spill(list(range(8)), [fill(C.KVCache(), 8)])
+    await granting.queue.drain()
+    granting.lease = lease
+    loop = asyncio.get_running_loop()
+    drained = loop.run_in_executor(None, lambda: daemon.cli("drain", "--socket", daemon.socket, "--timeout", "60"))
+    await asyncio.sleep(1.0)
+    hold.set()
+    r = await drained
+    assert r.returncode == 3 and "1 item ended not stored" in r.stdout, r
+    assert not (await fut).stored
+    await granting.close()
+
+
+@pytest.mark.asyncio
+async def test_a_write_waiting_on_a_grantor_that_left_goes_on_unheld_at_once(daemon: Daemon) -> None:
+    """A granting engine that closes its connection can keep nothing out: found in review, its EOF went unseen
+    while the connection waited for the write's commit, so the write waited for a grant until --request-timeout
+    (30 s) and failed."""
+    import time
+
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    never, asked = asyncio.Event(), asyncio.Event()
+
+    async def lease(fn: Any) -> Any:
+        asked.set()
+        await never.wait()
+
+    granting = await AsyncClient.open(daemon.socket, identity=spilld.Identity("left"), grant_lease=True, lease=lease)
+    granting.lease = spilld.NoLease()
+    tokens = list(range(8))
+    granting.spill(tokens, [fill(C.KVCache(), 8)])
+    await granting.queue.drain()
+    granting.lease = lease  # shipped with a free lease: only the daemon's write waits on the grant
+    await asyncio.wait_for(asked.wait(), 20)  # the daemon's write now waits for a grant
+    t0 = time.monotonic()
+    await granting.close(timeout=0)
+    async with AsyncClient(daemon.socket, identity=spilld.Identity("left")) as other:
+        assert (await other.drain(timeout=20)).done
+        assert time.monotonic() - t0 < 10  # not the request timeout (30 s)
+        got = await other.load([*tokens, 1])
+        assert got is not None and got.tokens == tokens
+
+
 def test_open_spills_per_connection_are_bounded(daemon: Daemon) -> None:
     from spilld.daemon import MAX_OPEN_SPILLS
 

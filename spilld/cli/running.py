@@ -25,6 +25,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
         r = ask(args, "drain", {"timeout": wait}, timeout=None, on_note=show)
     finally:
         progress.done()
+    lost = int(r.get("not_stored", 0))
+    if r["done"] and lost:  # settled, but not durable: dropped by the cap, failed, or cancelled by a stop
+        print(
+            f"drained, but {plural(lost, 'item')} ended not stored (dropped, failed or cancelled: see the daemon's log)"
+        )
+        return EXIT_TIMEOUT
     if r["done"]:
         print("drained: everything acknowledged is durable")
         return EXIT_OK

@@ -107,6 +107,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.lease_grantor = False
         self.asked: dict[int, asyncio.Future[errors.SpillError | None]] = {}  # our requests to the client, by msgid
+        self._eof = False  # the client sent EOF: it reads our answers, but sends (and grants) nothing more
         self._ask_ids = itertools.count(1)
 
     # --- asyncio protocol -------------------------------------------------------------------
@@ -142,15 +143,23 @@ class Connection(asyncio.BufferedProtocol):
         self._arm_timer()
 
     def eof_received(self) -> bool:
-        # A half-closed client still gets the answers it asked for; then we close.
+        # A half-closed client still gets the answers it asked for; then we close. It can grant nothing more: a
+        # write waiting on its lease goes on unheld now (its commit is among what the close waits for).
+        self._eof = True
+        self._grantor_gone()
         self._finish_later()
         return True
+
+    def _grantor_gone(self) -> None:
+        for fut in self.asked.values():
+            if not fut.done():
+                fut.set_result(P.ConnectionLost("the lease grantor is gone"))
 
     async def ask_lease(self, timeout: float) -> int | None:
         """Ask the client (its engine) for a turn: the grant's id once granted (the engine then holds its lease
         until ``lease_done``), None if the client is gone. No grant within ``timeout`` raises ``Timeout``, and
         one the engine refuses raises its error: the step must not run unheld."""
-        if self._closing:
+        if self._closing or self._eof:
             return None
         msgid = next(self._ask_ids)
         fut: asyncio.Future[errors.SpillError | None] = asyncio.get_running_loop().create_future()
@@ -162,7 +171,7 @@ class Connection(asyncio.BufferedProtocol):
             raise P.Timeout(f"the engine did not grant its lease in {timeout:g} s; nothing written") from None
         finally:
             self.asked.pop(msgid, None)
-        if self._closing and refused is not None:
+        if (self._closing or self._eof) and refused is not None:
             return None
         if refused is not None:
             raise refused
@@ -175,9 +184,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
-        for fut in self.asked.values():
-            if not fut.done():
-                fut.set_result(P.ConnectionLost("the lease grantor is gone"))
+        self._grantor_gone()
         if self._timer is not None:
             self._timer.cancel()
         log.debug(

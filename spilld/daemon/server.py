@@ -407,11 +407,16 @@ class Daemon:
 
     async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         deadline = time.monotonic() + float(p.get("timeout", 3600.0))
+        lost = 0  # items that settled during the wait without being stored (each wait sees those still queued)
         while True:
             left = deadline - time.monotonic()
             rep = await self.queue.drain(timeout=max(0.0, min(DRAIN_PROGRESS_S, left)))
+            lost += rep.not_stored
             if rep.done or left <= 0:
-                return {"done": rep.done, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes}
+                return {
+                    "done": rep.done, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes,
+                    "not_stored": lost,
+                }  # fmt: skip
             conn.send(
                 P.notification(
                     "drain_progress",
