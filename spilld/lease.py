@@ -103,7 +103,8 @@ async def within(
     """``work``'s result if it ends within ``deadline_s`` (None: no deadline), counted from ``begun`` if given
     (a step that first waits for an engine's grant: that wait is the lease's to bound, not the disk's). Past it,
     ``StorageTimeout`` at once: the work is left to end on its own (a thread in a hung syscall cannot be stopped)
-    and ``on_late`` runs once it has. Cancelled meanwhile, it waits for the work to end, as ``off_loop`` does."""
+    and ``on_late`` runs once it has. Cancelled meanwhile, it waits for the work to end, as ``off_loop`` does,
+    unless the work has not begun (it waits for a grant): then the work is cancelled too."""
     if deadline_s is None:
         return await work
     task = asyncio.ensure_future(work)
@@ -118,7 +119,11 @@ async def within(
             if wait_s <= 0:
                 break
     except asyncio.CancelledError:
+        if begun is not None and begun.at is None:  # nothing runs yet: a stop must not wait out a grant's timeout
+            task.cancel()
         await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: it ends with the cancel, never logged as lost
         raise
     if task in done:
         return task.result()

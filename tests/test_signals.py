@@ -63,3 +63,62 @@ async def test_a_second_signal_during_a_drain_exits_3(daemon: Daemon) -> None:
     assert last["msg"] == "second signal: exiting now" and last["items_lost"] == 1, last
     hold.set()
     await client.close(timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_a_stop_keeps_its_drain_deadline_while_a_write_waits_for_a_grant() -> None:
+    """Found in review: with a write waiting for an engine's grant, a stop overran --drain-deadline by up to
+    --request-timeout (the cancelled step waited out the grant's timeout), and asyncio's "Task exception was never
+    retrieved" went into the JSON log as plain text."""
+    import time
+
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    d = Daemon(new_root(), ["--cap", "64MiB", "--drain-deadline", "2", "--request-timeout", "30"]).start()
+    hold = asyncio.Event()
+
+    async def lease(fn: Any) -> Any:  # an engine that never has a free moment: the daemon's write waits
+        await hold.wait()
+        return await asyncio.to_thread(fn)
+
+    try:
+        client = await AsyncClient.open(d.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
+        client.lease = spilld.NoLease()
+        client.spill(list(range(8)), [fill(C.KVCache(), 8)])
+        await client.queue.drain()
+        client.lease = lease
+        await asyncio.sleep(0.5)
+        assert d.proc is not None
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.get_running_loop().run_in_executor(None, lambda: d.proc.wait(60) if d.proc else 0)
+        assert code == 3 and time.monotonic() - t0 < 2 + 4  # the deadline, not the grant's 30 s
+        text = d.read_log()
+        assert all(line.startswith("{") for line in text.splitlines() if line.strip()), text
+        hold.set()
+        await client.close(timeout=1)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_asyncios_own_log_lines_are_json_lines_too(capfd: pytest.CaptureFixture[str]) -> None:
+    """asyncio reports a task whose exception nobody retrieved on its own logger: in the daemon's format, never a
+    block of plain text in a JSON log."""
+    import logging
+
+    from spilld.daemon.logs import setup_logging
+
+    loggers = [logging.getLogger(name) for name in ("spilld", "asyncio")]
+    before = [(lg.handlers[:], lg.propagate, lg.level) for lg in loggers]
+    try:
+        setup_logging("info", json_logs=True)
+        logging.getLogger("asyncio").error("Task exception was never retrieved")
+        err = capfd.readouterr().err.strip().splitlines()
+        assert [json.loads(line)["logger"] for line in err] == ["asyncio"], err
+    finally:  # this process's loggers as they were (other tests capture spilld's)
+        for lg, (handlers, propagate, level) in zip(loggers, before, strict=True):
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)

@@ -92,3 +92,8 @@ def setup_logging(level: str = "info", json_logs: bool | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # asyncio's own lines (a task's exception never retrieved, a slow callback) are the daemon's too: same format
+    aio = logging.getLogger("asyncio")
+    aio.handlers[:] = [handler]
+    aio.setLevel(logging.WARNING)
+    aio.propagate = False
