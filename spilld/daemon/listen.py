@@ -39,8 +39,8 @@ def socket_folder(path: str) -> list[str]:
     """Make ready the folder that will hold the socket; return the folders made (0700: only those).
 
     A folder that exists is left as it is: its mode is its owner's business. It must be ours (or root's)
-    and closed to other users' writes, unless it is sticky and ours; a folder such as /tmp (1777, root's)
-    is refused, since another user could create the socket's name there first. Raises ``UnusableFolder``.
+    and closed to other users' writes, sticky or not: in a folder such as /tmp (1777) another user could create
+    the socket's name (or its lock's) there first, whoever owns the folder. Raises ``UnusableFolder``.
     """
     folder = os.path.dirname(os.path.abspath(path))
     made: list[str] = []
@@ -66,8 +66,7 @@ def check_socket_folder(folder: str) -> None:
     me = os.getuid()
     if st.st_uid not in (me, 0):
         raise errors.UnusableFolder(f"the socket's folder {folder} belongs to uid {st.st_uid}, not to us (uid {me})")
-    sticky_ours = bool(st.st_mode & stat.S_ISVTX) and st.st_uid == me
-    if st.st_mode & OPEN_TO_OTHERS and not sticky_ours:
+    if st.st_mode & OPEN_TO_OTHERS:  # sticky too: it keeps our names from removal, not from being taken first
         raise errors.UnusableFolder(
             f"the socket's folder {folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
             "another user could put a socket of theirs at its name; use a folder only you can write "
