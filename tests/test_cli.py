@@ -40,6 +40,19 @@ def test_usage_errors() -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr and "larger than any disk" in r.stderr
 
 
+def test_a_global_option_is_refused_by_a_command_that_does_not_take_it(tmp_path: Any) -> None:
+    """Found in review: `spilld --dir D status` ran status against the default socket, ignoring --dir, and
+    `spilld ls --dir /nowhere` said 0 entries."""
+    r = spilld("--dir", str(tmp_path), "status")
+    assert r.returncode == 2 and "--dir means nothing to `spilld status`" in r.stderr, r
+    r = spilld("--socket", str(tmp_path / "s.sock"), "ls", "--dir", str(tmp_path))
+    assert r.returncode == 2 and "--socket means nothing to `spilld ls`" in r.stderr, r
+    assert spilld("ls", "--dir", str(tmp_path)).returncode == 0  # one it takes, before or after: as before
+    assert spilld("--dir", str(tmp_path), "ls").returncode == 0
+    r = spilld("ls", "--dir", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "no such folder" in r.stderr, r
+
+
 def test_inspect_text_and_json() -> None:
     r = spilld("inspect", str(DATA / "kv.spilld"))
     assert r.returncode == 0 and "all tensor hashes match" in r.stdout and "kv v1 offset=9" in r.stdout

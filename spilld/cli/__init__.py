@@ -2,8 +2,9 @@
 
 Every size and duration goes through one parser (``config.parse_size`` / ``parse_duration``), every refusal is
 one line on stderr with exit 2, and no input ends in a traceback: errors map to the exit codes of ``EPILOG``.
-``--socket`` and ``--dir`` are accepted before or after the command. One module per group of commands;
-``common`` holds what they share, ``parser`` the options and help, ``main`` the run of one command.
+``--socket`` and ``--dir`` are accepted before or after a command that takes them (refused by the others). One
+module per group of commands; ``common`` holds what they share, ``parser`` the options and help, ``main`` the run
+of one command.
 """
 
 from .common import (

@@ -195,7 +195,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ..config import default_dir
     from ..store import list_entries
 
-    root = folder_arg(args.dir, default_dir, must_exist=False)
+    root = folder_arg(args.dir, default_dir, must_exist=args.dir is not None)  # the default may not be made yet
     if args.quarantine:
         qrows = quarantine_files(root)
         if args.json:

@@ -55,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    for opt, takers in args.global_takers.items():  # given before a command that has no use for it
+        if getattr(args, opt[2:]) is not None and args.command not in takers:
+            return _fail(
+                f"{opt} means nothing to `spilld {args.command}` (taken by: {', '.join(sorted(takers))})", EXIT_USAGE
+            )
     try:
         return int(args.func(args))
     except UsageError as exc:

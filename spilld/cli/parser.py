@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spilld",
         description="A write-behind cold tier for the KV caches of local mlx LLM engines. "
         "Without a command, runs the daemon (same as `spilld serve`). "
-        "--socket and --dir may come before or after the command.",
+        "--socket and --dir may come before or after a command that takes them.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -75,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     # Given after the command, the global options land in the same place; SUPPRESS keeps one given before.
+    takers: dict[str, set[str]] = {opt: set() for opt in GLOBAL_OPTIONS}
+    p.set_defaults(global_takers=takers)  # the commands that take each global option (the rest refuse it)
+
     def with_socket(sp: argparse.ArgumentParser) -> None:
+        takers["--socket"].add(sp.prog.split()[-1])
         sp.add_argument(
             "--socket",
             type=socket_arg,
@@ -84,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     def with_dir(sp: argparse.ArgumentParser, help: str) -> None:
+        takers["--dir"].add(sp.prog.split()[-1])
         sp.add_argument("--dir", default=argparse.SUPPRESS, help=help)
 
     srv = add("serve", "run the daemon")
