@@ -30,7 +30,7 @@ from spilld.lockfile import LOCK_NAME, SOCKET_LOCK_SUFFIX, FileLock
 from spilld.service import lifecycle
 from spilld.service.sdnotify import Notifier
 from spilld.store import Store
-from tests.caches import fill
+from tests.caches import fill, live, same
 from tests.daemons import Daemon, cleanup, new_root
 
 IDENT = spilld.Identity("m", "cfg", "tok", "")
@@ -299,6 +299,41 @@ async def test_spillers_opened_at_once_all_hold_the_folder_and_a_dropped_one_let
     owner = Store(tmp_path)
     owner.acquire()  # nothing of the dropped Spiller is left holding the folder
     owner.close()
+
+
+@pytest.mark.asyncio
+async def test_spillers_sharing_a_folder_never_unlink_a_block_the_others_entries_name(tmp_path: Path) -> None:
+    """Two Spillers of one model in one folder (found in review: B named the blocks of A's entry that its scan had
+    found, A's eviction unlinked them, and B's stored entry was lost). A block file is unlinked only by the store
+    that owns it: the one that wrote it, or found it in a scan made alone; B writes copies of its own."""
+    from tests.blocks_corpus import B, conversation, toks
+
+    a = await spilld.Spiller.open(tmp_path, identity=IDENT, block_tokens=B)
+    b: spilld.Spiller | None = None
+    try:
+        e1 = [*toks(2 * B), *toks(4, start=5000)]
+        assert (await a.spill(e1, conversation(e1), droppable=False)).stored
+        b = await spilld.Spiller.open(tmp_path, identity=IDENT, block_tokens=B)  # its scan finds E1 and its blocks
+        e2 = [*toks(2 * B), *toks(30, start=7000)]  # shares E1's two blocks
+        assert (await b.spill(e2, conversation(e2), droppable=False)).stored
+        assert b.store.counters.blocks_reused == 0  # not its own: it wrote copies
+        assert a.store.remove_where(lambda e: e.tokens[-1] == e1[-1]) == 1  # A evicts E1, and unlinks its blocks
+        got = await b.load([*e2, 1])
+        assert got is not None and got.tokens == e2
+        assert all(same(live(x), live(y)) for x, y in zip(got.caches, conversation(e2), strict=True))
+        # and B's eviction leaves A's files: A's entries may name them
+        e3 = [*toks(2 * B), *toks(8, start=9000)]
+        assert (await a.spill(e3, conversation(e3), droppable=False)).stored  # A reuses its own blocks, or writes
+        await b.close()
+        b = None
+        assert (await a.load([*e3, 1])) is not None
+    finally:
+        if b is not None:
+            await b.close()
+        await a.close()
+    last = Store(tmp_path, disk_cap=2**40, block_tokens=B)  # alone: every file is its own again
+    last.scan()
+    assert last.count == 2 and last.stats()["quarantined"] == 0
 
 
 @pytest.mark.asyncio

@@ -103,10 +103,10 @@ class Index:
                 named.append(rec)
         return named
 
-    def add_block(self, key: bytes, path: str, nbytes: int) -> Block:
+    def add_block(self, key: bytes, path: str, nbytes: int, *, owned: bool = True) -> Block:
         """A block not indexed yet (its key is new), named by no entry so far."""
         assert key not in self.blocks, "a block is indexed once"
-        rec = self.blocks[key] = Block(key, path, nbytes)
+        rec = self.blocks[key] = Block(key, path, nbytes, owned=owned)
         self._count(path, nbytes, block=True)
         return rec
 
@@ -123,8 +123,13 @@ class Index:
         return next((r for k in e.blocks if (r := self.blocks.get(k)) is not None and r.path == path), None)
 
     def leading_blocks(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (a chain, in order) are indexed, from the first on."""
-        return next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
+        """How many of ``keys`` (a chain, in order) are indexed as this store's own, from the first on."""
+        return next((i for i, k in enumerate(keys) if not self.owns(k)), len(keys))
+
+    def owns(self, key: bytes) -> bool:
+        """Block ``key`` is indexed and ours to reuse (``Block.owned``)."""
+        rec = self.blocks.get(key)
+        return rec is not None and rec.owned
 
     def namespace_bytes(self, folder: str) -> int:
         """Bytes on disk under one namespace folder name (all models; each of its blocks once)."""

@@ -119,4 +119,4 @@ def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap:
         if reap:
             fileio.remove_quietly(ops, path)
         return
-    index.add_block(key, path, size)
+    index.add_block(key, path, size, owned=reap)  # found alone: ours; else another writer's too

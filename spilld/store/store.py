@@ -247,13 +247,19 @@ class Store:
 
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
         rec = self.index.blocks.get(key)
-        if rec is not None:  # another put published the same block meanwhile: ours is a spare
+        if rec is not None and rec.owned:  # another put published the same block meanwhile: ours is a spare
             self._doomed.add(path)
             return rec
-        return self.index.add_block(key, path, nbytes)
+        if rec is None:
+            return self.index.add_block(key, path, nbytes)
+        # another writer's file of this block: ours takes its place here (theirs is left alone)
+        self.index.drop_block(rec)
+        new = self.index.add_block(key, path, nbytes)
+        new.refs, new.pins, new.namespace = rec.refs, rec.pins, rec.namespace
+        return new
 
     def _drop_block(self, rec: Block) -> None:
-        if self.index.drop_block(rec):
+        if self.index.drop_block(rec) and rec.owned:  # another writer's file may be named by entries we never saw
             self._doomed.add(rec.path)
 
     def _reclaim_if_unused(self, rec: Block) -> None:
@@ -562,7 +568,7 @@ class Store:
         its manifest is indexed."""
         pinned: list[Block] = []
         # received bytes only (a batched save): a block's cut touches nothing of an engine's, so it may run on a thread
-        missing = [i for i, k in enumerate(cut.keys) if k not in self.index.blocks]
+        missing = [i for i, k in enumerate(cut.keys) if not self.index.owns(k)]
         ahead = _Ahead(cut, missing, kw["batch_bytes"] > 0)
         # on ENOSPC, room for what the put still writes (the missing blocks left and the manifest), at once
         each = cut.block_bytes
@@ -570,7 +576,7 @@ class Store:
         try:
             for i, key in enumerate(cut.keys):
                 rec = self.index.blocks.get(key)
-                if rec is None:
+                if rec is None or not rec.owned:
                     bpath = os.path.join(folder, blocks.block_name(key))
                     block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
                     result = await self._write(bpath, ident, block, room=room, sync_folder=False, **kw)
@@ -611,7 +617,7 @@ class Store:
             raise errors.BlockInvalid("a fetched manifest names no blocks")
         folder = self.folder(ident, namespace)
         path = self.new_path(ident, namespace)
-        pinned = [self.index.blocks[k] for k in m.blocks.keys if k in self.index.blocks]
+        pinned = [self.index.blocks[k] for k in m.blocks.keys if self.index.owns(k)]
         for rec in pinned:
             rec.pins += 1
         held, named = {rec.key for rec in pinned}, set(m.blocks.keys)
@@ -754,7 +760,8 @@ class Store:
         self._error_run = 0
 
     def has_block(self, key: bytes) -> bool:
-        return key in self.index.blocks
+        """This store holds block ``key`` as its own (one another writer put here is fetched or written anew)."""
+        return self.index.owns(key)
 
     def leading_blocks(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (a chain, in order) this store holds, from the first on."""
