@@ -85,7 +85,12 @@ def families(st: dict[str, Any]) -> list[Metric]:
             "outcome",
             {k: q.get(k, 0) for k in ("stored", "dropped", "cancelled", "failed")},
         ),
-        _counter("written_bytes", "bytes of cache files written durably", q.get("bytes_written", 0)),
+        _counter(
+            "written_bytes",
+            "bytes of the entry files (manifests, or whole entries) the queue's items wrote durably; blocks: "
+            "store_written_bytes",
+            q.get("bytes_written", 0),
+        ),
         _gauge("disk_entries", "entries in the store", d["entries"]),
         _gauge("disk_bytes", "bytes of the store's entries", d["bytes"]),
         _gauge("disk_cap_bytes", "the cap on the store (--disk-cap)", d["disk_cap"]),

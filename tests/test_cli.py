@@ -53,6 +53,57 @@ def test_a_global_option_is_refused_by_a_command_that_does_not_take_it(tmp_path:
     assert r.returncode == 2 and "no such folder" in r.stderr, r
 
 
+def _filled_with_blocks(root: Any) -> int:
+    """Two entries sharing two blocks, each with one of its own and a tail: the store's bytes on disk."""
+    import asyncio
+
+    from spilld.store import Store
+    from tests.blocks_corpus import B, conversation, toks
+
+    s = Store(root, disk_cap=2**40, block_tokens=B)
+    for start in (5000, 6000):
+        t = [*toks(2 * B), *toks(20, start=start)]
+        asyncio.run(s.put(t, conversation(t), spilld_identity()))
+    s.close()
+    return int(s.total_bytes)
+
+
+def spilld_identity() -> Any:
+    import spilld as sp
+
+    return sp.Identity("sizes", "cfg", "tok", "")
+
+
+def test_ls_and_evict_count_the_blocks_of_entries(tmp_path: Any) -> None:
+    """Found in review: with blocks (the default), ls and evict counted only the entries' own small files, and an
+    evict with no daemon left every block on disk until the next daemon's start."""
+    root = tmp_path / "store"
+    on_disk = _filled_with_blocks(root)
+    rows = json.loads(spilld("ls", "--dir", str(root), "--json").stdout)
+    assert len(rows) == 2 and all(r["blocks"] == 3 and r["block_bytes"] > r["bytes"] for r in rows)
+    assert sum(r["bytes"] for r in rows) + rows[0]["folder_block_bytes"] == on_disk
+    text = spilld("ls", "--dir", str(root)).stdout
+    assert "2 entries, " in text and "on disk (each block once)" in text
+    r = spilld("evict", "--all", "--dir", str(root), "--socket", str(tmp_path / "none.sock"), "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["evicted"] == 2 and out["bytes"] == on_disk and not out["through_daemon"]
+    left = [n for _, _, names in os.walk(root) for n in names if not n.startswith(".")]
+    assert left == []
+    # through a daemon: the bytes it freed, blocks included
+    from tests.daemons import Daemon, cleanup, new_root
+
+    d = Daemon(new_root())
+    try:
+        on_disk = _filled_with_blocks(d.dir)
+        d.start()
+        r = d.cli("evict", "--all", "--socket", d.socket, "--json")
+        out = json.loads(r.stdout)
+        assert r.returncode == 0 and out["through_daemon"] and out["evicted"] == 2 and out["bytes"] == on_disk, out
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_inspect_text_and_json() -> None:
     r = spilld("inspect", str(DATA / "kv.spilld"))
     assert r.returncode == 0 and "all tensor hashes match" in r.stdout and "kv v1 offset=9" in r.stdout

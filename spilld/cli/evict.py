@@ -32,8 +32,10 @@ def _remove_files(rows: list[dict[str, Any]], label: str, quiet: bool) -> tuple[
 def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> tuple[int, int]:
     """Evict from a folder no daemon answers for, under the folder's lock: a daemon serving it on another socket
     holds it (AlreadyRunning names its pid), and none can start on it meanwhile."""
+    from ..fileio import DEFAULT_OPS
     from ..lockfile import LOCK_NAME, FileLock
     from ..store import list_entries, remove_empty_folders
+    from ..store.scan import scan_root
 
     lock = FileLock(os.path.join(root, LOCK_NAME), f"the folder {root}")
     lock.acquire()
@@ -45,11 +47,14 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
             if (args.fingerprint is None or r["fingerprint"] == args.fingerprint)
             and (cutoff is None or r["last_used"] < cutoff)
         ]
-        got = _remove_files(rows, f"evicting from {root}", args.json)
+        n, nbytes = _remove_files(rows, f"evicting from {root}", args.json)
+        # the blocks no entry names any more go too, as a daemon's scan would take them (the lock is ours)
+        orphans = [{"path": b.path, "bytes": b.nbytes} for b in scan_root(root, DEFAULT_OPS, reap=True).orphans]
+        nbytes += _remove_files(orphans, f"removing the blocks they named from {root}", args.json)[1]
         remove_empty_folders(root)
     finally:
         lock.release()
-    return got
+    return n, nbytes
 
 
 def _daemon_dir(args: argparse.Namespace) -> str | None:

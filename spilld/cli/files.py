@@ -211,11 +211,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    for r in rows:
+    for r in rows:  # an entry's size: its file and the blocks it names (a block shared by entries: in each)
         when = datetime.datetime.fromtimestamp(r["last_used"]).strftime("%Y-%m-%d %H:%M")
+        size = format_size(r["bytes"] + r["block_bytes"])
         print(
-            f"{when}  {r['tokens']:>7} tok  {format_size(r['bytes']):>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  {r['path']}"
+            f"{when}  {r['tokens']:>7} tok  {size:>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  {r['path']}"
         )
-    total = format_size(sum(r["bytes"] for r in rows))
-    print(f"{plural(len(rows), 'entry', 'entries')}, {total} in {root}")
+    folders = {os.path.dirname(r["path"]): r["folder_block_bytes"] for r in rows}
+    total = format_size(sum(r["bytes"] for r in rows) + sum(folders.values()))
+    print(f"{plural(len(rows), 'entry', 'entries')}, {total} on disk (each block once) in {root}")
     return EXIT_OK

@@ -59,7 +59,7 @@ def _print_status(st: dict[str, Any]) -> None:
     print(f"queue   {items}, {format_size(q['pending_bytes'])} of {format_size(st['cap'])} cap")
     print(
         f"        stored {q['stored']}, dropped {q['dropped']}, cancelled {q['cancelled']}, failed {q['failed']}, "
-        f"written {format_size(q['bytes_written'])}"
+        f"entry files written {format_size(q['bytes_written'])} (blocks: below)"
     )
     entries = plural(int(d["entries"]), "entry", "entries")
     print(f"disk    {entries}, {format_size(d['bytes'])} of {format_size(d['disk_cap'])} cap in {st['dir']}")

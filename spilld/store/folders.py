@@ -7,6 +7,7 @@ import os
 import re
 import threading
 from collections import Counter
+from collections.abc import Iterator
 
 # The names spilld gives its folders (entries.identity_fingerprint, namespace_hash): 16 hex digits, or "base".
 # The sweep removes no other folder, however empty: a user's folders under --dir are theirs.
@@ -21,6 +22,18 @@ def is_identity_folder(name: str) -> bool:
 def is_namespace_folder(name: str) -> bool:
     """A name spilld gives a namespace's folder (``namespace_hash``)."""
     return name == "base" or _HEX16.fullmatch(name) is not None
+
+
+def namespace_folders(root: str) -> Iterator[tuple[str, str, str]]:
+    """(folder, identity folder name, namespace folder name) of every namespace folder under ``root``: only folders
+    named as spilld names them (a user's folder under ``root``, even a copy of one of ours, is theirs)."""
+    for fp in sorted(os.listdir(root)):
+        fp_dir = os.path.join(root, fp)
+        if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
+            continue
+        for ns in sorted(os.listdir(fp_dir)):
+            if is_namespace_folder(ns) and os.path.isdir(folder := os.path.join(fp_dir, ns)):
+                yield folder, fp, ns
 
 
 class FolderClaims:

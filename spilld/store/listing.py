@@ -5,34 +5,51 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import errors, fileio
+from .. import blocks, errors, fileio
 from ..loader import read_header
+from .folders import namespace_folders
 
 EXT = ".spilld"  # an entry's file (a manifest, or a whole entry); blocks have their own suffix
 
 
 def list_entries(root: str) -> list[dict[str, Any]]:
-    """Every readable entry under ``root``, newest use first; files that cannot be read are left out."""
+    """Every readable entry under ``root``, newest use first; files that cannot be read are left out. ``bytes``
+    is the entry's own file; ``block_bytes`` those of the blocks it names, found beside it (shared ones counted in
+    each entry that names them); ``folder_block_bytes`` the blocks of its folder, each once."""
     rows: list[dict[str, Any]] = []
     if not os.path.isdir(root):
         return rows
-    for fp in sorted(os.listdir(root)):
-        fp_dir = os.path.join(root, fp)
-        if fp.startswith(".") or not os.path.isdir(fp_dir):
-            continue
-        for dirpath, _, names in os.walk(fp_dir):
-            for name in names:
-                if not name.endswith(EXT) or fileio.is_temp_name(name):
-                    continue
-                path = os.path.join(dirpath, name)
-                try:
-                    h = read_header(path)
-                    st = os.stat(path)
-                except (errors.SpillError, OSError):
-                    continue
-                rows.append({
-                    "path": path, "fingerprint": fp, "model_id": h.identity.model_id, "namespace": h.identity.namespace,
-                    "tokens": len(h.tokens), "bytes": st.st_size, "last_used": st.st_mtime, "trimmable": h.trimmable,
-                    "checkpoint": h.checkpoint.key if h.checkpoint else None,
-                })  # fmt: skip
+    for folder, fp, _ in namespace_folders(root):
+        found = _block_files(folder)
+        shared = sum(found.values())
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(EXT) or fileio.is_temp_name(name):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                h = read_header(path)
+                st = os.stat(path)
+            except (errors.SpillError, OSError):
+                continue
+            named = h.blocks.keys if h.blocks is not None else []
+            rows.append({
+                "path": path, "fingerprint": fp, "model_id": h.identity.model_id, "namespace": h.identity.namespace,
+                "tokens": len(h.tokens), "bytes": st.st_size, "last_used": st.st_mtime, "trimmable": h.trimmable,
+                "checkpoint": h.checkpoint.key if h.checkpoint else None, "blocks": len(named),
+                "block_bytes": sum(found.get(k, 0) for k in named), "folder_block_bytes": shared,
+            })  # fmt: skip
     return sorted(rows, key=lambda r: r["last_used"], reverse=True)
+
+
+def _block_files(folder: str) -> dict[bytes, int]:
+    """The size of each block file in ``folder``, by key (one file a key: the first listed)."""
+    out: dict[bytes, int] = {}
+    for name in os.listdir(folder):
+        key = blocks.key_of_name(name)
+        if key is None or key in out or fileio.is_temp_name(name):
+            continue
+        try:
+            out[key] = os.stat(os.path.join(folder, name)).st_size
+        except OSError:
+            continue
+    return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .. import blocks, errors, fileio
@@ -14,7 +13,7 @@ from .. import format as fmt
 from ..blocks import BLOCK_EXT
 from ..entries import Block, identity_fingerprint, namespace_hash
 from ..loader import read_header
-from .folders import is_identity_folder, is_namespace_folder
+from .folders import namespace_folders
 from .index import Index
 from .listing import EXT
 
@@ -38,7 +37,7 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
     holds the folder's lock may: no other spilld is writing there). Blocking: runs before the store serves."""
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
-    for folder, fp, ns in _namespace_folders(root):
+    for folder, fp, ns in namespace_folders(root):
         for name in os.listdir(folder):
             if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
                 manifests.append(got)
@@ -56,18 +55,6 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
         found.index.drop_block(b)
     found.orphans = [b for b in found.index.blocks.values() if not b.refs]
     return found
-
-
-def _namespace_folders(root: str) -> Iterator[tuple[str, str, str]]:
-    """(folder, identity folder name, namespace folder name) of every namespace folder under ``root``: only folders
-    named as spilld names them (a user's folder under ``root``, even a copy of one of ours, is theirs)."""
-    for fp in sorted(os.listdir(root)):
-        fp_dir = os.path.join(root, fp)
-        if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
-            continue
-        for ns in sorted(os.listdir(fp_dir)):
-            if is_namespace_folder(ns) and os.path.isdir(folder := os.path.join(fp_dir, ns)):
-                yield folder, fp, ns
 
 
 def _scan_file(

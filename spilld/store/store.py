@@ -981,18 +981,21 @@ class Store:
         loop), every unlink and the sweep on a worker. ``progress(files, bytes)`` left to unlink is called from
         that worker, first before any unlink, then at most every ``UNLINK_PROGRESS_S``."""
         gone = self._evict_match(fingerprint, older_than_s)
+        named = {id(rec): rec for e in gone for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
         for i in range(0, len(gone), EVICT_BATCH):
             self._evict_entries(gone[i : i + EVICT_BATCH])
             await asyncio.sleep(0)  # other requests are answered between two batches
-        n, nbytes = len(gone), sum(e.nbytes for e in gone)
+        # the bytes freed: the entries' files, and the blocks that went with them (no other entry named them)
+        sizes = {e.path: e.nbytes for e in gone}
+        sizes |= {r.path: r.nbytes for r in named.values() if r.owned and self.index.blocks.get(r.key) is not r}
         doomed = self._doomed.take()
 
         def work() -> None:
-            unlink_all(self.ops, doomed, {e.path: e.nbytes for e in gone}, progress)
+            unlink_all(self.ops, doomed, sizes, progress)
             self.remove_empty_folders()
 
         await off_loop(work)
-        return n, nbytes
+        return len(gone), sum(sizes.values())
 
     def _evict_match(self, fingerprint: str | None, older_than_s: float | None) -> list[Entry]:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
