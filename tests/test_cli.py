@@ -31,6 +31,19 @@ def test_help_lists_exit_codes() -> None:
     assert r.returncode == 0 and "exit codes" in r.stdout and "inspect" in r.stdout
 
 
+def test_remote_options_without_remote_are_refused() -> None:
+    """Found in review: --remote-key-file and the other --remote-* options were accepted, and ignored, without
+    --remote (a key file given for nothing may be one the user believes encrypts what is pushed)."""
+    for opt in (
+        ["--remote-key-file", "/nope"],
+        ["--remote-ttl", "1h"],
+        ["--remote-push", "none"],
+        ["--remote-cluster"],
+    ):
+        r = spilld(*opt, "--socket", "/tmp/x-never.sock", "--dir", "/tmp/x-never-dir")
+        assert r.returncode == 2 and "without --remote" in r.stderr and "Traceback" not in r.stderr, (opt, r)
+
+
 def test_usage_errors() -> None:
     assert spilld("bogus").returncode == 2
     assert spilld("inspect").returncode == 2  # argparse: missing FILE
@@ -132,6 +145,10 @@ def test_inspect_and_verify_refuse_a_corrupt_file(tmp_path: Any) -> None:
     r = spilld("verify", str(DATA / "kv.spilld"), str(bad))
     assert r.returncode == 1 and "ok   " in r.stdout and "BAD  " in r.stdout
     assert spilld("verify", *map(str, sorted(DATA.glob("*.spilld")))).returncode == 0
+    # a missing file is a failed check, and those after it are still checked (found in review: exit 2, none checked)
+    r = spilld("verify", str(tmp_path / "nope.spilld"), str(DATA / "kv.spilld"), str(bad))
+    assert r.returncode == 1 and "BAD  " + str(tmp_path / "nope.spilld") in r.stdout, r
+    assert "ok   " + str(DATA / "kv.spilld") in r.stdout and "BAD  " + str(bad) in r.stdout
 
 
 # --- one parser, one line, no traceback (issue 12, item 7) -----------------------------------------------

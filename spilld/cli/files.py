@@ -161,7 +161,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if os.path.isdir(path):  # a folder named as a file: checked as a store
             bad += _verify_store(os.path.abspath(path), args.quiet)[1]
             continue
-        regular_file(path)
+        try:
+            regular_file(path)
+        except UsageError as exc:  # missing or not a file: a failed check, and the others are still checked
+            bad += 1
+            print(f"BAD  {path}: {exc}")
+            continue
         why, h = _check_file(path, None)
         if why is None and h is not None:
             print(f"ok   {path} ({len(h.slots())} tensors, {h.data_bytes} bytes)")

@@ -65,8 +65,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _check_remote(cfg: Config) -> None:
-    """``--remote``: the extra installed, the URL, the password and key files usable (nothing is connected)."""
+    """``--remote``: the extra installed, the URL, the password and key files usable (nothing is connected). The
+    other ``--remote-*`` options without it would be ignored: refused instead (a key file given for nothing may
+    be one the user believes encrypts what is pushed)."""
     if not cfg.remote:
+        given = [
+            opt for opt, on in (
+                ("--remote-cluster", cfg.remote_cluster), ("--remote-push", cfg.remote_push != "all"),
+                ("--remote-ttl", cfg.remote_ttl is not None), ("--remote-password-file", cfg.remote_password_file),
+                ("--remote-key-file", cfg.remote_key_file),
+            ) if on
+        ]  # fmt: skip
+        if given:
+            raise UsageError(f"{', '.join(given)} without --remote: give --remote URL, or leave them out")
         return
     try:
         from ..remote import RemoteConfigError
