@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,13 @@ def spilld(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_exit_codes() -> None:
     r = spilld("--help")
     assert r.returncode == 0 and "exit codes" in r.stdout and "inspect" in r.stdout
+    # every exit code of the README's table (found in review: 130 and 141 were not in the help)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = re.findall(r"^\| ([0-9][0-9, ]*) \|", readme, flags=re.M)
+    codes = {c.strip() for row in table for c in row.split(",")}
+    assert {"0", "1", "2", "3", "70", "130", "141"} <= codes
+    listed = {c for line in r.stdout.splitlines() for c in re.findall(r"^  ([0-9]+(?:, [0-9]+)*) ", line)}
+    assert codes <= {c.strip() for item in listed for c in item.split(",")}, codes
 
 
 def test_remote_options_without_remote_are_refused() -> None:

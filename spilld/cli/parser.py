@@ -36,15 +36,17 @@ from .service import cmd_service
 
 EPILOG = """exit codes:
   0  success (drain: everything acknowledged is durable)
-  1  a file failed a check (corrupt, truncated, foreign, unreadable)
+  1  a file failed a check (corrupt, truncated, foreign, unreadable); pin/unpin: not an entry of the store
   2  usage or configuration error (a bad option, an unusable folder or socket path)
-  3  timeout: drain (or a stop) left work unfinished; a daemon stopped by a second signal
+  3  timeout: drain (or a stop) left work unfinished, or drain saw items end not stored; a daemon stopped by a
+     second signal
   4  the daemon cannot be reached
   5  another daemon already serves this socket or folder
   6  service: launchctl or systemctl refused a command, or did not finish in time
   7  the daemon refused the request (its error code is printed)
   8  service status: the service is not installed, or not loaded
   70 internal error (a bug: SPILLD_DEBUG=1 shows the traceback)
+  130, 141  interrupted (Ctrl-C), or the reader of the output went away (a closed pipe)
 """
 
 GLOBAL_OPTIONS = ("--socket", "--dir")  # each takes one value; accepted before or after the command
