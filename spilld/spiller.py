@@ -97,8 +97,8 @@ class Spiller:
         except BaseException:
             self.store.close()
             raise
-        if alone:
-            lock.share()
+        if alone and not lock.share():  # flock converts by letting go, then taking: another may come between
+            await self._share(lock)
         self._loop = asyncio.get_running_loop()
         return self
 

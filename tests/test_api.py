@@ -267,6 +267,36 @@ async def test_close_keeps_its_timeout_when_the_daemon_stops_reading_mid_spill()
         cleanup(d.root)
 
 
+@pytest.mark.asyncio
+async def test_a_restore_read_in_full_is_returned_even_if_its_touch_fails() -> None:
+    """The file was read and checked: a `touch` (the daemon's LRU and histogram) that is not answered must not turn
+    it into a miss (found in review)."""
+    from mlx_lm.models.cache import KVCache
+
+    from spilld import protocol as P
+    from tests.caches import fill
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    d = DaemonProcess(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        async with spilld.AsyncClient(d.socket, identity=Identity(model_id="m")) as client:
+            assert (await client.spill(list(range(1, 30)), [fill(KVCache(), 29)])).stored
+            real = client.call
+
+            async def call(method: str, *args: Any, **kw: Any) -> Any:
+                if method == "touch":
+                    raise P.ConnectionLost("the daemon went away")
+                return await real(method, *args, **kw)
+
+            client.call = call  # type: ignore[method-assign]
+            got = await client.load([*range(1, 30), 5])
+            assert got is not None and got.tokens == list(range(1, 30))
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def _recording(enqueue: Any, out: list[Any]) -> Any:
     def wrapped(item: Any) -> Any:
         fut = enqueue(item)

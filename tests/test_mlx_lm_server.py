@@ -348,6 +348,27 @@ def test_a_hung_daemon_costs_the_engine_one_short_wait_not_one_a_request(
         cleanup(d.root)
 
 
+def test_the_tiers_of_several_models_drain_within_one_timeout() -> None:
+    """The exit drain's --spilld-drain-timeout is the server's, not each model's (found in review: a server that had
+    loaded k models could drain for k times it)."""
+    from spilld.integrations.mlx_lm import ServerTiers
+
+    class Slow:  # a tier whose queue never empties: its close takes all the time it is given
+        def __init__(self) -> None:
+            self.given: list[float | None] = []
+
+        def close(self, timeout: float | None = None) -> None:
+            self.given.append(timeout)
+            time.sleep(timeout or 0)
+
+    tiers = ServerTiers(None, socket=None, folder=None)
+    slow = [Slow() for _ in range(3)]
+    tiers.tiers = {("m", i): t for i, t in enumerate(slow)}
+    t0 = time.monotonic()
+    tiers.close(0.6)
+    assert time.monotonic() - t0 < 0.6 + 0.3 and all(len(t.given) == 1 for t in slow)
+
+
 def test_image_placeholder_ids_are_neither_stored_nor_looked_up(
     tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
 ) -> None:

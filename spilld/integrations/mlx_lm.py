@@ -216,12 +216,14 @@ class ServerTiers:
             return None
 
     def close(self, timeout: float | None = None) -> None:
-        """Drain and close every tier; one that fails to close does not keep the others open."""
+        """Drain and close every tier within one ``timeout`` for all; one that fails to close does not keep the
+        others open."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for key, tier in self.tiers.items():
             if tier is None:
                 continue
             try:
-                tier.close(timeout)
+                tier.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except Exception:
                 log.exception("closing the cold tier of %r failed", key)
 
