@@ -568,6 +568,8 @@ def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsy
     capsys.readouterr()
     assert cli.main(["service", "status", "--manager", "systemd"]) == cli.EXIT_NOT_INSTALLED  # files gone, stopped
     assert "spilld.service: disabled, inactive" in capsys.readouterr().out
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0  # again: says so (not "uninstalled: ")
+    assert "nothing to uninstall" in capsys.readouterr().out
 
 
 def test_systemd_install_without_activation_drops_the_socket_unit(fake_home: tuple[Path, FakeRunner]) -> None:

@@ -53,5 +53,9 @@ def cmd_service(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not svc.apply(plan, svc.run_command, sys.stderr):
         return EXIT_SERVICE
-    print(f"{args.action}ed: {', '.join(str(p) for p in [*plan.write, *plan.remove])}")
+    touched = [str(p) for p in [*plan.write, *plan.remove]]
+    if not touched:  # uninstall with nothing of ours installed
+        print(f"nothing to {args.action}: no spilld service files for {manager}")
+        return EXIT_OK
+    print(f"{args.action}ed: {', '.join(touched)}")
     return EXIT_OK
