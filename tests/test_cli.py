@@ -56,6 +56,8 @@ def test_usage_errors() -> None:
     assert spilld("bogus").returncode == 2
     assert spilld("inspect").returncode == 2  # argparse: missing FILE
     assert spilld("--cap", "4 parsecs", "--socket", "/tmp/x-never.sock").returncode == 2  # sizes are checked first
+    r = spilld("--socket")  # no value: one refusal on stderr (found in review: the whole help, on stdout)
+    assert r.returncode == 2 and "expected one argument" in r.stderr and r.stdout == "", r
     # a size too large for a float (found in review: an OverflowError traceback and exit 1)
     r = spilld("--cap", "9" * 400, "--socket", "/tmp/x-never.sock")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "larger than any disk" in r.stderr

@@ -361,6 +361,8 @@ def with_command(argv: list[str], commands: Sequence[str]) -> list[str]:
         if tok in ("-h", "--help", "--version") or tok in commands:
             return argv
         if tok in GLOBAL_OPTIONS:
+            if i + 1 >= len(argv):
+                return argv  # its value is missing: argparse says so (not "serve" taken for the value)
             i += 2
         elif tok.split("=", 1)[0] in GLOBAL_OPTIONS:
             i += 1
