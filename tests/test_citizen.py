@@ -251,6 +251,11 @@ def test_the_scan_reaps_temp_files_only_under_the_folder_lock(tmp_path: Path) ->
     s.scan()
     assert not temp.exists() and s.counters.reaped_temp == 1
     assert not s.lock.held  # a scan that took the lock to reap gives it back
+    # the root's own: a pins file's write cut short (found in review: only namespace folders were reaped)
+    pins_temp = tmp_path / f".spilld-pins.abc{fileio.TEMP_SUFFIX}"
+    pins_temp.write_bytes(b"half a pins file")
+    s.scan()
+    assert not pins_temp.exists() and s.counters.reaped_temp == 2
 
 
 @pytest.mark.asyncio

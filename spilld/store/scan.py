@@ -37,6 +37,10 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
     holds the folder's lock may: no other spilld is writing there). Blocking: runs before the store serves."""
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
+    for name in os.listdir(root) if reap else []:  # the root's own temp files: a pins file or a probe cut short
+        if fileio.is_temp_name(name) and os.path.isfile(path := os.path.join(root, name)):
+            fileio.remove_quietly(ops, path)
+            found.reaped_temp += 1
     for folder, fp, ns in namespace_folders(root):
         for name in os.listdir(folder):
             if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
