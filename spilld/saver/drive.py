@@ -71,6 +71,8 @@ class _Batch:
             step.materialize()
             step.write()
             done += step.nbytes
+            if self.stopped:  # it returned past its deadline: the save failed, its generator is closed unfinished
+                return
             if not self._advance() or (nxt := self.next) is None or not _engine_free(nxt):
                 return
             if done >= self._limit and not isinstance(nxt, PublishStep):  # a file's publish goes with its last bytes
