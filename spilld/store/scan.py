@@ -53,10 +53,12 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
             found.bad.append((path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path)))
         else:
             found.index.add(path, header, mtime)
-    # A block no manifest names is an orphan, unless a manifest beside it could not be read: it may name it.
-    unsure = [b for b in found.index.blocks.values() if not b.refs and os.path.dirname(b.path) in found.unsure]
-    for b in unsure:  # neither indexed nor removed: the next scan decides
-        found.index.drop_block(b)
+    # A block no manifest names is an orphan, unless a manifest beside it could not be read: it may name it. Such a
+    # folder's blocks are not ours to unlink this run (a readable entry's eviction must not take them either).
+    for b in [b for b in found.index.blocks.values() if os.path.dirname(b.path) in found.unsure]:
+        b.owned = False
+        if not b.refs:  # neither indexed nor removed: the next scan decides
+            found.index.drop_block(b)
     found.orphans = [b for b in found.index.blocks.values() if not b.refs]
     return found
 
