@@ -342,6 +342,32 @@ async def test_spillers_sharing_a_folder_never_unlink_a_block_the_others_entries
 
 
 @pytest.mark.asyncio
+async def test_a_spiller_that_loses_its_lock_turning_it_shared_owns_no_block_it_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flock turns a hold shared by letting it go first: another writer may scan the folder alone in between and
+    own its blocks too (found in review: both then reused and unlinked the same files)."""
+    from tests.blocks_corpus import B, conversation, toks
+
+    first = Store(tmp_path, disk_cap=2**40, block_tokens=B)
+    e1 = [*toks(2 * B), *toks(4, start=5000)]
+    await first.put(e1, conversation(e1), IDENT)
+    first.close()
+
+    def lost(self: FileLock) -> bool:
+        self.release()
+        return False
+
+    monkeypatch.setattr(FileLock, "share", lost)
+    a = await spilld.Spiller.open(tmp_path, identity=IDENT, block_tokens=B)
+    try:
+        assert a.store.blocks and not any(b.owned for b in a.store.blocks)
+        assert a.store.lock.fd is not None  # held shared again
+    finally:
+        await a.close()
+
+
+@pytest.mark.asyncio
 async def test_a_scan_under_another_owners_lock_evicts_and_moves_nothing(tmp_path: Path) -> None:
     """A store that scans a folder another spilld owns (its cap may be smaller) leaves the owner's entries and
     bad files where they are (found in review: it evicted them down to its own cap)."""

@@ -245,6 +245,12 @@ class Store:
         else:  # another spilld owns the folder: its blocks are not ours to remove
             self._doomed.forget_where(lambda p: p.endswith(BLOCK_EXT))
 
+    def disown_blocks(self) -> None:
+        """Every block indexed now is another writer's too (one may have scanned the folder alone): none is
+        unlinked or reused here; puts write blocks of their own."""
+        for rec in self.index.blocks.values():
+            rec.owned = False
+
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
         rec = self.index.blocks.get(key)
         if rec is not None and rec.owned:  # another put published the same block meanwhile: ours is a spare
