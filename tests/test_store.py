@@ -263,6 +263,13 @@ async def test_a_match_never_passes_the_rows_the_caches_hold(tmp_path: Path, blo
     assert isinstance(got, spilld.Loaded)
     assert got.tokens == toks(37) and [c.offset for c in got.caches] == [37, 37]
     assert same(lives(got.caches), lives([trimmed_copy(caches, 13)[0], caches[1]]))
+    # nor does it supersede an entry that serves more (found in review: the longer record took its place)
+    full = [fill(C.KVCache(), 50, seed=1), fill(C.KVCache(), 50, seed=2)]
+    s2 = Store(tmp_path / "s2", block_tokens=block_tokens)
+    await s2.put(toks(50), full, IDENT)
+    await s2.put([*toks(50), 9, 9], [fill(C.KVCache(), 52, seed=1), fill(C.KVCache(), 37, seed=2)], IDENT)
+    hit = s2.lookup(IDENT, "", [*toks(50), 7])
+    assert isinstance(hit, Hit) and hit.matched == 50
     # untrimmable, such an entry cannot serve a prompt at all: it holds fewer rows than its tokens
     await s.put(toks(50, start=5000), [fill(C.RotatingKVCache(max_size=16, keep=4), 37, chunk=3, seed=3)], IDENT)
     miss = s.lookup(IDENT, "", [*toks(50, start=5000), 7])

@@ -821,6 +821,8 @@ class Store:
                 continue
             if e.codec_provider != new.codec_provider:
                 continue  # another engine's codecs: its readers cannot use ours
+            if _restorable(new) < _restorable(e):
+                continue  # it records those tokens, but its caches hold fewer: it serves less than e does
             exact = e.ntokens == new.ntokens and common_prefix(e.tokens, new.tokens) == new.ntokens
             ancestor = (
                 e.ntokens < new.ntokens
@@ -1141,3 +1143,8 @@ def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fm
     if (header.block.key if header.block is not None else None) != key:
         raise errors.BlockKeyMismatch("a fetched file is not the one asked for")
     return header
+
+
+def _restorable(e: Entry) -> int:
+    """The tokens a restore of ``e`` can serve (``Entry.restorable``, or all it records)."""
+    return e.ntokens if e.restorable is None else e.restorable
