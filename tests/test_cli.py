@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -71,6 +72,15 @@ def test_a_global_option_is_refused_by_a_command_that_does_not_take_it(tmp_path:
     r = spilld("--socket", str(tmp_path / "s.sock"), "ls", "--dir", str(tmp_path))
     assert r.returncode == 2 and "--socket means nothing to `spilld ls`" in r.stderr, r
     assert spilld("ls", "--dir", str(tmp_path)).returncode == 0  # one it takes, before or after: as before
+    # the commands said to take each option are those that have it (found in review: service's own --socket)
+    from spilld.cli.parser import build_parser
+
+    p = build_parser()
+    takers = p.parse_args(["ls"]).global_takers
+    subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in subs.items():
+        for opt in ("--socket", "--dir"):
+            assert any(opt in a.option_strings for a in sub._actions) == (name in takers[opt]), (name, opt)
     assert spilld("--dir", str(tmp_path), "ls").returncode == 0
     r = spilld("ls", "--dir", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no such folder" in r.stderr, r

@@ -330,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--dry-run", action="store_true", help="print the files and the commands; change nothing")
     svc.add_argument("--cap", type=size_text_arg, default="4GiB", help="the daemon's --cap (default 4GiB)")
     with_dir(svc, "the daemon's --dir (default: its own default)")
+    takers["--socket"].add("service")
     svc.add_argument(
         "--socket", type=socket_arg, default=argparse.SUPPRESS, help="the daemon's --socket (default: its own default)"
     )
