@@ -106,6 +106,7 @@ class AsyncClient:
         self._pool_made: asyncio.Future[ShmPool] | None = None  # the pool being made, off the loop
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
+        self._not_stored = 0  # this client's items the daemon answered as not stored (dropped, cancelled, failed)
 
     @classmethod
     async def open(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
@@ -299,13 +300,15 @@ class AsyncClient:
     async def close(self, timeout: float | None = None) -> DrainReport:
         """Ship what is queued and hear back about it, then close the connection; ``timeout`` bounds the call."""
         deadline = Deadline(timeout)
+        before = self._not_stored
         try:
             local = await self.queue.close(deadline.left())
             unanswered = await self._wait_commits(deadline.left())
         finally:  # cancelled too: the shared-memory pool, the socket and the reader go
             self._drop_pool()
             await self._disconnect()
-        return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes)
+        lost = local.not_stored + self._not_stored - before  # ours the daemon answered as not stored meanwhile
+        return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes, lost)
 
     async def _disconnect(self) -> None:
         """Close the connection and wait for its reader to end (it fails what still waits for an answer)."""
@@ -426,6 +429,7 @@ class AsyncClient:
         self._commits.discard(commit)
         if outcome.done():
             return
+        outcome.add_done_callback(self._count_settled)
         if commit.cancelled() or commit.exception() is not None:
             err = P.ConnectionLost("commit cancelled") if commit.cancelled() else commit.exception()
             outcome.set_result(Settled(Outcome.FAILED, error=err))
@@ -439,6 +443,10 @@ class AsyncClient:
         else:
             err = errors.error_from_code(str(r.get("code", "error")), str(r.get("message", r["outcome"])))
             outcome.set_result(Settled(Outcome.FAILED, error=err))
+
+    def _count_settled(self, outcome: asyncio.Future[Settled]) -> None:
+        if not outcome.cancelled() and not outcome.result().stored:
+            self._not_stored += 1
 
     async def _start_call(self, method: str, params: dict[str, Any]) -> asyncio.Future[Any]:
         """Send a request; return the future of its answer (no timeout: the caller decides)."""
@@ -599,8 +607,10 @@ class AsyncClient:
         ``pending_*`` count what is left here and at the daemon (every client's items there).
         """
         deadline = Deadline(timeout)
+        before = self._not_stored
         local = await self.queue.drain(deadline.left())
         unanswered = await self._wait_commits(deadline.left())
+        ours = self._not_stored - before  # ours the daemon answered as not stored meanwhile
         left = deadline.left()
         params = {"timeout": DRAIN_FOREVER_S if left is None else left}
         wait = None if left is None else left + ANSWER_GRACE_S  # the daemon answers at its deadline
@@ -610,7 +620,7 @@ class AsyncClient:
             r = {"done": False, "pending_items": 0, "pending_bytes": 0}
         done = local.done and not unanswered and bool(r["done"])
         items = local.pending_items + unanswered + int(r["pending_items"])
-        lost = local.not_stored + int(r.get("not_stored", 0))
+        lost = local.not_stored + ours + int(r.get("not_stored", 0))
         return DrainReport(done, items, local.pending_bytes + int(r["pending_bytes"]), lost)
 
     async def status(self) -> dict[str, Any]:

@@ -297,6 +297,31 @@ async def test_a_restore_read_in_full_is_returned_even_if_its_touch_fails() -> N
         cleanup(d.root)
 
 
+@pytest.mark.asyncio
+async def test_drain_and_close_count_this_clients_items_the_daemon_did_not_store() -> None:
+    """Found in review: the daemon's drain counted only items still queued when it ran, and this client's had been
+    answered by then: drain and close said not_stored=0 for spills the daemon dropped."""
+    from mlx_lm.models.cache import KVCache
+
+    from tests.caches import fill
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    d = DaemonProcess(new_root(), ["--cap", "64MiB", "--write-budget", "1"]).start()  # a day's budget of 1 byte
+    try:
+        async with spilld.AsyncClient(d.socket, identity=Identity(model_id="m")) as client:
+            assert (await client.spill(list(range(1, 9)), [fill(KVCache(), 8)])).stored  # spends the budget
+            shed = client.spill(list(range(100, 108)), [fill(KVCache(), 8)])  # droppable: shed for the budget
+            rep = await client.drain(timeout=20)
+            assert (await shed).outcome is spilld.Outcome.DROPPED and rep.done and rep.not_stored == 1, rep
+            also = client.spill(list(range(200, 208)), [fill(KVCache(), 8)])
+            rep = await client.close(timeout=20)
+            assert (await also).outcome is spilld.Outcome.DROPPED and rep.not_stored == 1, rep
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def _recording(enqueue: Any, out: list[Any]) -> Any:
     def wrapped(item: Any) -> Any:
         fut = enqueue(item)
