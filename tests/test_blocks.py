@@ -795,10 +795,10 @@ async def test_held_blocks_that_go_while_the_put_makes_its_folder_fail_it_as_hel
     await s.put(first, conversation(first), IDENT)
     real = s._make_folder
 
-    async def evicting(folder: str) -> None:
+    async def evicting(folder: str, room: bool = False) -> None:
         s.remove_where(lambda e: True)  # room made for the folder: every entry went, and its blocks
         await s.delete_doomed_async()
-        await real(folder)
+        await real(folder, room)
 
     monkeypatch.setattr(s, "_make_folder", evicting)
     with pytest.raises(errors.HeldBlockGone):

@@ -827,6 +827,18 @@ async def test_a_folder_made_by_a_failed_put_is_made_durable_by_the_next(tmp_pat
 
 
 @pytest.mark.asyncio
+async def test_a_failed_fsync_of_a_new_folder_is_not_retried_after_making_room(tmp_path: Path) -> None:
+    """ENOSPC from the fsync of a folder a put made: found in review, an unrelated entry was evicted and the fsync
+    tried again, and the put said stored."""
+    s = Store(tmp_path, disk_cap=2**40)
+    await s.put(toks(8, start=900), kv_layers(8), OTHER)  # an entry eviction could take
+    s.ops = _FolderSyncs(fail_in=identity_fingerprint(IDENT), err=28)
+    with pytest.raises(spilld.errors.DiskFull):
+        await s.put(toks(8), kv_layers(8), IDENT)
+    assert s.counters.evicted == 0 and s.count == 1 and s.counters.store_errors == 1
+
+
+@pytest.mark.asyncio
 async def test_a_failed_fsync_of_the_blocks_folder_fails_the_put_even_when_room_could_be_made(tmp_path: Path) -> None:
     """Found in review: ENOSPC from the folder fsync that makes a put's block names durable was taken for a full
     disk: entries were evicted, the folder fsynced again, and the put said stored. A failed fsync is never

@@ -174,15 +174,11 @@ class Store:
     def release_folder(self, folder: str) -> None:
         self._folders.release(folder)
 
-    def make_folder(self, folder: str) -> None:
-        """Create a claimed entry folder and its model folder, each durable (blocking: a worker thread). A folder
-        found made is synced too, once a process: an earlier attempt may have made it and failed before its
-        fsync, or another put made it and has not synced it yet."""
-        if folder in self._durable_folders and os.path.isdir(folder):
-            return
-        created = fileio.make_dirs(self.ops, folder, self.durability)
-        found = [d for d in (os.path.dirname(folder), folder) if d not in created]
-        fileio.sync_folders(self.ops, found, self.durability)
+    def _sync_folder_path(self, folder: str) -> None:
+        """Make an entry folder's name and its model folder's durable, once a process (blocking: a worker thread).
+        A folder found made is synced too: an earlier attempt may have made it and failed before its fsync, or
+        another put made it and has not synced it yet."""
+        fileio.sync_folders(self.ops, [os.path.dirname(folder), folder], self.durability)
         self._durable_folders.add(folder)
 
     @property
@@ -517,7 +513,7 @@ class Store:
         written: list[Block] = []
         self.claim_folder(folder)  # from here to the rename, no sweep removes the folder under the write
         try:
-            await self._with_room(lambda: self._make_folder(folder), 0)  # once: the blocks and the entry share it
+            await self._make_folder(folder, room=True)  # once: the blocks and the entry share it
             self._check_held(cut, held_rows)  # again: room made for the folder may have evicted one
             if cut is not None:  # the blocks first, each durable before the manifest that names it
                 pinned = await self._put_blocks(cut, folder, ident, kw, written)
@@ -709,8 +705,24 @@ class Store:
             self._count_error(exc)
             raise
 
-    async def _make_folder(self, folder: str) -> None:
-        await within(off_loop(lambda: self.make_folder(folder)), self.io_timeout, "a folder's creation")
+    async def _make_folder(self, folder: str, room: bool = False) -> None:
+        """Create a claimed entry folder and its model folder (with ``room``, ENOSPC makes room and tries again),
+        then make their names durable: a failed fsync is never retried (a second may succeed without them)."""
+        if folder in self._durable_folders and os.path.isdir(folder):
+            return
+
+        async def create() -> None:
+            none = fileio.Durability.NONE  # created only: synced below, where a failure is not retried
+            await within(
+                off_loop(lambda: fileio.make_dirs(self.ops, folder, none)), self.io_timeout, "a folder's creation"
+            )
+
+        await (self._with_room(create, 0) if room else create())
+        try:
+            await within(off_loop(lambda: self._sync_folder_path(folder)), self.io_timeout, "a folder's sync")
+        except Exception as exc:
+            self._count_error(exc)
+            raise
 
     async def _write(
         self,
