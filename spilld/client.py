@@ -538,6 +538,7 @@ class AsyncClient:
 
     async def _lookup(self, tokens: Sequence[int], namespace: str) -> tuple[Hit | Miss, dict[str, str]]:
         """The hit, and the files of its blocks the daemon named (key hex -> path; may be empty)."""
+        await self._ensure()  # its hello says how long a lookup may take
         r = dict(
             await self.call(
                 "lookup",
@@ -547,7 +548,7 @@ class AsyncClient:
                     "tokens": fmt.encode_tokens(list(tokens)),
                     "codec_provider": self.provider.id,
                 },
-                timeout=min(self.timeout, LOOKUP_TIMEOUT_S),
+                timeout=self._lookup_timeout(),
             )
         )
         if not r["hit"]:
@@ -558,6 +559,11 @@ class AsyncClient:
         named = r.get("blocks")
         paths = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
         return hit, {os.path.basename(p).split("-", 1)[0]: p for p in paths}
+
+    def _lookup_timeout(self) -> float:
+        """A lookup is an index probe, answered in milliseconds, unless the daemon fills it from a shared tier first
+        (its hello says ``remote``): then it may take seconds, and the full timeout applies."""
+        return self.timeout if self.server.get("remote") is True else min(self.timeout, LOOKUP_TIMEOUT_S)
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss.
@@ -583,7 +589,8 @@ class AsyncClient:
         except errors.StorageError:
             return None  # evicted between lookup and open
         try:  # the daemon's LRU and histogram: the restore is done and good, whatever becomes of this report
-            await self.call("touch", {"path": path, "restore_s": time.perf_counter() - t0})
+            params = {"path": path, "restore_s": time.perf_counter() - t0}
+            await self.call("touch", params, timeout=min(self.timeout, LOOKUP_TIMEOUT_S))
         except errors.SpillError as exc:
             log.debug("a restore's touch was not answered: %s", exc)
         return loaded

@@ -202,6 +202,7 @@ async def test_a_client_call_waits_its_timeout_once_and_says_shipped_only_locall
             assert [s.outcome for s in local] == [spilld.Outcome.SHIPPED]  # the local queue never says "stored"
             hit = await client.lookup([*range(1, 30), 5])
             assert isinstance(hit, spilld.Hit) and hit.path == settled.value.path and hit.matched == 29
+            assert client.server["remote"] is False  # no shared tier: a lookup is a probe, bounded short
             assert d.proc is not None
             os.kill(d.proc.pid, signal.SIGSTOP)
             try:

@@ -20,6 +20,7 @@ import pytest_asyncio
 from mlx_lm.models.cache import make_prompt_cache
 
 import spilld
+import spilld.client
 from spilld.client import AsyncClient
 from tests.blocks_corpus import blocks_on_disk, manifests_on_disk, prefill
 from tests.daemons import Daemon, cleanup, new_root
@@ -104,8 +105,14 @@ def equal(a: mx.array, b: mx.array) -> bool:
 
 
 @pytest.mark.asyncio
-async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(server: RedisServer, model: Any) -> None:
+async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(
+    server: RedisServer, model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a lookup that fills from the shared tier takes longer than an index probe: its client waits for it (the
+    # daemon's hello says it has a shared tier), however short the wait for a probe
+    monkeypatch.setattr(spilld.client, "LOOKUP_TIMEOUT_S", 0.001)
     async with hosts(model, [server.url], [server.url]) as ((_a, ca), (b, cb)):
+        assert cb.server["remote"] is True
         conv = random_tokens(5 * B + 7, seed=1)  # 5 blocks and a tail
         cache = prefill(model, make_prompt_cache, conv)
         assert (await ca.spill(conv, cache, droppable=False)).stored

@@ -407,6 +407,7 @@ class Connection(asyncio.BufferedProtocol):
             "limits": self.daemon.limits(),
             "shm": True,
             "dir": self.daemon.cfg.dir,
+            "remote": bool(self.daemon.cfg.remote),  # a lookup may fill from the shared tier before it answers
         }
 
     def _put(self, msg: P.Message) -> None:
