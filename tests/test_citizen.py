@@ -11,6 +11,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -407,6 +408,12 @@ async def test_a_scan_reads_only_folders_named_as_spilld_names_them(tmp_path: Pa
     assert {c: sorted(os.listdir(c)) for c in copies} == theirs and sorted(os.listdir(ns)) == ours
     assert again.stats()["quarantined"] == 0 and again.stats()["blocks_reclaimed"] == 0
     assert all(os.path.dirname(b.path) == ns for b in again.blocks)
+    # nor does `spilld verify --dir` judge them (found in review)
+    (copies[0] / os.path.basename(r.path)).write_bytes(b"the user's own bytes")
+    got = subprocess.run(
+        [sys.executable, "-m", "spilld", "verify", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 0 and "my-backup" not in got.stdout and "1 entry" in got.stdout, got
 
 
 def test_a_lock_whose_pid_cannot_be_written_is_still_held_and_let_go(

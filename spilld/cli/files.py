@@ -104,14 +104,13 @@ def store_files(root: str) -> list[tuple[str, str]]:
     """(path, identity folder) of every entry file under a store's root, temp files and quarantine left out."""
     from ..fileio import is_temp_name
     from ..store import EXT
+    from ..store.folders import namespace_folders
 
     found = []
-    for fp in sorted(os.listdir(root)):
-        fp_dir = os.path.join(root, fp)
-        if fp.startswith(".") or not os.path.isdir(fp_dir):
-            continue
-        for dirpath, _, names in os.walk(fp_dir):
-            found += [(os.path.join(dirpath, n), fp) for n in sorted(names) if n.endswith(EXT) and not is_temp_name(n)]
+    for folder, fp, _ in namespace_folders(root):  # only folders named as spilld names them: a user's are theirs
+        found += [
+            (os.path.join(folder, n), fp) for n in sorted(os.listdir(folder)) if n.endswith(EXT) and not is_temp_name(n)
+        ]
     return found
 
 
