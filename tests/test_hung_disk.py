@@ -22,6 +22,7 @@ from mlx_lm.models import cache as C
 
 import spilld
 from spilld import errors, fileio
+from spilld.blocks import BLOCK_EXT
 from spilld.client import AsyncClient
 from spilld.config import Config
 from spilld.daemon import Daemon
@@ -159,6 +160,41 @@ async def test_a_publish_that_lands_after_its_deadline_leaves_nothing(
     assert isinstance(got, spilld.Loaded) and all(
         same(live(a), live(b)) for a, b in zip(got.caches, caches(40), strict=True)
     )
+
+
+class SlowBlockRename(fileio.FileOps):
+    """The first block's rename returns ``late`` seconds after it began (a step past its deadline)."""
+
+    def __init__(self, late: float) -> None:
+        self.late, self.entered, self.first = late, threading.Event(), True
+
+    def rename(self, src: str, dst: str) -> None:
+        if dst.endswith(BLOCK_EXT) and self.first:
+            self.first = False
+            self.entered.set()
+            time.sleep(self.late)
+        super().rename(src, dst)
+
+
+@pytest.mark.asyncio
+async def test_a_batched_step_past_its_deadline_fails_the_save_even_before_the_loop_notices(tmp_path: Path) -> None:
+    """The loop is busy across the deadline, so the late step's thread sees it first: found in review, the thread
+    went on, published the block and finished the save's generator, and nothing took the block back."""
+    ops = SlowBlockRename(DEADLINE_S + 0.15)
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, io_timeout=DEADLINE_S, ops=ops)
+
+    async def busy() -> None:  # another client's work on the loop, holding it across the deadline
+        while not ops.entered.is_set():
+            await asyncio.sleep(0.002)
+        time.sleep(DEADLINE_S + 0.4)
+
+    hog = asyncio.ensure_future(busy())
+    with pytest.raises(errors.StorageTimeout):
+        await s.put(list(range(40)), caches(40), IDENT, run_step=spilld.NoLease())
+    await hog
+    await asyncio.sleep(0.5)  # any late cleanup on a worker thread
+    assert [n for _, _, names in os.walk(tmp_path) for n in names if not n.startswith(".")] == []
+    assert s.count == 0 and s.total_bytes == 0
 
 
 @pytest.mark.asyncio

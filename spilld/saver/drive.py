@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, cast
 
@@ -45,12 +46,24 @@ class _Batch:
     batch."""
 
     def __init__(
-        self, gen: Generator[SaveStep, None, SaveResult], first: SaveStep | None, limit: int, begun: Begun
+        self,
+        gen: Generator[SaveStep, None, SaveResult],
+        first: SaveStep | None,
+        limit: int,
+        begun: Begun,
+        deadline: float | None = None,
     ) -> None:
-        self._gen, self._limit, self._begun = gen, limit, begun
+        self._gen, self._limit, self._begun, self._deadline = gen, limit, begun, deadline
         self.next: SaveStep | None = first
         self.result: SaveResult | None = None
         self.stopped = False  # set by the driver past a deadline: no step begins after the late one returns
+
+    def _late(self) -> bool:
+        """The step just run returned past its deadline: the driver has given up on the save, or is about to (the
+        thread decides it itself: the loop may not have woken yet to set ``stopped``)."""
+        start = self._begun.at
+        late = self._deadline is not None and start is not None and time.monotonic() - start > self._deadline
+        return self.stopped or late
 
     def _advance(self) -> bool:
         try:
@@ -71,8 +84,9 @@ class _Batch:
             step.materialize()
             step.write()
             done += step.nbytes
-            if self.stopped:  # it returned past its deadline: the save failed, its generator is closed unfinished
-                return
+            if self._late():  # the save fails: its generator closed unfinished takes back what it wrote
+                self._gen.close()
+                raise errors.StorageTimeout(f"a write step returned past its deadline ({self._deadline} s)")
             if not self._advance() or (nxt := self.next) is None or not _engine_free(nxt):
                 return
             if done >= self._limit and not isinstance(nxt, PublishStep):  # a file's publish goes with its last bytes
@@ -168,13 +182,17 @@ async def save_async(
         while True:
             begun = Begun()
             if free:
-                batch: _Batch | None = _Batch(gen, pending, batch_bytes, begun)
+                batch: _Batch | None = _Batch(gen, pending, batch_bytes, begun, step_deadline)
             else:
                 try:
                     step = pending or next(gen)
                 except StopIteration as stop:
                     return cast(SaveResult, stop.value)
-                batch = _Batch(gen, step, batch_bytes, begun) if batch_bytes > 0 and _engine_free(step) else None
+                batch = (
+                    _Batch(gen, step, batch_bytes, begun, step_deadline)
+                    if batch_bytes > 0 and _engine_free(step)
+                    else None
+                )
             if batch is not None:
                 fn = batch.run  # advances the generator on its thread
             else:
