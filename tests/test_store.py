@@ -270,6 +270,13 @@ async def test_a_match_never_passes_the_rows_the_caches_hold(tmp_path: Path, blo
     await s2.put([*toks(50), 9, 9], [fill(C.KVCache(), 52, seed=1), fill(C.KVCache(), 37, seed=2)], IDENT)
     hit = s2.lookup(IDENT, "", [*toks(50), 7])
     assert isinstance(hit, Hit) and hit.matched == 50
+    # and one that cannot be cut to its rows serves nothing: it replaces nothing either, even holding more rows
+    s3 = Store(tmp_path / "s3", block_tokens=block_tokens)
+    longer = [*toks(50), 9, 9]
+    await s3.put(longer, [fill(C.KVCache(), 52, seed=1), fill(C.KVCache(), 37, seed=2)], IDENT)  # serves 37
+    await s3.put(longer, [fill(C.RotatingKVCache(max_size=16, keep=4), 40, chunk=3, seed=3)], IDENT)  # 40, uncut
+    hit = s3.lookup(IDENT, "", [*toks(50), 7])
+    assert isinstance(hit, Hit) and hit.matched == 37
     # untrimmable, such an entry cannot serve a prompt at all: it holds fewer rows than its tokens
     await s.put(toks(50, start=5000), [fill(C.RotatingKVCache(max_size=16, keep=4), 37, chunk=3, seed=3)], IDENT)
     miss = s.lookup(IDENT, "", [*toks(50, start=5000), 7])

@@ -1158,5 +1158,8 @@ def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fm
 
 
 def _restorable(e: Entry) -> int:
-    """The tokens a restore of ``e`` can serve (``Entry.restorable``, or all it records)."""
-    return e.ntokens if e.restorable is None else e.restorable
+    """The tokens a restore of ``e`` can serve: all it records, or only its caches' rows (``Entry.restorable``),
+    which it reaches by a cut: none when it cannot be cut."""
+    if e.restorable is None:
+        return e.ntokens
+    return e.restorable if e.trimmable else 0
