@@ -304,10 +304,10 @@ class AsyncClient:
         try:
             local = await self.queue.close(deadline.left())
             unanswered = await self._wait_commits(deadline.left())
+            lost = local.not_stored + self._not_stored - before  # ours answered as not stored (before the close)
         finally:  # cancelled too: the shared-memory pool, the socket and the reader go
             self._drop_pool()
             await self._disconnect()
-        lost = local.not_stored + self._not_stored - before  # ours the daemon answered as not stored meanwhile
         return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes, lost)
 
     async def _disconnect(self) -> None:
@@ -429,24 +429,22 @@ class AsyncClient:
         self._commits.discard(commit)
         if outcome.done():
             return
-        outcome.add_done_callback(self._count_settled)
-        if commit.cancelled() or commit.exception() is not None:
+        if commit.cancelled() or commit.exception() is not None:  # unanswered: neither stored nor said not to be
             err = P.ConnectionLost("commit cancelled") if commit.cancelled() else commit.exception()
             outcome.set_result(Settled(Outcome.FAILED, error=err))
             return
         r = commit.result()
         if r["outcome"] == "stored":
-            outcome.set_result(Settled(Outcome.STORED, value=SaveResult(str(r["path"]), header, int(r["file_bytes"]))))
+            settled = Settled(Outcome.STORED, value=SaveResult(str(r["path"]), header, int(r["file_bytes"])))
         elif r["outcome"] in ("dropped", "cancelled"):  # with the reason when there is one (a store's shed)
             why = errors.error_from_code(str(r["code"]), str(r.get("message", ""))) if "code" in r else None
-            outcome.set_result(Settled(Outcome(r["outcome"]), error=why))
+            settled = Settled(Outcome(r["outcome"]), error=why)
         else:
             err = errors.error_from_code(str(r.get("code", "error")), str(r.get("message", r["outcome"])))
-            outcome.set_result(Settled(Outcome.FAILED, error=err))
-
-    def _count_settled(self, outcome: asyncio.Future[Settled]) -> None:
-        if not outcome.cancelled() and not outcome.result().stored:
+            settled = Settled(Outcome.FAILED, error=err)
+        if not settled.stored:  # counted before anyone waiting on it wakes (a drain reads the count next)
             self._not_stored += 1
+        outcome.set_result(settled)
 
     async def _start_call(self, method: str, params: dict[str, Any]) -> asyncio.Future[Any]:
         """Send a request; return the future of its answer (no timeout: the caller decides)."""

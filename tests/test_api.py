@@ -318,6 +318,12 @@ async def test_drain_and_close_count_this_clients_items_the_daemon_did_not_store
             also = client.spill(list(range(200, 208)), [fill(KVCache(), 8)])
             rep = await client.close(timeout=20)
             assert (await also).outcome is spilld.Outcome.DROPPED and rep.not_stored == 1, rep
+        # an item that settled before the call is not the call's (found in review: close counted it, drain not)
+        async with spilld.AsyncClient(d.socket, identity=Identity(model_id="m")) as client:
+            assert (await client.spill(list(range(300, 308)), [fill(KVCache(), 8)])).outcome is spilld.Outcome.DROPPED
+            assert (await client.drain(timeout=20)).not_stored == 0
+            assert (await client.spill(list(range(400, 408)), [fill(KVCache(), 8)])).outcome is spilld.Outcome.DROPPED
+            assert (await client.close(timeout=20)).not_stored == 0
     finally:
         d.kill()
         cleanup(d.root)
