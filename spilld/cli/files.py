@@ -104,12 +104,14 @@ def store_files(root: str) -> list[tuple[str, str]]:
     """(path, identity folder) of every entry file under a store's root, temp files and quarantine left out."""
     from ..fileio import is_temp_name
     from ..store import EXT
-    from ..store.folders import namespace_folders
+    from ..store.folders import folder_names, namespace_folders
 
     found = []
     for folder, fp, _ in namespace_folders(root):  # only folders named as spilld names them: a user's are theirs
         found += [
-            (os.path.join(folder, n), fp) for n in sorted(os.listdir(folder)) if n.endswith(EXT) and not is_temp_name(n)
+            (os.path.join(folder, n), fp)
+            for n in sorted(folder_names(folder))
+            if n.endswith(EXT) and not is_temp_name(n)
         ]
     return found
 

@@ -31,9 +31,18 @@ def namespace_folders(root: str) -> Iterator[tuple[str, str, str]]:
         fp_dir = os.path.join(root, fp)
         if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
             continue
-        for ns in sorted(os.listdir(fp_dir)):
+        for ns in sorted(folder_names(fp_dir)):
             if is_namespace_folder(ns) and os.path.isdir(folder := os.path.join(fp_dir, ns)):
                 yield folder, fp, ns
+
+
+def folder_names(folder: str) -> list[str]:
+    """The names in ``folder``; none when it went meanwhile (the empty-folder sweep of a running store), or cannot
+    be listed: a walk of a live store skips it rather than fail."""
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
 
 
 class FolderClaims:

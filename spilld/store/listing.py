@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import blocks, errors, fileio
 from ..loader import read_header
-from .folders import namespace_folders
+from .folders import folder_names, namespace_folders
 
 EXT = ".spilld"  # an entry's file (a manifest, or a whole entry); blocks have their own suffix
 
@@ -22,7 +22,7 @@ def list_entries(root: str) -> list[dict[str, Any]]:
     for folder, fp, _ in namespace_folders(root):
         found = _block_files(folder)
         shared = sum(found.values())
-        for name in sorted(os.listdir(folder)):
+        for name in sorted(folder_names(folder)):
             if not name.endswith(EXT) or fileio.is_temp_name(name):
                 continue
             path = os.path.join(folder, name)
@@ -44,7 +44,7 @@ def list_entries(root: str) -> list[dict[str, Any]]:
 def _block_files(folder: str) -> dict[bytes, int]:
     """The size of each block file in ``folder``, by key (one file a key: the first listed)."""
     out: dict[bytes, int] = {}
-    for name in os.listdir(folder):
+    for name in folder_names(folder):
         key = blocks.key_of_name(name)
         if key is None or key in out or fileio.is_temp_name(name):
             continue

@@ -13,7 +13,7 @@ from .. import format as fmt
 from ..blocks import BLOCK_EXT
 from ..entries import Block, identity_fingerprint, namespace_hash
 from ..loader import read_header
-from .folders import namespace_folders
+from .folders import folder_names, namespace_folders
 from .index import Index
 from .listing import EXT
 
@@ -42,7 +42,7 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
             fileio.remove_quietly(ops, path)
             found.reaped_temp += 1
     for folder, fp, ns in namespace_folders(root):
-        for name in os.listdir(folder):
+        for name in folder_names(folder):
             if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
                 manifests.append(got)
     for path, header, mtime in manifests:  # once every block is known
