@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from mlx_lm.models import cache as C
 
 import spilld
