@@ -97,6 +97,11 @@ class Entry:
     def ntokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def held(self) -> int:
+        """The most tokens a restore of it can serve: the rows its caches hold, or all it records."""
+        return self.ntokens if self.restorable is None else self.restorable
+
 
 @dataclass(eq=False)
 class Block:

@@ -92,7 +92,7 @@ class Query:
 
     def _compare(self, found: Found, candidates: list[Entry], limit: int) -> None:
         for e in candidates:
-            usable = min(common_prefix(e.tokens, self.want), limit, e.ntokens if e.restorable is None else e.restorable)
+            usable = min(common_prefix(e.tokens, self.want), limit, e.held)
             if usable <= 0:
                 continue
             if e.fingerprint != self.fp or e.codec_provider != self.provider_id:

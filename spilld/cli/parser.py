@@ -80,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     takers: dict[str, set[str]] = {opt: set() for opt in GLOBAL_OPTIONS}
     p.set_defaults(global_takers=takers)  # the commands that take each global option (the rest refuse it)
 
-    def with_socket(sp: argparse.ArgumentParser) -> None:
+    def with_socket(sp: argparse.ArgumentParser, help: str | None = None) -> None:
         takers["--socket"].add(sp.prog.split()[-1])
         sp.add_argument(
             "--socket",
             type=socket_arg,
             default=argparse.SUPPRESS,
-            help=f"the daemon's socket (default {default_socket()})",
+            help=help or f"the daemon's socket (default {default_socket()})",
         )
 
     def with_dir(sp: argparse.ArgumentParser, help: str) -> None:
@@ -330,10 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--dry-run", action="store_true", help="print the files and the commands; change nothing")
     svc.add_argument("--cap", type=size_text_arg, default="4GiB", help="the daemon's --cap (default 4GiB)")
     with_dir(svc, "the daemon's --dir (default: its own default)")
-    takers["--socket"].add("service")
-    svc.add_argument(
-        "--socket", type=socket_arg, default=argparse.SUPPRESS, help="the daemon's --socket (default: its own default)"
-    )
+    with_socket(svc, "the daemon's --socket (default: its own default)")
     svc.add_argument(
         "--drain-deadline",
         type=positive_duration_arg,

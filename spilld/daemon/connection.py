@@ -150,6 +150,11 @@ class Connection(asyncio.BufferedProtocol):
         self._finish_later()
         return True
 
+    @property
+    def _no_grants(self) -> bool:
+        """The client is gone, or sent EOF: it grants nothing more."""
+        return self._closing or self._eof
+
     def _grantor_gone(self) -> None:
         for fut in self.asked.values():
             if not fut.done():
@@ -159,7 +164,7 @@ class Connection(asyncio.BufferedProtocol):
         """Ask the client (its engine) for a turn: the grant's id once granted (the engine then holds its lease
         until ``lease_done``), None if the client is gone. No grant within ``timeout`` raises ``Timeout``, and
         one the engine refuses raises its error: the step must not run unheld."""
-        if self._closing or self._eof:
+        if self._no_grants:
             return None
         msgid = next(self._ask_ids)
         fut: asyncio.Future[errors.SpillError | None] = asyncio.get_running_loop().create_future()
@@ -171,7 +176,7 @@ class Connection(asyncio.BufferedProtocol):
             raise P.Timeout(f"the engine did not grant its lease in {timeout:g} s; nothing written") from None
         finally:
             self.asked.pop(msgid, None)
-        if (self._closing or self._eof) and refused is not None:
+        if self._no_grants and refused is not None:
             return None
         if refused is not None:
             raise refused

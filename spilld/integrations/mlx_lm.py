@@ -50,20 +50,26 @@ def covered_tokens(tokens: Sequence[int], caches: Sequence[Any]) -> int | None:
     None when no cache keeps a position (a pure state-space model): then we cannot
     tell, and such an entry is not spilled rather than risk a shifted restore.
     """
-    offsets = [c.offset for c in caches if isinstance(getattr(c, "offset", None), int)]
+    offsets = [o for c in caches if (o := _offset(c)) is not None]
     return min(min(offsets), len(tokens)) if offsets else None
+
+
+def _offset(cache: Any) -> int | None:
+    """A cache's position, when it keeps one as a number (a batch cache's per-sequence array is not one)."""
+    offset = getattr(cache, "offset", None)
+    return offset if isinstance(offset, int) else None
 
 
 def held_to(caches: Sequence[Any], n: int) -> list[Any] | None:
     """The caches as of their first ``n`` tokens. With a draft model the server's list is the main model's caches
     and the draft's, and the main ones hold a row more after a speculative step: those are cut back, on clones (the
     server's own caches are left as they are). None when such a cache cannot be cut."""
-    if all(getattr(c, "offset", None) in (None, n) for c in caches):
+    if all(_offset(c) in (None, n) for c in caches):
         return list(caches)
     out = clone_caches(caches)
     for c in out:
-        offset = getattr(c, "offset", None)
-        if isinstance(offset, int) and offset > n:
+        offset = _offset(c)
+        if offset is not None and offset > n:
             if not c.is_trimmable():
                 return None
             c.trim(offset - n)

@@ -24,13 +24,17 @@ def is_namespace_folder(name: str) -> bool:
     return name == "base" or _HEX16.fullmatch(name) is not None
 
 
+def identity_folders(root: str) -> Iterator[tuple[str, str]]:
+    """(folder, its name) of every identity folder under ``root``, named as spilld names them."""
+    for fp in sorted(os.listdir(root)):
+        if is_identity_folder(fp) and os.path.isdir(fp_dir := os.path.join(root, fp)):
+            yield fp_dir, fp
+
+
 def namespace_folders(root: str) -> Iterator[tuple[str, str, str]]:
     """(folder, identity folder name, namespace folder name) of every namespace folder under ``root``: only folders
     named as spilld names them (a user's folder under ``root``, even a copy of one of ours, is theirs)."""
-    for fp in sorted(os.listdir(root)):
-        fp_dir = os.path.join(root, fp)
-        if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
-            continue
+    for fp_dir, fp in identity_folders(root):
         for ns in sorted(folder_names(fp_dir)):
             if is_namespace_folder(ns) and os.path.isdir(folder := os.path.join(fp_dir, ns)):
                 yield folder, fp, ns
@@ -75,11 +79,8 @@ class FolderClaims:
 def remove_empty_folders(root: str, claims: FolderClaims | None = None) -> None:
     """Identity and namespace folders under ``root`` left empty go (rmdir refuses a folder that is not empty);
     with ``claims``, none a save has claimed. Blocking: a worker thread on an event loop."""
-    for fp in os.listdir(root):
-        fp_dir = os.path.join(root, fp)
-        if not is_identity_folder(fp) or not os.path.isdir(fp_dir):
-            continue
-        for ns in os.listdir(fp_dir):
+    for fp_dir, _ in identity_folders(root):
+        for ns in folder_names(fp_dir):
             if is_namespace_folder(ns):
                 _rmdir(os.path.join(fp_dir, ns), claims)
         _rmdir(fp_dir, claims)

@@ -55,6 +55,7 @@ class Index:
     def add(self, path: str, header: fmt.Header, last_used: float) -> Entry:
         """Index the file at ``path`` (its header read and checked); every block it names must be indexed."""
         b = header.blocks
+        held = header.restorable_tokens
         e = Entry(
             path=path,
             fingerprint=identity_fingerprint(header.identity),
@@ -69,7 +70,7 @@ class Index:
             blocks=list(b.keys) if b else [],
             block_size=b.size if b else 0,
             whole=blocks.whole(header),
-            restorable=header.restorable_tokens if header.restorable_tokens < len(header.tokens) else None,
+            restorable=held if held < len(header.tokens) else None,
         )
         if b is not None:
             for k in b.keys:

@@ -1160,6 +1160,4 @@ def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fm
 def _restorable(e: Entry) -> int:
     """The tokens a restore of ``e`` can serve: all it records, or only its caches' rows (``Entry.restorable``),
     which it reaches by a cut: none when it cannot be cut."""
-    if e.restorable is None:
-        return e.ntokens
-    return e.restorable if e.trimmable else 0
+    return e.held if e.restorable is None or e.trimmable else 0
