@@ -202,6 +202,60 @@ def test_bad_params_are_said_in_words_not_reprs(w: Wire) -> None:
     assert r.error is not None and "Error(" not in r.error["message"]
 
 
+# Each request whose params break the methods table (§10): a wrong type, a number that is not one, a bound passed.
+WRONG_PARAMS = [
+    ("drain", {"timeout": "5"}, "timeout must be a number of seconds"),
+    ("drain", {"timeout": float("nan")}, "timeout must be a number of seconds"),
+    ("drain", {"timeout": -1.0}, "timeout must be a number of seconds"),
+    ("drain", {"timeout": True}, "timeout must be a number of seconds"),
+    ("evict", {"older_than_s": float("inf")}, "older_than_s must be a number of seconds"),
+    ("evict", {"fingerprint": 7}, "fingerprint must be a str"),
+    ("barrier", {"key": ["k"]}, "key must be a str"),
+    ("barrier", {"delete_checkpoints": 1}, "delete_checkpoints must be a bool"),
+    ("cancel", {"namespace": b"ns"}, "namespace must be a str"),
+    ("touch", {"path": 7}, "path must be a str"),
+    ("touch", {"path": "/x", "restore_s": "fast"}, "restore_s must be a number of seconds"),
+    ("delete", {"path": None, "key": 3}, "key must be a str"),
+    ("pin", {"path": "/x", "on": "no"}, "on must be a bool"),
+    ("report_bad", {"path": "/x", "code": 1}, "code must be a str"),
+    ("commit", {"spill": "1"}, "spill must be an int >= 0"),
+    ("abort", {"spill": -1}, "spill must be an int >= 0"),
+    ("lookup", {"identity": {"model_id": 1}, "tokens": b""}, "identity.model_id must be a str"),
+    ("lookup", {"identity": {}, "tokens": [1, 2]}, "tokens must be bin"),
+    ("spill", {"header": {}, "droppable": "yes"}, "droppable must be a bool"),
+    ("spill", {"header": {}, "key": 5}, "key must be a str"),
+]
+
+
+@pytest.mark.parametrize(("method", "params", "said"), WRONG_PARAMS)
+def test_a_param_of_the_wrong_type_or_out_of_bounds_is_bad_params(
+    w: Wire, method: str, params: dict[str, Any], said: str
+) -> None:
+    r = w.call(method, params)
+    assert r.error is not None and r.error["code"] == "bad_params", r
+    assert r.error["message"].startswith(f"{method}: bad params: ") and said in r.error["message"], r.error
+    assert still_serves(w)
+
+
+def test_a_put_shm_whose_length_is_not_an_int_fails_its_spill(w: Wire) -> None:
+    sid = w.call("spill", {"header": kv_header(ROWS, seed=8)}).result["spill"]
+    params = {"spill": sid, "index": 0, "offset": 0, "shm": "spilld-0000abcd-1", "length": 1.5}
+    w.send(P.notification("put_shm", params))
+    n = w.note("spill_error")
+    assert (n.params["spill"], n.params["code"]) == (sid, "bad_params") and "length must be an int" in n.params[
+        "message"
+    ]
+    assert w.note("shm_free").params["names"] == ["spilld-0000abcd-1"]  # the segment goes back, unread
+    assert still_serves(w)
+
+
+def test_optional_params_may_be_nil_and_unknown_ones_are_ignored(w: Wire) -> None:
+    r = w.call("barrier", {"key": None, "delete_checkpoints": None, "from_a_newer_client": [1, 2]})
+    assert r.error is None and r.result == {"outcome": "stored", "deleted": 0}
+    r = w.call("touch", {"path": "/no/such/entry", "restore_s": None})
+    assert r.error is None and r.result == {"found": False}
+
+
 # --- lookup and touch ----------------------------------------------------------------------------------------
 
 

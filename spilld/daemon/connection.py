@@ -19,6 +19,7 @@ from ..lease import off_loop
 from ..queue import SpillItem
 from ..saver import BytesSource
 from .listen import PeerRefused, peer_uid
+from .params import check as check_params
 
 if TYPE_CHECKING:
     from .server import Daemon
@@ -339,7 +340,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._respond(msg.msgid, error=too_big)
                 return None
             hold = [held]  # released once: when the handler starts, or when the task ends if it never started
-            task = asyncio.get_running_loop().create_task(self._call(handler, msg, hold))
+            task = asyncio.get_running_loop().create_task(self._call(handler, msg.method, msg.msgid, msg.params, hold))
             task.add_done_callback(lambda _: self._release(hold))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
@@ -357,21 +358,23 @@ class Connection(asyncio.BufferedProtocol):
         self.daemon.ingest.release(hold[0])
         hold[0] = 0
 
-    async def _call(self, handler: Any, msg: P.Message, hold: list[int]) -> None:
+    async def _call(self, handler: Any, method: str, msgid: int, raw: dict[str, Any], hold: list[int]) -> None:
         # A big message stays counted until its handler starts; the handler counts what it keeps (a spill its
         # parsed header), and parses synchronously, so at most one message is ever counted twice, for a moment.
         self._release(hold)
         try:
-            result = await handler(self, msg.params, msg.msgid)
+            params = check_params(method, raw)
+            del raw  # the handler (a drain may wait long) keeps its checked params only, never what came with them
+            result = await handler(self, params, msgid)
         except errors.SpillError as exc:
-            self._respond(msg.msgid, error=exc)
+            self._respond(msgid, error=exc)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # params of the wrong shape
-            self._respond(msg.msgid, error=bad_params(msg.method, exc))
+            self._respond(msgid, error=bad_params(method, exc))
         except Exception:  # a bug must not take the daemon down
-            log.exception("client %d: %s failed", self.id, msg.method)
-            self._respond(msg.msgid, error=errors.SpillError(f"internal error in {msg.method}; see the daemon's log"))
+            log.exception("client %d: %s failed", self.id, method)
+            self._respond(msgid, error=errors.SpillError(f"internal error in {method}; see the daemon's log"))
         else:
-            self._respond(msg.msgid, result)
+            self._respond(msgid, result)
 
     def _respond(self, msgid: int, result: Any = None, error: errors.SpillError | None = None) -> None:
         self.send(P.response(msgid, result, error))
@@ -396,9 +399,10 @@ class Connection(asyncio.BufferedProtocol):
         if type(version) is not int or version != P.PROTOCOL_VERSION:
             shown = version if isinstance(version, int | str) else type(version).__name__
             raise P.UnsupportedProtocol(f"protocol version {shown}; this daemon speaks {P.PROTOCOL_VERSION}")
+        params = check_params("hello", params)
         self.hello = True
-        self.client_name = str(params.get("client", "?"))[:64]
-        self.lease_grantor = params.get("lease_grantor", False) is True
+        self.client_name = params.get("client", "?")[:64]
+        self.lease_grantor = params.get("lease_grantor", False)
         known = self.daemon.client_names.get(self.client_name) is not None
         self.daemon.client_names.put(self.client_name, True)
         log.log(
@@ -418,7 +422,7 @@ class Connection(asyncio.BufferedProtocol):
     def _put(self, msg: P.Message) -> None:
         p = msg.params
         sp = self.spills.get(p.get("spill")) if type(p.get("spill")) is int else None
-        name = str(p.get("shm", ""))[:64] if msg.method == "put_shm" else ""
+        name = p["shm"][:64] if msg.method == "put_shm" and isinstance(p.get("shm"), str) else ""
         if sp is None or sp.error is not None:
             self.free_shm([name] if name else [])  # never keep a segment we will not read
             if sp is None:  # (a spill that failed already said so once)
@@ -426,9 +430,10 @@ class Connection(asyncio.BufferedProtocol):
                 self.fail_spill(p.get("spill"), None, why or P.BadParams(f"no open spill {p.get('spill')!r}"))
             return
         try:
-            index, offset = int(p["index"]), int(p["offset"])
-            if name:
-                self._put_shm(p["spill"], sp, (index, offset), name, int(p["length"]))
+            p = check_params(msg.method, p)
+            index, offset = p["index"], p["offset"]
+            if msg.method == "put_shm":
+                self._put_shm(p["spill"], sp, (index, offset), p["shm"], p["length"])
                 return
             if not msg.payload and not msg.discarded:
                 raise P.BadParams("empty put")

@@ -143,10 +143,10 @@ class Ingest:
             header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
         elif header.identity.namespace.startswith(CHECKPOINT_NS_PREFIX):
             raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
-        droppable = bool(p.get("droppable", True))
+        droppable = p.get("droppable", True)
         parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
-        held = self.held_rows(header) if p.get("held") is True else 0  # the client sends only the rows past it
-        sp = Incoming(header, droppable, str(p.get("key", "")), parsed, pin=p.get("pin") is True, held_rows=held)
+        held = self.held_rows(header) if p.get("held", False) else 0  # the client sends only the rows past it
+        sp = Incoming(header, droppable, p.get("key", ""), parsed, pin=p.get("pin", False), held_rows=held)
         self.admit(conn, sp)
         self.held_bytes += sum(s.nbytes for s in slots) - sp.nbytes
         sid = next(conn.spill_ids)
@@ -253,7 +253,7 @@ class Ingest:
         return out
 
     async def abort(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        sp = conn.spills.pop(p["spill"], None) if type(p["spill"]) is int else None
+        sp = conn.spills.pop(p["spill"], None)
         if sp is not None:
             self.forget(sp)
             sp.fail(P.BadParams("aborted"))  # segment copies still under way land in nothing

@@ -39,6 +39,23 @@ from .connection import BackgroundLease, Connection, GrantorLease, Received, Ste
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
 from .listen import bind, serve_inherited, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, CLIENT_NAMES_KEPT, LogThrottle
+from .params import IDENTITY_FIELDS
+
+# The requests the daemon answers itself (``_<name>``); ingest answers spill, commit and abort. Each has its table of
+# params in ``params.METHODS``.
+SERVED_METHODS = (
+    "barrier",
+    "cancel",
+    "lookup",
+    "touch",
+    "delete",
+    "report_bad",
+    "drain",
+    "status",
+    "shutdown",
+    "evict",
+    "pin",
+)
 
 if TYPE_CHECKING:
     from ..remote.link import RemoteLink
@@ -102,20 +119,7 @@ class Daemon:
         self._expiry: asyncio.TimerHandle | None = None
         self._signals = 0
         self._metrics_failing = False
-        names = [
-            "barrier",
-            "cancel",
-            "lookup",
-            "touch",
-            "delete",
-            "report_bad",
-            "drain",
-            "status",
-            "shutdown",
-            "evict",
-            "pin",
-        ]
-        self.methods: dict[str, Any] = {n: getattr(self, f"_{n}") for n in names}
+        self.methods: dict[str, Any] = {n: getattr(self, f"_{n}") for n in SERVED_METHODS}
         self.methods |= {"spill": self.ingest.spill, "commit": self.ingest.commit, "abort": self.ingest.abort}
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -322,8 +326,7 @@ class Daemon:
     # --- methods ---------------------------------------------------------------------------
 
     async def _barrier(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        key = str(p.get("key", ""))
-        delete = bool(p.get("delete_checkpoints", False))
+        key, delete = p.get("key", ""), p.get("delete_checkpoints", False)
 
         async def action() -> int:
             return await self.store.remove_checkpoints_async(key) if delete else 0  # unlinks on a worker
@@ -341,13 +344,10 @@ class Daemon:
         return {"cancelled": n}
 
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        raw = p["identity"]
-        if not isinstance(raw, dict):
-            raise P.BadParams("lookup: identity must be a map")
-        fields = ("model_id", "config_fingerprint", "tokenizer_hash")  # its namespace, if sent, is not used
-        ident = fmt.Identity(**{k: str(raw.get(k, "")) for k in fields})
+        raw = p["identity"]  # its namespace, if sent, is not used
+        ident = fmt.Identity(**{k: raw.get(k, "") for k in IDENTITY_FIELDS})
         tokens = fmt.decode_tokens(p["tokens"])
-        ns, provider = str(p.get("namespace", "")), p.get("codec_provider")
+        ns, provider = p.get("namespace", ""), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
         if self.remote is not None and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id):
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
@@ -367,46 +367,44 @@ class Daemon:
         return {"hit": False, "reason": hit.reason.value}
 
     async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        e = self.store.entry_at(str(p["path"]))
+        e = self.store.entry_at(p["path"])
         if e is not None:  # a restore the client completed (and kept): the one place a hit is counted
             self.store.counters.hits += 1
             await self.store.touch_async(e)  # the file's mtime set off the loop
             seconds = p.get("restore_s")
-            if isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0:
+            if seconds is not None:
                 self.restore_seconds.observe(float(seconds))  # measured by the client: lookup to loaded caches
             log.debug("restored", extra={"client": conn.id, "path": e.path, "restore_s": seconds})
         return {"found": e is not None}
 
     async def _delete(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         if "path" in p:
-            n = await self.store.remove_where_async(lambda e: e.path == str(p["path"]))
+            n = await self.store.remove_where_async(lambda e: e.path == p["path"])
         elif "key" in p:
-            n = await self.store.remove_checkpoints_async(str(p["key"]))
+            n = await self.store.remove_checkpoints_async(p["key"])
         else:
             raise P.BadParams("delete needs a path or a key")
         return {"deleted": n}
 
     async def _pin(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         """Pin (``on`` true, the default) or unpin the entry at ``path``: ``found`` false if there is none."""
-        if not isinstance(p.get("path"), str):
-            raise P.BadParams("pin: path must be a string")
-        return {"found": await self.store.pin_async(p["path"], p.get("on", True) is not False)}
+        return {"found": await self.store.pin_async(p["path"], p.get("on", True))}
 
     async def _report_bad(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        path = str(p["path"])
+        path = p["path"]
         e = self.store.entry_at(path)
         if e is None:
             return {"quarantined": False}
         self.store.counters.misses[MissReason.CORRUPT.value] += 1
-        why = errors.error_from_code(str(p.get("code", "bad_file")), "reported by a client")
+        why = errors.error_from_code(p.get("code", "bad_file"), "reported by a client")
         if not isinstance(why, errors.FileFormatError):
             why = errors.FileFormatError(f"reported by a client: {why.code}")
-        why.path = str(p.get("file", path))  # the file found bad: the entry's own or one of its blocks
+        why.path = p.get("file", path)  # the file found bad: the entry's own or one of its blocks
         await self.store.bad_read_async(e, why)
         return {"quarantined": True}
 
     async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        deadline = time.monotonic() + float(p.get("timeout", 3600.0))
+        deadline = time.monotonic() + p.get("timeout", 3600.0)
         lost = 0  # items that settled during the wait without being stored (each wait sees those still queued)
         while True:
             left = deadline - time.monotonic()
