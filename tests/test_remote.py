@@ -34,10 +34,17 @@ from spilld.remote import link as link_module
 from spilld.remote import tier as tier_module
 from spilld.remote.breaker import Breaker, State
 from spilld.remote.client import make_client, tls_context
-from spilld.remote.config import CONNECT_TIMEOUT_S, SOCKET_READ_BYTES, TLS_CONNECT_TIMEOUT_S, TRIAL_TIMEOUT_S
+from spilld.remote.config import (
+    CONNECT_TIMEOUT_S,
+    SOCKET_READ_BYTES,
+    SOCKET_TIMEOUT_S,
+    TLS_CONNECT_TIMEOUT_S,
+    TRIAL_TIMEOUT_S,
+)
 from spilld.remote.crypto import Sealer
 from spilld.remote.errors import DecryptError
 from spilld.remote.link import RemoteLink
+from spilld.remote.pushqueue import Push, PushQueue
 from spilld.store import Store
 from tests.caches import fill, live, same
 from tests.redis_servers import Cluster, RedisServer, redis_cluster, redis_server, tls_redis_server
@@ -592,6 +599,35 @@ async def test_maxmemory_noeviction_pushes_fail_and_are_counted() -> None:
             assert await tier.probe_chain(NS, ks) == c["pushed"]
         finally:
             await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_large_blocks_are_pushed_in_batches_the_socket_timeout_allows(server: RedisServer) -> None:
+    """Found in review: 32 blocks of 8 MiB went out as one pipeline, whose write redis-py bounds by the socket
+    timeout (0.5 s): none was ever written. Batches now hold at most PUSH_BATCH_BYTES."""
+    ks = chain(16, seed=b"large-pushes")
+    tier = await started(replace(relaxed(server.url), socket_timeout_s=SOCKET_TIMEOUT_S))
+    try:
+        for k in ks:
+            assert tier.offer(NS, k, os.urandom(8 * 1024**2))
+        assert await tier.drain(60)
+        c = tier.counters()
+        assert c["pushed"] == len(ks) and c["push_failed"] == {}, c
+        assert await tier.probe_chain(NS, ks) == len(ks)
+    finally:
+        await tier.close()
+        with server.client() as r:
+            r.delete(*[keys.block_key(NS, k) for k in ks])
+
+
+def test_a_push_batch_is_bounded_by_bytes_but_takes_one_push_whatever_its_size() -> None:
+    q = PushQueue(100, 10**9)
+    for k, size in zip(chain(5), [10, 10, 25, 5, 5], strict=True):
+        q.offer(Push(NS, k, b"x" * size))
+    assert [len(p.data) for p in q.take_now(10, max_bytes=20)] == [10, 10]
+    assert [len(p.data) for p in q.take_now(10, max_bytes=20)] == [25]  # alone larger than the bound: still taken
+    assert [len(p.data) for p in q.take_now(1, max_bytes=20)] == [5]
+    assert len(q) == 1
 
 
 @pytest.mark.asyncio

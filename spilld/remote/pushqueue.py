@@ -56,22 +56,28 @@ class PushQueue:
         self._ready.set()
         return True
 
-    def take_now(self, limit: int) -> list[Push]:
-        """Up to ``limit`` of the oldest pushes, without waiting."""
+    def take_now(self, limit: int, max_bytes: int | None = None) -> list[Push]:
+        """Up to ``limit`` of the oldest pushes, without waiting, holding at most ``max_bytes`` of data (the first
+        push is taken whatever its size)."""
         out: list[Push] = []
+        size = 0
         while self._items and len(out) < limit:
+            if out and max_bytes is not None and size + len(self._items[0].data) > max_bytes:
+                break
             push = self._items.popleft()
             self._bytes -= len(push.data)
+            size += len(push.data)
             out.append(push)
         if not self._items:
             self._ready.clear()
         return out
 
-    async def take(self, limit: int) -> list[Push]:
-        """The next batch of at most ``limit`` pushes, waiting for one when the queue is empty."""
+    async def take(self, limit: int, max_bytes: int | None = None) -> list[Push]:
+        """The next batch of at most ``limit`` pushes and ``max_bytes`` (see ``take_now``), waiting for one when the
+        queue is empty."""
         while not self._items:
             await self._ready.wait()
-        return self.take_now(limit)
+        return self.take_now(limit, max_bytes)
 
     def clear(self) -> int:
         """Drop every waiting push (the tier is disabled); returns how many."""

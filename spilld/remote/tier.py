@@ -236,7 +236,7 @@ class RemoteTier:
 
     async def _push_worker(self) -> None:
         while True:
-            batch = await self.queue.take(self.config.push_batch)
+            batch = await self.queue.take(self.config.push_batch, self.config.push_batch_bytes)
             self._busy = len(batch)
             try:
                 await self._push_batch(batch)
