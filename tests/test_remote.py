@@ -255,6 +255,46 @@ def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> No
 
 
 @pytest.mark.asyncio
+async def test_a_long_chain_is_probed_in_batches_each_with_the_whole_bound(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a 2,048-key chain went as one pipeline under the 50 ms bound, timed out on a loaded VM,
+    found 0 and opened the breaker with Redis healthy. Batches of PROBE_BATCH_KEYS now, stopping at a gap, and the
+    keys the caller holds are not asked for."""
+    n = 2 * tier_module.PROBE_BATCH_KEYS + 10
+    ks = chain(n, seed=b"long-chain")
+    with server.client() as c:
+        c.mset({keys.block_key(NS, k): b"v" for k in ks[5:]})  # the first 5: held by the caller only
+    sizes: list[int] = []
+    real = tier_module._pipeline
+
+    def counted(cmds: Any) -> Any:
+        sizes.append(len(cmds))
+        return real(cmds)
+
+    monkeypatch.setattr(tier_module, "_pipeline", counted)
+    tier = await started(relaxed(server.url))
+    try:
+        assert await tier.probe_chain(NS, ks) == 0 and sizes == [tier_module.PROBE_BATCH_KEYS]  # a gap at once
+        sizes.clear()
+        assert await tier.probe_chain(NS, ks, start=5) == n
+        assert sizes == [
+            tier_module.PROBE_BATCH_KEYS,
+            tier_module.PROBE_BATCH_KEYS,
+            n - 5 - 2 * tier_module.PROBE_BATCH_KEYS,
+        ]
+        with server.client() as c:
+            c.delete(keys.block_key(NS, ks[300]))
+        sizes.clear()
+        assert await tier.probe_chain(NS, ks, start=5) == 300 and len(sizes) == 2  # stops at the batch with the gap
+        assert tier.counters()["state"] == "closed"
+    finally:
+        await tier.close()
+        with server.client() as c:
+            c.delete(*[keys.block_key(NS, k) for k in ks])
+
+
+@pytest.mark.asyncio
 async def test_push_probe_fetch_round_trip(tier: RemoteTier, server: RedisServer) -> None:
     ks = chain(10)
     for i in (0, 1, 2, 3, 4, 7):  # a chain of 5, a gap, one more

@@ -193,7 +193,7 @@ class RemoteLink:
         local = self.store.leading_blocks(keys)
         if local == count:
             return False
-        found = await self.tier.probe_chain(namespace, keys)
+        found = await self.tier.probe_chain(namespace, keys, start=local)  # what we hold is not asked for
         if found <= local:
             return self._missed("no_longer_chain")
         manifest = await self._manifest_for(namespace, keys[found - 1])
