@@ -260,6 +260,11 @@ RELEASED_CODES = frozenset(
         "peer_refused", "plan_drift", "protocol_error", "rank_too_large", "save_aborted", "shm_refused",
         "tensor_hash_mismatch", "timeout", "too_many_tensors", "too_many_tokens", "total_size_too_large", "truncated",
         "unknown_cache_kind", "unknown_method", "unsupported_cache", "unsupported_protocol", "unsupported_version",
+        "block_invalid", "block_key_mismatch", "block_missing", "capacity_too_large", "dtype_not_allowed",
+        "duplicate_hello", "field_invalid", "foreign_daemon", "held_block_gone", "index_out_of_range", "io_timeout",
+        "kind_not_in_provider", "not_admitted", "offset_beyond_tokens", "offset_mismatch", "quantization_invalid",
+        "shape_mismatch", "shed", "slot_size_mismatch", "tensor_count_mismatch", "tensor_rank_mismatch",
+        "unusable_folder", "version_mismatch", "write_budget_spent",
     }
 )  # fmt: skip
 
@@ -288,6 +293,7 @@ def test_every_error_class_has_its_own_stable_code_that_rebuilds_it() -> None:
     codes = Counter(c.code for c in classes)
     assert [code for code, n in codes.items() if n > 1] == []
     assert sorted(RELEASED_CODES - set(codes)) == []  # no released code was renamed or removed
+    assert sorted(set(codes) - RELEASED_CODES) == []  # and a new one joins the list above as it ships
     for cls in classes:
         e = errors.error_from_code(cls.code, "boom")
         assert type(e) is cls and str(e) == "boom", cls
