@@ -238,6 +238,17 @@ def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> No
         RemoteTier(RemoteConfig("http://127.0.0.1:1"), environ={})
     with pytest.raises(RemoteConfigError, match="one database"):
         RemoteTier(RemoteConfig("redis://127.0.0.1:1/3", cluster=True), environ={})
+    # found in review: a bad port was an internal error at start; a URL's timeout overrode the tier's bounds; a TLS
+    # key's passphrase in the URL showed in `ps` and in every log line naming the tier
+    with pytest.raises(RemoteConfigError, match="port is not a number"):
+        RemoteTier(RemoteConfig("redis://127.0.0.1:notaport/0"), environ={})
+    for param in ("socket_timeout=60", "ssl_password=s3cret", "max_connections=1", "bogus=1", "retry_on_timeout=yes"):
+        with pytest.raises(RemoteConfigError, match="is not taken"):
+            RemoteTier(RemoteConfig(f"rediss://127.0.0.1:1/0?ssl_cert_reqs=none&{param}"), environ={})
+    with pytest.raises(RemoteConfigError, match="names no host"):
+        RemoteTier(RemoteConfig("redis:///0"), environ={})
+    RemoteTier(RemoteConfig("rediss://127.0.0.1:1/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem"), environ={})
+    RemoteTier(RemoteConfig("unix:///run/redis.sock?db=2"), environ={})
     with pytest.raises(RemoteConfigError, match="fewer than"):
         RemoteTier(RemoteConfig(url, key_file=secret_file(tmp_path, "short", b"x" * 31)), environ={})
     with pytest.raises(RemoteConfigError, match="chmod 600"):

@@ -28,6 +28,13 @@ MAX_CONNECTIONS = 32  # per server: probes, fetches and the worker at once
 SOCKET_READ_BYTES = 1024**2
 EVENTS_MAXLEN = 100_000  # entries kept per events stream (XADD MAXLEN ~)
 SCHEMES = ("redis", "rediss", "unix")
+# The URL parameters taken (redis-py's): the database, and TLS settings that name no secret. Others are refused: a
+# timeout, a pool size or a retry in the URL would override the tier's bounds (redis-py lets the URL win), and a
+# secret (ssl_password) would show in the process list and the logs.
+URL_PARAMS = frozenset(
+    {"db", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile",
+     "ssl_check_hostname", "ssl_min_version"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,17 @@ def check_url(url: str, cluster: bool) -> None:
             "the remote URL holds a password, which every user sees in the process list; "
             "put it in $SPILLD_REMOTE_PASSWORD or a 0600 password file"
         )
+    if bad := sorted(set(parse_qs(parts.query, keep_blank_values=True)) - URL_PARAMS):
+        raise RemoteConfigError(
+            f"the remote URL's parameter {bad[0]!r} is not taken (only {', '.join(sorted(URL_PARAMS))}): spilld sets "
+            "its own timeouts and pool, and a secret goes in a 0600 file, not the URL"
+        )
+    try:
+        parts.port  # noqa: B018 (parsed for its check: a port that is not a number raises)
+    except ValueError:
+        raise RemoteConfigError(f"the remote URL's port is not a number from 0 to 65535: {parts.netloc!r}") from None
+    if parts.scheme != "unix" and not parts.hostname:
+        raise RemoteConfigError("the remote URL names no host (redis://HOST:PORT/DB)")
     if cluster and parts.scheme == "unix":
         raise RemoteConfigError("a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket")
     if cluster and parts.path not in ("", "/", "/0"):
