@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from spilld import protocol as P
+from spilld.daemon.connection import MAX_UNREAD_BYTES
 from tests.daemons import Daemon, cleanup, new_root
+from tests.wire import Wire, frames
 
 
 @pytest.fixture
@@ -107,3 +109,30 @@ def test_fds_sent_with_frames_are_never_kept(daemon: Daemon) -> None:
     while fds(daemon) > before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert fds(daemon) == before
+
+
+def test_a_client_that_never_reads_its_answers_is_cut_off(daemon: Daemon) -> None:
+    """Found in review: answers queued for a client that sends and never reads grew without bound (a status is
+    answered whether it is read or not). Past MAX_UNREAD_BYTES the daemon cuts it off; everyone else is served."""
+    w = Wire(daemon.socket, timeout=10)
+    w.hello()
+    ids = iter(range(1, 10**9))
+    cut = False
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        batch = frames(*(P.request(next(ids), "status", {}) for _ in range(16)))
+        try:
+            w.sock.sendall(batch)
+        except (BrokenPipeError, ConnectionResetError):
+            cut = True
+            break
+        time.sleep(0.001)  # a few in flight at a time: under MAX_INFLIGHT_REQUESTS
+    assert cut, "the daemon kept answering a client that never reads"
+    w.close()
+    other = Wire(daemon.socket)
+    other.hello()
+    st = other.call("status", {}).result
+    other.close()
+    assert st["client_errors"] >= 1
+    assert "answers left unread; disconnected" in daemon.read_log()
+    assert next(ids) * 2000 > MAX_UNREAD_BYTES  # it took that many answers, not a protocol error, to be cut

@@ -235,3 +235,41 @@ def test_only_spill_and_lookup_take_big_params(small: Daemon) -> None:
     assert error is None and result["reason"] == "no_entry"
     assert status(small)["ingest"]["buffers"] == 0
     w.close()
+
+
+@pytest.mark.asyncio
+async def test_small_puts_are_held_as_few_chunks_not_an_object_each() -> None:
+    """Found in review: a spill's cost counts tensor bytes, and a client sending 1-byte puts made the daemon hold
+    66 bytes of objects per byte (60x --cap). Small puts are copied onto a chunk of at most COALESCED_CHUNK_BYTES;
+    large ones are kept as they came, without a copy."""
+    from spilld.daemon.connection import COALESCE_BELOW, COALESCED_CHUNK_BYTES, Incoming
+    from spilld.daemon.ingest import accept_header
+
+    rows = 2048  # a tensor of 8 x 2048 x 128 float16: 4 MiB
+    sp = Incoming(accept_header(kv_header(rows)), droppable=True, key="")
+    data = os.urandom(sp.expect[0])
+    pos = 0
+    for n in [1] * 5000 + [COALESCE_BELOW - 1] * 40:  # ~2.5 MiB of small puts
+        sp.put(0, pos, data[pos : pos + n])
+        pos += n
+    big = memoryview(data)[pos : pos + COALESCE_BELOW]
+    sp.put(0, pos, big)
+    pos += COALESCE_BELOW
+    sp.put(0, pos, data[pos:])  # the rest, in one put
+    assert len(sp.chunks[0]) <= pos // COALESCED_CHUNK_BYTES + 3
+    assert any(c is big for c in sp.chunks[0])  # a large put is not copied
+    assert b"".join(bytes(c) for c in sp.chunks[0]) == data
+
+
+def test_a_small_put_shm_that_does_not_end_its_tensor_fails_its_spill(small: Daemon) -> None:
+    from spilld.daemon.connection import MIN_SHM_PUT_BYTES
+
+    w = Wire(small.socket)
+    w.hello()
+    sid = w.call("spill", {"header": kv_header(64)}).result["spill"]
+    name = "spilld-0000abcd-1"
+    w.send(P.notification("put_shm", {"spill": sid, "index": 0, "offset": 0, "shm": name, "length": 1}))
+    n = w.note("spill_error")
+    assert n.params["code"] == "bad_params" and str(MIN_SHM_PUT_BYTES) in n.params["message"]
+    assert w.note("shm_free").params["names"] == [name]
+    w.close()

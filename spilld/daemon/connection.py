@@ -30,6 +30,18 @@ log = logging.getLogger("spilld.daemon")
 # wait a long time (drain, barrier, commit) holding their params, which are counted only until a handler starts.
 BIG_PARAMS_METHODS = frozenset({"spill", "lookup"})
 MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say why (then: no such spill)
+# What the daemon keeps written for a client that has not read it: past this, the client does not read its answers
+# and is cut off (its requests are answered whether it reads or not; 64 in flight of the largest answer, a lookup's
+# block paths, come to about 32 MiB)
+MAX_UNREAD_BYTES = 64 * 1024**2
+# A spill's cost counts its tensor bytes, not the objects that hold them: a put smaller than this is copied onto
+# the tensor's last chunk (one of at most COALESCED_CHUNK_BYTES), so a client sending 1-byte puts holds one object
+# per MiB, not 66 bytes of objects per byte (found in review: 60x the cap)
+COALESCE_BELOW = 64 * 1024
+COALESCED_CHUNK_BYTES = 1024**2
+# and a put_shm moves at least this many bytes, unless it ends its tensor (a client's segments are MiBs): each is a
+# buffer and a copy job of its own
+MIN_SHM_PUT_BYTES = 64 * 1024
 
 
 class Incoming:
@@ -46,6 +58,7 @@ class Incoming:
         self.last = asyncio.get_running_loop().time()  # when it last received something
         self.released = False  # its bytes were handed back to the daemon's count
         self.chunks: list[list[bytes | bytearray | memoryview]] = [[] for _ in self.slots]  # kept as received: no copy
+        self._coalesced: list[bytearray | None] = [None] * len(self.slots)  # each tensor's chunk of small puts
         self.reads: set[asyncio.Future[None]] = set()  # segment copies under way into chunks of this spill
         self.got = [0] * len(self.slots)
         self.error: errors.SpillError | None = None
@@ -67,14 +80,30 @@ class Incoming:
         self.last = asyncio.get_running_loop().time()
 
     def put(self, index: int, offset: int, payload: memoryview | bytes | bytearray) -> None:
-        self.claim(index, offset, memoryview(payload).nbytes)
-        self.chunks[index].append(payload)
+        n = memoryview(payload).nbytes
+        self.claim(index, offset, n)
+        chunks, tail = self.chunks[index], self._coalesced[index]
+        if n >= COALESCE_BELOW:
+            chunks.append(payload)  # kept as it came: no copy
+        elif tail is not None and chunks and chunks[-1] is tail and len(tail) + n <= COALESCED_CHUNK_BYTES:
+            tail += payload
+        else:
+            chunks.append(tail := bytearray(payload))
+            self._coalesced[index] = tail
+
+    def check_shm_length(self, index: int, offset: int, length: int) -> None:
+        """A put_shm of at least ``MIN_SHM_PUT_BYTES``, or the last bytes of its tensor."""
+        if length < MIN_SHM_PUT_BYTES and offset + length != self.expect[index]:
+            raise P.BadParams(
+                f"a put_shm of {length} bytes that does not end its tensor (at least {MIN_SHM_PUT_BYTES})"
+            )
 
     def fail(self, exc: errors.SpillError) -> None:
         """The spill cannot be stored (the commit says why); what it received so far is let go now."""
         if self.error is None:
             self.error = exc
         self.chunks = [[] for _ in self.slots]
+        self._coalesced = [None] * len(self.slots)
 
     async def settled_reads(self) -> None:
         """Wait for the segment copies still under way (each ends: a copy is bounded, never waits on the client)."""
@@ -259,8 +288,17 @@ class Connection(asyncio.BufferedProtocol):
         asyncio.get_running_loop().create_task(finish())
 
     def send(self, bufs: list[bytes | memoryview]) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(bufs)
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        t.writelines(bufs)
+        if t.get_write_buffer_size() > MAX_UNREAD_BYTES:
+            why = f"more than {MAX_UNREAD_BYTES} bytes of answers left unread"
+            self.daemon.client_error(
+                logging.WARNING, "client %d (%s): %s; disconnected", self.id, self.client_name, why
+            )
+            self._closing = True
+            t.abort()  # not close: that would keep the unread bytes until they are sent
 
     def free_shm(self, names: list[str]) -> None:
         """Hand shared-memory segments back to the client (nothing to say when there are none)."""
@@ -455,6 +493,8 @@ class Connection(asyncio.BufferedProtocol):
         if length <= 0:
             raise P.BadParams("empty put")
         index, offset = at
+        if 0 <= index < len(sp.slots):
+            sp.check_shm_length(index, offset, length)
         sp.claim(index, offset, length)  # before allocating: only bytes the spill declared (and was admitted for)
         buf = np.empty(length, np.uint8).data  # not zeroed: the copy fills every byte
         sp.chunks[index].append(buf)
