@@ -158,6 +158,7 @@ def _remote(r: dict[str, Any]) -> list[Metric]:
         _labelled("remote_push_failed", "pushes that failed, by why", "reason", r.get("push_failed", {})),
         _gauge("remote_queue_items", "pushes waiting", r.get("queue", {}).get("len", 0)),
         _counter("remote_queue_dropped", "pushes dropped from a full queue", r.get("queue", {}).get("dropped", 0)),
+        _counter("remote_bad_removed", "bad values removed from the remote tier", r.get("bad_removed", 0)),
     ]
 
 

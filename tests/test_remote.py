@@ -321,8 +321,11 @@ async def test_push_probe_fetch_round_trip(tier: RemoteTier, server: RedisServer
     c_ = tier.counters()
     assert c_["hits"] == 5 and c_["misses"]["absent"] == 3  # two empty probes, one key and c_["bytes_fetched"] == 35
     assert c_["pushed"] == 6 and c_["bytes_pushed"] == 42 and c_["state"] == "closed"
-    tier.note_bad_bytes()  # the store refused one of them
+    tier.bad_value(NS, ks[0])  # the store refused one of them: counted, and removed from the server
     assert tier.counters()["hits"] == 4 and tier.counters()["misses"]["bad_bytes"] == 1
+    await wait_for(lambda: tier.counters()["bad_removed"] == 1)
+    assert await tier.probe_chain(NS, ks) == 0
+    assert await tier.push(NS, ks[0], b"block 0")  # the right bytes can be pushed again (a push skips a key taken)
 
 
 def test_the_client_reads_replies_in_large_chunks() -> None:
@@ -442,7 +445,9 @@ async def test_ttl_set_on_push_and_refreshed_on_fetch(server: RedisServer) -> No
             c.expire(name, 5)
             assert await tier.fetch(NS, ks[:1], Kind.BLOCK, 3) == [b"hot"]  # a bounded read (GETRANGE) too
             assert c.ttl(name) > 990
-            assert await tier.fetch(NS, ks[:1], Kind.BLOCK, 2) == [None]  # one byte over its bound: refused
+            assert await tier.fetch(NS, ks[:1], Kind.BLOCK, 2) == [None]  # one byte over its bound: refused...
+            await wait_for(lambda: tier.counters()["bad_removed"] == 1)  # ...and removed, so that
+            assert await tier.push(NS, ks[0], b"hot")  # the right bytes can be pushed again
             c.expire(name, 5)
             assert not await tier.push(NS, ks[0], b"hot")  # a push of what is there is a use too
             assert c.ttl(name) > 990
@@ -471,14 +476,22 @@ async def test_encryption_round_trip_and_other_hosts_get_misses(server: RedisSer
         for k, p in zip(ks, plain, strict=True):
             assert await a.push(NS, k, p)
         assert await a.fetch(NS, ks) == plain
-        assert await b.probe_chain(NS, ks) == 3  # the keys are there...
-        assert await b.fetch(NS, ks) == [None] * 3  # ...but not for another key file
-        assert b.counters()["misses"]["decrypt"] == 3 and b.counters()["hits"] == 0
-        raw = await bare.fetch(NS, ks)  # no key: ciphertext, which the store's validator refuses
-        assert all(r is not None and r not in plain and b"system prompt" not in r for r in raw)
+        # another key file, or none, names its values elsewhere: it never meets these (so never takes them for bad
+        # bytes and removes them), and its own pushes of the same prefix are not skipped as present
+        assert await b.probe_chain(NS, ks) == 0 and await b.fetch(NS, ks) == [None] * 3
+        assert await bare.probe_chain(NS, ks) == 0 and await bare.fetch(NS, ks) == [None] * 3
+        assert b.counters()["misses"]["decrypt"] == 0 and b.counters()["hits"] == 0
+        assert await b.push(NS, ks[0], b"b's own") and await b.fetch(NS, ks[:1]) == [b"b's own"]
+        assert a.key_tag is not None and keys.acl_pattern(NS, a.key_tag) != keys.acl_pattern(NS, b.key_tag)
         with server.client() as c:  # nothing in Redis holds the plaintext
             for name in c.scan_iter(match="spilld:*"):
                 assert b"system prompt" not in c.get(name)
+            assert c.exists(keys.block_key(NS, ks[1], a.key_tag)) and not c.exists(keys.block_key(NS, ks[1]))
+            c.set(keys.block_key(NS, ks[1], a.key_tag), os.urandom(200))  # tampered with, under a's names
+        assert await a.fetch(NS, ks) == [plain[0], None, plain[2]]
+        assert a.counters()["misses"]["decrypt"] == 1
+        await wait_for(lambda: a.counters()["bad_removed"] == 1)  # removed: the right bytes can come back
+        assert await a.push(NS, ks[1], plain[1]) and await a.fetch(NS, ks) == plain
         assert a.counters()["encrypted"] and not bare.counters()["encrypted"]
     finally:
         for t in (a, b, bare):
@@ -963,10 +976,13 @@ async def test_a_root_value_longer_than_a_root_is_bad_bytes_never_decoded(server
             tracemalloc.stop()
         assert peak < 16 * 2**20, peak  # the value itself (1 MiB) and the reply's buffers; decoded, ~72 MiB
         assert tier.counters()["misses"]["bad_bytes"] == 1 and store.lookup(FILL_IDENT, "", prompt).__class__ is not Hit
+        await wait_for(lambda: tier.counters()["bad_removed"] == 1)  # the bad value is removed from the server
         with server.client() as c:
+            assert not c.exists(name)
             c.set(name, msgpack.packb([b"short", True]))  # short enough, but not a root: bad bytes too
         assert not await RemoteLink(tier, store).fill(FILL_IDENT, "", prompt, store.provider_id)
         assert tier.counters()["misses"]["bad_bytes"] == 2
+        await wait_for(lambda: tier.counters()["bad_removed"] == 2)
         with server.client() as c:
             c.set(name, good)
         assert await RemoteLink(tier, store).fill(FILL_IDENT, "", prompt, store.provider_id)

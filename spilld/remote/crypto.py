@@ -2,12 +2,14 @@
 
 A value is ``nonce (12 random bytes) || ciphertext || tag (16 bytes)``. The associated data is the value's kind
 and its 32-byte key, so bytes moved under another key (or from a block to a manifest) fail to decrypt. A host
-with another key file, or none, never sees plaintext: it gets a ``DecryptError`` (counted as a miss) or bytes that
-the store's validator refuses.
+with another key file, or none, never sees plaintext, nor even the sealed values: the values a key seals are named
+in a space of their own (``Sealer.tag`` in ``keys.namespace_tag``), so a value under a host's names that does not
+decrypt was tampered with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from cryptography.exceptions import InvalidTag
@@ -27,6 +29,8 @@ MAX_CACHED_NAMESPACES = 1024  # derived keys kept
 MIN_KEY_FILE_BYTES = 32  # the file is the secret: at least as much entropy as the AES key it seeds
 _HKDF_INFO = b"spilld-remote-aead/1\0"
 _HKDF_SALT = b"spilld-remote-salt/1"
+_TAG_DOMAIN = b"spilld-remote-key-tag/1\0"
+KEY_TAG_HEX = 16  # hex digits of a key file's tag (in key names: which sealed space)
 
 
 class Sealer:
@@ -37,6 +41,8 @@ class Sealer:
             raise RemoteConfigError(f"the remote key file holds {len(secret)} bytes, fewer than {MIN_KEY_FILE_BYTES}")
         self._secret = secret
         self._aeads: dict[str, AESGCM] = {}
+        # names the values this key seals (keys.namespace_tag): a hash of a secret of 32 bytes or more reveals nothing
+        self.tag = hashlib.sha256(_TAG_DOMAIN + secret).hexdigest()[:KEY_TAG_HEX]
 
     @classmethod
     def from_file(cls, path: str) -> Sealer:

@@ -16,6 +16,9 @@ SCHEME_VERSION = 1  # bump when a key's meaning changes: old and new daemons the
 NS_TAG_HEX = 16  # hex digits of the namespace tag: 64 bits, ample for the tenants of one Redis
 BLOCK_KEY_BYTES = 32  # a block key is a SHA-256 (blocks.next_key)
 _NS_DOMAIN = b"spilld-remote-ns/1\0"
+# A sealed space (``key_tag``: a key file's, ``Sealer.tag``): hosts with another key file, or none, name their values
+# elsewhere, so a value one host cannot open is never another's that it may not read: it is bad bytes
+_SEALED_DOMAIN = b"spilld-remote-sealed-ns/1\0"
 
 
 class Kind(StrEnum):
@@ -28,36 +31,39 @@ class Kind(StrEnum):
 
 
 @functools.lru_cache(maxsize=1024)  # every key of a lookup's chain names its namespace: hashed once
-def namespace_tag(namespace: str) -> str:
-    """The hex tag of a namespace in every key: SHA-256, since tags are shared by hosts and tenants."""
-    return hashlib.sha256(_NS_DOMAIN + namespace.encode()).hexdigest()[:NS_TAG_HEX]
+def namespace_tag(namespace: str, key_tag: str | None = None) -> str:
+    """The hex tag of a namespace in every key: SHA-256, since tags are shared by hosts and tenants. With
+    ``key_tag``, the tag of that namespace's sealed space (the hosts sharing that key file)."""
+    domain = _NS_DOMAIN if key_tag is None else _SEALED_DOMAIN + key_tag.encode() + b"\0"
+    return hashlib.sha256(domain + namespace.encode()).hexdigest()[:NS_TAG_HEX]
 
 
-def namespace_prefix(namespace: str) -> str:
+def namespace_prefix(namespace: str, key_tag: str | None = None) -> str:
     """The prefix of every key of one namespace (what a tenant's ACL pattern names, ``*`` appended)."""
-    return f"{KEY_PREFIX}:{SCHEME_VERSION}:{namespace_tag(namespace)}:"
+    return f"{KEY_PREFIX}:{SCHEME_VERSION}:{namespace_tag(namespace, key_tag)}:"
 
 
-def value_key(namespace: str, key: bytes, kind: Kind = Kind.BLOCK) -> str:
+def value_key(namespace: str, key: bytes, kind: Kind = Kind.BLOCK, key_tag: str | None = None) -> str:
     """The Redis key of a block (or a manifest) named by its 32-byte key."""
     if len(key) != BLOCK_KEY_BYTES:
         raise ValueError(f"a block key has {BLOCK_KEY_BYTES} bytes, not {len(key)}")
-    return f"{namespace_prefix(namespace)}{kind.value}:{key.hex()}"
+    return f"{namespace_prefix(namespace, key_tag)}{kind.value}:{key.hex()}"
 
 
-def block_key(namespace: str, key: bytes) -> str:
-    return value_key(namespace, key, Kind.BLOCK)
+def block_key(namespace: str, key: bytes, key_tag: str | None = None) -> str:
+    return value_key(namespace, key, Kind.BLOCK, key_tag)
 
 
-def manifest_key(namespace: str, key: bytes) -> str:
-    return value_key(namespace, key, Kind.MANIFEST)
+def manifest_key(namespace: str, key: bytes, key_tag: str | None = None) -> str:
+    return value_key(namespace, key, Kind.MANIFEST, key_tag)
 
 
-def events_key(namespace: str) -> str:
+def events_key(namespace: str, key_tag: str | None = None) -> str:
     """The stream of one namespace's "prefix stored" and "prefix evicted" events."""
-    return f"{namespace_prefix(namespace)}events"
+    return f"{namespace_prefix(namespace, key_tag)}events"
 
 
-def acl_pattern(namespace: str) -> str:
-    """The key pattern of one tenant, for ``ACL SETUSER <user> on >password ~<pattern> +@read +@write``."""
-    return namespace_prefix(namespace) + "*"
+def acl_pattern(namespace: str, key_tag: str | None = None) -> str:
+    """The key pattern of one tenant, for ``ACL SETUSER <user> on >password ~<pattern> +@read +@write`` (with a
+    key file, its ``Sealer.tag``: ``spilld.remote.Sealer.from_file(path).tag``)."""
+    return namespace_prefix(namespace, key_tag) + "*"

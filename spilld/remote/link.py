@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import socket
 from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
@@ -196,10 +197,10 @@ class RemoteLink:
         found = await self.tier.probe_chain(namespace, keys, start=local)  # what we hold is not asked for
         if found <= local:
             return self._missed("no_longer_chain")
-        manifest = await self._manifest_for(namespace, keys[found - 1])
-        if manifest is None:
+        got = await self._manifest_for(namespace, keys[found - 1])
+        if got is None:
             return self._missed("no_manifest")
-        return await self._adopt(ident, namespace, manifest, keys[found - 1])
+        return await self._adopt(ident, namespace, *got, keys[found - 1])
 
     async def _root(self, namespace: str, space: bytes) -> bytes | None:
         if space in self._roots:
@@ -208,37 +209,42 @@ class RemoteLink:
         try:
             root, whole = unpack(raw) if raw is not None else (None, False)
         except (ValueError, TypeError, msgpack.UnpackException):
-            self.tier.note_bad_bytes()
+            self.tier.bad_value(namespace, space, Kind.ROOT)
             return None
         if not isinstance(root, bytes) or len(root) != BLOCK_KEY_BYTES:
             if raw is not None:  # a value, but not a root: hostile bytes, never a hit
-                self.tier.note_bad_bytes()
+                self.tier.bad_value(namespace, space, Kind.ROOT)
             return None
         self._roots[space] = (root, bool(whole))
         return root
 
-    async def _manifest_for(self, namespace: str, key: bytes) -> bytes | None:
-        """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too)."""
+    async def _manifest_for(self, namespace: str, key: bytes) -> tuple[bytes, bytes] | None:
+        """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too),
+        with the key it is stored under."""
         (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
         if m is not None:
-            return m
+            return m, key
         (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES)
         if ref is None or len(ref) != BLOCK_KEY_BYTES:
             if ref is not None:
-                self.tier.note_bad_bytes()
+                self.tier.bad_value(namespace, key, Kind.REF)
             return None
         (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
-        return m
+        return None if m is None else (m, ref)
 
-    async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, asked: bytes) -> bool:
-        """Keep the manifest fetched for block ``asked`` and the blocks it names that this host lacks."""
+    async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, under: bytes, asked: bytes) -> bool:
+        """Keep the manifest fetched for block ``asked`` (stored under key ``under``: ``asked``, or the one the
+        block's reference names) and the blocks it names that this host lacks. A value found bad is removed."""
         try:  # a header and a key chain of up to 64 MiB: checked off the loop
             keys, bound = await off_loop(functools.partial(_named_blocks, manifest), compute=True)
         except errors.SpillError:
-            self.tier.note_bad_bytes()
+            self.tier.bad_value(namespace, under, Kind.MANIFEST)
             return self._missed("bad_bytes")
         if asked not in keys:  # another prompt's manifest put under this key: nothing of it serves this one
-            self.tier.note_bad_bytes()
+            if under == asked:
+                self.tier.bad_value(namespace, under, Kind.MANIFEST)
+            else:  # the block's reference names a manifest that does not name the block
+                self.tier.bad_value(namespace, asked, Kind.REF)
             return self._missed("wrong_manifest")
         want = list(dict.fromkeys(k for k in keys if not self.store.has_block(k)))
         if len(want) > MAX_FILL_BLOCKS:
@@ -249,7 +255,11 @@ class RemoteLink:
         except _Absent:
             return self._missed("blocks_absent")
         except errors.FileFormatError as exc:
-            self.tier.note_bad_bytes()
+            bad = blocks.key_of_name(os.path.basename(exc.path)) if exc.path else None
+            if bad is not None and bad in want:  # a fetched block (one held here is the store's to deal with)
+                self.tier.bad_value(namespace, bad, Kind.BLOCK)
+            else:
+                self.tier.bad_value(namespace, under, Kind.MANIFEST)
             log.warning("refused a manifest or block from the remote tier: %s", exc)
             return self._missed("bad_bytes")
         except errors.SpillError as exc:

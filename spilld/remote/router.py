@@ -14,9 +14,10 @@ from .keys import events_key
 class PrefixRouter:
     """Send each prompt to the host that holds the longest run of its blocks."""
 
-    def __init__(self, r: redis.Redis, namespace: str, root: bytes, size: int = 64) -> None:
+    def __init__(self, r: redis.Redis, namespace: str, root: bytes, size: int = 64, key_tag: str | None = None) -> None:
+        """``key_tag``: the hosts' key file's tag (``Sealer.tag``) when they encrypt: their events are in its space."""
         self.r, self.ns, self.root, self.size = r, namespace, root, size
-        self.stream, self.last = events_key(namespace), "0-0"
+        self.stream, self.last = events_key(namespace, key_tag), "0-0"
         self.holders: dict[str, set[str]] = {}  # block key (hex) -> hosts holding it
 
     def poll(self) -> None:

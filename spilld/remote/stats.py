@@ -36,6 +36,7 @@ class Stats:
     offers_refused: int = 0  # offers turned away at once (disabled, breaker open, larger than the queue)
     events_published: int = 0
     events_failed: int = 0
+    bad_removed: int = 0  # values refused (bad bytes, or tampered with) and removed from the server
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -52,4 +53,5 @@ class Stats:
             "offers_refused": self.offers_refused,
             "events_published": self.events_published,
             "events_failed": self.events_failed,
+            "bad_removed": self.bad_removed,
         }

@@ -3,7 +3,9 @@
 It can only make a host faster: every failure is a miss and a counter, never an exception to the caller and
 never a wait past its bound. A circuit breaker turns a down or slow server into fast misses; a background task
 tries it again. Fetched bytes are returned as they are (decrypted): verifying them is the store's job, which
-reports a refusal through ``note_bad_bytes``.
+reports a refusal through ``bad_value``, which removes the value from the server (every value is named by the key of
+its content in this host's key space: one that does not verify is right for no one, and while it stays there a
+push of the right bytes finds the key taken).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class RemoteTier:
         self.config = config
         self._password = credentials.password(config.password_file, environ)
         self._sealer = Sealer.from_file(config.key_file) if config.key_file else None
+        self.key_tag = self._sealer.tag if self._sealer is not None else None  # names its sealed space (keys.py)
         self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock)
         self.queue = PushQueue(config.queue_items, config.queue_bytes)
         self.stats = Stats()
@@ -88,6 +91,7 @@ class RemoteTier:
         self._tasks: list[asyncio.Task[None]] = []
         self._busy = 0  # pushes taken by the worker and not finished
         self._closing: set[asyncio.Task[None]] = set()  # old clients being closed
+        self._removing: set[asyncio.Task[None]] = set()  # bad values being removed from the server
 
     # --- life ---------------------------------------------------------------------------------------------
 
@@ -116,7 +120,9 @@ class RemoteTier:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
-        for t in list(self._closing):
+        for t in list(self._removing):
+            t.cancel()
+        for t in list(self._closing | self._removing):
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self.queue.clear()
@@ -160,7 +166,8 @@ class RemoteTier:
         while found < len(keys):
             batch = keys[found : found + PROBE_BATCH_KEYS]
             r = await self._call(
-                _pipeline([_cmd("exists", rkeys.block_key(namespace, k)) for k in batch]), self.config.probe_timeout_s
+                _pipeline([_cmd("exists", rkeys.block_key(namespace, k, self.key_tag)) for k in batch]),
+                self.config.probe_timeout_s,
             )
             if isinstance(r, _Failed):
                 self.stats.misses[r.reason] += 1
@@ -184,7 +191,7 @@ class RemoteTier:
         most one byte more than that (GETRANGE): a value someone made larger is never read whole."""
         if not keys:
             return []
-        names = [rkeys.value_key(namespace, k, kind) for k in keys]
+        names = [rkeys.value_key(namespace, k, kind, self.key_tag) for k in keys]
         limit = None if max_bytes is None else max_bytes + (SEALED_OVERHEAD if self._sealer is not None else 0)
         cmds, stride = self._reads(names, limit)
         slots = asyncio.Semaphore(FETCH_IN_FLIGHT)
@@ -198,6 +205,8 @@ class RemoteTier:
         got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
         r = [v for part in got for v in part]
         values = [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None for v in r]
+        too_long = [n for n, v in zip(names, r, strict=True) if isinstance(v, bytes) and limit and len(v) > limit]
+        self._remove_later(too_long)  # larger than any value of its kind: bad bytes, whoever reads them
         for v in r:
             if isinstance(v, _Failed):  # its whole pipeline failed
                 self.stats.misses[v.reason] += 1
@@ -225,17 +234,32 @@ class RemoteTier:
             return [_cmd("getrange", n, 0, limit) for n in names], 1
         return [c for n in names for c in (_cmd("getrange", n, 0, limit), _cmd("expire", n, ttl))], 2
 
-    def note_bad_bytes(self, count: int = 1) -> None:
-        """The store refused ``count`` fetched values (wrong bytes under their key): counted as misses."""
-        self.stats.hits -= count  # fetch counted them as hits before they were checked
-        self.stats.misses[Reason.BAD_BYTES] += count
+    def bad_value(self, namespace: str, key: bytes, kind: Kind = Kind.BLOCK) -> None:
+        """The caller refused the value ``fetch`` gave for ``key`` (wrong bytes under it): counted as a miss, and
+        removed from the server in the background (best effort, once)."""
+        self.stats.hits -= 1  # fetch counted it as a hit before it was checked
+        self.stats.misses[Reason.BAD_BYTES] += 1
+        self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
+
+    def _remove_later(self, names: list[str]) -> None:
+        if not names:
+            return
+
+        async def remove() -> None:
+            r = await self._call(_pipeline([_cmd("delete", n) for n in names]), self.config.push_timeout_s)
+            if not isinstance(r, _Failed):
+                self.stats.bad_removed += sum(1 for x in r if x == 1)
+
+        task = asyncio.get_running_loop().create_task(remove())
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
 
     # --- pushes -------------------------------------------------------------------------------------------
 
     def offer(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
         """Queue a push for the background worker; never waits. When the queue is full the oldest pushes are
         dropped (counted). False, at once, while the tier is disabled, stopped or its breaker open."""
-        rkeys.value_key(namespace, key, kind)  # a malformed key is the caller's bug: say so now
+        rkeys.value_key(namespace, key, kind, self.key_tag)  # a malformed key is the caller's bug: say so now
         if not self.taking_pushes or not self.queue.offer(Push(namespace, key, data, kind)):
             self.stats.offers_refused += 1
             return False
@@ -259,7 +283,7 @@ class RemoteTier:
 
     async def _push_batch(self, batch: Sequence[Push]) -> list[bool]:
         """Probe the batch's keys, then write the absent ones: shared prefixes cross the network once."""
-        names = [rkeys.value_key(p.namespace, p.key, p.kind) for p in batch]
+        names = [rkeys.value_key(p.namespace, p.key, p.kind, self.key_tag) for p in batch]
         timeout_s = self.config.push_timeout_s
         present = await self._call(_pipeline([_cmd("exists", n) for n in names]), timeout_s)
         if isinstance(present, _Failed):
@@ -297,11 +321,11 @@ class RemoteTier:
         """Tell routers that ``host`` now holds (or no longer holds) the blocks ``keys`` of ``namespace``: one
         XADD per ``MAX_EVENT_KEYS`` keys on the namespace's stream, trimmed to about ``events_maxlen``. Fields:
         ``kind``, ``ns`` (the namespace tag), ``host``, ``keys`` (hex, comma separated), ``t_ms``."""
-        stream = rkeys.events_key(namespace)
+        stream = rkeys.events_key(namespace, self.key_tag)
         t_ms = str(int(time.time() * 1000))
         cmds = []
         for lo in range(0, max(len(keys), 1), MAX_EVENT_KEYS):
-            fields = {"kind": str(kind), "ns": rkeys.namespace_tag(namespace), "host": host, "t_ms": t_ms}
+            fields = {"kind": str(kind), "ns": rkeys.namespace_tag(namespace, self.key_tag), "host": host, "t_ms": t_ms}
             fields["keys"] = ",".join(k.hex() for k in keys[lo : lo + MAX_EVENT_KEYS])
             cmds.append(_cmd("xadd", stream, fields, maxlen=self.config.events_maxlen, approximate=True))
         r = await self._call(_pipeline(cmds), self.config.push_timeout_s)
@@ -422,7 +446,9 @@ class RemoteTier:
             return [one(k, v) for k, v in zip(keys, values, strict=True)]
 
         opened = await _maybe_thread(run, sum(len(v) for v in values if v is not None))
-        self.stats.misses[Reason.DECRYPT] += sum(isinstance(v, DecryptError) for v in opened)
+        bad = [k for k, v in zip(keys, opened, strict=True) if isinstance(v, DecryptError)]
+        self.stats.misses[Reason.DECRYPT] += len(bad)
+        self._remove_later([rkeys.value_key(namespace, k, kind, self.key_tag) for k in bad])  # tampered with
         return [None if isinstance(v, DecryptError) else v for v in opened]
 
 

@@ -653,10 +653,10 @@ class Store:
 
     async def _adopt_blocks(self, new: dict[bytes, bytes], scope: tuple[str, str], folder: str) -> list[Block]:
         """Fetched blocks checked (on worker threads), published in ``folder``, and held: their records, pinned."""
-        await asyncio.gather(
-            *(off_loop(functools.partial(_checked_fetch, v, scope, k), background=True) for k, v in new.items())
-        )  # fmt: skip
         names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
+        await asyncio.gather(
+            *(off_loop(functools.partial(_checked_fetch, v, scope, k, names[k]), background=True) for k, v in new.items())
+        )  # fmt: skip
         files = [(names[k], v) for k, v in new.items()]
         await off_loop(lambda: fileio.publish_all(self.ops, files, self.durability), background=True)
         recs = []
@@ -1146,14 +1146,18 @@ class _Ahead:
         self._tasks.clear()
 
 
-def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fmt.Header:
+def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None, name: str | None = None) -> fmt.Header:
     """A fetched file checked whole in memory: block ``key`` (None: a manifest) of identity and namespace
-    ``scope``."""
-    header = validate.check_file_bytes(data)
-    if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
-        raise errors.BlockInvalid("a fetched file of another identity or namespace")
-    if (header.block.key if header.block is not None else None) != key:
-        raise errors.BlockKeyMismatch("a fetched file is not the one asked for")
+    ``scope``. A refusal's ``path`` is ``name``, the block's name here (which says its key), when given."""
+    try:
+        header = validate.check_file_bytes(data)
+        if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
+            raise errors.BlockInvalid("a fetched file of another identity or namespace")
+        if (header.block.key if header.block is not None else None) != key:
+            raise errors.BlockKeyMismatch("a fetched file is not the one asked for")
+    except errors.FileFormatError as exc:
+        exc.path = exc.path or name
+        raise
     return header
 
 
