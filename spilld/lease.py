@@ -53,6 +53,19 @@ def _compute_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _compute
 
 
+_held: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _held_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for work an engine waits for (a step it granted its lease for): never queued behind background
+    work (the shared tier's reads, a scrub's), and at normal priority, since the engine is idle meanwhile."""
+    global _held
+    with _background_lock:
+        if _held is None:
+            _held = mlxthreads.worker_pool(2, "spilld-held")
+        return _held
+
+
 def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _background
     with _background_lock:
@@ -61,16 +74,17 @@ def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _background
 
 
-async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bool = False) -> T:
+async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bool = False, held: bool = False) -> T:
     """Run blocking work on a worker thread; if cancelled, let it finish before unwinding.
 
     ``background`` work (hashing, writing: nothing that holds the engine's lock)
     runs on low-priority threads, so on a machine whose cores the engine keeps
     busy it takes only what the engine leaves. ``compute`` work (no file calls)
-    runs on threads of its own, which a hung disk never holds.
+    runs on threads of its own, which a hung disk never holds. ``held`` work (a step an engine granted its lease
+    for, and waits on) runs on threads of its own too, never behind background work.
     """
     loop = asyncio.get_running_loop()
-    pool = _compute_pool() if compute else _background_pool() if background else None
+    pool = _held_pool() if held else _compute_pool() if compute else _background_pool() if background else None
     # spilld's own pools free their threads' mlx streams already; a loop's default executor is told per call
     fut = loop.run_in_executor(pool, mlxthreads.releasing(fn) if pool is None else fn)
     try:

@@ -41,3 +41,36 @@ def test_the_background_pool_is_made_once_under_racing_threads(monkeypatch: pyte
     for pool in made:
         pool.shutdown()
     assert len(made) == 1 and all(p is made[0] for p in got)
+
+
+@pytest.mark.asyncio
+async def test_a_granted_step_never_waits_behind_background_work() -> None:
+    """Found in review: a step an engine granted its lease for ran on the background pool, behind the shared
+    tier's block reads and checks, while the engine waited, held. It has threads of its own now."""
+    import asyncio
+
+    from spilld.daemon.connection import GrantorLease
+
+    release = threading.Event()
+    busy = [asyncio.ensure_future(lease.off_loop(lambda: release.wait(30), background=True)) for _ in range(4)]
+
+    class Granting:  # the connection's side of a grant: granted at once
+        id = 1
+
+        def __init__(self) -> None:
+            self.done: list[int] = []
+
+        async def ask_lease(self, timeout: float) -> int:
+            return 7
+
+        def lease_done(self, grant: int) -> None:
+            self.done.append(grant)
+
+    conn = Granting()
+    try:
+        step = GrantorLease(conn, 5.0)(lambda: threading.current_thread().name)  # type: ignore[arg-type]
+        name = await asyncio.wait_for(step, 2.0)
+        assert name.startswith("spilld-held") and conn.done == [7]
+    finally:
+        release.set()
+        await asyncio.gather(*busy)

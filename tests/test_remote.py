@@ -860,6 +860,25 @@ async def pushed_store(root: Any, url: str, tokens: int) -> tuple[Store, RemoteT
 
 
 @pytest.mark.asyncio
+async def test_nothing_is_read_for_a_push_while_the_tier_takes_none(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: with the breaker open, every block a put wrote was still read back from disk to be offered,
+    and each offer refused."""
+    caches = [fill(C.KVCache(), 16 * 3 + 3, heads=2, dim=8, seed=s) for s in range(2)]
+    store = Store(str(tmp_path / "s"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url, breaker_cooldown_s=60))
+    link = RemoteLink(tier, store)
+    try:
+        for _ in range(tier.config.breaker_threshold):
+            tier.breaker.failure()
+        assert not tier.taking_pushes
+        await store.put(list(range(16 * 3 + 3)), caches, FILL_IDENT)
+        assert await link.drain(10)
+        assert tier.counters()["offers_refused"] == 0 and tier.counters()["pushed"] == 0
+    finally:
+        await link.close(1)
+
+
+@pytest.mark.asyncio
 async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it_writes_one(
     server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -555,7 +555,7 @@ class GrantorLease:
         grant = await self.conn.ask_lease(self.timeout)
         if grant is None:
             return await off_loop(fn, background=True)
-        step = asyncio.ensure_future(off_loop(fn, background=True))
+        step = asyncio.ensure_future(off_loop(fn, held=True))  # the engine waits: never behind background work
         try:
             done, _ = await asyncio.wait([step], timeout=self.timeout)
         except asyncio.CancelledError:

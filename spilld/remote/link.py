@@ -137,6 +137,8 @@ class RemoteLink:
         """Offer ``recs`` (each with a reference to the entry's last block), the entry's manifest and its layout's
         root: False if a file could not be read (evicted or superseded meanwhile: what was not read is not
         pushed)."""
+        if not self.tier.taking_pushes:  # (down, disabled, or its breaker open): every offer would be refused
+            return False
         ns = entry.namespace
         space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
         if self._roots.get(space) != (root, entry.whole) and self.tier.offer(
