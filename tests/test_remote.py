@@ -860,6 +860,46 @@ async def pushed_store(root: Any, url: str, tokens: int) -> tuple[Store, RemoteT
 
 
 @pytest.mark.asyncio
+async def test_lookups_of_one_prompt_share_a_fill_and_few_fills_run_at_once(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: N lookups of a new prompt at once fetched and adopted N copies, and nothing bounded how many
+    fills (each holding two batches of blocks) ran together."""
+    _, tier_a, caches = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store)
+    prompt = [*range(16 * 3 + 3), 999]
+    running, most = 0, 0
+    real = link._fill
+
+    async def counted(*a: Any) -> bool:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await asyncio.sleep(0.05)  # long enough for every lookup below to arrive meanwhile
+            return await real(*a)
+        finally:
+            running -= 1
+
+    link._fill = counted  # type: ignore[method-assign]
+    try:
+        same_prompt = [link.fill(FILL_IDENT, "", prompt, store.provider_id) for _ in range(5)]
+        others = [link.fill(FILL_IDENT, "", [*range(16 * 3 + 3), 999, i], store.provider_id) for i in range(4)]
+        got = await asyncio.gather(*same_prompt, *others)
+        assert got[:5] == [True] * 5 and link.fills_shared >= 5 - 1  # (and the others wait for its adopt)
+        assert store.counters.adopted == 1  # one copy, whatever the number of lookups, of one prompt or more
+        assert most == link_module.FILLS_AT_ONCE
+        hit = store.lookup(FILL_IDENT, "", prompt)
+        loaded = await store.restore_async(hit, FILL_IDENT)  # type: ignore[arg-type]
+        assert isinstance(loaded, Loaded) and all(
+            same(live(a), live(b)) for a, b in zip(loaded.caches, caches, strict=True)
+        )
+    finally:
+        await link.close(1)
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
 async def test_nothing_is_read_for_a_push_while_the_tier_takes_none(server: RedisServer, tmp_path: Any) -> None:
     """Found in review: with the breaker open, every block a put wrote was still read back from disk to be offered,
     and each offer refused."""

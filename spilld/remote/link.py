@@ -48,6 +48,9 @@ MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming mor
 # Blocks a fill fetches per batch: the store checks and writes one batch while the next is fetched, so a fill holds
 # two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
 FILL_BATCH_KEYS = 8
+# Fills under way at once (each holds up to two batches and a manifest): more lookups wait for a slot; lookups of
+# the same prompt at once share one fill (found in review: N lookups of a new prompt fetched and adopted N copies)
+FILLS_AT_ONCE = 2
 MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
 # A manifest's header (at most 64 MiB) and its tail (rows under one block, and any non-positional state): a value
 # larger than this is refused unread. A block's bound comes from its manifest (``_block_bound``).
@@ -86,6 +89,10 @@ class RemoteLink:
         self.evicted_skipped = 0  # evicted entries not pushed: too many in flight, or the tier not taking pushes
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
+        self.fills_shared = 0  # lookups that waited for a fill of the same prompt already under way
+        self._fill_slots = asyncio.Semaphore(FILLS_AT_ONCE)
+        self._filling: dict[tuple[str, str, str, bytes], asyncio.Future[bool]] = {}  # under way, by prompt
+        self._adopting: dict[bytes, asyncio.Future[bool]] = {}  # under way, by the last block asked for
         if push != "none":
             store.listeners.append(self)
 
@@ -183,7 +190,23 @@ class RemoteLink:
 
     async def fill(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
         """Fetch into the store the longest prefix of ``tokens`` the remote tier has beyond the local one: True
-        if a manifest was kept (a lookup then finds it). Never raises for a remote or a content failure."""
+        if a manifest was kept (a lookup then finds it). Never raises for a remote or a content failure. At most
+        ``FILLS_AT_ONCE`` run at once; a lookup of a prompt whose fill is under way waits for that one."""
+        digest = hashlib.sha256(fmt.encode_tokens(list(tokens))).digest()
+        sig = (identity_fingerprint(ident), namespace, provider, digest)
+        if (under_way := self._filling.get(sig)) is not None:
+            self.fills_shared += 1
+            return await asyncio.shield(under_way)  # a lookup that goes does not stop the others' fill
+        task = asyncio.ensure_future(self._fill_in_slot(ident, namespace, tokens, provider))
+        self._filling[sig] = task
+        task.add_done_callback(lambda _: self._filling.pop(sig, None))
+        return await asyncio.shield(task)
+
+    async def _fill_in_slot(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
+        async with self._fill_slots:
+            return await self._fill(ident, namespace, tokens, provider)
+
+    async def _fill(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
         size = self.store.block_tokens
         count = (len(tokens) - 1) // size if size else 0  # one token is always left to compute
         if count == 0:
@@ -199,10 +222,21 @@ class RemoteLink:
         found = await self.tier.probe_chain(namespace, keys, start=local)  # what we hold is not asked for
         if found <= local:
             return self._missed("no_longer_chain")
-        got = await self._manifest_for(namespace, keys[found - 1])
+        asked = keys[found - 1]
+        if (under_way := self._adopting.get(asked)) is not None:  # another prompt's fill takes this prefix now
+            self.fills_shared += 1
+            await asyncio.wait([under_way])
+            return self.store.leading_blocks(keys) >= found
+        task = asyncio.ensure_future(self._fetch_and_adopt(ident, namespace, asked))
+        self._adopting[asked] = task
+        task.add_done_callback(lambda _: self._adopting.pop(asked, None))
+        return await task
+
+    async def _fetch_and_adopt(self, ident: fmt.Identity, namespace: str, asked: bytes) -> bool:
+        got = await self._manifest_for(namespace, asked)
         if got is None:
             return self._missed("no_manifest")
-        return await self._adopt(ident, namespace, *got, keys[found - 1])
+        return await self._adopt(ident, namespace, *got, asked)
 
     async def _root(self, namespace: str, space: bytes) -> bytes | None:
         if space in self._roots:
@@ -295,7 +329,7 @@ class RemoteLink:
     async def close(self, timeout_s: float) -> None:
         """Push what is queued within ``timeout_s``, then stop the tier."""
         await self.drain(timeout_s)
-        for t in list(self._pushing | self._evicting):
+        for t in [*self._pushing, *self._evicting, *self._filling.values()]:
             t.cancel()
         await self.tier.close()
 
@@ -306,6 +340,7 @@ class RemoteLink:
             "fill_misses": dict(self.fill_misses),
             "pushing": len(self._pushing) + len(self._evicting),
             "evicted_skipped": self.evicted_skipped,
+            "fills_shared": self.fills_shared,
         }
 
 
