@@ -36,6 +36,7 @@ MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # a header declaring more is not a s
 CONFIG_FILES = ("config.json", "adapter_config.json")
 
 # (real path, size, mtime_ns) -> digest: a model folder is read once per process, again only if a file changes
+CONFIG_READ_CHUNK = 1 << 20  # a config file is hashed this many bytes a read
 _file_digests: dict[tuple[str, int, int], str] = {}
 
 
@@ -124,8 +125,9 @@ def file_fingerprint(path: str | os.PathLike[str]) -> str:
             h.update(header)
             for off, n in _windows(st.st_size - start, SAMPLE_WINDOWS):
                 h.update(os.pread(fd, n, start + off))
-        else:  # a config: small, read whole
-            h.update(os.pread(fd, st.st_size, 0))
+        else:  # a config: small, read whole, in chunks (its size is the file's to say, not ours to allocate)
+            for off in range(0, st.st_size, CONFIG_READ_CHUNK):
+                h.update(os.pread(fd, min(CONFIG_READ_CHUNK, st.st_size - off), off))
     finally:
         os.close(fd)
     digest = h.hexdigest()

@@ -893,3 +893,26 @@ def test_install_never_plans_a_mode_change_on_a_folder_that_exists(
     assert cli.main(args) == 0
     assert home.stat().st_mode & 0o7777 == 0o755  # the socket's folder (the home) kept its mode
     assert (home / "Library" / "Logs" / "spilld").stat().st_mode & 0o777 == 0o700  # the one we made
+
+
+def test_numbers_from_the_environment_and_installed_files_are_bounded(tmp_path: Path) -> None:
+    """Found in review: LISTEN_FDS=10**9 built a list of a billion fds before checking one; WATCHDOG_USEC of
+    hundreds of digits overflowed a float; an installed unit's --drain-deadline of inf crashed the stop's timeout
+    (OverflowError), and a FIFO at the unit's path hung the command that read it."""
+    big = {"LISTEN_PID": "7", "LISTEN_FDS": str(activation.MAX_LISTEN_FDS + 1)}
+    with pytest.raises(activation.ActivationError, match="more than"):
+        activation.systemd_fds(big, pid=7)
+    from spilld.service.sdnotify import MAX_WATCHDOG_USEC
+
+    assert watchdog_interval({"WATCHDOG_USEC": "9" * 400}) == MAX_WATCHDOG_USEC / 2 / 1e6
+    unit = install.unit_dir(tmp_path) / units.SERVICE_NAME
+    unit.parent.mkdir(parents=True)
+    default = units.stop_timeout_s(units.DRAIN_DEADLINE_S)
+    for deadline in ("inf", "nan", "-5", "1e300"):
+        unit.write_text(f"{units.MARKER}\nExecStart=/bin/spilld --drain-deadline {deadline}\n")
+        assert install.installed_stop_s("systemd", tmp_path) == default
+    unit.write_text(f"{units.MARKER}\nExecStart=/bin/spilld --drain-deadline 45\n")
+    assert install.installed_stop_s("systemd", tmp_path) == units.stop_timeout_s(45)
+    unit.unlink()
+    os.mkfifo(unit)
+    assert install.installed_stop_s("systemd", tmp_path) == default  # at once: a FIFO is never opened

@@ -138,6 +138,20 @@ def test_the_pins_file_names_nothing_outside_the_root(tmp_path: Path) -> None:
     assert read_pins(root) == []
 
 
+def test_a_pins_file_past_its_bound_loses_its_cut_name_not_a_wrong_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a file longer than PINS_MAX_BYTES was cut mid-name, and the cut name was taken."""
+    from spilld.store import pins
+
+    root = str(tmp_path)
+    (tmp_path / PINS_FILE).write_text("fp/ns/a.spilld\nfp/ns/b.spilld\n")
+    monkeypatch.setattr(pins, "PINS_MAX_BYTES", len("fp/ns/a.spilld\nfp/ns/b.spil"))
+    assert read_pins(root) == [os.path.join(root, "fp/ns/a.spilld")]
+    monkeypatch.setattr(pins, "PINS_MAX_BYTES", len("fp/ns/a.spilld\nfp/ns/b.spilld\n"))  # exactly: all of it
+    assert read_pins(root) == [os.path.join(root, "fp/ns/a.spilld"), os.path.join(root, "fp/ns/b.spilld")]
+
+
 def test_the_quarantine_keeps_the_newest_within_its_count_and_bytes(tmp_path: Path) -> None:
     for i in range(6):
         (tmp_path / f"{1000 + i}-f{i}").write_bytes(b"x" * 100)

@@ -31,6 +31,7 @@ OUR_NAMES = (SOCKET_NAME, LAUNCHD_SOCKET_KEY)
 
 
 ActivationError = errors.ActivationError  # defined in errors.py, where every code is mapped
+MAX_LISTEN_FDS = 64  # fds a service manager may hand us (spilld takes one socket); more is a broken environment
 
 
 def systemd_fds(env: MutableMapping[str, str] | None = None, pid: int | None = None) -> list[tuple[int, str]]:
@@ -46,6 +47,8 @@ def systemd_fds(env: MutableMapping[str, str] | None = None, pid: int | None = N
         raise ActivationError(f"bad LISTEN_PID/LISTEN_FDS: {exc}") from exc
     if owner != (os.getpid() if pid is None else pid) or count <= 0:
         return []  # meant for another process (we were exec'd by the one they were set for)
+    if count > MAX_LISTEN_FDS:
+        raise ActivationError(f"LISTEN_FDS={count} passes more than {MAX_LISTEN_FDS} fds: not one of ours to take")
     names = (values["LISTEN_FDNAMES"] or "").split(":")
     fds = list(range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + count))
     for fd in fds:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TextIO
 
+from ..config import check_duration
 from . import units
 from .units import ServiceSpec
 
@@ -108,14 +109,19 @@ def _domain() -> str:
 MARKER_READ_BYTES = 1 << 20  # a unit or plist is small; the marker is in its first lines
 
 
+def _head(path: Path) -> bytes:
+    """The first ``MARKER_READ_BYTES`` of a regular file (not a link, a FIFO or a device: OSError)."""
+    if not stat.S_ISREG(path.lstat().st_mode):
+        raise OSError(f"{path} is not a regular file")
+    with path.open("rb") as f:
+        return f.read(MARKER_READ_BYTES)
+
+
 def written_by_spilld(path: Path) -> bool:
     """A regular file (not a link) that carries ``units.MARKER``: one spilld wrote, so one it may replace or
     remove. A user's own file of the same name, or a link to one kept elsewhere, is not."""
     try:
-        if not stat.S_ISREG(path.lstat().st_mode):
-            return False
-        with path.open("rb") as f:
-            return units.MARKER.encode() in f.read(MARKER_READ_BYTES)
+        return units.MARKER.encode() in _head(path)
     except OSError:
         return False
 
@@ -132,11 +138,12 @@ def installed_files(manager: Manager, home: Path) -> list[Path]:
 
 def _drain_deadline(manager: Manager, path: Path) -> float:
     """The ``--drain-deadline`` an installed plist or unit passes to the daemon."""
+    head = _head(path)  # (a unit or plist spilld wrote is small: a larger one is not ours)
     if manager == "launchd":
-        argv = [str(a) for a in plistlib.loads(path.read_bytes())["ProgramArguments"]]
+        argv = [str(a) for a in plistlib.loads(head)["ProgramArguments"]]
     else:
-        argv = next(ln for ln in path.read_text().splitlines() if ln.startswith("ExecStart=")).split()
-    return float(argv[argv.index("--drain-deadline") + 1])
+        argv = next(ln for ln in head.decode().splitlines() if ln.startswith("ExecStart=")).split()
+    return check_duration(float(argv[argv.index("--drain-deadline") + 1]), "--drain-deadline")
 
 
 def installed_stop_s(manager: Manager, home: Path) -> float:

@@ -23,6 +23,9 @@ def notify_address(env: Mapping[str, str] | None = None) -> str | None:
     return "\0" + raw[1:] if raw.startswith("@") else raw
 
 
+MAX_WATCHDOG_USEC = 10**12  # 11.6 days: a longer watchdog (or a number too large for a float) pings as if it were this
+
+
 def watchdog_interval(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
     """Seconds between ``WATCHDOG=1`` pings (half of ``WATCHDOG_USEC``), or None when no watchdog is asked of us."""
     env = os.environ if env is None else env
@@ -33,7 +36,7 @@ def watchdog_interval(env: Mapping[str, str] | None = None, pid: int | None = No
         return None
     if usec <= 0 or (owner and owner != (os.getpid() if pid is None else pid)):
         return None  # set for another process of the unit, or not set at all
-    return usec / 2 / 1e6
+    return min(usec, MAX_WATCHDOG_USEC) / 2 / 1e6
 
 
 class Notifier:

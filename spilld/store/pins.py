@@ -19,7 +19,10 @@ def read_pins(root: str) -> list[str]:
     try:
         fd = fileio.open_regular(os.path.join(root, PINS_FILE))  # a FIFO there is refused, never waited on
         with open(fd, encoding="utf-8") as f:
-            names = f.read(PINS_MAX_BYTES).splitlines()
+            text = f.read(PINS_MAX_BYTES)
+            names = text.splitlines()
+            if f.read(1):  # cut at the bound: its last name may be cut too, and is not taken
+                names = names[:-1]
     except (OSError, UnicodeDecodeError):
         return []
     return [os.path.join(root, n) for n in names if n and not os.path.isabs(n) and ".." not in n.split("/")]
