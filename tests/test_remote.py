@@ -1052,6 +1052,36 @@ async def test_a_root_value_longer_than_a_root_is_bad_bytes_never_decoded(server
         await tier_a.close()
 
 
+@pytest.mark.asyncio
+async def test_a_fetched_root_is_read_again_after_root_kept_s(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a root read from Redis was kept until a restart, so a wrong one (well formed: 32 bytes) made
+    every fill of its layout miss even after someone put the right one back."""
+    from spilld.entries import identity_fingerprint
+    from spilld.remote.link import root_space
+
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    name = keys.value_key("", root_space(identity_fingerprint(FILL_IDENT), "", store_a.provider_id, 16), Kind.ROOT)
+    with server.client() as c:
+        good = c.get(name)
+        c.set(name, msgpack.packb([os.urandom(32), True]))  # a root, but not this layout's
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store)
+    prompt = [*range(16 * 3 + 3), 999]
+    try:
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        with server.client() as c:
+            c.set(name, good)
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)  # still the one read before
+        monkeypatch.setattr(link_module, "ROOT_KEPT_S", 0.0)
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id)  # read again: the right one
+    finally:
+        await link.close(1)
+        await tier_a.close()
+
+
 def test_the_example_router_passes_stream_entries_it_cannot_read(server: RedisServer) -> None:
     """Anyone who may write the events stream may write anything to it: entries without a host, or with bytes that
     are not UTF-8, are passed over (found in review: a KeyError every poll, the stream never read past it)."""

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -51,6 +52,7 @@ FILL_BATCH_KEYS = 8
 # Fills under way at once (each holds up to two batches and a manifest): more lookups wait for a slot; lookups of
 # the same prompt at once share one fill (found in review: N lookups of a new prompt fetched and adopted N copies)
 FILLS_AT_ONCE = 2
+ROOT_KEPT_S = 300.0  # a root fetched from the remote tier is used this long, then read again
 MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
 # A manifest's header (at most 64 MiB) and its tail (rows under one block, and any non-positional state): a value
 # larger than this is refused unread. A block's bound comes from its manifest (``_block_bound``).
@@ -82,7 +84,8 @@ class RemoteLink:
             raise ValueError(f"remote push is one of {', '.join(PUSH_MODES)}, not {push!r}")
         self.tier, self.store, self.push = tier, store, push
         self.host = host or socket.gethostname()
-        self._roots: dict[bytes, tuple[bytes, bool]] = {}  # layout space -> (root key, whole): learnt once
+        self._roots: dict[bytes, tuple[bytes, bool]] = {}  # layout space -> (root key, whole): pushed or fetched
+        self._root_read: dict[bytes, float] = {}  # when a fetched root was read (monotonic): read again after a while
         self._pushing: set[asyncio.Task[Any]] = set()  # pushes being read and queued, events being published
         self._gone: dict[str, list[bytes]] = {}  # blocks reclaimed this loop turn, by namespace
         self._evicting: set[asyncio.Task[Any]] = set()  # evicted entries being read and queued
@@ -239,7 +242,10 @@ class RemoteLink:
         return await self._adopt(ident, namespace, *got, asked)
 
     async def _root(self, namespace: str, space: bytes) -> bytes | None:
-        if space in self._roots:
+        """The root key of a layout, from our own pushes or fetched (a fetched one is read again after
+        ``ROOT_KEPT_S``: a wrong one that someone put right is not kept until a restart)."""
+        fetched = self._root_read.get(space)
+        if space in self._roots and (fetched is None or time.monotonic() - fetched < ROOT_KEPT_S):
             return self._roots[space][0]
         (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT, MAX_ROOT_VALUE_BYTES)  # (never read whole)
         try:
@@ -252,6 +258,7 @@ class RemoteLink:
                 self.tier.bad_value(namespace, space, Kind.ROOT)
             return None
         self._roots[space] = (root, bool(whole))
+        self._root_read[space] = time.monotonic()
         return root
 
     async def _manifest_for(self, namespace: str, key: bytes) -> tuple[bytes, bytes] | None:
@@ -329,8 +336,12 @@ class RemoteLink:
     async def close(self, timeout_s: float) -> None:
         """Push what is queued within ``timeout_s``, then stop the tier."""
         await self.drain(timeout_s)
-        for t in [*self._pushing, *self._evicting, *self._filling.values()]:
+        tasks = [*self._pushing, *self._evicting, *self._filling.values()]
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(
+            *tasks, return_exceptions=True
+        )  # their cleanups (kept files let go) run before the tier goes
         await self.tier.close()
 
     def counters(self) -> dict[str, Any]:
