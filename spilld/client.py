@@ -32,7 +32,7 @@ from .api import Deadline, Hit
 from .assemble import beside
 from .bytecopy import copy_into
 from .codecs import CodecProvider, default_provider
-from .config import default_socket
+from .config import MAX_DURATION_S, default_socket
 from .entries import Miss, MissReason, check_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded, load
@@ -617,7 +617,7 @@ class AsyncClient:
         unanswered = await self._wait_commits(deadline.left())
         ours = self._not_stored - before  # ours the daemon answered as not stored meanwhile
         left = deadline.left()
-        params = {"timeout": DRAIN_FOREVER_S if left is None else left}
+        params = {"timeout": DRAIN_FOREVER_S if left is None else min(left, MAX_DURATION_S)}  # (inf: the longest)
         wait = None if left is None else left + ANSWER_GRACE_S  # the daemon answers at its deadline
         try:
             r = await self.call("drain", params, timeout=wait, progress=lambda _: None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -544,6 +545,7 @@ async def test_a_write_waiting_on_a_grantor_that_left_goes_on_unheld_at_once(dae
     await granting.close(timeout=0)
     async with AsyncClient(daemon.socket, identity=spilld.Identity("left")) as other:
         assert (await other.drain(timeout=20)).done
+        assert (await other.drain(timeout=math.inf)).done  # found in review: inf was sent, and refused (bad_params)
         assert time.monotonic() - t0 < 10  # not the request timeout (30 s)
         got = await other.load([*tokens, 1])
         assert got is not None and got.tokens == tokens

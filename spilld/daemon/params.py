@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import protocol as P
+from ..config import MAX_DURATION_S
 
-# The largest number of seconds a client may ask a wait to last (a drain's timeout, an eviction's age): a bound
-# that keeps the deadline arithmetic finite (ten years).
-MAX_SECONDS = 10 * 365 * 86400.0
+# The largest number of seconds a client may ask a wait to last (a drain's timeout, an eviction's age): the bound
+# of every duration spilld takes (a century; the CLI's too), which keeps the deadline arithmetic finite.
+MAX_SECONDS = float(MAX_DURATION_S)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import socket
 import time
 from collections import Counter
@@ -49,9 +48,12 @@ MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming mor
 # Blocks a fill fetches per batch: the store checks and writes one batch while the next is fetched, so a fill holds
 # two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
 FILL_BATCH_KEYS = 8
-# Fills under way at once (each holds up to two batches and a manifest): more lookups wait for a slot; lookups of
-# the same prompt at once share one fill (found in review: N lookups of a new prompt fetched and adopted N copies)
+# Fetches and adopts under way at once (each holds up to two batches and a manifest); a lookup that finds none free
+# is a miss ("busy"), never a wait. Lookups of one prompt at once share one fill, and fills that reach the same last
+# block share its fetch (found in review: N lookups of a new prompt fetched and adopted N copies)
 FILLS_AT_ONCE = 2
+# Refusals that say the bytes are a newer writer's (a rolling upgrade), not wrong: a miss here, never removed
+NEWER_WRITER = (errors.UnsupportedVersion, errors.CodecVersionUnsupported, errors.CodecProviderMismatch)
 ROOT_KEPT_S = 300.0  # a root fetched from the remote tier is used this long, then read again
 MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
 # A manifest's header (at most 64 MiB) and its tail (rows under one block, and any non-positional state): a value
@@ -93,7 +95,7 @@ class RemoteLink:
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
         self.fills_shared = 0  # lookups that waited for a fill of the same prompt already under way
-        self._fill_slots = asyncio.Semaphore(FILLS_AT_ONCE)
+        self._fetching = 0  # fetches and adopts under way (at most FILLS_AT_ONCE)
         self._filling: dict[tuple[str, str, str, bytes], asyncio.Future[bool]] = {}  # under way, by prompt
         self._adopting: dict[bytes, asyncio.Future[bool]] = {}  # under way, by the last block asked for
         if push != "none":
@@ -194,20 +196,22 @@ class RemoteLink:
     async def fill(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
         """Fetch into the store the longest prefix of ``tokens`` the remote tier has beyond the local one: True
         if a manifest was kept (a lookup then finds it). Never raises for a remote or a content failure. At most
-        ``FILLS_AT_ONCE`` run at once; a lookup of a prompt whose fill is under way waits for that one."""
+        ``FILLS_AT_ONCE`` fetch at once (a lookup that finds none free misses at once); a lookup of a prompt whose
+        fill is under way waits for that one."""
         digest = hashlib.sha256(fmt.encode_tokens(list(tokens))).digest()
         sig = (identity_fingerprint(ident), namespace, provider, digest)
-        if (under_way := self._filling.get(sig)) is not None:
+        if (task := self._filling.get(sig)) is not None:
             self.fills_shared += 1
-            return await asyncio.shield(under_way)  # a lookup that goes does not stop the others' fill
-        task = asyncio.ensure_future(self._fill_in_slot(ident, namespace, tokens, provider))
-        self._filling[sig] = task
-        task.add_done_callback(lambda _: self._filling.pop(sig, None))
-        return await asyncio.shield(task)
-
-    async def _fill_in_slot(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
-        async with self._fill_slots:
-            return await self._fill(ident, namespace, tokens, provider)
+        else:
+            task = asyncio.ensure_future(self._fill(ident, namespace, tokens, provider))
+            self._filling[sig] = task
+            task.add_done_callback(lambda _: self._filling.pop(sig, None))
+        try:
+            return await asyncio.shield(task)  # a lookup that goes does not stop the others' fill
+        except asyncio.CancelledError:
+            if (me := asyncio.current_task()) is not None and me.cancelling():
+                raise  # this lookup is cancelled
+            return False  # the fill was (the link closing): a miss for everyone waiting on it
 
     async def _fill(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str) -> bool:
         size = self.store.block_tokens
@@ -230,9 +234,17 @@ class RemoteLink:
             self.fills_shared += 1
             await asyncio.wait([under_way])
             return self.store.leading_blocks(keys) >= found
+        if self._fetching >= FILLS_AT_ONCE:  # every slot fetching: a miss now beats a lookup held behind them
+            return self._missed("busy")
+        self._fetching += 1  # taken here, in the turn that checked it: two lookups cannot both take the last one
         task = asyncio.ensure_future(self._fetch_and_adopt(ident, namespace, asked))
         self._adopting[asked] = task
-        task.add_done_callback(lambda _: self._adopting.pop(asked, None))
+
+        def done(_: object) -> None:
+            self._fetching -= 1
+            self._adopting.pop(asked, None)
+
+        task.add_done_callback(done)
         return await task
 
     async def _fetch_and_adopt(self, ident: fmt.Identity, namespace: str, asked: bytes) -> bool:
@@ -280,8 +292,8 @@ class RemoteLink:
         block's reference names) and the blocks it names that this host lacks. A value found bad is removed."""
         try:  # a header and a key chain of up to 64 MiB: checked off the loop
             keys, bound = await off_loop(functools.partial(_named_blocks, manifest), compute=True)
-        except errors.SpillError:
-            self.tier.bad_value(namespace, under, Kind.MANIFEST)
+        except errors.SpillError as exc:
+            self.tier.bad_value(namespace, under, Kind.MANIFEST, remove=not isinstance(exc, NEWER_WRITER))
             return self._missed("bad_bytes")
         if asked not in keys:  # another prompt's manifest put under this key: nothing of it serves this one
             if under == asked:
@@ -292,17 +304,21 @@ class RemoteLink:
         want = list(dict.fromkeys(k for k in keys if not self.store.has_block(k)))
         if len(want) > MAX_FILL_BLOCKS:
             return self._missed("too_many_blocks")
+
+        def bad(key: bytes | None, exc: errors.FileFormatError) -> None:  # a fetched file, bad in itself
+            remove = not isinstance(exc, NEWER_WRITER)
+            self.tier.bad_value(
+                namespace, under if key is None else key, Kind.MANIFEST if key is None else Kind.BLOCK, remove=remove
+            )
+
         try:
             async with contextlib.aclosing(self._fetched(namespace, want, bound)) as batches:
-                await self.store.adopt(ident, namespace, manifest, batches)
+                await self.store.adopt(ident, namespace, manifest, batches, on_bad=bad)
         except _Absent:
             return self._missed("blocks_absent")
-        except errors.FileFormatError as exc:
-            bad = blocks.key_of_name(os.path.basename(exc.path)) if exc.path else None
-            if bad is not None and bad in want:  # a fetched block (one held here is the store's to deal with)
-                self.tier.bad_value(namespace, bad, Kind.BLOCK)
-            else:
-                self.tier.bad_value(namespace, under, Kind.MANIFEST)
+        except errors.BlockMissing:  # a block held here went meanwhile (evicted): nothing of the remote's is wrong
+            return self._missed("local_block_gone")
+        except errors.FileFormatError as exc:  # (files that disagree, or one held here: nothing is removed)
             log.warning("refused a manifest or block from the remote tier: %s", exc)
             return self._missed("bad_bytes")
         except errors.SpillError as exc:

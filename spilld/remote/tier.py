@@ -205,8 +205,10 @@ class RemoteTier:
         got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
         r = [v for part in got for v in part]
         values = [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None for v in r]
-        too_long = [n for n, v in zip(names, r, strict=True) if isinstance(v, bytes) and limit and len(v) > limit]
-        self._remove_later(too_long)  # larger than any value of its kind: bad bytes, whoever reads them
+        if kind in (Kind.ROOT, Kind.REF):  # of a fixed size: longer is bad bytes, whoever reads them
+            self._remove_later(
+                [n for n, v in zip(names, r, strict=True) if isinstance(v, bytes) and limit and len(v) > limit]
+            )
         for v in r:
             if isinstance(v, _Failed):  # its whole pipeline failed
                 self.stats.misses[v.reason] += 1
@@ -234,12 +236,14 @@ class RemoteTier:
             return [_cmd("getrange", n, 0, limit) for n in names], 1
         return [c for n in names for c in (_cmd("getrange", n, 0, limit), _cmd("expire", n, ttl))], 2
 
-    def bad_value(self, namespace: str, key: bytes, kind: Kind = Kind.BLOCK) -> None:
+    def bad_value(self, namespace: str, key: bytes, kind: Kind = Kind.BLOCK, remove: bool = True) -> None:
         """The caller refused the value ``fetch`` gave for ``key`` (wrong bytes under it): counted as a miss, and
-        removed from the server in the background (best effort, once)."""
+        unless ``remove`` is False (bytes of a newer writer, not wrong ones), removed from the server in the
+        background (best effort, once)."""
         self.stats.hits -= 1  # fetch counted it as a hit before it was checked
         self.stats.misses[Reason.BAD_BYTES] += 1
-        self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
+        if remove:
+            self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
 
     def _remove_later(self, names: list[str]) -> None:
         if not names:

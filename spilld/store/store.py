@@ -603,7 +603,12 @@ class Store:
     # --- files from another tier ------------------------------------------------------------------
 
     async def adopt(
-        self, ident: fmt.Identity, namespace: str, manifest: bytes, fetched: AsyncIterable[dict[bytes, bytes]]
+        self,
+        ident: fmt.Identity,
+        namespace: str,
+        manifest: bytes,
+        fetched: AsyncIterable[dict[bytes, bytes]],
+        on_bad: Callable[[bytes | None, errors.FileFormatError], None] | None = None,
     ) -> Entry:
         """Keep a manifest fetched from another tier, with the blocks it names that this store lacks, which
         ``fetched`` hands over in batches (by key) while the next ones are still on their way. Each file is checked
@@ -612,9 +617,10 @@ class Store:
         (``fileio.publish_all``); once every block is held, the folder is synced, and the manifest, its blocks
         checked against it, written and renamed last: the order of a put. A check that fails raises
         (``FileFormatError`` for wrong bytes, ``BlockMissing`` for a block neither held nor fetched), as does
-        ``fetched``, and leaves nothing behind."""
+        ``fetched``, and leaves nothing behind. ``on_bad(key, error)`` is told first when a fetched file is bad in
+        itself: a block (its key), or the manifest (None); not when files disagree, or one held here is at fault."""
         scope = (identity_fingerprint(ident), namespace)
-        m = await off_loop(functools.partial(_checked_fetch, manifest, scope, None), background=True)
+        m = await _check_fetched(manifest, scope, None, on_bad)
         if m.blocks is None:
             raise errors.BlockInvalid("a fetched manifest names no blocks")
         folder = self.folder(ident, namespace)
@@ -628,7 +634,7 @@ class Store:
             await self._make_folder(folder)
             async for batch in fetched:
                 new = {k: v for k, v in batch.items() if k not in held and k in named}
-                pinned += await self._adopt_blocks(new, scope, folder)
+                pinned += await self._adopt_blocks(new, scope, folder, on_bad)
                 held.update(new)
             if missing := [k for k in m.blocks.keys if k not in held]:
                 raise errors.BlockMissing(f"block {missing[0].hex()} is neither held nor fetched")
@@ -651,12 +657,16 @@ class Store:
         await self.delete_doomed_async()
         return entry
 
-    async def _adopt_blocks(self, new: dict[bytes, bytes], scope: tuple[str, str], folder: str) -> list[Block]:
+    async def _adopt_blocks(
+        self,
+        new: dict[bytes, bytes],
+        scope: tuple[str, str],
+        folder: str,
+        on_bad: Callable[[bytes | None, errors.FileFormatError], None] | None,
+    ) -> list[Block]:
         """Fetched blocks checked (on worker threads), published in ``folder``, and held: their records, pinned."""
+        await asyncio.gather(*(_check_fetched(v, scope, k, on_bad) for k, v in new.items()))
         names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
-        await asyncio.gather(
-            *(off_loop(functools.partial(_checked_fetch, v, scope, k, names[k]), background=True) for k, v in new.items())
-        )  # fmt: skip
         files = [(names[k], v) for k, v in new.items()]
         await off_loop(lambda: fileio.publish_all(self.ops, files, self.durability), background=True)
         recs = []
@@ -1146,19 +1156,30 @@ class _Ahead:
         self._tasks.clear()
 
 
-def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None, name: str | None = None) -> fmt.Header:
+def _checked_fetch(data: bytes, scope: tuple[str, str], key: bytes | None) -> fmt.Header:
     """A fetched file checked whole in memory: block ``key`` (None: a manifest) of identity and namespace
-    ``scope``. A refusal's ``path`` is ``name``, the block's name here (which says its key), when given."""
-    try:
-        header = validate.check_file_bytes(data)
-        if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
-            raise errors.BlockInvalid("a fetched file of another identity or namespace")
-        if (header.block.key if header.block is not None else None) != key:
-            raise errors.BlockKeyMismatch("a fetched file is not the one asked for")
-    except errors.FileFormatError as exc:
-        exc.path = exc.path or name
-        raise
+    ``scope``."""
+    header = validate.check_file_bytes(data)
+    if (identity_fingerprint(header.identity), header.identity.namespace) != scope:
+        raise errors.BlockInvalid("a fetched file of another identity or namespace")
+    if (header.block.key if header.block is not None else None) != key:
+        raise errors.BlockKeyMismatch("a fetched file is not the one asked for")
     return header
+
+
+async def _check_fetched(
+    data: bytes,
+    scope: tuple[str, str],
+    key: bytes | None,
+    on_bad: Callable[[bytes | None, errors.FileFormatError], None] | None,
+) -> fmt.Header:
+    """``_checked_fetch`` on a worker thread; ``on_bad(key, error)`` told of a refusal before it is raised."""
+    try:
+        return await off_loop(functools.partial(_checked_fetch, data, scope, key), background=True)
+    except errors.FileFormatError as exc:
+        if on_bad is not None:
+            on_bad(key, exc)
+        raise
 
 
 def _restorable(e: Entry) -> int:
