@@ -177,6 +177,26 @@ def test_breaker_closed_open_half_open() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_health_loop_leaves_the_client_of_a_call_that_holds_the_trial(server: RedisServer) -> None:
+    """Found in review: the health loop replaced (and closed) the client whenever the breaker read half-open, even
+    while a lookup's call held the trial on it: that call failed and the breaker opened again."""
+    now = [0.0]
+    tier = await started(relaxed(server.url, breaker_cooldown_s=10, health_interval_s=0.01), clock=lambda: now[0])
+    try:
+        tier.breaker.trip()
+        now[0] = 10.0
+        assert tier.breaker.allow()  # a lookup's call takes the trial (and is under way)
+        client = tier._client
+        await asyncio.sleep(0.2)  # many rounds of the health loop
+        assert tier._client is client and tier.breaker.state is State.HALF_OPEN
+        tier.breaker.abandon()  # that call gave it back: the loop tries now, on a new client
+        await wait_for(lambda: tier.breaker.state is State.CLOSED)
+        assert tier._client is not client
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_trial_call_gives_the_trial_back(server: RedisServer) -> None:
     """A half-open breaker lets one trial call through; when that call is cancelled (a fill giving up on the batch
     it fetched ahead) the trial is given back. Found in review: it stayed out, every call after it was refused as

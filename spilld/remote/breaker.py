@@ -55,6 +55,11 @@ class Breaker:
             return True
         return False
 
+    @property
+    def trial_free(self) -> bool:
+        """Half-open, and no call has taken the trial yet."""
+        return self.state is State.HALF_OPEN and not self._trial_out
+
     def success(self) -> None:
         self._failures = 0
         if self._state is not State.CLOSED:

@@ -401,7 +401,7 @@ class RemoteTier:
         may be half-dead); a PING that answers closes the breaker."""
         while not self._disabled:
             await asyncio.sleep(self.config.health_interval_s)
-            if self.breaker.state is not State.HALF_OPEN:
+            if not self.breaker.trial_free:  # closed, still open, or a call has the trial: its client stays
                 continue
             old, self._client = self._client, make_client(self.config, self._password, self._tls)
             if old is not None:  # closed aside: a socket to a hung server may take its timeout to close
