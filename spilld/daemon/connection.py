@@ -367,7 +367,8 @@ class Connection(asyncio.BufferedProtocol):
             else:  # like an unknown request, it does not end the connection; it has no answer to carry an error
                 log.debug("client %d: unknown notification %r ignored", self.id, msg.method)
         elif msg.kind == P.REQUEST:
-            if len(self.tasks) >= P.MAX_INFLIGHT_REQUESTS:
+            # a task is done once its answer is sent; its done callback (which drops it) runs a loop turn later
+            if sum(not t.done() for t in self.tasks) >= P.MAX_INFLIGHT_REQUESTS:
                 raise P.ProtocolError(f"more than {P.MAX_INFLIGHT_REQUESTS} requests in flight")
             handler = self.daemon.methods.get(msg.method)
             if handler is None:
