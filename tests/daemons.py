@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -96,3 +98,14 @@ def new_root() -> str:
 
 def cleanup(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[Daemon]:
+    """A daemon subprocess in a fresh root, started with ``args``, killed and its root removed afterwards."""
+    d = Daemon(new_root(), list(args)).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        cleanup(d.root)

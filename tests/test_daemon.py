@@ -21,18 +21,14 @@ from spilld import mlxthreads
 from spilld import protocol as P
 from spilld.client import AsyncClient
 from spilld.lockfile import LOCK_NAME
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, cleanup, new_root, serving
 from tests.models import MODELS, next_logits, prefill, random_tokens, tiny_llama
 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "256MiB", "--drain-deadline", "30"]).start()
-    try:
+    with serving("--cap", "256MiB", "--drain-deadline", "30") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 async def connect(d: Daemon, model: Any, name: str) -> AsyncClient:

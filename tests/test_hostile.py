@@ -14,18 +14,14 @@ import pytest
 
 from spilld import protocol as P
 from spilld.daemon.connection import MAX_UNREAD_BYTES
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, serving
 from tests.wire import Wire, frames
 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
-    try:
+    with serving("--cap", "64MiB") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def fds(d: Daemon) -> int:

@@ -24,7 +24,7 @@ import spilld
 from spilld import mlxthreads
 from spilld.client import Client
 from tests.caches import fill
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, cleanup, new_root, serving
 
 LAYERS = 24  # 48 tensors per spill: 48 daemon write steps
 SPILLS = 3
@@ -33,12 +33,8 @@ STEP_S = 0.004  # an engine step: the lock is held this long, then let go for a 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "256MiB", "--log-level", "debug", "--block-tokens", "0"]).start()
-    try:
+    with serving("--cap", "256MiB", "--log-level", "debug", "--block-tokens", "0") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def daemon_steps(d: Daemon, name: str) -> list[tuple[float, float]]:

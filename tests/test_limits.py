@@ -40,7 +40,7 @@ from spilld.remote import tier as tier_module
 from spilld.remote.credentials import MAX_SECRET_FILE_BYTES
 from spilld.remote.link import RemoteLink
 from spilld.store import Store
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, cleanup, new_root, serving
 from tests.hostile_memory import AsyncWire, kv_header
 from tests.redis_servers import RedisServer, redis_server
 from tests.test_remote import FILL_IDENT, NS, chain, pushed_store, relaxed, secret_file, started
@@ -53,12 +53,8 @@ SEEDS = itertools.count(20_000, 100)  # first tokens of spills that must be new 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
-    try:
+    with serving("--cap", "64MiB") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def connect(daemon: Daemon, **hello: Any) -> Wire:

@@ -13,7 +13,7 @@ from spilld import format as fmt
 from spilld import protocol as P
 from spilld.daemon import MAX_OPEN_SPILLS
 from spilld.daemon.ingest import MAX_OPEN_TENSORS, MAX_OPEN_TOKENS
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, serving
 from tests.hostile_memory import kv_header
 from tests.wire import Wire
 
@@ -22,12 +22,8 @@ ROWS = 8  # a KV entry of [1, 8, 8, 128] float16: two 16 KiB tensors
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
-    try:
+    with serving("--cap", "64MiB") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 @pytest.fixture

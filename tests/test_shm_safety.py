@@ -27,7 +27,7 @@ import spilld
 from spilld import loader, saver
 from spilld import protocol as P
 from tests.caches import fill, live, same
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, serving
 from tests.wire import Wire
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /dev/shm and /proc")
@@ -35,12 +35,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "256MiB"]).start()
-    try:
+    with serving("--cap", "256MiB") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def seg_name(i: int = 0) -> str:

@@ -13,17 +13,13 @@ import pytest
 import spilld
 from spilld.client import AsyncClient
 from spilld.daemon.server import SECOND_SIGNAL_EXIT
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, cleanup, new_root, serving
 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "64MiB", "--drain-deadline", "60"]).start()
-    try:
+    with serving("--cap", "64MiB", "--drain-deadline", "60") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def log_lines(d: Daemon) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from spilld.lease import NoLease, ThreadLockLease
 from spilld.loopthread import LoopThread
 from spilld.queue import Outcome, Settled
 from tests.caches import fill, kv, live
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, serving
 
 STEPS_BEFORE_WRITE = 40  # decode steps between the spill call and the first write step
 MAX_STEPS_DURING = 400  # the engine keeps decoding while the write runs (bounded)
@@ -210,12 +210,8 @@ def run_engine(
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(new_root(), ["--cap", "256MiB"]).start()
-    try:
+    with serving("--cap", "256MiB") as d:
         yield d
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def _lease(leased: bool, lock: threading.Lock, gate: Gate) -> Any:
