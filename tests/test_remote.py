@@ -326,6 +326,27 @@ async def test_a_long_chain_is_probed_in_batches_each_with_the_whole_bound(
 
 
 @pytest.mark.asyncio
+async def test_a_probe_refused_by_an_acl_is_counted_refused_not_absent(server: RedisServer) -> None:
+    """Found in review: a key's command failing inside a probe (NOPERM: the ACL recipe of design.md, a tenant
+    asking outside its pattern) was counted as an absent key."""
+    ks = chain(3, seed=b"acl")
+    with server.client() as c:
+        c.execute_command("ACL", "SETUSER", "tenant-a", "on", ">pw-a", f"~{keys.acl_pattern(NS)}", "+@all")
+    url = server.url.replace("redis://", "redis://tenant-a@")
+    tier = await started(relaxed(url), environ={"SPILLD_REMOTE_PASSWORD": "pw-a"})
+    try:
+        assert await tier.push(NS, ks[0], b"v") and await tier.probe_chain(NS, ks) == 1
+        assert await tier.probe_chain("tenant-b", ks) == 0  # outside its pattern
+        misses = tier.counters()["misses"]
+        assert misses["refused"] == 1 and misses["absent"] == 0, misses
+    finally:
+        await tier.close()
+        with server.client() as c:
+            c.execute_command("ACL", "DELUSER", "tenant-a")
+            c.delete(keys.block_key(NS, ks[0]))
+
+
+@pytest.mark.asyncio
 async def test_push_probe_fetch_round_trip(tier: RemoteTier, server: RedisServer) -> None:
     ks = chain(10)
     for i in (0, 1, 2, 3, 4, 7):  # a chain of 5, a gap, one more

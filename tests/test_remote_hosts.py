@@ -268,6 +268,28 @@ async def test_hosts_publish_stored_and_evicted_events_for_routers(server: Redis
 
 
 @pytest.mark.asyncio
+async def test_a_host_that_only_fetches_still_tells_routers_what_it_holds(server: RedisServer, model: Any) -> None:
+    """Found in review: a host with --remote-push none registered nothing with its store, so it published no events
+    and a router never sent it the prompts it held."""
+    from spilld.remote.keys import events_key
+
+    async with hosts(model, [server.url, "--remote-push", "none"]) as ((_a, ca),):
+        await connected(ca)
+        conv = random_tokens(2 * B + 1, seed=43)
+        assert (await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)).stored
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            with server.client() as r:
+                events = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(events_key(""))]
+                values = list(r.scan_iter(match="spilld:*:b:*"))
+            if events or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert [e["kind"] for e in events] == ["stored"] and len(events[0]["keys"].split(",")) == 2
+        assert values == [] and (await ca.status())["remote"]["pushed"] == 0  # and nothing pushed
+
+
+@pytest.mark.asyncio
 async def test_two_hosts_share_through_a_three_master_cluster(model: Any) -> None:
     from tests.redis_servers import redis_cluster
 

@@ -98,8 +98,7 @@ class RemoteLink:
         self._fetching = 0  # fetches and adopts under way (at most FILLS_AT_ONCE)
         self._filling: dict[tuple[str, str, str, bytes], asyncio.Future[bool]] = {}  # under way, by prompt
         self._adopting: dict[bytes, asyncio.Future[bool]] = {}  # under way, by the last block asked for
-        if push != "none":
-            store.listeners.append(self)
+        store.listeners.append(self)  # with push "none" too: its events still tell routers what it holds
 
     # --- push ---------------------------------------------------------------------------------------------
 

@@ -162,7 +162,7 @@ class RemoteTier:
         ``probe_timeout_s`` (a long prompt's chain gets a bound per batch, not one for all), until a batch finds
         one missing. On a failure, what the batches before it found; ``start`` when none found more."""
         found = start
-        failed = False
+        failed: Reason | None = None
         while found < len(keys):
             batch = keys[found : found + PROBE_BATCH_KEYS]
             r = await self._call(
@@ -170,15 +170,18 @@ class RemoteTier:
                 self.config.probe_timeout_s,
             )
             if isinstance(r, _Failed):
-                self.stats.misses[r.reason] += 1
-                failed = True
+                failed = r.reason
                 break
             found += (n := _leading_ones(r))
             if n < len(batch):
+                if isinstance(r[n], Exception):  # that key's command failed (an ACL, a cluster node): not absent
+                    failed = _reason_of(r[n])
                 break
         self.stats.probes += 1
         self.stats.probe_blocks_found += found - start
-        if found == start and not failed and keys:
+        if failed is not None:
+            self.stats.misses[failed] += 1
+        elif found == start and keys:
             self.stats.misses[Reason.ABSENT] += 1
         return found
 
