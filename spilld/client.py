@@ -429,8 +429,9 @@ class AsyncClient:
         self._commits.discard(commit)
         if outcome.done():
             return
-        if commit.cancelled() or commit.exception() is not None:  # unanswered: neither stored nor said not to be
+        if commit.cancelled() or commit.exception() is not None:  # unanswered: the connection went first
             err = P.ConnectionLost("commit cancelled") if commit.cancelled() else commit.exception()
+            self._not_stored += 1  # settled FAILED for its caller: not stored as far as anyone here knows
             outcome.set_result(Settled(Outcome.FAILED, error=err))
             return
         r = commit.result()

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spilld.queue")
 
+# How long close waits, past its timeout, for the writer it cancelled: a step stuck in a thread is left behind
+CLOSE_STOP_S = 1.0
+
 
 class Outcome(enum.Enum):
     STORED = "stored"  # durable: the file is on disk and indexed
@@ -123,7 +126,8 @@ def _durable(outcome: Outcome) -> bool:
 @dataclass
 class _Rec:
     item: SpillItem
-    future: asyncio.Future[Settled]
+    future: asyncio.Future[Settled]  # the caller's: it may cancel it
+    settled: asyncio.Future[Settled]  # the queue's own, which drain waits on: only _finish sets it
     released: bool = False
 
 
@@ -190,7 +194,7 @@ class SpillQueue:
         """Queue an item (ownership of its clones passes to the queue). Never raises for the item's sake."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Settled] = loop.create_future()
-        rec = _Rec(item, fut)
+        rec = _Rec(item, fut, loop.create_future())
         if self._closed:
             self._finish(rec, Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
             return fut
@@ -257,7 +261,10 @@ class SpillQueue:
                 value = await (item.barrier() if item.barrier is not None else self._store(item))
             except asyncio.CancelledError:
                 self._finish(rec, Settled(Outcome.CANCELLED))
-                raise
+                if (me := asyncio.current_task()) is not None and me.cancelling():
+                    raise  # close stops the writer
+                # else a cancel from inside the item (a barrier's action awaited a cancelled future): that item
+                # is cancelled, the writer goes on with the next
             except errors.Shed as exc:  # the store declined a droppable item (e.g. its write budget is spent)
                 self._finish(rec, Settled(Outcome.DROPPED, error=exc))
             except Exception as exc:
@@ -294,7 +301,8 @@ class SpillQueue:
             rec.item.caches = []
             rec.item.attachments = []
             rec.item.payload = None  # planned sources and received bytes go with the clones
-        if not rec.future.done():
+        rec.settled.set_result(result)
+        if not rec.future.done():  # (a caller that cancelled it gave up on the answer, not on the item)
             rec.future.set_result(result)
 
     def _count(self, outcome: Outcome) -> None:
@@ -312,13 +320,13 @@ class SpillQueue:
 
     async def drain(self, timeout: float | None = None) -> DrainReport:
         """Wait until everything enqueued before this call has settled (or ``timeout`` passes)."""
-        futs = [r.future for r in self._queue]
+        futs = [r.settled for r in self._queue]  # never the callers' futures, which a caller may cancel
         if self._in_flight is not None:
-            futs.append(self._in_flight.future)
+            futs.append(self._in_flight.settled)
         if futs:
             await asyncio.wait(futs, timeout=timeout)
         left = [f for f in futs if not f.done()]
-        lost = sum(1 for f in futs if f.done() and not f.cancelled() and not _durable(f.result().outcome))
+        lost = sum(1 for f in futs if f.done() and not _durable(f.result().outcome))
         return DrainReport(not left, self.pending_items, self.pending_bytes, lost)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
@@ -329,7 +337,11 @@ class SpillQueue:
         if self._worker is not None:
             if self._wakeup is not None:
                 self._wakeup.set()
-            if not report.done:
+            if report.done:
+                await asyncio.gather(self._worker, return_exceptions=True)
+            else:
                 self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
+                # a step stuck in a thread (a hung disk, an engine's lock held) cannot be stopped: it is left to end
+                # on its own (its item then settles cancelled), and close keeps to its timeout
+                await asyncio.wait([self._worker], timeout=CLOSE_STOP_S)
         return report

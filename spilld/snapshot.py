@@ -145,8 +145,12 @@ def threadsafe(
     """Run ``enqueue`` on ``loop`` from any thread; a concurrent future of its outcome."""
     out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
 
+    def settle(f: asyncio.Future[Settled]) -> None:
+        if out.set_running_or_notify_cancel():  # False: its caller cancelled it (the item goes on regardless)
+            out.set_result(f.result())
+
     def run() -> None:
-        enqueue().add_done_callback(lambda f: out.set_result(f.result()))
+        enqueue().add_done_callback(settle)
 
     if _running() is loop:
         run()

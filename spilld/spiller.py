@@ -250,7 +250,8 @@ class Spiller:
 
         def enqueue() -> asyncio.Future[Settled]:
             self.queue.cancel_where(lambda it: it.key == key)
-            return self.queue.enqueue(SpillItem(key=key, barrier=lambda: _now(self.store.remove_checkpoints, key)))
+            # the unlinks on a worker thread, as the daemon's barrier does: never on the engine's loop
+            return self.queue.enqueue(SpillItem(key=key, barrier=lambda: self.store.remove_checkpoints_async(key)))
 
         return self._submit(enqueue)
 
@@ -269,8 +270,3 @@ class Spiller:
 
     def stats(self) -> dict[str, Any]:
         return {"queue": self.queue.counters(), "store": self.store.stats()}
-
-
-async def _now(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run index work on the loop's thread (the store is not thread-safe), as an awaitable."""
-    return fn(*args)

@@ -246,3 +246,33 @@ async def test_a_steps_deadline_counts_from_when_it_begins_not_from_its_wait_for
     with pytest.raises(errors.StorageTimeout):
         await within(step(0.3, 5.0, slow), 0.2, "a step", begun=slow)
     assert 0.45 < time.monotonic() - t0 < 0.8  # 0.3 s to begin + 0.2 s; not a deadline from its last wait
+
+
+@pytest.mark.asyncio
+async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
+    """Found in review: a commit whose connection went (the daemon killed mid-write) settled FAILED for its caller
+    but was left out of not_stored, so the client's close reported everything stored."""
+    root = new_root()
+    cfg = Config(
+        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
+        block_tokens=0, warm_bytes=0, scrub_rate=0,
+    )  # fmt: skip
+    daemon = Daemon(cfg)
+    ops = HangingOps()
+    daemon.store.ops = ops
+    await daemon.start()
+    try:
+        c = await AsyncClient.open(cfg.socket, identity=IDENT)
+        ops.hanging.set()
+        fut = c.spill(list(range(64)), caches(64), droppable=False)
+        assert await asyncio.to_thread(ops.entered.wait, 30)  # shipped and committed; the daemon writes it
+        assert c._writer is not None
+        c._writer.transport.abort()  # the daemon's end goes (a crash, an OOM kill), while the client closes
+        report = await c.close(timeout=2)
+        settled = await fut
+        assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.ConnectionLost)
+        assert report.not_stored == 1, report
+    finally:
+        ops.release.set()
+        await daemon.stop()
+        cleanup(root)

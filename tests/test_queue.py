@@ -315,3 +315,63 @@ async def test_a_close_timeout_after_the_rename_never_leaves_an_unindexed_durabl
         assert files == [e.path for e in store.entries]
     else:
         assert settled.outcome is Outcome.CANCELLED and files == [] and store.entries == []
+
+
+async def test_a_caller_that_cancels_its_future_does_not_make_a_drain_say_done() -> None:
+    """Found in review: the queue handed out the future its drain waited on, and a cancelled future is done, so a
+    caller that gave up on the answer (a wait_for timeout) made drain and close report everything settled."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    futs = [q.enqueue(item("a")), q.enqueue(item("b"))]
+    await rec.started.wait()  # "a" in flight, held open; "b" queued
+    for f in futs:
+        f.cancel()
+    report = await q.drain(0.1)
+    assert not report.done and report.pending_items == 2
+    rec.gate.set()
+    report = await q.drain(5)
+    assert report.done and report.not_stored == 0 and rec.order == ["a", "b"]  # both stored: the items went on
+
+
+async def test_close_keeps_to_its_timeout_when_a_step_is_stuck_in_a_thread() -> None:
+    """Found in review: close cancelled the writer past its timeout and then waited for it without a bound, so a
+    step stuck in a thread (a hung disk; an engine's lock held by the caller of close) held close as long."""
+    import threading
+    import time
+
+    from spilld import queue as queue_module
+    from spilld.lease import off_loop
+
+    stuck = threading.Event()
+
+    async def store(_: SpillItem) -> None:
+        await off_loop(lambda: stuck.wait(30))
+
+    q = SpillQueue(1000, store, bytes_of=lambda it: 10)
+    fut = q.enqueue(item("a"))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    report = await q.close(0.1)
+    took = time.monotonic() - t0
+    stuck.set()
+    assert not report.done and took < 0.1 + queue_module.CLOSE_STOP_S + 1.0, took
+    assert (await fut).outcome is Outcome.CANCELLED  # once the thread came back
+
+
+async def test_a_cancel_inside_an_item_cancels_that_item_and_the_writer_goes_on() -> None:
+    """Found in review: a barrier whose action awaited a cancelled future ended the writer task; the spill queued
+    after it never ran, and a drain without a timeout waited for ever."""
+    rec = Recorder()
+    q = queue(rec)
+
+    async def action() -> None:
+        gone = asyncio.get_running_loop().create_future()
+        gone.cancel()
+        await gone
+
+    barrier = q.enqueue(SpillItem(key="b", barrier=action))
+    after = q.enqueue(item("after"))
+    assert (await barrier).outcome is Outcome.CANCELLED
+    assert (await asyncio.wait_for(after, 5)).outcome is Outcome.STORED
+    assert (await q.drain(5)).done

@@ -295,3 +295,67 @@ async def test_a_restore_does_no_file_io_on_the_engines_loop(tmp_path: Any, monk
     assert sp.stats()["store"]["quarantined"] == 1
     assert on_loop == [], on_loop
     await sp.close()
+
+
+class _UnlinkOnThread(spilld.fileio.FileOps):
+    """Records the thread of each unlink."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def unlink(self, path: str) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().unlink(path)
+
+
+class _PinsFileFails(spilld.fileio.FileOps):
+    def rename(self, src: str, dst: str) -> None:
+        if dst.endswith(".spilld-pins"):
+            raise OSError(5, "Input/output error")
+        super().rename(src, dst)
+
+
+@pytest.mark.asyncio
+async def test_finish_unlinks_off_the_loop_and_a_failed_pins_file_is_not_a_failed_spill(tmp_path: Any) -> None:
+    """Both found in review: finish removed a generation's checkpoints on the engine's loop thread (a slow disk
+    stalled it), and a pinned spill whose pins file could not be written was reported FAILED although its entry
+    was durable, indexed and served."""
+    from mlx_lm.models import cache as C
+
+    from spilld import format as fmt
+    from tests.caches import fill
+
+    ident = spilld.Identity("m", "cfg", "tok", "")
+    async with spilld.Spiller(str(tmp_path / "a"), identity=ident, block_tokens=0) as sp:
+        ops = _UnlinkOnThread()
+        sp.store.ops = ops
+        cp = fmt.GenerationCheckpoint("gen1", "", 60, 4, 4242, 7, True)
+        assert (await sp.checkpoint(list(range(64)), [fill(C.KVCache(), 64)], cp)).outcome is Outcome.STORED
+        assert (await sp.finish("gen1")).outcome is Outcome.STORED and await sp.resume("gen1") is None
+        assert ops.threads and threading.main_thread().name not in ops.threads
+    async with spilld.Spiller(str(tmp_path / "b"), identity=ident, block_tokens=0) as sp:
+        sp.store.ops = _PinsFileFails()
+        got = await sp.spill(list(range(64)), [fill(C.KVCache(), 64)], droppable=False, pin=True)
+        assert got.outcome is Outcome.STORED and len(sp.store.entries) == 1
+        assert isinstance(await sp.lookup([*range(64), 1]), spilld.Hit)
+
+
+@pytest.mark.asyncio
+async def test_a_threadsafe_spill_whose_caller_cancelled_its_future_logs_no_error(tmp_path: Any) -> None:
+    """Found in review: setting the result of a future its caller had cancelled raised in a loop callback."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    loop = asyncio.get_running_loop()
+    errors_seen: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, ctx: errors_seen.append(ctx))
+    try:
+        async with spilld.Spiller(str(tmp_path), identity=spilld.Identity("m"), block_tokens=0) as sp:
+            fut = await asyncio.to_thread(sp.spill_threadsafe, list(range(16)), [fill(C.KVCache(), 16)])
+            fut.cancel()
+            assert (await sp.drain(10)).done
+            await asyncio.sleep(0.05)
+        assert errors_seen == []
+    finally:
+        loop.set_exception_handler(None)

@@ -555,6 +555,8 @@ class Store:
         except asyncio.CancelledError:  # the entry is stored and indexed: say so (the unlinks still finish)
             if (task := asyncio.current_task()) is not None:
                 task.uncancel()
+        except (OSError, errors.StorageError) as exc:  # stored, indexed, pinned in memory: only the pins file failed
+            log.warning("the pins file could not be written (the pin holds until a restart): %s", exc)
         return result
 
     def _check_pinned(self, pinned: list[Block], path: str) -> None:
