@@ -32,9 +32,9 @@ from .api import Deadline, Hit
 from .assemble import beside
 from .bytecopy import copy_into
 from .codecs import CodecProvider, default_provider
-from .config import MAX_DURATION_S, default_socket
+from .config import DEFAULT_IO_TIMEOUT_S, MAX_DURATION_S, default_socket
 from .entries import Miss, MissReason, check_namespace
-from .lease import NoLease, RunStep, off_loop
+from .lease import NoLease, RunStep, off_loop, within
 from .loader import Loaded, load
 from .loopthread import LoopThread
 from .peer import refuse_foreign
@@ -55,6 +55,7 @@ CLOSE_REASON_WAIT_S = 1.0  # a failed write waits this long for the daemon's rea
 ANSWER_GRACE_S = 1.0  # a drain waits this long past its deadline for the daemon's answer to travel back
 ABORT_SEND_S = 1.0  # a spill that failed while shipping tells the daemon to drop it, if that takes no longer
 CLOSE_FLUSH_S = 1.0  # a closing connection's unsent bytes get this long to leave, then the socket is dropped
+POOL_MADE_WAIT_S = 2.0  # how long close waits for a segment pool still being made, to close it (else it is kept)
 DRAIN_FOREVER_S = 3600.0  # the daemon's drain timeout when the caller gave none
 # An engine waits on these two (its first request, and each prompt's lookup), so a hung daemon must cost it
 # little: a healthy one answers both in milliseconds.
@@ -107,6 +108,7 @@ class AsyncClient:
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
         self._not_stored = 0  # this client's items the daemon answered as not stored (dropped, cancelled, failed)
+        self._closed = False  # close has run: no call connects again
 
     @classmethod
     async def open(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
@@ -125,6 +127,8 @@ class AsyncClient:
     # --- connection ----------------------------------------------------------------------
 
     async def _ensure(self) -> None:
+        if self._closed:
+            raise P.ConnectionLost("this client is closed")
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing():
                 return
@@ -306,7 +310,11 @@ class AsyncClient:
             unanswered = await self._wait_commits(deadline.left())
             lost = local.not_stored + self._not_stored - before  # ours answered as not stored (before the close)
         finally:  # cancelled too: the shared-memory pool, the socket and the reader go
+            self._closed = True
+            made = self._pool_made
             self._drop_pool()
+            if made is not None and not made.done():  # its segments are closed once made: while this loop runs
+                await asyncio.wait([made], timeout=POOL_MADE_WAIT_S)
             await self._disconnect()
         return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes, lost)
 
@@ -537,7 +545,11 @@ class AsyncClient:
 
     async def _lookup(self, tokens: Sequence[int], namespace: str) -> tuple[Hit | Miss, dict[str, str]]:
         """The hit, and the files of its blocks the daemon named (key hex -> path; may be empty)."""
-        await self._ensure()  # its hello says how long a lookup may take
+        try:  # a connection another call is making (its hello bounded by CONNECT_TIMEOUT_S) is waited for so long only
+            async with asyncio.timeout(CONNECT_TIMEOUT_S if self._writer is None else LOOKUP_TIMEOUT_S):
+                await self._ensure()  # its hello says how long a lookup may take
+        except TimeoutError:
+            raise P.Timeout("lookup: no connection to the daemon within its bound") from None
         r = dict(
             await self.call(
                 "lookup",
@@ -578,15 +590,26 @@ class AsyncClient:
         # the daemon's index names the blocks (a folder of many files is not listed); any it did not: listed
         fallback = beside(path)
         resolve = (lambda key: named.get(key.hex()) or fallback(key)) if named else None
-        try:
-            loaded = await off_loop(
-                lambda: load(path, expect=ident, upto=matched, provider=self.provider, blocks_only=only, blocks=resolve)
+        try:  # a read a hung disk holds is left to its thread: the engine gets a miss at the deadline
+            loaded = await within(
+                off_loop(
+                    lambda: load(
+                        path, expect=ident, upto=matched, provider=self.provider, blocks_only=only, blocks=resolve
+                    )
+                ),
+                DEFAULT_IO_TIMEOUT_S,
+                "a restore's read",
             )
         except errors.FileFormatError as exc:
-            await self.call("report_bad", {"path": path, "code": exc.code, "file": exc.path or path})
+            try:  # the daemon moves the bad file aside; the engine's miss does not wait on that
+                await self.call(
+                    "report_bad", {"path": path, "code": exc.code, "file": exc.path or path}, timeout=LOOKUP_TIMEOUT_S
+                )
+            except errors.SpillError as why:
+                log.debug("a bad file's report was not answered: %s", why)
             return None
-        except errors.StorageError:
-            return None  # evicted between lookup and open
+        except errors.SpillError:
+            return None  # evicted between lookup and open, a read past the deadline, or a file this model cannot use
         try:  # the daemon's LRU and histogram: the restore is done and good, whatever becomes of this report
             params = {"path": path, "restore_s": time.perf_counter() - t0}
             await self.call("touch", params, timeout=min(self.timeout, LOOKUP_TIMEOUT_S))
@@ -699,6 +722,7 @@ class Client:
         self._lt, self._async = LoopThread.start_with(
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
+        self._closed: DrainReport | None = None  # close's report, once it ran
 
     def __enter__(self) -> Client:
         return self
@@ -707,7 +731,15 @@ class Client:
         self.close()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._lt.run(coro)
+        """Run on the client's loop thread; ``ConnectionLost`` once the client is closed (or closing), as the
+        asynchronous client says it."""
+        if self._closed is not None:
+            coro.close()
+            raise P.ConnectionLost("this client is closed")
+        try:
+            return self._lt.run(coro)
+        except concurrent.futures.CancelledError:
+            raise P.ConnectionLost("this client was closed while the call waited") from None
 
     def spill(
         self,
@@ -724,6 +756,10 @@ class Client:
         pin: bool = False,
     ) -> concurrent.futures.Future[Settled]:
         """Clone now, on the calling (engine's) thread; a future of the daemon's outcome."""
+        if self._closed is not None:  # as the asynchronous client's closed queue says it
+            done: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+            done.set_result(Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
+            return done
         return self._async.spill_threadsafe(
             tokens, caches, meta, namespace=namespace, key=key, droppable=droppable, attachments=attachments,
             checkpoint=checkpoint, live=live, pin=pin,
@@ -748,7 +784,15 @@ class Client:
         return self._run(self._async.status())
 
     def close(self, timeout: float | None = None) -> DrainReport:
+        """As ``AsyncClient.close``; then the loop thread ends. A second close gives the first one's report."""
+        if self._closed is not None:
+            return self._closed
         try:
-            return self._run(self._async.close(timeout))
+            self._closed = self._lt.run(self._async.close(timeout))
+        except concurrent.futures.CancelledError:
+            self._closed = DrainReport(False, 0, 0, 0)  # (a close from another thread won: it stopped the loop)
         finally:
+            if self._closed is None:
+                self._closed = DrainReport(False, 0, 0, 0)
             self._lt.stop()
+        return self._closed

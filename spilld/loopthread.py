@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import mlxthreads
 
@@ -30,16 +32,43 @@ class LoopThread:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()  # calls waited on from other threads
         self._thread = mlxthreads.start_thread(self.loop.run_forever, name, daemon=True)
         # A caller that exits without ``stop`` must not leave a thread that ran mlx work alive at interpreter
         # shutdown (mlx aborts the process: 'terminate called without an active exception').
         atexit.register(self.stop)
 
     def run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+        """Run ``coro`` on the loop and wait for it. ``concurrent.futures.CancelledError`` once ``stop`` has begun
+        (a call it would never run is not waited for), ``RuntimeError`` from the loop's own thread (a callback of a
+        future the loop settles: the call would wait for itself)."""
+        if threading.current_thread() is self._thread:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise RuntimeError(
+                "a blocking call from the client's own loop thread (a future's callback) would wait for itself"
+            )
+        with self._lock:
+            if self._stopping:
+                if asyncio.iscoroutine(coro):
+                    coro.close()
+                raise concurrent.futures.CancelledError("the loop thread is stopping")
+            fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut.result()
+
+    def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
 
     def stop(self) -> None:
-        """Cancel what still runs on the loop (letting it unwind), end the thread, close the loop."""
+        """Cancel what still runs on the loop (letting it unwind), end the thread, close the loop. A call another
+        thread waits on that the loop will never run is cancelled, never left waiting."""
+        with self._lock:
+            self._stopping = True
         if self.loop.is_closed():
             return
         atexit.unregister(self.stop)
@@ -49,8 +78,13 @@ class LoopThread:
                 unwound.result(STOP_TASKS_TIMEOUT_S + 1)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
-        with contextlib.suppress(RuntimeError):  # at interpreter exit no thread may be started for this
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        with self._lock:
+            left, self._pending = list(self._pending), set()
+        for fut in left:
+            fut.cancel()
+        # at interpreter exit no thread may be started for this; a worker stuck in a hung read is left behind
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            self.loop.run_until_complete(asyncio.wait_for(self.loop.shutdown_default_executor(), STOP_TASKS_TIMEOUT_S))
         self.loop.close()
 
     @classmethod

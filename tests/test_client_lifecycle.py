@@ -1,0 +1,116 @@
+"""A client's life from another thread's point of view: calls during and after close, calls from a future's
+callback, a second close, and the shared memory a closing client still owns. Against a real daemon subprocess.
+Each case was found in review (a call during close waited for ever; a callback's call froze the client; a closed
+asynchronous client connected again; a pool still being made at close stayed in /dev/shm)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from mlx_lm.models import cache as C
+
+import spilld
+from spilld import errors
+from spilld.client import AsyncClient, Client
+from spilld.queue import Outcome
+from tests.caches import fill
+from tests.daemons import Daemon, serving
+
+IDENT = spilld.Identity("lifecycle")
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    with serving("--cap", "64MiB") as d:
+        yield d
+
+
+def test_calls_from_other_threads_during_close_end_with_connection_lost(daemon: Daemon) -> None:
+    c = Client(daemon.socket, identity=IDENT, timeout=5.0)
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def caller() -> None:
+        while not stop.is_set():
+            try:
+                c.lookup([1, 2, 3])
+            except errors.ConnectionLost:
+                outcomes.append("lost")
+                return
+            except Exception as exc:  # anything else is a defect: recorded, then the thread ends
+                outcomes.append(repr(exc))
+                return
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    c.close(timeout=2)
+    for t in threads:
+        t.join(10)
+    stop.set()
+    assert not any(t.is_alive() for t in threads), "a call waited past close"
+    assert outcomes == ["lost"] * 3, outcomes
+
+
+def test_a_closed_client_says_so_the_same_way_every_time(daemon: Daemon) -> None:
+    with Client(daemon.socket, identity=IDENT) as c:
+        first = c.close(timeout=2)
+        assert c.close(timeout=2) == first  # a second close, and the with block's, give the first one's report
+        with pytest.raises(errors.ConnectionLost):
+            c.lookup([1, 2, 3])
+        settled = c.spill(list(range(8)), [fill(C.KVCache(), 8)]).result(5)
+        assert settled.outcome is Outcome.CANCELLED  # as a closed asynchronous client's queue says it
+
+
+def test_a_blocking_call_from_a_spill_futures_callback_is_refused_not_a_deadlock(daemon: Daemon) -> None:
+    with Client(daemon.socket, identity=IDENT, timeout=5.0) as c:
+        seen: list[BaseException | None] = []
+        done = threading.Event()
+
+        def callback(_: object) -> None:  # runs on the client's own loop thread
+            try:
+                c.lookup([1, 2, 3])
+                seen.append(None)
+            except BaseException as exc:
+                seen.append(exc)
+            done.set()
+
+        c.spill(list(range(8)), [fill(C.KVCache(), 8)]).add_done_callback(callback)
+        assert done.wait(10)
+        assert isinstance(seen[0], RuntimeError) and "own loop thread" in str(seen[0])
+        assert isinstance(c.lookup([1, 2, 3]), spilld.Miss)  # and the client goes on
+
+
+@pytest.mark.asyncio
+async def test_a_closed_async_client_never_connects_again(daemon: Daemon) -> None:
+    c = await AsyncClient.open(daemon.socket, identity=IDENT)
+    await c.close(timeout=2)
+    before = (await _status(daemon))["clients"]
+    with pytest.raises(errors.ConnectionLost):
+        await c.lookup([1, 2, 3])
+    assert (await _status(daemon))["clients"] == before
+
+
+async def _status(daemon: Daemon) -> dict[str, object]:
+    async with AsyncClient(daemon.socket, identity=IDENT) as other:
+        return await other.status()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_segment_pool_still_being_made_at_close_is_closed(daemon: Daemon) -> None:
+    before = set(os.listdir("/dev/shm"))
+    for _ in range(3):
+        c = Client(daemon.socket, identity=IDENT)
+        c.spill(list(range(8)), [fill(C.KVCache(), 8)])  # its first spill starts making the pool...
+        time.sleep(0.05)  # ...which takes a few hundred ms (its pages are reserved)
+        c.close(timeout=0)
+    deadline = time.monotonic() + 5
+    while (left := set(os.listdir("/dev/shm")) - before) and time.monotonic() < deadline:
+        asyncio.run(asyncio.sleep(0.05))
+    assert left == set()
