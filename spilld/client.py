@@ -38,15 +38,14 @@ from .lease import NoLease, RunStep, off_loop, within
 from .loader import Loaded, load
 from .loopthread import LoopThread
 from .peer import refuse_foreign
-from .queue import DrainReport, Outcome, Settled, SpillItem, SpillQueue
-from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes
+from .queue import DEFAULT_QUEUE_CAP, DrainReport, Outcome, Settled, SpillItem, SpillQueue
+from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes, token_list
 from .shm import ShmPool
 from .snapshot import item_bytes, new_item, on_loop, planned, snapshot_of, threadsafe
 
 log = logging.getLogger("spilld.client")
 T = TypeVar("T")
 
-DEFAULT_CLIENT_CAP = 1024**3
 MAX_INFLIGHT_COMMITS = 8  # items shipped and awaiting the daemon's durable answer
 BUSY_RETRIES = 50
 BUSY_BACKOFF_S = 0.05
@@ -73,7 +72,7 @@ class AsyncClient:
         identity: fmt.Identity,
         name: str = "",
         lease: RunStep | None = None,
-        queue_cap: int = DEFAULT_CLIENT_CAP,
+        queue_cap: int = DEFAULT_QUEUE_CAP,
         provider: CodecProvider | None = None,
         timeout: float = 30.0,
         grant_lease: bool = False,
@@ -556,7 +555,7 @@ class AsyncClient:
                 {
                     "identity": self.identity.to_wire() | {"namespace": check_namespace(namespace)},
                     "namespace": namespace,
-                    "tokens": fmt.encode_tokens(list(tokens)),
+                    "tokens": fmt.encode_tokens(token_list(tokens)),  # (ints that fit u32, else ValueError)
                     "codec_provider": self.provider.id,
                 },
                 timeout=self._lookup_timeout(),

@@ -28,6 +28,7 @@ log = logging.getLogger("spilld.queue")
 
 # How long close waits, past its timeout, for the writer it cancelled: a step stuck in a thread is left behind
 CLOSE_STOP_S = 1.0
+DEFAULT_QUEUE_CAP = 2 * 1024**3  # a caller's queue of spills not yet written (Spiller) or shipped (the clients)
 
 
 class Outcome(enum.Enum):

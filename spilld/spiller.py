@@ -25,14 +25,13 @@ from .entries import Hit, Miss, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .lockfile import FileLock
-from .queue import DrainReport, Settled, SpillItem, SpillQueue
-from .saver import Attachment, Staging
+from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue
+from .saver import Attachment, Staging, token_list
 from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
 from .store import Store
 
 log = logging.getLogger("spilld.spiller")
 
-DEFAULT_QUEUE_CAP = 2 * 1024**3
 # A Spiller opened while another scans the folder (holding its lock alone) waits this long for a shared hold
 SHARE_WAIT_S = 60.0
 SHARE_RETRY_S = 0.05
@@ -199,7 +198,7 @@ class Spiller:
 
     async def lookup(self, tokens: Sequence[int], namespace: str = "") -> api.Hit | Miss:
         """The longest usable prefix of ``tokens`` in the store (the file is not read)."""
-        found = await self.store.lookup_async(self.identity, check_namespace(namespace), tokens)
+        found = await self.store.lookup_async(self.identity, check_namespace(namespace), token_list(tokens))
         if isinstance(found, Miss):
             return found
         e = found.entry
@@ -208,7 +207,7 @@ class Spiller:
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the
         prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit)."""
-        hit = await self.store.lookup_async(self.identity, check_namespace(namespace), tokens)
+        hit = await self.store.lookup_async(self.identity, check_namespace(namespace), token_list(tokens))
         if isinstance(hit, Miss) or hit.matched <= longer_than:
             return None
         ident = dataclasses.replace(self.identity, namespace=namespace)

@@ -156,6 +156,33 @@ def test_the_three_ways_in_share_names_and_parameters() -> None:
         assert hasattr(cls, "open") and hasattr(cls, "__aenter__") and hasattr(cls, "spill_threadsafe")
     assert not inspect.iscoroutinefunction(Client.lookup) and hasattr(Client, "__enter__")
     assert not hasattr(Spiller, "restore") and not hasattr(AsyncClient, "connect")
+    # found in review: a Spiller queued 2 GiB before shedding, a client 1 GiB
+    caps = {inspect.signature(cls.__init__).parameters["queue_cap"].default for cls in (Spiller, AsyncClient)}
+    assert len(caps) == 1
+
+
+@pytest.mark.asyncio
+async def test_tokens_that_are_not_u32_ints_are_a_value_error_on_every_way_in(tmp_path: Any) -> None:
+    """Found in review: a Spiller's lookup cut 1.5 to 1 and answered a hit for a token never stored; the clients
+    raised a bare struct.error."""
+    from mlx_lm.models.cache import KVCache
+
+    from tests.caches import fill
+    from tests.daemons import serving
+
+    bad = ([1.5, 2.0, 3.0], [1, -2, 3], [1, 2**32, 3])
+    async with spilld.Spiller(tmp_path, identity=Identity(model_id="m"), block_tokens=0) as sp:
+        assert (await sp.spill([1, 2, 3, 4], [fill(KVCache(), 4)])).stored
+        for tokens in bad:
+            with pytest.raises(ValueError):
+                await sp.lookup(tokens)
+            with pytest.raises(ValueError):
+                await sp.load(tokens)
+    with serving("--cap", "64MiB") as d:
+        async with AsyncClient(d.socket, identity=Identity(model_id="m")) as c:
+            for tokens in bad:
+                with pytest.raises(ValueError):
+                    await c.lookup(tokens)
 
 
 @pytest.mark.asyncio
