@@ -13,6 +13,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+from spilld.config import Config
 
 
 @dataclass
@@ -109,3 +112,13 @@ def serving(*args: str) -> Iterator[Daemon]:
     finally:
         d.kill()
         cleanup(d.root)
+
+
+def quiet_config(root: str, **over: Any) -> Config:
+    """An in-process daemon's settings in ``root`` (its store and socket inside it): a 64 MiB cap, no disk cap, no
+    warm start, no scrub; ``over`` sets the rest (block_tokens, io_timeout, ...)."""
+    base: dict[str, Any] = {
+        "cap": 64 * 1024**2, "disk_cap": 2**40, "dir": os.path.join(root, "store"),
+        "socket": os.path.join(root, "run", "s.sock"), "warm_bytes": 0, "scrub_rate": 0,
+    }  # fmt: skip
+    return Config(**(base | over))

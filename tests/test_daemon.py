@@ -21,7 +21,7 @@ from spilld import mlxthreads
 from spilld import protocol as P
 from spilld.client import AsyncClient
 from spilld.lockfile import LOCK_NAME
-from tests.daemons import Daemon, cleanup, new_root, serving
+from tests.daemons import Daemon, cleanup, new_root, quiet_config, serving
 from tests.models import MODELS, next_logits, prefill, random_tokens, tiny_llama
 
 
@@ -573,15 +573,11 @@ async def test_received_bytes_are_written_in_batches_not_a_lease_call_a_tensor()
     lease calls than tensors, and the entry loads exactly."""
     from mlx_lm.models import cache as C
 
-    from spilld.config import Config
     from spilld.daemon import Daemon as InProcess
     from tests.caches import fill, live, same
 
     root = new_root()
-    cfg = Config(
-        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
-        block_tokens=16, warm_bytes=0, scrub_rate=0,
-    )  # fmt: skip
+    cfg = quiet_config(root, block_tokens=16)
     daemon = InProcess(cfg)
     inner, calls = daemon.lease, 0
 

@@ -24,13 +24,12 @@ import spilld
 from spilld import errors, fileio
 from spilld.blocks import BLOCK_EXT
 from spilld.client import AsyncClient
-from spilld.config import Config
 from spilld.daemon import Daemon
 from spilld.entries import Hit, MissReason
 from spilld.queue import Outcome
 from spilld.store import Store
 from tests.caches import fill, live, same
-from tests.daemons import cleanup, new_root
+from tests.daemons import cleanup, new_root, quiet_config
 
 IDENT = spilld.Identity("hung-disk", "cfg", "tok", "")
 DEADLINE_S = 0.5
@@ -63,10 +62,7 @@ def temp_files(root: str) -> list[str]:
 @pytest.mark.asyncio
 async def test_a_hung_write_fails_its_spill_while_lookups_and_status_keep_answering() -> None:
     root = new_root()
-    cfg = Config(
-        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
-        block_tokens=16, io_timeout=DEADLINE_S, warm_bytes=0, scrub_rate=0,
-    )  # fmt: skip
+    cfg = quiet_config(root, block_tokens=16, io_timeout=DEADLINE_S)
     daemon = Daemon(cfg)
     ops = HangingOps()
     daemon.store.ops = ops
@@ -253,10 +249,7 @@ async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
     """Found in review: a commit whose connection went (the daemon killed mid-write) settled FAILED for its caller
     but was left out of not_stored, so the client's close reported everything stored."""
     root = new_root()
-    cfg = Config(
-        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
-        block_tokens=0, warm_bytes=0, scrub_rate=0,
-    )  # fmt: skip
+    cfg = quiet_config(root, block_tokens=0)
     daemon = Daemon(cfg)
     ops = HangingOps()
     daemon.store.ops = ops

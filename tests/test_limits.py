@@ -40,7 +40,7 @@ from spilld.remote import tier as tier_module
 from spilld.remote.credentials import MAX_SECRET_FILE_BYTES
 from spilld.remote.link import RemoteLink
 from spilld.store import Store
-from tests.daemons import Daemon, cleanup, new_root, serving
+from tests.daemons import Daemon, cleanup, new_root, quiet_config, serving
 from tests.hostile_memory import AsyncWire, kv_header
 from tests.redis_servers import RedisServer, redis_server
 from tests.test_remote import FILL_IDENT, NS, chain, pushed_store, relaxed, secret_file, started
@@ -142,9 +142,9 @@ def test_a_client_that_got_every_answer_is_not_cut_off_for_requests_in_flight(da
     """A client keeps to the limit by counting requests sent and answers received. Here it has n in flight, gets
     all n answers, and sends one more at once, while other connections' requests end in the same loop turn. Found
     while writing these tests: the daemon counted a request until its task's done callback ran, a loop turn after
-    its answer, so it refused that request as the (n+1)th and closed (every run of 10; 5 tries here)."""
+    its answer, so it refused that request as the (n+1)th and closed (every run of 10; 2 tries here)."""
     n = P.MAX_INFLIGHT_REQUESTS
-    for _ in range(5):
+    for _ in range(2):
         w, others = connect(daemon), [connect(daemon) for _ in range(3)]
         with queue_held(daemon):
             drains(w, range(1, n + 1))
@@ -250,10 +250,7 @@ async def test_a_lookup_names_at_most_max_lookup_block_paths_block_files(monkeyp
     whole, one of 3 by its first 2, in chain order."""
     monkeypatch.setattr(server_module, "MAX_LOOKUP_BLOCK_PATHS", 2)
     root = new_root()
-    cfg = Config(
-        cap=64 * 1024**2, disk_cap=2**40, dir=os.path.join(root, "store"), socket=os.path.join(root, "run", "s.sock"),
-        block_tokens=fmt.MIN_BLOCK_TOKENS, warm_bytes=0, scrub_rate=0,
-    )  # fmt: skip
+    cfg = quiet_config(root, block_tokens=fmt.MIN_BLOCK_TOKENS)
     daemon = InProcessDaemon(cfg)
     await daemon.start()
     wire = None
