@@ -494,9 +494,8 @@ class Connection(asyncio.BufferedProtocol):
         if length <= 0:
             raise P.BadParams("empty put")
         index, offset = at
-        if 0 <= index < len(sp.slots):
-            sp.check_shm_length(index, offset, length)
         sp.claim(index, offset, length)  # before allocating: only bytes the spill declared (and was admitted for)
+        sp.check_shm_length(index, offset, length)
         buf = np.empty(length, np.uint8).data  # not zeroed: the copy fills every byte
         sp.chunks[index].append(buf)
         # releasing: no mlx runs in the daemon, but every hand-off to a pool goes through it (tests/test_mlxthreads.py)

@@ -6,12 +6,11 @@ nothing a client padded it with)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from .. import protocol as P
-from ..config import MAX_DURATION_S
+from ..config import MAX_DURATION_S, check_duration
 
 # The largest number of seconds a client may ask a wait to last (a drain's timeout, an eviction's age): the bound
 # of every duration spilld takes (a century; the CLI's too), which keeps the deadline arithmetic finite.
@@ -32,8 +31,14 @@ class Param:
                 raise P.BadParams(f"{method}: bad params: missing {name!r}")
             return
         if self.kind is float:
-            if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
-                raise P.BadParams(f"{method}: bad params: {name} must be a number of seconds from 0 to {MAX_SECONDS:g}")
+            try:  # the one duration rule spilld has (the CLI's and Config's too)
+                if type(value) not in (int, float):
+                    raise ValueError(name)
+                check_duration(value)
+            except ValueError:
+                raise P.BadParams(
+                    f"{method}: bad params: {name} must be a number of seconds from 0 to {MAX_SECONDS:g}"
+                ) from None
         elif self.kind is int:
             if type(value) is not int or value < 0:  # bool is an int subclass: not taken for one
                 raise P.BadParams(f"{method}: bad params: {name} must be an int >= 0")
