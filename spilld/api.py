@@ -10,6 +10,13 @@ names, same parameters, same typed results:
 - ``lookup(tokens, namespace)``: ``Hit | Miss``, without reading the file.
 - ``load(tokens, namespace, *, longer_than=0)``: the longest usable prefix as ``Loaded`` (cut to the match), or
   None (also when it holds no more than ``longer_than`` tokens: the engine has that much in memory).
+- ``barrier(key)``: a future that settles once every spill queued before it is settled (in process, ``Spiller``
+  also takes an ``action`` to run then).
+- ``checkpoint(tokens, caches, checkpoint)``, ``resume(key)``, ``finish(key)``: an in-flight generation's
+  checkpoints: a newer one cancels the older ones still queued; ``resume`` loads the latest durable one (None if
+  none); ``finish`` cancels the queued ones and deletes the stored ones (a future, its value how many).
+- ``cancel(namespace=, key=)``: queued items of a namespace and/or key dropped (not one being written); how many.
+- ``status()``: a dict with ``queue`` and ``store`` counters (the daemon's has much more).
 - ``drain(timeout)`` / ``close(timeout)``: a ``DrainReport``; ``timeout`` bounds the whole call.
 
 To start: ``await Spiller.open(folder, ...)`` / ``await AsyncClient.open(socket, ...)``, or ``async with``
@@ -70,6 +77,25 @@ class AsyncTier(Protocol):
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None: ...
 
+    def barrier(self, key: str = "") -> asyncio.Future[Settled]: ...
+
+    def checkpoint(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        checkpoint: GenerationCheckpoint,
+        *,
+        attachments: Sequence[Attachment] = (),
+    ) -> asyncio.Future[Settled]: ...
+
+    async def resume(self, key: str) -> Loaded | None: ...
+
+    def finish(self, key: str) -> asyncio.Future[Settled]: ...
+
+    async def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int: ...
+
+    async def status(self) -> dict[str, Any]: ...
+
     async def drain(self, timeout: float | None = None) -> DrainReport: ...
 
     async def close(self, timeout: float | None = None) -> DrainReport: ...
@@ -96,6 +122,25 @@ class SyncTier(Protocol):
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...
 
     def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None: ...
+
+    def barrier(self, key: str = "") -> concurrent.futures.Future[Settled]: ...
+
+    def checkpoint(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        checkpoint: GenerationCheckpoint,
+        *,
+        attachments: Sequence[Attachment] = (),
+    ) -> concurrent.futures.Future[Settled]: ...
+
+    def resume(self, key: str) -> Loaded | None: ...
+
+    def finish(self, key: str) -> concurrent.futures.Future[Settled]: ...
+
+    def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
 
     def drain(self, timeout: float | None = None) -> DrainReport: ...
 

@@ -33,12 +33,12 @@ from .assemble import beside
 from .bytecopy import copy_into
 from .codecs import CodecProvider, default_provider
 from .config import DEFAULT_IO_TIMEOUT_S, MAX_DURATION_S, default_socket
-from .entries import Miss, MissReason, check_namespace
+from .entries import Miss, MissReason, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop, within
 from .loader import Loaded, load
 from .loopthread import LoopThread
 from .peer import refuse_foreign
-from .queue import DEFAULT_QUEUE_CAP, DrainReport, Outcome, Settled, SpillItem, SpillQueue
+from .queue import DEFAULT_QUEUE_CAP, DrainReport, Outcome, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes, token_list
 from .shm import ShmPool
 from .snapshot import item_bytes, new_item, on_loop, planned, snapshot_of, threadsafe
@@ -374,13 +374,7 @@ class AsyncClient:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""
         outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
         snapshot_of(item).outcome = outcome
-
-        def shipped(f: asyncio.Future[Settled]) -> None:
-            s = f.result()  # once shipped, the daemon's answer to the commit settles ``outcome``
-            if s.outcome is not Outcome.SHIPPED and not outcome.done():
-                outcome.set_result(s)
-
-        self.queue.enqueue(item).add_done_callback(shipped)
+        self.queue.enqueue(item).add_done_callback(lambda f: _unless_shipped(f, outcome))
         return outcome
 
     def _bound(self) -> asyncio.AbstractEventLoop:
@@ -544,31 +538,23 @@ class AsyncClient:
 
     async def _lookup(self, tokens: Sequence[int], namespace: str) -> tuple[Hit | Miss, dict[str, str]]:
         """The hit, and the files of its blocks the daemon named (key hex -> path; may be empty)."""
-        try:  # a connection another call is making (its hello bounded by CONNECT_TIMEOUT_S) is waited for so long only
+        await self._connected_within()
+        params = {
+            "identity": self.identity.to_wire() | {"namespace": check_namespace(namespace)},
+            "namespace": namespace,
+            "tokens": fmt.encode_tokens(token_list(tokens)),  # (ints that fit u32, else ValueError)
+            "codec_provider": self.provider.id,
+        }
+        return _hit_of(dict(await self.call("lookup", params, timeout=self._lookup_timeout())))
+
+    async def _connected_within(self) -> None:
+        """Connect if need be: a connection another call is making (its hello bounded by CONNECT_TIMEOUT_S) is
+        waited for so long only; the hello says how long a lookup may take."""
+        try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S if self._writer is None else LOOKUP_TIMEOUT_S):
-                await self._ensure()  # its hello says how long a lookup may take
+                await self._ensure()
         except TimeoutError:
             raise P.Timeout("lookup: no connection to the daemon within its bound") from None
-        r = dict(
-            await self.call(
-                "lookup",
-                {
-                    "identity": self.identity.to_wire() | {"namespace": check_namespace(namespace)},
-                    "namespace": namespace,
-                    "tokens": fmt.encode_tokens(token_list(tokens)),  # (ints that fit u32, else ValueError)
-                    "codec_provider": self.provider.id,
-                },
-                timeout=self._lookup_timeout(),
-            )
-        )
-        if not r["hit"]:
-            return Miss(MissReason(str(r["reason"]))), {}
-        hit = Hit(
-            str(r["path"]), int(r["matched"]), int(r["tokens"]), bool(r["trimmable"]), r.get("blocks_only") is True
-        )
-        named = r.get("blocks")
-        paths = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
-        return hit, {os.path.basename(p).split("-", 1)[0]: p for p in paths}
 
     def _lookup_timeout(self) -> float:
         """A lookup is an index probe, answered in milliseconds, unless the daemon fills it from a shared tier first
@@ -584,7 +570,10 @@ class AsyncClient:
         found, named = await self._lookup(tokens, namespace)
         if isinstance(found, Miss) or found.matched <= longer_than:
             return None
-        ident = dataclasses.replace(self.identity, namespace=namespace)
+        return await self._restore(found, named, dataclasses.replace(self.identity, namespace=namespace), t0)
+
+    async def _restore(self, found: Hit, named: dict[str, str], ident: fmt.Identity, t0: float) -> Loaded | None:
+        """Read a hit's files here (the daemon told where), cut to its match; a bad file is reported, a miss."""
         path, matched, only = found.path, found.matched, found.blocks_only
         # the daemon's index names the blocks (a folder of many files is not listed); any it did not: listed
         fallback = beside(path)
@@ -616,15 +605,75 @@ class AsyncClient:
             log.debug("a restore's touch was not answered: %s", exc)
         return loaded
 
-    async def barrier(self, key: str, *, delete_checkpoints: bool = False) -> dict[str, Any]:
-        """Wait until every spill queued before this is settled (ours locally, then the daemon's)."""
-        await self.queue.drain()
-        return dict(await self.call("barrier", {"key": key, "delete_checkpoints": delete_checkpoints}, timeout=None))
+    def barrier(self, key: str = "") -> asyncio.Future[Settled]:
+        """A future that settles once every spill queued before it is settled (shipped here, then at the daemon)."""
+        return on_loop(self._bound(), lambda: self._enqueue_barrier(key, delete_checkpoints=False))
+
+    def _enqueue_barrier(self, key: str, *, delete_checkpoints: bool) -> asyncio.Future[Settled]:
+        """Queue a barrier locally; once it is its turn, it is sent (the daemon orders it after our commits), and
+        the daemon's answer settles the returned future, as a commit's answer settles a spill's."""
+        outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
+
+        async def send() -> None:
+            await self._ensure()
+            answer = await self._start_call("barrier", {"key": key, "delete_checkpoints": delete_checkpoints})
+            self._commits.add(answer)  # a drain and a close wait for it as for a commit
+            answer.add_done_callback(lambda f: self._settle_barrier(f, outcome))
+
+        self.queue.enqueue(SpillItem(key=key, barrier=send)).add_done_callback(lambda f: _unless_shipped(f, outcome))
+        return outcome
+
+    def _settle_barrier(self, answer: asyncio.Future[Any], outcome: asyncio.Future[Settled]) -> None:
+        self._commits.discard(answer)
+        if outcome.done():
+            return
+        if answer.cancelled() or answer.exception() is not None:
+            err = P.ConnectionLost("barrier cancelled") if answer.cancelled() else answer.exception()
+            outcome.set_result(Settled(Outcome.FAILED, error=err))
+            return
+        r = answer.result()
+        try:
+            settled = Settled(Outcome(r["outcome"]), value=int(r["deleted"]))
+        except (KeyError, TypeError, ValueError):
+            settled = Settled(Outcome.FAILED, error=errors.ProtocolError(f"a barrier's answer is malformed: {r!r}"))
+        outcome.set_result(settled)
+
+    def checkpoint(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        checkpoint: fmt.GenerationCheckpoint,
+        *,
+        attachments: Sequence[Attachment] = (),
+    ) -> asyncio.Future[Settled]:
+        """Checkpoint an in-flight generation (a ``spill`` with ``checkpoint``): it cancels the older checkpoints
+        of the same key still queued (here and at the daemon), and is found by ``resume(key)``, never by a lookup."""
+        return self.spill(tokens, caches, attachments=attachments, checkpoint=checkpoint)
+
+    async def resume(self, key: str) -> Loaded | None:
+        """Load the latest durable checkpoint of generation ``key``, or None."""
+        t0 = time.perf_counter()
+        await self._connected_within()
+        params = {"identity": self.identity.to_wire(), "key": key, "codec_provider": self.provider.id}
+        found, named = _hit_of(dict(await self.call("resume", params, timeout=self._lookup_timeout())))
+        if isinstance(found, Miss):
+            return None
+        ident = dataclasses.replace(self.identity, namespace=checkpoint_namespace(key))
+        return await self._restore(found, named, ident, t0)
+
+    def finish(self, key: str) -> asyncio.Future[Settled]:
+        """The generation is done: its queued checkpoints are cancelled (here and at the daemon), then its stored
+        ones deleted once the spills queued before this are settled; the ``Settled``'s value is how many."""
+
+        def enqueue() -> asyncio.Future[Settled]:
+            self.queue.cancel_where(of_generation(key))
+            return self._enqueue_barrier(key, delete_checkpoints=True)
+
+        return on_loop(self._bound(), enqueue)
 
     async def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int:
-        local = self.queue.cancel_where(
-            lambda it: (namespace is None or it.namespace == namespace) and (key is None or it.key == key)
-        )
+        """Cancel the queued items (here and at the daemon; not one being written) of ``namespace`` and of ``key``."""
+        local = self.queue.cancel_where(matching(namespace, key))
         params = {k: v for k, v in (("namespace", namespace), ("key", key)) if v is not None}
         remote = await self.call("cancel", params)
         return local + int(remote["cancelled"])
@@ -653,6 +702,30 @@ class AsyncClient:
 
     async def status(self) -> dict[str, Any]:
         return dict(await self.call("status"))
+
+
+def _refused() -> concurrent.futures.Future[Settled]:
+    """What a closed ``Client`` answers a spill with, as the asynchronous client's closed queue says it."""
+    done: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+    done.set_result(Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
+    return done
+
+
+def _hit_of(r: dict[str, Any]) -> tuple[Hit | Miss, dict[str, str]]:
+    """A ``lookup`` or ``resume`` answer: the hit and the files of its blocks the daemon named (key hex -> path)."""
+    if not r["hit"]:
+        return Miss(MissReason(str(r["reason"]))), {}
+    hit = Hit(str(r["path"]), int(r["matched"]), int(r["tokens"]), bool(r["trimmable"]), r.get("blocks_only") is True)
+    named = r.get("blocks")
+    paths = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
+    return hit, {os.path.basename(p).split("-", 1)[0]: p for p in paths}
+
+
+def _unless_shipped(local: asyncio.Future[Settled], outcome: asyncio.Future[Settled]) -> None:
+    """A local item's end settles the caller's future, unless it was shipped: then the daemon's answer will."""
+    s = local.result()
+    if s.outcome is not Outcome.SHIPPED and not outcome.done():
+        outcome.set_result(s)
 
 
 def _drop(fut: asyncio.Future[Any]) -> None:
@@ -755,14 +828,16 @@ class Client:
         pin: bool = False,
     ) -> concurrent.futures.Future[Settled]:
         """Clone now, on the calling (engine's) thread; a future of the daemon's outcome."""
-        if self._closed is not None:  # as the asynchronous client's closed queue says it
-            done: concurrent.futures.Future[Settled] = concurrent.futures.Future()
-            done.set_result(Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
-            return done
+        if self._closed is not None:
+            return _refused()
         return self._async.spill_threadsafe(
             tokens, caches, meta, namespace=namespace, key=key, droppable=droppable, attachments=attachments,
             checkpoint=checkpoint, live=live, pin=pin,
         )  # fmt: skip
+
+    def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> concurrent.futures.Future[Settled]:
+        """Queue on the client's loop (``enqueue`` runs there) from any thread: a future of the outcome."""
+        return _refused() if self._closed is not None else threadsafe(self._lt.loop, enqueue)
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
         return self._run(self._async.lookup(tokens, namespace))
@@ -770,8 +845,24 @@ class Client:
     def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         return self._run(self._async.load(tokens, namespace, longer_than=longer_than))
 
-    def barrier(self, key: str, *, delete_checkpoints: bool = False) -> dict[str, Any]:
-        return self._run(self._async.barrier(key, delete_checkpoints=delete_checkpoints))
+    def barrier(self, key: str = "") -> concurrent.futures.Future[Settled]:
+        return self._submit(lambda: self._async.barrier(key))
+
+    def checkpoint(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        checkpoint: fmt.GenerationCheckpoint,
+        *,
+        attachments: Sequence[Attachment] = (),
+    ) -> concurrent.futures.Future[Settled]:
+        return self.spill(tokens, caches, attachments=attachments, checkpoint=checkpoint)
+
+    def resume(self, key: str) -> Loaded | None:
+        return self._run(self._async.resume(key))
+
+    def finish(self, key: str) -> concurrent.futures.Future[Settled]:
+        return self._submit(lambda: self._async.finish(key))
 
     def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int:
         return self._run(self._async.cancel(namespace=namespace, key=key))

@@ -17,14 +17,19 @@ T = TypeVar("T")
 STOP_TASKS_TIMEOUT_S = 5.0  # how long ``stop`` lets cancelled tasks unwind before closing the loop
 
 
-async def _cancel_the_rest(timeout: float) -> None:
-    """Cancel every other task on this loop and let them unwind (no 'Task was destroyed' at close)."""
+async def _wind_down(timeout: float) -> None:
+    """Cancel every other task on this loop and let them unwind (no 'Task was destroyed' at close), then let the
+    default executor's threads end; each wait at most ``timeout``. Run on the loop's own thread: the caller's may run
+    a loop of its own, where this one cannot run."""
     me = asyncio.current_task()
     tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
     for t in tasks:
         t.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+    # at interpreter exit no thread may be started for this; a worker stuck in a hung read is left behind
+    with contextlib.suppress(RuntimeError, TimeoutError):
+        await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), timeout)
 
 
 class LoopThread:
@@ -73,18 +78,15 @@ class LoopThread:
             return
         atexit.unregister(self.stop)
         if self._thread.is_alive():
-            unwound = asyncio.run_coroutine_threadsafe(_cancel_the_rest(STOP_TASKS_TIMEOUT_S), self.loop)
+            unwound = asyncio.run_coroutine_threadsafe(_wind_down(STOP_TASKS_TIMEOUT_S), self.loop)
             with contextlib.suppress(Exception):
-                unwound.result(STOP_TASKS_TIMEOUT_S + 1)
+                unwound.result(2 * STOP_TASKS_TIMEOUT_S + 1)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
         with self._lock:
             left, self._pending = list(self._pending), set()
         for fut in left:
             fut.cancel()
-        # at interpreter exit no thread may be started for this; a worker stuck in a hung read is left behind
-        with contextlib.suppress(RuntimeError, TimeoutError):
-            self.loop.run_until_complete(asyncio.wait_for(self.loop.shutdown_default_executor(), STOP_TASKS_TIMEOUT_S))
         self.loop.close()
 
     @classmethod

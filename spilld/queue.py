@@ -2,7 +2,8 @@
 
 One store runs at a time, in enqueue order, so a barrier runs after everything
 queued before it. A soft byte cap sheds the oldest droppable items that are not
-in flight. Every enqueue returns a future that never raises: it settles with an
+in flight. A generation's checkpoint makes the older ones of that generation still
+queued moot: they are cancelled as it is queued. Every enqueue returns a future that never raises: it settles with an
 ``Outcome`` once the item is stored, dropped, cancelled or failed. Clones are
 released exactly once on every path, and a release that raises is isolated to
 its item.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import errors
+from .entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 
 if TYPE_CHECKING:
     from .codecs import CodecProvider
@@ -71,6 +73,23 @@ class SpillItem:
     @property
     def is_barrier(self) -> bool:
         return self.barrier is not None
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.namespace.startswith(CHECKPOINT_NS_PREFIX)
+
+
+def matching(namespace: str | None = None, key: str | None = None) -> Callable[[SpillItem], bool]:
+    """Items of ``namespace`` and of ``key`` (None: any): what a ``cancel`` call names; one of them at least."""
+    if namespace is None and key is None:
+        raise ValueError("cancel needs a namespace or a key")
+    return lambda it: (namespace is None or it.namespace == namespace) and (key is None or it.key == key)
+
+
+def of_generation(key: str) -> Callable[[SpillItem], bool]:
+    """A generation's queued work, moot once it is finished: its checkpoints, and spills given its key."""
+    ns = checkpoint_namespace(key)
+    return lambda it: it.namespace == ns or (key != "" and it.key == key)
 
 
 def held_bytes(caches: Sequence[Any], attachments: Sequence[Any] = (), provider: CodecProvider | None = None) -> int:
@@ -202,6 +221,8 @@ class SpillQueue:
         item.seq = next(self._seq)
         if item.is_barrier:
             item.droppable = False
+        elif item.is_checkpoint:  # the generation has moved on: its older checkpoints still queued are moot
+            self.cancel_where(lambda it: it.namespace == item.namespace)
         try:
             item.nbytes = self._bytes_of(item)
         except Exception as exc:  # an item we cannot even size fails alone

@@ -25,7 +25,7 @@ from .entries import Hit, Miss, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .lockfile import FileLock
-from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue
+from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import Attachment, Staging, token_list
 from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
 from .store import Store
@@ -177,14 +177,22 @@ class Spiller:
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
         return threadsafe(self._bound(), lambda: self.queue.enqueue(item))
 
-    def barrier(self, key: str, action: Callable[[], Any]) -> asyncio.Future[Settled]:
-        """Run ``action`` after every write queued before it (e.g. delete a finished generation's checkpoint)."""
+    def barrier(self, key: str = "", *, action: Callable[[], Any] | None = None) -> asyncio.Future[Settled]:
+        """A future that settles once every item queued before it has settled.
+
+        In process, ``action`` (a function, or one that returns an awaitable) runs then, on the loop; its result is
+        the ``Settled``'s value (e.g. delete something only once the writes before it are done).
+        """
 
         async def run() -> Any:
-            result = action()
+            result = action() if action is not None else None
             return await result if isinstance(result, Awaitable) else result
 
         return self._submit(lambda: self.queue.enqueue(SpillItem(key=key, barrier=run)))
+
+    async def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int:
+        """Cancel the queued items (not the one being written) of ``namespace`` and of ``key``; how many went."""
+        return self.queue.cancel_where(matching(namespace, key))
 
     def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -227,14 +235,9 @@ class Spiller:
         *,
         attachments: Sequence[Attachment] = (),
     ) -> asyncio.Future[Settled]:
-        """Checkpoint an in-flight generation; a newer one for the same key cancels older queued ones."""
-
-        def enqueue() -> asyncio.Future[Settled]:
-            self.queue.cancel_where(lambda it: it.key == checkpoint.key)
-            return self.queue.enqueue(item)
-
-        item = new_item(self.identity, self.provider, tokens, caches, attachments=attachments, checkpoint=checkpoint)
-        return self._submit(enqueue)
+        """Checkpoint an in-flight generation (a ``spill`` with ``checkpoint``): it cancels the older checkpoints
+        of the same key still queued, and is found by ``resume(key)``, never by a lookup."""
+        return self.spill(tokens, caches, attachments=attachments, checkpoint=checkpoint)
 
     async def resume(self, key: str) -> Loaded | None:
         """Load the latest durable checkpoint of a generation, or None."""
@@ -245,10 +248,11 @@ class Spiller:
         return await self._restore(Hit(e, e.ntokens), ident)
 
     def finish(self, key: str) -> asyncio.Future[Settled]:
-        """The generation is done: drop its queued checkpoints, then delete the stored ones after in-flight writes."""
+        """The generation is done: its queued checkpoints are cancelled, then its stored ones deleted once the writes
+        queued before this are settled; the ``Settled``'s value is how many were deleted."""
 
         def enqueue() -> asyncio.Future[Settled]:
-            self.queue.cancel_where(lambda it: it.key == key)
+            self.queue.cancel_where(of_generation(key))
             # the unlinks on a worker thread, as the daemon's barrier does: never on the engine's loop
             return self.queue.enqueue(SpillItem(key=key, barrier=lambda: self.store.remove_checkpoints_async(key)))
 
@@ -267,5 +271,10 @@ class Spiller:
         finally:
             self.store.close()
 
+    async def status(self) -> dict[str, Any]:
+        """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""
+        return self.stats()
+
     def stats(self) -> dict[str, Any]:
+        """``status``, synchronously (in process only)."""
         return {"queue": self.queue.counters(), "store": self.store.stats()}

@@ -147,10 +147,32 @@ def test_the_three_ways_in_share_names_and_parameters() -> None:
     from spilld.client import Client
     from spilld.spiller import Spiller
 
-    for name in ("spill", "lookup", "load", "drain", "close"):
+    names = (
+        "spill",
+        "lookup",
+        "load",
+        "barrier",
+        "checkpoint",
+        "resume",
+        "finish",
+        "cancel",
+        "status",
+        "drain",
+        "close",
+    )
+    for name in names:
         sigs = [inspect.signature(getattr(cls, name)) for cls in (Spiller, AsyncClient, Client)]
-        params = [[p for p in s.parameters if p != "clone"] for s in sigs]  # Spiller may also hand over as is
+        params = [[p for p in s.parameters if p != "action"] for s in sigs]  # in process, a barrier may run code
         assert params[0] == params[1] == params[2], name
+        defaults = [[p.default for p in s.parameters.values() if p.name != "action"] for s in sigs]
+        assert defaults[0] == defaults[1] == defaults[2], name
+    for name in ("lookup", "load", "resume", "cancel", "status"):  # awaited on both asyncio ways in; the rest not
+        assert inspect.iscoroutinefunction(getattr(Spiller, name)) and inspect.iscoroutinefunction(
+            getattr(AsyncClient, name)
+        ), name
+    for name in ("spill", "barrier", "checkpoint", "finish"):  # queued at once: a future of the outcome
+        assert not any(inspect.iscoroutinefunction(getattr(cls, name)) for cls in (Spiller, AsyncClient)), name
+    assert not any(inspect.iscoroutinefunction(getattr(Client, name)) for name in names)
     for cls in (Spiller, AsyncClient):
         assert inspect.iscoroutinefunction(cls.lookup) and inspect.iscoroutinefunction(cls.load)
         assert hasattr(cls, "open") and hasattr(cls, "__aenter__") and hasattr(cls, "spill_threadsafe")
@@ -183,6 +205,57 @@ async def test_tokens_that_are_not_u32_ints_are_a_value_error_on_every_way_in(tm
             for tokens in bad:
                 with pytest.raises(ValueError):
                     await c.lookup(tokens)
+
+
+@pytest.mark.asyncio
+async def test_a_generation_checkpoint_resumes_through_each_way_in_alike(tmp_path: Any) -> None:
+    """Found in review: a client could store a checkpoint but never resume it (only a Spiller had ``resume`` and
+    ``finish``), and ``barrier`` took other arguments and gave another result on each way in."""
+    import mlx.core as mx
+
+    from spilld.client import Client
+    from tests.daemons import serving
+    from tests.models import next_logits, prefill, random_tokens, tiny_llama
+
+    model = tiny_llama()
+    ident = spilld.model_identity(model, model_id="tiny-llama")
+    prompt = random_tokens(40, seed=5)
+    cache, _ = prefill(model, prompt)
+    live = next_logits(model, prefill(model, prompt)[0], 7)  # the engine's next step (its own cache: this one stays)
+    ck = spilld.GenerationCheckpoint("req-1", "", 40, 0, 7, 11, True)
+    older = spilld.GenerationCheckpoint("req-1", "", 40, 0, 3, 11, True)
+
+    async def generation(way: Any) -> list[Any]:
+        """What one way in answers; every await is the daemon's or the store's, the rest is queued at once."""
+        first = way.checkpoint(prompt, cache, older)  # still queued when the newer one comes: cancelled
+        second = way.checkpoint(prompt, cache, ck)
+        seen = [(await first).outcome, (await second).outcome, (await way.barrier("req-1")).outcome]
+        assert isinstance(await way.lookup([*prompt, 1]), spilld.Miss)  # a checkpoint is no prefix for lookups
+        got = await way.resume("req-1")
+        assert got is not None and got.checkpoint == ck and got.tokens == prompt
+        assert mx.array_equal(next_logits(model, got.caches, 7), live).item()
+        seen += [await way.resume("another") is None, (await way.finish("req-1")).value]
+        seen += [await way.resume("req-1") is None]
+        queued = way.checkpoint(prompt, cache, ck)  # queued, then its generation is finished at once
+        ended = way.finish("req-1")
+        seen += [(await queued).outcome, (await ended).value, await way.cancel(key="nothing")]
+        return seen
+
+    async with spilld.Spiller(tmp_path / "own", identity=ident) as sp:
+        want = await generation(sp)
+        assert set(await sp.status()) == {"queue", "store"}
+    C = spilld.Outcome
+    assert want == [C.CANCELLED, C.STORED, C.STORED, True, 1, True, C.CANCELLED, 0, 0]
+    with serving("--cap", "64MiB") as d:
+        async with AsyncClient(d.socket, identity=ident) as c:
+            assert await generation(c) == want
+            assert {"queue", "store"} <= set(await c.status())
+        with Client(d.socket, identity=ident) as sync:
+            assert sync.checkpoint(prompt, cache, ck).result(timeout=30).stored
+            got = sync.resume("req-1")
+            assert got is not None and mx.array_equal(next_logits(model, got.caches, 7), live).item()
+            assert sync.barrier().result(timeout=30).stored
+            assert sync.finish("req-1").result(timeout=30).value == 1 and sync.resume("req-1") is None
 
 
 @pytest.mark.asyncio

@@ -66,6 +66,27 @@ def test_a_closed_client_says_so_the_same_way_every_time(daemon: Daemon) -> None
             c.lookup([1, 2, 3])
         settled = c.spill(list(range(8)), [fill(C.KVCache(), 8)]).result(5)
         assert settled.outcome is Outcome.CANCELLED  # as a closed asynchronous client's queue says it
+        ck = spilld.GenerationCheckpoint("g", "", 8, 0, None, 0, False)
+        for queued in (c.barrier(), c.finish("g"), c.checkpoint(list(range(8)), [fill(C.KVCache(), 8)], ck)):
+            assert queued.result(5).outcome is Outcome.CANCELLED
+        with pytest.raises(errors.ConnectionLost):
+            c.resume("g")
+
+
+@pytest.mark.asyncio
+async def test_a_client_closed_on_a_thread_that_runs_a_loop_of_its_own_winds_down_cleanly(daemon: Daemon) -> None:
+    """Found in review: close ran its loop's last step (the executor's shutdown) on the caller's thread, which could
+    not run it under the caller's own loop: a coroutine never awaited, the workers never joined."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        c = Client(daemon.socket, identity=IDENT)
+        c.lookup([1, 2, 3])
+        c.close(timeout=2)
+        gc.collect()
+    assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
 
 
 def test_a_blocking_call_from_a_spill_futures_callback_is_refused_not_a_deadlock(daemon: Daemon) -> None:

@@ -103,9 +103,10 @@ async def test_a_barrier_after_a_spill_over_shared_memory_settles_after_it() -> 
                     seed=0, seed_was_explicit=False,
                 )  # fmt: skip
                 fut = cl.spill(list(range(8192)), [c], checkpoint=ck, droppable=False)
-                b = await cl.barrier(key, delete_checkpoints=True)
+                b = await cl.barrier(key)
                 assert fut.done(), f"round {r}: the barrier settled before the spill sent ahead of it"
-                assert (await fut).stored and b["deleted"] == 1 and b["outcome"] == "stored"
+                assert (await fut).stored and b.stored
+                assert (await cl.finish(key)).value == 1  # the checkpoint it stored, deleted
     finally:
         d.kill()
         cleanup(d.root)

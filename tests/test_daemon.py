@@ -299,7 +299,7 @@ def test_sync_client_from_an_engine_thread(daemon: Daemon) -> None:
         got = client.load([*prompt, 3])
         assert got is not None and mx.array_equal(next_logits(model, got.caches, 3), want).item()
         assert client.drain(timeout=10).done
-        assert client.barrier("k")["outcome"] == "stored"
+        assert client.barrier("k").result(timeout=30).stored
         assert client.cancel(key="nothing") == 0
     finally:
         client.close()

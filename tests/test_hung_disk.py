@@ -269,3 +269,38 @@ async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
         ops.release.set()
         await daemon.stop()
         cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_the_daemon_cancels_a_generations_queued_checkpoints_for_a_newer_one_and_for_its_finish() -> None:
+    """While the daemon's writer is held by a hung write, the client's checkpoints wait in the daemon's queue, past
+    the client's own: there, as in a Spiller's queue, a newer checkpoint cancels the older one and ``finish`` the
+    rest (neither is written only to be deleted)."""
+    root = new_root()
+    cfg = quiet_config(root, block_tokens=0)
+    daemon = Daemon(cfg)
+    ops = HangingOps()
+    daemon.store.ops = ops
+    await daemon.start()
+    try:
+        async with AsyncClient(cfg.socket, identity=IDENT, shm=False) as c:
+            ops.hanging.set()
+            blocker = c.spill(list(range(64)), caches(64), droppable=False)
+            assert await asyncio.to_thread(ops.entered.wait, 30)  # the daemon's writer is held from here
+            ck = [spilld.GenerationCheckpoint("g", "", 32 - n, n, 1, 0, False) for n in (1, 2)]
+            older = c.checkpoint(list(range(32)), caches(32), ck[0])
+            await c.queue.drain()  # shipped: queued at the daemon, not here
+            newer = c.checkpoint(list(range(32)), caches(32, seed=5), ck[1])
+            assert (await asyncio.wait_for(older, 30)).outcome is Outcome.CANCELLED
+            await c.queue.drain()
+            done = c.finish("g")
+            assert (await asyncio.wait_for(newer, 30)).outcome is Outcome.CANCELLED
+            ops.release.set()
+            assert (await blocker).stored
+            finished = await done
+            assert finished.stored and finished.value == 0  # nothing to delete: nothing was written
+            assert await c.resume("g") is None
+    finally:
+        ops.release.set()
+        await daemon.stop()
+        cleanup(root)

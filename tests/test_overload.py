@@ -89,7 +89,7 @@ class Sample:
 @dataclass
 class Run:
     offers: list[Offer] = field(default_factory=list)
-    barriers: list[dict[str, Any]] = field(default_factory=list)
+    barriers: list[spilld.Settled] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     load_s: float = 0.0
     written_at_start: int = 0
@@ -154,7 +154,7 @@ async def produce(d: Daemon, run: Run, vs: list[Variant], seconds: float) -> Non
         # half the producers ship through shared memory, half inline; the client never drops (its cap is large)
         client = await AsyncClient.open(d.socket, identity=IDENT, name=f"producer {p}", shm=p % 2 == 0)
         unanswered: set[Any] = set()
-        barriers: list[asyncio.Task[dict[str, Any]]] = []
+        barriers: list[asyncio.Future[spilld.Settled]] = []
         next_barrier = t0 + BARRIER_PERIOD_S * (1 + p / PRODUCERS)
         seq = 0
         while loop.time() < stop:
@@ -168,7 +168,7 @@ async def produce(d: Daemon, run: Run, vs: list[Variant], seconds: float) -> Non
             run.offers.append(o)
             seq += 1
             if loop.time() >= next_barrier:
-                barriers.append(loop.create_task(client.barrier(f"p{p}-{len(barriers)}")))
+                barriers.append(client.barrier(f"p{p}-{len(barriers)}"))
                 next_barrier += BARRIER_PERIOD_S
             await asyncio.sleep(0)
         run.barriers += await asyncio.gather(*barriers)
@@ -232,7 +232,7 @@ def soak(seconds: float) -> dict[str, Any]:
         # A non-droppable item's room is held from its `spill`, so it is never refused `busy` at its commit
         # (a `busy` at `spill` is retried by the client and never reaches the owner).
         assert not refused, refused[:5]
-        assert [b["outcome"] for b in run.barriers] == ["stored"] * len(run.barriers)
+        assert [b.outcome for b in run.barriers] == [spilld.Outcome.STORED] * len(run.barriers)
         assert len(run.barriers) >= PRODUCERS * int(seconds / BARRIER_PERIOD_S - 2)
         st = json.loads(d.cli("status", "--socket", d.socket, "--json").stdout)
         q, store = st["queue"], st["store"]

@@ -218,6 +218,8 @@ WRONG_PARAMS = [
     ("abort", {"spill": -1}, "spill must be an int >= 0"),
     ("lookup", {"identity": {"model_id": 1}, "tokens": b""}, "identity.model_id must be a str"),
     ("lookup", {"identity": {}, "tokens": [1, 2]}, "tokens must be bin"),
+    ("resume", {"identity": {}}, "missing 'key'"),
+    ("resume", {"identity": {"tokenizer_hash": 9}, "key": "k"}, "identity.tokenizer_hash must be a str"),
     ("spill", {"header": {}, "droppable": "yes"}, "droppable must be a bool"),
     ("spill", {"header": {}, "key": 5}, "key must be a str"),
 ]

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from spilld.queue import Outcome, SpillItem, SpillQueue
+from spilld.entries import checkpoint_namespace
+from spilld.queue import Outcome, SpillItem, SpillQueue, matching, of_generation
 
 pytestmark = pytest.mark.asyncio
 
@@ -130,6 +131,35 @@ async def test_cancel_where_drops_matching_queued_items_only() -> None:
     assert bar.result().outcome is Outcome.CANCELLED
     rec.gate.set()
     assert (await a).stored and (await c).stored and q.cancelled == 2
+
+
+async def test_a_checkpoint_cancels_the_queued_older_ones_of_its_generation_only() -> None:
+    """The rule every way in relies on: the daemon's queue too, where a client's checkpoints arrive."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    gen, other = checkpoint_namespace("g"), checkpoint_namespace("h")
+    writing = q.enqueue(item("g0", namespace=gen))
+    await rec.started.wait()
+    older = q.enqueue(item("g1", namespace=gen))
+    theirs = q.enqueue(item("h1", namespace=other))
+    plain = q.enqueue(item("g2"))  # a spill given the same key is no checkpoint
+    newer = q.enqueue(item("g3", namespace=gen))
+    assert older.result().outcome is Outcome.CANCELLED and not writing.done()
+    rec.gate.set()
+    assert [(await f).outcome for f in (writing, theirs, plain, newer)] == [Outcome.STORED] * 4
+    assert rec.order == ["g0", "h1", "g2", "g3"]
+
+
+async def test_what_finish_and_cancel_name() -> None:
+    gen = checkpoint_namespace("g")
+    named = [SpillItem(key="g"), SpillItem(namespace=gen), SpillItem(key="x", namespace="ns"), SpillItem()]
+    assert [of_generation("g")(it) for it in named] == [True, True, False, False]
+    assert [of_generation("")(it) for it in named] == [False, False, False, False]  # no key: not every spill
+    assert [matching("ns", None)(it) for it in named] == [False, False, True, False]
+    assert [matching(None, "g")(it) for it in named] == [True, False, False, False]
+    with pytest.raises(ValueError, match="a namespace or a key"):
+        matching(None, None)
 
 
 async def test_a_failed_store_settles_failed_and_the_queue_keeps_going() -> None:

@@ -69,7 +69,7 @@ async def test_barrier_runs_after_earlier_writes(tmp_path: Any) -> None:
     sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
     seen: list[int] = []
     w = sp.spill(random_tokens(16), cache, key="g1")
-    b = sp.barrier("g1", lambda: seen.append(sp.store.counters.stored))
+    b = sp.barrier("g1", action=lambda: seen.append(sp.store.counters.stored))
     assert (await w).stored and (await b).stored and seen == [1]
 
 

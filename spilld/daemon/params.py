@@ -74,6 +74,7 @@ METHODS: dict[str, dict[str, Param]] = {
         "tokens": Param(bytes, required=True),
         "codec_provider": Param(str),
     },
+    "resume": {"identity": Param(dict, required=True), "key": Param(str, required=True), "codec_provider": Param(str)},
     "touch": {"path": Param(str, required=True), "restore_s": Param(float)},
     "delete": {"path": Param(str), "key": Param(str)},
     "pin": {"path": Param(str, required=True), "on": Param(bool)},
@@ -84,7 +85,7 @@ METHODS: dict[str, dict[str, Param]] = {
     "evict": {"fingerprint": Param(str), "older_than_s": Param(float)},
 }
 
-# The identity map of a lookup: each field a str when given.
+# The identity map of a lookup or a resume: each field a str when given.
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash")
 
 
@@ -94,7 +95,7 @@ def check(method: str, params: dict[str, Any]) -> dict[str, Any]:
     table = METHODS.get(method, {})
     for name, param in table.items():
         param.check(method, name, params.get(name))
-    if method == "lookup":
+    if method in ("lookup", "resume"):
         ident = params["identity"]
         for name in IDENTITY_FIELDS:
             Param(str).check(method, f"identity.{name}", ident.get(name))

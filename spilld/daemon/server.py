@@ -23,12 +23,12 @@ from .. import __version__, errors, fileio
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
-from ..entries import Hit, MissReason
+from ..entries import Hit, Miss, MissReason
 from ..lease import off_loop
 from ..lockfile import FileLock
 from ..lru import LRU
 from ..metrics import METRICS_EVERY_S, RESTORE_BUCKETS_S, LatencyHistogram, exposition, write_textfile
-from ..queue import SpillItem, SpillQueue
+from ..queue import SpillItem, SpillQueue, matching, of_generation
 from ..readahead import ReadAhead, warm_order
 from ..saver import WRITE_BATCH_BYTES, AnySource
 from ..scrub import Scrub
@@ -47,6 +47,7 @@ SERVED_METHODS = (
     "barrier",
     "cancel",
     "lookup",
+    "resume",
     "touch",
     "delete",
     "report_bad",
@@ -333,37 +334,46 @@ class Daemon:
 
         # after every spill committed before it: a commit may still wait for its shared-memory copies
         await self.ingest.committed(timeout=self.cfg.request_timeout)
+        if delete:  # a finished generation: its checkpoints still queued are moot (a client's ``finish``)
+            self.queue.cancel_where(of_generation(key))
         settled = await self.queue.enqueue(SpillItem(key=key, barrier=action))
         return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
 
     async def _cancel(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        ns, key = p.get("namespace"), p.get("key")
-        if ns is None and key is None:
-            raise P.BadParams("cancel needs a namespace or a key")
-        n = self.queue.cancel_where(lambda it: (ns is None or it.namespace == ns) and (key is None or it.key == key))
-        return {"cancelled": n}
+        try:
+            which = matching(p.get("namespace"), p.get("key"))
+        except ValueError as exc:
+            raise P.BadParams(str(exc)) from None
+        return {"cancelled": self.queue.cancel_where(which)}
 
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        raw = p["identity"]  # its namespace, if sent, is not used
-        ident = fmt.Identity(**{k: raw.get(k, "") for k in IDENTITY_FIELDS})
+        ident = _identity(p["identity"])  # its namespace, if sent, is not used
         tokens = fmt.decode_tokens(p["tokens"])
         ns, provider = p.get("namespace", ""), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
         if self.remote is not None and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id):
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
+        return self._answer_lookup(conn, hit, len(tokens))
+
+    async def _resume(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        """The latest durable checkpoint of generation ``key``: answered as a lookup that matched all of it."""
+        e = self.store.find_checkpoint(_identity(p["identity"]), p["key"])
+        return self._answer_lookup(conn, Hit(e, e.ntokens) if e is not None else Miss(MissReason.NO_ENTRY), None)
+
+    def _answer_lookup(self, conn: Connection, hit: Hit | Miss, ntokens: int | None) -> dict[str, Any]:
         self.lookups += 1
         self.last_lookup = time.monotonic()
         if isinstance(hit, Hit):
             e = hit.entry
             log.debug(
-                "lookup: hit", extra={"client": conn.id, "tokens": len(tokens), "matched": hit.matched, "path": e.path}
+                "lookup: hit", extra={"client": conn.id, "tokens": ntokens, "matched": hit.matched, "path": e.path}
             )
             named = [self.store.block_path(k) for k in e.blocks[:MAX_LOOKUP_BLOCK_PATHS]]
             return {
                 "hit": True, "path": e.path, "matched": hit.matched, "tokens": e.ntokens, "trimmable": e.trimmable,
                 "blocks_only": hit.blocks_only, "blocks": [b for b in named if b is not None],
             }  # fmt: skip
-        log.debug("lookup: miss", extra={"client": conn.id, "tokens": len(tokens), "reason": hit.reason.value})
+        log.debug("lookup: miss", extra={"client": conn.id, "tokens": ntokens, "reason": hit.reason.value})
         return {"hit": False, "reason": hit.reason.value}
 
     async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
@@ -472,6 +482,11 @@ class Daemon:
             **({"scrub": dataclasses.asdict(self.scrub.stats)} if self.scrub is not None else {}),
             "restore_seconds": self.restore_seconds.to_wire(),
         }
+
+
+def _identity(raw: dict[str, Any]) -> fmt.Identity:
+    """A request's model identity (its fields checked by ``params``)."""
+    return fmt.Identity(**{k: raw.get(k, "") for k in IDENTITY_FIELDS})
 
 
 def run(cfg: Config) -> int:
