@@ -137,7 +137,7 @@ def _chat(engine: Engine, tok: Any, client: Any) -> tuple[list[int], list[float]
         outcomes.append(client.spill(history, cache, live=True, droppable=False))
     for f in outcomes:
         f.result(timeout=60)  # live snapshots read the cache until they settle
-    client.barrier("demo")
+    client.barrier("demo").result(timeout=60)  # every spill above settled at the daemon
     return history + unfed, idle_ms, busy_ms
 
 
