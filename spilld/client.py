@@ -131,6 +131,7 @@ class AsyncClient:
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing():
                 return
+            await self._old_reader_gone()
             self._loop = asyncio.get_running_loop()
             self._told = None
             limit = min(self.timeout, CONNECT_TIMEOUT_S)
@@ -148,6 +149,17 @@ class AsyncClient:
             except BaseException:  # refused, timed out or cancelled: nothing of this connection is left open
                 await self._disconnect()
                 raise
+
+    async def _old_reader_gone(self) -> None:
+        """Let a lost connection's reader end before a new connection is made: its last act fails the calls and
+        closes the writer it finds, which must be its own connection's, never the next one's."""
+        task = self._read_task
+        if task is None or task.done():
+            return
+        await asyncio.wait([task], timeout=CLOSE_REASON_WAIT_S)  # it may still read the daemon's last words
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def _check_peer(self) -> None:
         """Refuse a daemon that runs as another user: our caches are not theirs to receive."""

@@ -135,3 +135,30 @@ def test_a_segment_pool_still_being_made_at_close_is_closed(daemon: Daemon) -> N
     while (left := set(os.listdir("/dev/shm")) - before) and time.monotonic() < deadline:
         asyncio.run(asyncio.sleep(0.05))
     assert left == set()
+
+
+@pytest.mark.asyncio
+async def test_a_lost_connections_reader_ends_before_the_next_connection_is_made(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a reconnect did not wait for the lost connection's reader, whose last act (fail every waiting
+    call, close the writer) then fell on the new connection. The loop's ordering hid it; a reader slow to wake (a
+    busy loop) shows it."""
+    read = asyncio.StreamReader.read
+
+    async def slow_to_see_the_end(self: asyncio.StreamReader, n: int = -1) -> bytes:
+        try:
+            return await read(self, n)
+        finally:
+            if self.at_eof() or self.exception() is not None:
+                await asyncio.sleep(0.2)
+
+    monkeypatch.setattr(asyncio.StreamReader, "read", slow_to_see_the_end)
+    async with AsyncClient(daemon.socket, identity=IDENT) as c:
+        assert c._writer is not None
+        c._writer.transport.abort()  # the connection is lost; its reader has not seen it yet
+        assert isinstance(await c.lookup([1, 2, 3]), spilld.Miss)  # answered on a new connection
+        new = c._writer
+        await asyncio.sleep(0.4)  # any reader that was still to end has ended
+        assert new is not None and not new.is_closing() and c._writer is new
+        assert (await c.status())["clients"] >= 1
