@@ -153,12 +153,15 @@ def _remote(r: dict[str, Any]) -> list[Metric]:
             "remote_misses", "values asked of the remote tier and not had, by why", "reason", r.get("misses", {})
         ),
         _counter("remote_fills", "prompts filled into the local tier from the remote one", r.get("fills", 0)),
+        _labelled("remote_fill_misses", "fills tried and not done, by why", "reason", r.get("fill_misses", {})),
         _counter("remote_fetched_bytes", "bytes fetched from the remote tier", r.get("bytes_fetched", 0)),
         _counter("remote_pushed_bytes", "bytes pushed to the remote tier", r.get("bytes_pushed", 0)),
         _labelled("remote_push_failed", "pushes that failed, by why", "reason", r.get("push_failed", {})),
         _gauge("remote_queue_items", "pushes waiting", r.get("queue", {}).get("len", 0)),
         _counter("remote_queue_dropped", "pushes dropped from a full queue", r.get("queue", {}).get("dropped", 0)),
         _counter("remote_bad_removed", "bad values removed from the remote tier", r.get("bad_removed", 0)),
+        _counter("remote_offers_refused", "pushes turned away at once", r.get("offers_refused", 0)),
+        _counter("remote_events_failed", "event stream entries that failed to append", r.get("events_failed", 0)),
     ]
 
 
