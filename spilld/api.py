@@ -14,7 +14,9 @@ names, same parameters, same typed results:
   also takes an ``action`` to run then).
 - ``checkpoint(tokens, caches, checkpoint)``, ``resume(key)``, ``finish(key)``: an in-flight generation's
   checkpoints: a newer one cancels the older ones still queued; ``resume`` loads the latest durable one (None if
-  none); ``finish`` cancels the queued ones and deletes the stored ones (a future, its value how many).
+  none); ``finish`` cancels the generation's queued work (its checkpoints, and spills given its key) and deletes
+  its stored checkpoints (a future, its value how many). A generation's key is the daemon's, shared by its clients:
+  make it unique (a request id).
 - ``cancel(namespace=, key=)``: queued items of a namespace and/or key dropped (not one being written); how many.
 - ``status()``: a dict with ``queue`` and ``store`` counters (the daemon's has much more).
 - ``drain(timeout)`` / ``close(timeout)``: a ``DrainReport``; ``timeout`` bounds the whole call.

@@ -401,8 +401,7 @@ class AsyncClient:
         """
         header, sources = planned(item)
         await self._ensure()
-        while len(self._commits) >= MAX_INFLIGHT_COMMITS:
-            await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED)
+        await self._room_for_a_commit()
         for attempt in range(BUSY_RETRIES):
             try:
                 # "held": the daemon may answer the rows it holds as blocks (those are not sent)
@@ -437,6 +436,12 @@ class AsyncClient:
         assert outcome is not None  # set by _enqueue before the item was queued
         self._commits.add(commit)
         commit.add_done_callback(lambda f: self._settle(f, outcome, header))
+
+    async def _room_for_a_commit(self) -> None:
+        """Wait until fewer than ``MAX_INFLIGHT_COMMITS`` requests wait for the daemon's durable answer (commits and
+        barriers: the daemon takes ``max_inflight_requests`` at once from a connection)."""
+        while len(self._commits) >= MAX_INFLIGHT_COMMITS:
+            await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED)
 
     def _settle(self, commit: asyncio.Future[Any], outcome: asyncio.Future[Settled], header: fmt.Header) -> None:
         self._commits.discard(commit)
@@ -626,28 +631,29 @@ class AsyncClient:
         the daemon's answer settles the returned future, as a commit's answer settles a spill's."""
         outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
 
-        async def send() -> None:
+        async def send() -> None:  # the local queue's "write" of a barrier
             await self._ensure()
+            await self._room_for_a_commit()  # a barrier waits at the daemon as long as a commit: counted as one
             answer = await self._start_call("barrier", {"key": key, "delete_checkpoints": delete_checkpoints})
             self._commits.add(answer)  # a drain and a close wait for it as for a commit
-            answer.add_done_callback(lambda f: self._settle_barrier(f, outcome))
+            answer.add_done_callback(lambda f: self._settle_barrier(f, outcome, delete_checkpoints))
 
         self.queue.enqueue(SpillItem(key=key, barrier=send)).add_done_callback(lambda f: _unless_shipped(f, outcome))
         return outcome
 
-    def _settle_barrier(self, answer: asyncio.Future[Any], outcome: asyncio.Future[Settled]) -> None:
+    def _settle_barrier(self, answer: asyncio.Future[Any], outcome: asyncio.Future[Settled], deleting: bool) -> None:
+        """The daemon's answer settles the caller's future: its value the checkpoints deleted (``finish``), else
+        None, as a ``Spiller``'s; one not stored counts in ``not_stored``, as a ``Spiller``'s drain counts it."""
         self._commits.discard(answer)
         if outcome.done():
             return
         if answer.cancelled() or answer.exception() is not None:
             err = P.ConnectionLost("barrier cancelled") if answer.cancelled() else answer.exception()
-            outcome.set_result(Settled(Outcome.FAILED, error=err))
-            return
-        r = answer.result()
-        try:
-            settled = Settled(Outcome(r["outcome"]), value=int(r["deleted"]))
-        except (KeyError, TypeError, ValueError):
-            settled = Settled(Outcome.FAILED, error=errors.ProtocolError(f"a barrier's answer is malformed: {r!r}"))
+            settled = Settled(Outcome.FAILED, error=err)
+        else:
+            settled = _barrier_settled(answer.result(), deleting)
+        if not settled.stored:  # counted before anyone waiting on it wakes (a drain reads the count next)
+            self._not_stored += 1
         outcome.set_result(settled)
 
     def checkpoint(
@@ -674,8 +680,9 @@ class AsyncClient:
         return await self._restore(found, named, ident, t0)
 
     def finish(self, key: str) -> asyncio.Future[Settled]:
-        """The generation is done: its queued checkpoints are cancelled (here and at the daemon), then its stored
-        ones deleted once the spills queued before this are settled; the ``Settled``'s value is how many."""
+        """The generation is done: its queued work (checkpoints, and spills given ``key``) is cancelled, here and at
+        the daemon, then its stored checkpoints deleted once the spills queued before this are settled; the
+        ``Settled``'s value is how many were deleted."""
 
         def enqueue() -> asyncio.Future[Settled]:
             self.queue.cancel_where(of_generation(key))
@@ -731,6 +738,17 @@ def _hit_of(r: dict[str, Any]) -> tuple[Hit | Miss, dict[str, str]]:
     named = r.get("blocks")
     paths = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
     return hit, {os.path.basename(p).split("-", 1)[0]: p for p in paths}
+
+
+def _barrier_settled(r: Any, deleting: bool) -> Settled:
+    """A ``barrier`` answer (``outcome``, ``deleted``) as the ``Settled`` a ``Spiller``'s barrier gives."""
+    try:
+        outcome, deleted = Outcome(r["outcome"]), int(r["deleted"])
+    except (KeyError, TypeError, ValueError):
+        return Settled(Outcome.FAILED, error=errors.ProtocolError(f"a barrier's answer is malformed: {r!r}"))
+    if outcome is Outcome.FAILED:
+        return Settled(outcome, error=errors.StorageError("the daemon's barrier action failed (see its log)"))
+    return Settled(outcome, value=deleted if deleting and outcome is Outcome.STORED else None)
 
 
 def _unless_shipped(local: asyncio.Future[Settled], outcome: asyncio.Future[Settled]) -> None:

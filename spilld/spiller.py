@@ -248,8 +248,9 @@ class Spiller:
         return await self._restore(Hit(e, e.ntokens), ident)
 
     def finish(self, key: str) -> asyncio.Future[Settled]:
-        """The generation is done: its queued checkpoints are cancelled, then its stored ones deleted once the writes
-        queued before this are settled; the ``Settled``'s value is how many were deleted."""
+        """The generation is done: its queued work (checkpoints, and spills given ``key``) is cancelled, then its
+        stored checkpoints deleted once the writes queued before this are settled; the ``Settled``'s value is how
+        many were deleted."""
 
         def enqueue() -> asyncio.Future[Settled]:
             self.queue.cancel_where(of_generation(key))

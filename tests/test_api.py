@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from spilld import errors
 from spilld.client import AsyncClient
 from spilld.config import Config
 from spilld.daemon import Daemon
+from spilld.entries import checkpoint_namespace
 from spilld.format import Identity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,7 +231,8 @@ async def test_a_generation_checkpoint_resumes_through_each_way_in_alike(tmp_pat
         """What one way in answers; every await is the daemon's or the store's, the rest is queued at once."""
         first = way.checkpoint(prompt, cache, older)  # still queued when the newer one comes: cancelled
         second = way.checkpoint(prompt, cache, ck)
-        seen = [(await first).outcome, (await second).outcome, (await way.barrier("req-1")).outcome]
+        plain = await way.barrier("req-1")
+        seen = [(await first).outcome, (await second).outcome, plain.outcome, plain.value]
         assert isinstance(await way.lookup([*prompt, 1]), spilld.Miss)  # a checkpoint is no prefix for lookups
         got = await way.resume("req-1")
         assert got is not None and got.checkpoint == ck and got.tokens == prompt
@@ -245,7 +248,7 @@ async def test_a_generation_checkpoint_resumes_through_each_way_in_alike(tmp_pat
         want = await generation(sp)
         assert set(await sp.status()) == {"queue", "store"}
     C = spilld.Outcome
-    assert want == [C.CANCELLED, C.STORED, C.STORED, True, 1, True, C.CANCELLED, 0, 0]
+    assert want == [C.CANCELLED, C.STORED, C.STORED, None, True, 1, True, C.CANCELLED, 0, 0]
     with serving("--cap", "64MiB") as d:
         async with AsyncClient(d.socket, identity=ident) as c:
             assert await generation(c) == want
@@ -256,6 +259,29 @@ async def test_a_generation_checkpoint_resumes_through_each_way_in_alike(tmp_pat
             assert got is not None and mx.array_equal(next_logits(model, got.caches, 7), live).item()
             assert sync.barrier().result(timeout=30).stored
             assert sync.finish("req-1").result(timeout=30).value == 1 and sync.resume("req-1") is None
+
+
+@pytest.mark.asyncio
+async def test_resume_finds_the_latest_checkpoint_this_codec_provider_can_read(tmp_path: Any) -> None:
+    """Found in review: resume took the longest checkpoint of the key whatever its codec provider, so another
+    provider's hid the one this engine could read (a miss)."""
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.codecs import default_provider
+    from tests.caches import fill
+
+    ident = Identity(model_id="m")
+    other = default_provider().extended("engine-x/1", [])
+    ck = spilld.GenerationCheckpoint("g", "", 24, 8, 1, 0, False)
+    async with spilld.Spiller(tmp_path, identity=ident, provider=other) as sp:
+        assert (await sp.checkpoint(list(range(32)), [fill(KVCache(), 32)], ck)).stored
+    async with spilld.Spiller(tmp_path, identity=ident) as sp:
+        ours = dataclasses.replace(ck, original_prompt_tokens=16)
+        assert (await sp.checkpoint(list(range(24)), [fill(KVCache(), 24)], ours)).stored
+        got = await sp.resume("g")
+        assert got is not None and got.tokens == list(range(24))
+        assert [len(e.tokens) for e in sp.store.index.checkpoints[checkpoint_namespace("g")].values()] == [32, 24]
+        assert (await sp.finish("g")).value == 2 and sp.store.index.checkpoints == {}  # both go, whoever wrote them
 
 
 @pytest.mark.asyncio

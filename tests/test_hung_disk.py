@@ -260,11 +260,14 @@ async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
         fut = c.spill(list(range(64)), caches(64), droppable=False)
         assert await asyncio.to_thread(ops.entered.wait, 30)  # shipped and committed; the daemon writes it
         assert c._writer is not None
+        barrier = c.barrier()  # sent too, and waiting at the daemon behind the hung write (found in review: a
+        await c.queue.drain()  # barrier lost with the connection was left out of not_stored)
         c._writer.transport.abort()  # the daemon's end goes (a crash, an OOM kill), while the client closes
         report = await c.close(timeout=2)
         settled = await fut
         assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.ConnectionLost)
-        assert report.not_stored == 1, report
+        assert (await barrier).outcome is Outcome.FAILED
+        assert report.not_stored == 2, report
     finally:
         ops.release.set()
         await daemon.stop()
@@ -300,6 +303,35 @@ async def test_the_daemon_cancels_a_generations_queued_checkpoints_for_a_newer_o
             finished = await done
             assert finished.stored and finished.value == 0  # nothing to delete: nothing was written
             assert await c.resume("g") is None
+    finally:
+        ops.release.set()
+        await daemon.stop()
+        cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_barriers_waiting_at_the_daemon_keep_to_the_clients_in_flight_bound() -> None:
+    """Found in review: a barrier was sent without waiting for room among the requests in flight, so barriers that
+    wait at the daemon (behind a long write) passed its per-connection limit, and the daemon closed the connection:
+    every commit waiting with them failed."""
+    from spilld import protocol as P
+
+    root = new_root()
+    cfg = quiet_config(root, block_tokens=0)
+    daemon = Daemon(cfg)
+    ops = HangingOps()
+    daemon.store.ops = ops
+    await daemon.start()
+    try:
+        async with AsyncClient(cfg.socket, identity=IDENT, shm=False) as c:
+            ops.hanging.set()
+            blocker = c.spill(list(range(64)), caches(64), droppable=False)
+            assert await asyncio.to_thread(ops.entered.wait, 30)
+            barriers = [c.barrier(f"b{i}") for i in range(P.MAX_INFLIGHT_REQUESTS + 8)]
+            await asyncio.sleep(0.5)  # as many as the client sends: they wait at the daemon
+            ops.release.set()
+            assert (await blocker).stored
+            assert [(await b).outcome for b in barriers] == [Outcome.STORED] * len(barriers)
     finally:
         ops.release.set()
         await daemon.stop()

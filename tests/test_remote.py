@@ -46,7 +46,7 @@ from spilld.remote.errors import DecryptError
 from spilld.remote.link import RemoteLink
 from spilld.remote.pushqueue import Push, PushQueue
 from spilld.store import Store
-from tests.caches import fill, live, same
+from tests.caches import fill, kv, live, same
 from tests.redis_servers import Cluster, RedisServer, redis_cluster, redis_server, tls_redis_server
 
 NS = "tenant-a"
@@ -993,6 +993,93 @@ async def test_a_fill_that_fails_for_a_local_reason_removes_nothing_remote(serve
     finally:
         await tier.close()
         await tier_a.close()
+
+
+async def filled_whole(tmp_path: Any, url: str, tokens: list[int], caches: list[Any]) -> None:
+    """A host with an empty disk fills ``tokens`` from the tier and restores every one of them, equal."""
+    store = Store(str(tmp_path), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(url)), store, push="none")
+    try:
+        assert await link.fill(FILL_IDENT, "", [*tokens, 9], store.provider_id), link.fill_misses
+        hit = store.lookup(FILL_IDENT, "", [*tokens, 9])
+        assert isinstance(hit, Hit) and hit.matched == len(tokens)
+        loaded = await store.restore_async(hit, FILL_IDENT)
+        assert isinstance(loaded, Loaded)
+        assert all(same(live(a), live(b)) for a, b in zip(loaded.caches, caches, strict=True))
+    finally:
+        await link.close(1)
+
+
+@pytest.mark.asyncio
+async def test_an_entry_of_more_blocks_than_the_push_queue_holds_reaches_the_tier_whole(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: a full push queue dropped its oldest pushes, and an entry's blocks were offered faster than
+    they were sent, so an entry of more blocks than the queue holds lost the head of its chain, and with it the rest
+    (an 8B model's 32k-token prompt is 512 blocks of 8 MiB, against a queue of 256 MiB)."""
+    n = 16 * 24 + 3
+    caches = [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)]
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url, queue_items=2))
+    link = RemoteLink(tier, store)
+    try:
+        await store.put(list(range(n)), caches, FILL_IDENT)
+        assert await link.drain(30)
+        assert tier.counters()["queue"]["dropped"] == 0 and tier.counters()["pushed"] == 2 * 24 + 2
+    finally:
+        await link.close(1)
+    await filled_whole(tmp_path / "b", server.url, list(range(n)), caches)
+
+
+@pytest.mark.asyncio
+async def test_blocks_a_failed_push_left_out_go_with_the_next_entry_that_names_them(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: an entry pushed only the blocks its own put wrote, so the blocks of an earlier turn whose
+    push failed (the tier down then) were never pushed, and every later turn of that conversation was unreachable
+    on the tier (its chain began with them)."""
+    short, n = 16 * 4 + 3, 16 * 8 + 3
+    caches = [fill(C.KVCache(), short, heads=2, dim=8, seed=s) for s in range(2)]
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url, breaker_cooldown_s=60))
+    link = RemoteLink(tier, store)
+    try:
+        for _ in range(tier.config.breaker_threshold):
+            tier.breaker.failure()
+        await store.put(list(range(short)), caches, FILL_IDENT)  # its push is refused
+        assert await link.drain(10) and tier.counters()["pushed"] == 0
+        tier.breaker.success()  # the tier is back
+        for s, c in enumerate(caches):  # the conversation goes on
+            c.update_and_fetch(*kv(n - short, heads=2, dim=8, seed=10 + s))
+        await store.put(list(range(n)), caches, FILL_IDENT)  # writes blocks 4 to 7 only
+        assert await link.drain(10)
+        assert tier.counters()["pushed"] == 2 * 8 + 2  # every block it names, each with its reference
+    finally:
+        await link.close(1)
+    await filled_whole(tmp_path / "b", server.url, list(range(n)), caches)
+
+
+@pytest.mark.asyncio
+async def test_only_so_many_entries_wait_to_push_the_oldest_waiting_is_skipped(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store)
+    waits = link_module.PUSHES_WAITING + 3
+    try:
+        async with link._turn:  # the turn held: every entry stored meanwhile waits for it
+            for i in range(waits):
+                caches = [fill(C.KVCache(), 16 + 1, heads=2, dim=8, seed=10 * i + s) for s in range(2)]
+                await store.put([1000 * (i + 1) + t for t in range(17)], caches, FILL_IDENT)
+            await wait_for(lambda: len(link._waiting) == link_module.PUSHES_WAITING)
+        assert await link.drain(30)
+        # each entry pushed: its block, the block's reference and its manifest; the first one the layout's root
+        assert (
+            link.counters()["pushes_skipped"] == 3 and tier.counters()["pushed"] == 3 * link_module.PUSHES_WAITING + 1
+        )
+    finally:
+        await link.close(1)
 
 
 @pytest.mark.asyncio

@@ -332,10 +332,11 @@ class Daemon:
         async def action() -> int:
             return await self.store.remove_checkpoints_async(key) if delete else 0  # unlinks on a worker
 
-        # after every spill committed before it: a commit may still wait for its shared-memory copies
+        if delete:  # a finished generation: its work still queued is moot (a client's ``finish``); now, before any
+            self.queue.cancel_where(of_generation(key))  # wait: what comes after this request is not cancelled
+        # after every spill committed before it: a commit may still wait for its shared-memory copies (one that
+        # lands during this wait is written, then its checkpoint removed by the action)
         await self.ingest.committed(timeout=self.cfg.request_timeout)
-        if delete:  # a finished generation: its checkpoints still queued are moot (a client's ``finish``)
-            self.queue.cancel_where(of_generation(key))
         settled = await self.queue.enqueue(SpillItem(key=key, barrier=action))
         return {"outcome": settled.outcome.value, "deleted": settled.value or 0}
 
@@ -357,7 +358,7 @@ class Daemon:
 
     async def _resume(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         """The latest durable checkpoint of generation ``key``: answered as a lookup that matched all of it."""
-        e = self.store.find_checkpoint(_identity(p["identity"]), p["key"])
+        e = self.store.find_checkpoint(_identity(p["identity"]), p["key"], codec_provider=p.get("codec_provider"))
         return self._answer_lookup(conn, Hit(e, e.ntokens) if e is not None else Miss(MissReason.NO_ENTRY), None)
 
     def _answer_lookup(self, conn: Connection, hit: Hit | Miss, ntokens: int | None) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """The store's side of the remote tier: push what the store wrote, and fill the store from the tier when a lookup
 finds more of a prompt's chain there than on the local disk.
 
-What is pushed, per entry stored with blocks: the blocks its put wrote (``b:<key>``), its manifest under the key of
-its last block (``m:<key>``), for each block it wrote the key of that manifest (``p:<key>``: a prompt that ends
+What is pushed, per entry stored with blocks: the blocks it names that the tier lacks (``b:<key>``; asked first, so a
+block a failed or skipped push left out is pushed with the next entry that names it), its manifest under the key of
+its last block (``m:<key>``), for each block pushed the key of that manifest (``p:<key>``: a prompt that ends
 inside another conversation finds a manifest naming its blocks), and its layout's root key under the layout space
 (``r:<space>``: a host with an empty disk cannot compute a root key, which hashes the cache layout). All are written
-only if absent (SET NX): shared prefixes are uploaded once by the fleet.
+only if absent (SET NX): shared prefixes are uploaded once by the fleet. One entry's pushes are queued at a time,
+in the order the entries were stored, each waiting for room in the push queue rather than dropping the ones before
+it: a chain with a block missing is of no use past that block.
 
 A fill probes the chain of the prompt's block keys (one round trip), fetches the manifest that ends where the
 remote chain ends (or one that names that block), then the blocks it names that this store lacks, and hands them to
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -44,6 +48,9 @@ log = logging.getLogger("spilld.remote")
 
 PUSH_MODES = ("all", "evicted", "none")  # every entry stored with blocks; those the disk evicts; none: fetch only
 EVICTED_IN_FLIGHT = 8  # evicted entries whose files are kept for their push at once (more are not pushed)
+# Entries waiting for their turn to push (one pushes at a time): past this the oldest waiting one is skipped (its
+# blocks go with a later entry that names them). The tier's push queue bounds the bytes; this, the tasks.
+PUSHES_WAITING = 16
 MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming more is not fetched: a miss)
 # Blocks a fill fetches per batch: the store checks and writes one batch while the next is fetched, so a fill holds
 # two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
@@ -74,6 +81,13 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+@dataclasses.dataclass(eq=False)
+class _Waiting:
+    """An entry's push waiting for its turn; ``skipped`` once too many newer ones wait behind it."""
+
+    skipped: bool = False
+
+
 class _Absent(Exception):
     """A block the manifest names is not on the remote tier (evicted, or lost) while a fill fetches it."""
 
@@ -91,6 +105,9 @@ class RemoteLink:
         self._pushing: set[asyncio.Task[Any]] = set()  # pushes being read and queued, events being published
         self._gone: dict[str, list[bytes]] = {}  # blocks reclaimed this loop turn, by namespace
         self._evicting: set[asyncio.Task[Any]] = set()  # evicted entries being read and queued
+        self._turn = asyncio.Lock()  # one entry's pushes queued at a time, in the order they were stored
+        self._waiting: deque[_Waiting] = deque()  # entries waiting for that turn, oldest first
+        self.pushes_skipped = 0  # entries whose push was skipped: too many waiting
         self.evicted_skipped = 0  # evicted entries not pushed: too many in flight, or the tier not taking pushes
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
@@ -127,7 +144,7 @@ class RemoteLink:
         task.add_done_callback(into.discard)
 
     async def _stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
-        if self.push == "all" and not await self._push(entry, written, root):
+        if self.push == "all" and not await self._push(entry, self.store.named_blocks(entry), root):
             return
         if written:
             await self.tier.publish_event(EventKind.STORED, entry.namespace, [r.key for r in written], self.host)
@@ -145,28 +162,51 @@ class RemoteLink:
             await self.store.delete_doomed_async()
 
     async def _push(self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None = None) -> bool:
-        """Offer ``recs`` (each with a reference to the entry's last block), the entry's manifest and its layout's
-        root: False if a file could not be read (evicted or superseded meanwhile: what was not read is not
-        pushed)."""
+        """In its turn, offer those of ``recs`` the tier lacks (each with a reference to the entry's last block),
+        then the entry's manifest and its layout's root: False if a file could not be read (evicted or superseded
+        meanwhile: what was not read is not pushed), the tier stopped taking pushes, or the push was skipped."""
         if not self.tier.taking_pushes:  # (down, disabled, or its breaker open): every offer would be refused
             return False
+        me = _Waiting()
+        self._waiting.append(me)
+        if len(self._waiting) > PUSHES_WAITING:
+            self._waiting.popleft().skipped = True
+        try:
+            async with self._turn:
+                if me.skipped:
+                    self.pushes_skipped += 1
+                    return False
+                self._waiting.remove(me)
+                return await self._push_in_turn(entry, recs, root, manifest)
+        finally:
+            if me in self._waiting:
+                self._waiting.remove(me)
+
+    async def _push_in_turn(self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None) -> bool:
         ns = entry.namespace
         space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
-        if self._roots.get(space) != (root, entry.whole) and self.tier.offer(
+        offer = self.tier.offer_in_turn
+        if self._roots.get(space) != (root, entry.whole) and await offer(
             ns, space, msgpack.packb([root, entry.whole]), Kind.ROOT
         ):  # remembered once offered: a push refused (the tier down) is offered again with the next entry
             self._roots[space] = (root, entry.whole)
         last = entry.blocks[-1]
+        lacking = await self.tier.absent(ns, [rec.key for rec in recs])
+        if lacking is None:
+            return False
+        todo = set(lacking)
         try:
             for rec in recs:
-                self.tier.offer(ns, rec.key, await off_loop(functools.partial(_read, rec.path), background=True))
-                self.tier.offer(ns, rec.key, last, Kind.REF)
+                if rec.key not in todo:
+                    continue
+                data = await off_loop(functools.partial(_read, rec.path), background=True)
+                if not (await offer(ns, rec.key, data) and await offer(ns, rec.key, last, Kind.REF)):
+                    return False
             if manifest is None:
                 manifest = await off_loop(functools.partial(_read, entry.path), background=True)
         except OSError:
             return False
-        self.tier.offer(ns, last, manifest, Kind.MANIFEST)
-        return True
+        return await offer(ns, last, manifest, Kind.MANIFEST)
 
     def reclaimed(self, block: Block) -> None:
         """A store listener: say on the namespace's stream that this host no longer holds ``block`` (batched:
@@ -366,6 +406,7 @@ class RemoteLink:
             "fill_misses": dict(self.fill_misses),
             "pushing": len(self._pushing) + len(self._evicting),
             "evicted_skipped": self.evicted_skipped,
+            "pushes_skipped": self.pushes_skipped,
             "fills_shared": self.fills_shared,
         }
 

@@ -1,4 +1,5 @@
-"""The bounded write-behind queue of pushes: an offer never waits; when full, the oldest pushes are dropped."""
+"""The bounded write-behind queue of pushes: an offer never waits (when full, the oldest pushes are dropped); a
+producer whose pushes must all land in order (an entry's chain of blocks) waits for room instead."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class PushQueue:
         self._items: deque[Push] = deque()
         self._bytes = 0
         self._ready = asyncio.Event()
+        self._took = asyncio.Event()  # set whenever pushes leave the queue: room may have been made
         self.dropped = 0  # pushes dropped to make room for newer ones
         self.refused = 0  # pushes larger than the whole queue
 
@@ -41,6 +43,16 @@ class PushQueue:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def fits(self, size: int) -> bool:
+        """Whether a push of ``size`` bytes can be queued now without dropping one (an empty queue takes any push
+        that ``offer`` would not refuse)."""
+        return not self._items or (len(self._items) < self.max_items and self._bytes + size <= self.max_bytes)
+
+    async def room(self) -> None:
+        """Wait until some pushes leave the queue (taken or cleared)."""
+        self._took.clear()
+        await self._took.wait()
 
     def offer(self, push: Push) -> bool:
         """Queue ``push``, dropping the oldest while the queue is full; False when it alone exceeds the bound."""
@@ -70,6 +82,8 @@ class PushQueue:
             out.append(push)
         if not self._items:
             self._ready.clear()
+        if out:
+            self._took.set()
         return out
 
     async def take(self, limit: int, max_bytes: int | None = None) -> list[Push]:
@@ -85,4 +99,5 @@ class PushQueue:
         self._items.clear()
         self._bytes = 0
         self._ready.clear()
+        self._took.set()
         return n

@@ -272,6 +272,29 @@ class RemoteTier:
             return False
         return True
 
+    async def offer_in_turn(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
+        """``offer`` that waits for room instead of dropping older pushes: for a producer that can wait and whose
+        pushes are useful only together (an entry's chain: a block dropped from its middle makes the rest
+        unreachable). False, as soon as it is so, once the tier is not taking pushes."""
+        while self.taking_pushes and not self.queue.fits(len(data)):
+            await self.queue.room()
+        return self.offer(namespace, key, data, kind)
+
+    async def absent(self, namespace: str, keys: Sequence[bytes]) -> list[bytes] | None:
+        """Which of the blocks ``keys`` the tier does not hold (pipelined EXISTS, ``PROBE_BATCH_KEYS`` a round trip,
+        each bounded by ``push_timeout_s``); None if the tier could not say."""
+        out: list[bytes] = []
+        for lo in range(0, len(keys), PROBE_BATCH_KEYS):
+            batch = keys[lo : lo + PROBE_BATCH_KEYS]
+            r = await self._call(
+                _pipeline([_cmd("exists", rkeys.block_key(namespace, k, self.key_tag)) for k in batch]),
+                self.config.push_timeout_s,
+            )
+            if isinstance(r, _Failed) or any(isinstance(x, Exception) for x in r):
+                return None
+            out += [k for k, there in zip(batch, r, strict=True) if there != 1]
+        return out
+
     async def push(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
         """Write one value if its key is absent (EXISTS, then SET NX, with the tier's TTL): True if written."""
         return (await self._push_batch([Push(namespace, key, data, kind)]))[0]

@@ -43,6 +43,7 @@ class Index:
         self.by_start: dict[tuple[str, int], dict[str, Entry]] = {}  # (namespace, first token): lookup candidates
         self.blocks: dict[bytes, Block] = {}
         self.by_last: dict[bytes, dict[str, Entry]] = {}  # entries with blocks, by their last block
+        self.checkpoints: dict[str, dict[str, Entry]] = {}  # generation checkpoints, by their namespace (their key)
         self.roots: dict[tuple[str, str, str], dict[bytes, tuple[int, bool]]] = {}  # layouts per prompt space
         self.entry_bytes = 0  # running sums: the cap is checked on every put
         self.block_bytes = 0
@@ -80,6 +81,8 @@ class Index:
             roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
         self.by_path[path] = e
         self._count(path, e.nbytes, block=False)
+        if e.checkpoint is not None:
+            self.checkpoints.setdefault(e.namespace, {})[path] = e
         if e.blocks:  # found through its chain; supersede finds it through its last block
             self.by_last.setdefault(e.blocks[-1], {})[path] = e
         else:
@@ -93,6 +96,8 @@ class Index:
             return []
         del self.by_path[e.path]
         self._count(e.path, -e.nbytes, block=False)
+        if e.checkpoint is not None:
+            _pop(self.checkpoints, e.namespace, e.path)
         if e.blocks:
             _pop(self.by_last, e.blocks[-1], e.path)
         else:

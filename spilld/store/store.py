@@ -194,6 +194,10 @@ class Store:
         rec = self.index.blocks.get(key)
         return rec.path if rec is not None else None
 
+    def named_blocks(self, e: Entry) -> list[Block]:
+        """The blocks ``e`` names that this store indexes, in chain order."""
+        return [rec for k in e.blocks if (rec := self.index.blocks.get(k)) is not None]
+
     def block_bytes(self, key: bytes) -> int:
         rec = self.index.blocks.get(key)
         return rec.nbytes if rec is not None else 0
@@ -886,7 +890,7 @@ class Store:
         """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed;
         listeners told (``StoreListener.evicted``) unless ``tell`` is False (room for a write: unlinked at once)."""
         listeners = self.listeners if tell else []
-        named = [rec for k in e.blocks if (rec := self.index.blocks.get(k)) is not None] if listeners else []
+        named = self.named_blocks(e) if listeners else []
         self._remember_evicted(e)
         self._remove(e)
         self.counters.evicted += 1
@@ -1049,10 +1053,15 @@ class Store:
 
     # --- generation checkpoints -------------------------------------------------------
 
-    def find_checkpoint(self, ident: fmt.Identity, key: str) -> Entry | None:
-        ns = checkpoint_namespace(key)
-        fp = identity_fingerprint(ident)
-        found = [e for e in self.index.by_path.values() if e.namespace == ns and e.fingerprint == fp and e.checkpoint]
+    def find_checkpoint(self, ident: fmt.Identity, key: str, *, codec_provider: str | None = None) -> Entry | None:
+        """The latest checkpoint of generation ``key`` this model (and ``codec_provider``, default this store's) can
+        resume: most tokens, then most recently used. Only that generation's entries are looked at."""
+        fp, provider = identity_fingerprint(ident), codec_provider or self.provider_id
+        found = [
+            e
+            for e in self.index.checkpoints.get(checkpoint_namespace(key), {}).values()
+            if e.fingerprint == fp and e.codec_provider == provider
+        ]
         return max(found, key=lambda e: (e.ntokens, e.last_used), default=None)
 
     def remove_checkpoints(self, key: str) -> int:
