@@ -10,10 +10,11 @@ is a miss at the deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -244,10 +245,10 @@ async def test_a_steps_deadline_counts_from_when_it_begins_not_from_its_wait_for
     assert 0.45 < time.monotonic() - t0 < 0.8  # 0.3 s to begin + 0.2 s; not a deadline from its last wait
 
 
-@pytest.mark.asyncio
-async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
-    """Found in review: a commit whose connection went (the daemon killed mid-write) settled FAILED for its caller
-    but was left out of not_stored, so the client's close reported everything stored."""
+@contextlib.asynccontextmanager
+async def writer_held() -> AsyncIterator[tuple[str, HangingOps]]:
+    """An in-process daemon (whole files) whose disk writes hang once ``ops.hanging`` is set; its socket and ops.
+    Stopped and removed at the end, its writes let go."""
     root = new_root()
     cfg = quiet_config(root, block_tokens=0)
     daemon = Daemon(cfg)
@@ -255,10 +256,28 @@ async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
     daemon.store.ops = ops
     await daemon.start()
     try:
-        c = await AsyncClient.open(cfg.socket, identity=IDENT)
-        ops.hanging.set()
-        fut = c.spill(list(range(64)), caches(64), droppable=False)
-        assert await asyncio.to_thread(ops.entered.wait, 30)  # shipped and committed; the daemon writes it
+        yield cfg.socket, ops
+    finally:
+        ops.release.set()
+        await daemon.stop()
+        cleanup(root)
+
+
+async def held_by(c: AsyncClient, ops: HangingOps) -> asyncio.Future[spilld.Settled]:
+    """Hang the daemon's disk and spill: once this returns, the daemon's writer is held by that spill's write."""
+    ops.hanging.set()
+    fut = c.spill(list(range(64)), caches(64), droppable=False)
+    assert await asyncio.to_thread(ops.entered.wait, 30)  # shipped, committed, and its write begun
+    return fut
+
+
+@pytest.mark.asyncio
+async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
+    """Found in review: a commit whose connection went (the daemon killed mid-write) settled FAILED for its caller
+    but was left out of not_stored, so the client's close reported everything stored."""
+    async with writer_held() as (socket, ops):
+        c = await AsyncClient.open(socket, identity=IDENT)
+        fut = await held_by(c, ops)
         assert c._writer is not None
         barrier = c.barrier()  # sent too, and waiting at the daemon behind the hung write (found in review: a
         await c.queue.drain()  # barrier lost with the connection was left out of not_stored)
@@ -268,10 +287,6 @@ async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
         assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.ConnectionLost)
         assert (await barrier).outcome is Outcome.FAILED
         assert report.not_stored == 2, report
-    finally:
-        ops.release.set()
-        await daemon.stop()
-        cleanup(root)
 
 
 @pytest.mark.asyncio
@@ -279,34 +294,21 @@ async def test_the_daemon_cancels_a_generations_queued_checkpoints_for_a_newer_o
     """While the daemon's writer is held by a hung write, the client's checkpoints wait in the daemon's queue, past
     the client's own: there, as in a Spiller's queue, a newer checkpoint cancels the older one and ``finish`` the
     rest (neither is written only to be deleted)."""
-    root = new_root()
-    cfg = quiet_config(root, block_tokens=0)
-    daemon = Daemon(cfg)
-    ops = HangingOps()
-    daemon.store.ops = ops
-    await daemon.start()
-    try:
-        async with AsyncClient(cfg.socket, identity=IDENT, shm=False) as c:
-            ops.hanging.set()
-            blocker = c.spill(list(range(64)), caches(64), droppable=False)
-            assert await asyncio.to_thread(ops.entered.wait, 30)  # the daemon's writer is held from here
-            ck = [spilld.GenerationCheckpoint("g", "", 32 - n, n, 1, 0, False) for n in (1, 2)]
-            older = c.checkpoint(list(range(32)), caches(32), ck[0])
-            await c.queue.drain()  # shipped: queued at the daemon, not here
-            newer = c.checkpoint(list(range(32)), caches(32, seed=5), ck[1])
-            assert (await asyncio.wait_for(older, 30)).outcome is Outcome.CANCELLED
-            await c.queue.drain()
-            done = c.finish("g")
-            assert (await asyncio.wait_for(newer, 30)).outcome is Outcome.CANCELLED
-            ops.release.set()
-            assert (await blocker).stored
-            finished = await done
-            assert finished.stored and finished.value == 0  # nothing to delete: nothing was written
-            assert await c.resume("g") is None
-    finally:
+    async with writer_held() as (socket, ops), AsyncClient(socket, identity=IDENT, shm=False) as c:
+        blocker = await held_by(c, ops)
+        ck = [spilld.GenerationCheckpoint("g", "", 32 - n, n, 1, 0, False) for n in (1, 2)]
+        older = c.checkpoint(list(range(32)), caches(32), ck[0])
+        await c.queue.drain()  # shipped: queued at the daemon, not here
+        newer = c.checkpoint(list(range(32)), caches(32, seed=5), ck[1])
+        assert (await asyncio.wait_for(older, 30)).outcome is Outcome.CANCELLED
+        await c.queue.drain()
+        done = c.finish("g")
+        assert (await asyncio.wait_for(newer, 30)).outcome is Outcome.CANCELLED
         ops.release.set()
-        await daemon.stop()
-        cleanup(root)
+        assert (await blocker).stored
+        finished = await done
+        assert finished.stored and finished.value == 0  # nothing to delete: nothing was written
+        assert await c.resume("g") is None
 
 
 @pytest.mark.asyncio
@@ -316,23 +318,10 @@ async def test_barriers_waiting_at_the_daemon_keep_to_the_clients_in_flight_boun
     every commit waiting with them failed."""
     from spilld import protocol as P
 
-    root = new_root()
-    cfg = quiet_config(root, block_tokens=0)
-    daemon = Daemon(cfg)
-    ops = HangingOps()
-    daemon.store.ops = ops
-    await daemon.start()
-    try:
-        async with AsyncClient(cfg.socket, identity=IDENT, shm=False) as c:
-            ops.hanging.set()
-            blocker = c.spill(list(range(64)), caches(64), droppable=False)
-            assert await asyncio.to_thread(ops.entered.wait, 30)
-            barriers = [c.barrier(f"b{i}") for i in range(P.MAX_INFLIGHT_REQUESTS + 8)]
-            await asyncio.sleep(0.5)  # as many as the client sends: they wait at the daemon
-            ops.release.set()
-            assert (await blocker).stored
-            assert [(await b).outcome for b in barriers] == [Outcome.STORED] * len(barriers)
-    finally:
+    async with writer_held() as (socket, ops), AsyncClient(socket, identity=IDENT, shm=False) as c:
+        blocker = await held_by(c, ops)
+        barriers = [c.barrier(f"b{i}") for i in range(P.MAX_INFLIGHT_REQUESTS + 8)]
+        await asyncio.sleep(0.5)  # as many as the client sends: they wait at the daemon
         ops.release.set()
-        await daemon.stop()
-        cleanup(root)
+        assert (await blocker).stored
+        assert [(await b).outcome for b in barriers] == [Outcome.STORED] * len(barriers)

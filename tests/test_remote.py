@@ -887,12 +887,17 @@ async def test_cluster_resharding_mid_test_is_a_miss_never_an_error() -> None:
 # --- a fill, in process: a Store and its RemoteLink on each side ---------------------------------------------------
 
 
+async def pushing(root: Any, url: str, **over: Any) -> tuple[Store, RemoteTier, RemoteLink]:
+    """A store of blocks of 16 in ``root`` and a link pushing it to the tier at ``url`` (``over``: its settings)."""
+    store = Store(str(root), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(url, **over))
+    return store, tier, RemoteLink(tier, store)
+
+
 async def pushed_store(root: Any, url: str, tokens: int) -> tuple[Store, RemoteTier, list[Any]]:
     """A store whose link pushed one entry of ``tokens`` tokens (blocks of 16), every push done."""
     caches = [fill(C.KVCache(), tokens, heads=2, dim=8, seed=s) for s in range(2)]
-    store = Store(str(root), disk_cap=2**30, block_tokens=16)
-    tier = await started(relaxed(url))
-    link = RemoteLink(tier, store)
+    store, tier, link = await pushing(root, url)
     await store.put(list(range(tokens)), caches, FILL_IDENT)
     assert await link.drain(10)
     return store, tier, caches
@@ -1019,9 +1024,7 @@ async def test_an_entry_of_more_blocks_than_the_push_queue_holds_reaches_the_tie
     (an 8B model's 32k-token prompt is 512 blocks of 8 MiB, against a queue of 256 MiB)."""
     n = 16 * 24 + 3
     caches = [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)]
-    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
-    tier = await started(relaxed(server.url, queue_items=2))
-    link = RemoteLink(tier, store)
+    store, tier, link = await pushing(tmp_path / "a", server.url, queue_items=2)
     try:
         await store.put(list(range(n)), caches, FILL_IDENT)
         assert await link.drain(30)
@@ -1040,9 +1043,7 @@ async def test_blocks_a_failed_push_left_out_go_with_the_next_entry_that_names_t
     on the tier (its chain began with them)."""
     short, n = 16 * 4 + 3, 16 * 8 + 3
     caches = [fill(C.KVCache(), short, heads=2, dim=8, seed=s) for s in range(2)]
-    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
-    tier = await started(relaxed(server.url, breaker_cooldown_s=60))
-    link = RemoteLink(tier, store)
+    store, tier, link = await pushing(tmp_path / "a", server.url, breaker_cooldown_s=60)
     try:
         for _ in range(tier.config.breaker_threshold):
             tier.breaker.failure()
@@ -1063,9 +1064,7 @@ async def test_blocks_a_failed_push_left_out_go_with_the_next_entry_that_names_t
 async def test_only_so_many_entries_wait_to_push_the_oldest_waiting_is_skipped(
     server: RedisServer, tmp_path: Any
 ) -> None:
-    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
-    tier = await started(relaxed(server.url))
-    link = RemoteLink(tier, store)
+    store, tier, link = await pushing(tmp_path / "a", server.url)
     waits = link_module.PUSHES_WAITING + 3
     try:
         async with link._turn:  # the turn held: every entry stored meanwhile waits for it
