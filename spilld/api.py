@@ -9,7 +9,8 @@ names, same parameters, same typed results:
   a ``concurrent.futures.Future``); ``Client``: a ``concurrent.futures.Future``, from any thread.
 - ``lookup(tokens, namespace)``: ``Hit | Miss``, without reading the file.
 - ``load(tokens, namespace, *, longer_than=0)``: the longest usable prefix as ``Loaded`` (cut to the match), or
-  None (also when it holds no more than ``longer_than`` tokens: the engine has that much in memory).
+  None (also when it holds no more than ``longer_than`` tokens: the engine has that much in memory). A read past
+  its deadline (a hung disk) raises ``StorageTimeout``; a lookup a hung daemon does not answer, ``Timeout``.
 - ``barrier(key)``: a future that settles once every spill queued before it is settled (in process, ``Spiller``
   also takes an ``action`` to run then).
 - ``checkpoint(tokens, caches, checkpoint)``, ``resume(key)``, ``finish(key)``: an in-flight generation's

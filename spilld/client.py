@@ -579,7 +579,9 @@ class AsyncClient:
         return self.timeout if self.server.get("remote") is True else min(self.timeout, LOOKUP_TIMEOUT_S)
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
-        """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss.
+        """Look up and read the longest usable prefix. A file gone since the lookup, or bad, is a miss; a read
+        that passes its deadline (a hung disk) raises ``StorageTimeout``, as a lookup the daemon does not answer
+        raises ``Timeout``.
 
         ``longer_than``: a prefix of at most this many tokens is not worth reading (the engine has as much in
         memory): None, and the daemon does not count it as a hit."""
@@ -613,8 +615,10 @@ class AsyncClient:
             except errors.SpillError as why:
                 log.debug("a bad file's report was not answered: %s", why)
             return None
+        except errors.StorageTimeout:
+            raise  # a hung disk: said, so that the caller can stop asking for a while (each ask would wait as long)
         except errors.SpillError:
-            return None  # evicted between lookup and open, a read past the deadline, or a file this model cannot use
+            return None  # evicted between lookup and open, or a file this model cannot use
         try:  # the daemon's LRU and histogram: the restore is done and good, whatever becomes of this report
             params = {"path": path, "restore_s": time.perf_counter() - t0}
             await self.call("touch", params, timeout=min(self.timeout, LOOKUP_TIMEOUT_S))

@@ -21,7 +21,7 @@ from . import api, errors, fileio
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .codecs import CodecProvider, default_provider
-from .entries import Hit, Miss, check_namespace, checkpoint_namespace
+from .entries import Hit, Miss, MissReason, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
 from .lockfile import FileLock
@@ -214,7 +214,8 @@ class Spiller:
 
     async def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the
-        prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit)."""
+        prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit).
+        A read that passes the store's I/O deadline (a hung disk) raises ``StorageTimeout``."""
         hit = await self.store.lookup_async(self.identity, check_namespace(namespace), token_list(tokens))
         if isinstance(hit, Miss) or hit.matched <= longer_than:
             return None
@@ -223,6 +224,8 @@ class Spiller:
 
     async def _restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | None:
         got = await self.store.restore_async(hit, ident)  # file I/O on worker threads, never on the engine's loop
+        if isinstance(got, Miss) and got.reason is MissReason.IO_TIMEOUT:  # a hung disk: said, as the clients say it
+            raise errors.StorageTimeout(f"a restore's read of {hit.entry.path} passed its deadline")
         return got if isinstance(got, Loaded) else None
 
     # --- generation checkpoints ----------------------------------------------------------

@@ -462,3 +462,38 @@ def _recording(enqueue: Any, out: list[Any]) -> Any:
         return fut
 
     return wrapped
+
+
+@pytest.mark.asyncio
+async def test_a_restore_read_past_its_deadline_raises_storage_timeout_on_every_way_in(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung disk is said, not passed off as a miss: an engine can then stop asking for a while (found in review:
+    every prompt that matched a file on a hung disk held the engine for the whole deadline)."""
+    import time
+
+    from mlx_lm.models.cache import KVCache
+
+    from spilld import client as client_mod
+    from tests.caches import fill
+    from tests.daemons import serving
+
+    tokens = list(range(1, 30))
+    ident = Identity(model_id="m")
+    async with spilld.Spiller(tmp_path, identity=ident) as sp:
+        assert (await sp.spill(tokens, [fill(KVCache(), 29)])).stored
+        sp.store.io_timeout = 0.2
+        read = sp.store.read_hit
+        monkeypatch.setattr(sp.store, "read_hit", lambda *a, **k: (time.sleep(0.6), read(*a, **k))[1])
+        with pytest.raises(errors.StorageTimeout):
+            await sp.load([*tokens, 1])
+        await asyncio.sleep(0.6)  # the read left to its thread ends
+    load = client_mod.load
+    monkeypatch.setattr(client_mod, "DEFAULT_IO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(client_mod, "load", lambda *a, **k: (time.sleep(0.6), load(*a, **k))[1])
+    with serving("--cap", "64MiB") as d:
+        async with AsyncClient(d.socket, identity=ident) as c:
+            assert (await c.spill(tokens, [fill(KVCache(), 29)])).stored
+            with pytest.raises(errors.StorageTimeout):
+                await c.load([*tokens, 1])
+            await asyncio.sleep(0.6)

@@ -9,6 +9,7 @@ The in-process tests cover the eviction path without HTTP.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -446,3 +447,91 @@ def test_wrapper_help_lists_both_option_sets() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "--spilld-dir" in out.stdout and "--prompt-cache-size" in out.stdout
+
+
+def test_a_model_whose_caches_are_cache_lists_is_spilled_and_restored(tmp_path: Any) -> None:
+    """Found in review: a ``CacheList`` has no offset of its own, so the integration never spilled models built of
+    them (falcon_h1, deepseek_v32, ...), though spilld stores them exactly."""
+    from tests.models import tiny_falcon_h1
+
+    model = tiny_falcon_h1()
+    tier = EmbeddedTier(str(tmp_path), model_identity(model, model_id="falcon"))
+    try:
+        lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
+        p = [5, *range(10, 50)]
+        cache = _prefilled(model, p)
+        assert covered_tokens([*p, 7], cache) == len(p)
+        lru.insert_cache("m", [*p, 7], cache)
+        tier._run(tier.spiller.drain(30))
+        assert lru.stats["spills"] == 1 and tier.spiller.store.counters.stored == 1
+        loaded = tier.load([*p, 7, 8])
+        assert loaded is not None and loaded.tokens == p
+        got = model(mx.array([[7, 8]]), cache=loaded.caches)
+        assert mx.array_equal(got, model(mx.array([[7, 8]]), cache=_prefilled(model, p))).item()
+    finally:
+        tier.close(30)
+
+
+def test_spills_the_tier_refused_at_once_are_not_counted(
+    tiny: tuple[Any, Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: ``spills`` and ``evictions_spilled`` counted spills refused on the spot (no daemon)."""
+    from spilld.format import Identity
+    from spilld.integrations import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 0.0)
+    nobody = tier_mod.DaemonTier(str(tmp_path / "nobody.sock"), Identity(model_id="x"))
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: nobody)
+    for i in range(3):
+        p = [i, *range(10, 20)]
+        lru.insert_cache("m", [*p, 1], _prefilled(tiny[0], p))  # each insert evicts the one before
+    assert lru.stats["spills"] == 0 and lru.stats["evictions_spilled"] == 0
+
+
+def test_a_restore_read_a_hung_disk_holds_backs_the_tier_off(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a read past its deadline was a plain miss, so every prompt that matched a file on a hung
+    disk held the generation thread for the whole I/O deadline, prompt after prompt. It is said now
+    (``StorageTimeout``), and the tier stops asking for a while, longer at each timeout in a row."""
+    from spilld.integrations import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 1.0)
+    model, _ = tiny
+    tier = make_tier()
+    store = tier.spiller.store
+    p = [3, *range(20, 60)]
+    assert tier.spill(p, _prefilled(model, p), droppable=False).result(30).stored
+    store.io_timeout = 0.3
+    read = store.read_hit
+    monkeypatch.setattr(store, "read_hit", lambda *a, **k: (time.sleep(1.0), read(*a, **k))[1])
+    lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
+    waits = []
+    for i in range(3):
+        t0 = time.monotonic()
+        cache, _ = lru.fetch_nearest_cache("m", [*p, 5, i])
+        waits.append(time.monotonic() - t0)
+        assert cache is None
+    assert waits[0] >= 0.3 and max(waits[1:]) < 0.1, waits  # one wait, then misses at once
+    time.sleep(1.1)  # the quiet second over: asked again, timed out again, quiet for twice as long
+    lru.fetch_nearest_cache("m", [*p, 5, 9])
+    time.sleep(1.1)
+    t0 = time.monotonic()
+    assert lru.fetch_nearest_cache("m", [*p, 5, 9])[0] is None and time.monotonic() - t0 < 0.1
+    monkeypatch.setattr(store, "read_hit", read)  # the disk answers again
+    time.sleep(1.2)
+    loaded = tier.load([*p, 5])
+    assert loaded is not None and loaded.tokens == p
+    time.sleep(1.5)  # let the reads left to their threads end
+
+
+def test_the_integrations_paths_are_absolute_with_the_home_folder_expanded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from spilld.integrations.mlx_lm import absolute_paths
+
+    monkeypatch.setenv("HOME", "/home/engine")
+    opts = argparse.Namespace(spilld_dir="~/cold", spilld_socket=None, spilld_metrics_file="m.prom")
+    absolute_paths(opts)
+    assert opts.spilld_dir == "/home/engine/cold" and opts.spilld_socket is None
+    assert opts.spilld_metrics_file == os.path.join(os.getcwd(), "m.prom")

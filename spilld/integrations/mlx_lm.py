@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from mlx_lm.models.cache import LRUPromptCache, PromptTrie
+from mlx_lm.models.cache import CacheList, LRUPromptCache, PromptTrie
 
 from .. import errors, mlxthreads
 from .. import format as fmt
@@ -55,7 +55,11 @@ def covered_tokens(tokens: Sequence[int], caches: Sequence[Any]) -> int | None:
 
 
 def _offset(cache: Any) -> int | None:
-    """A cache's position, when it keeps one as a number (a batch cache's per-sequence array is not one)."""
+    """A cache's position, when it keeps one as a number (a batch cache's per-sequence array is not one); a
+    ``CacheList``'s is its parts' lowest (it has no offset of its own: found in review, such models never spilled)."""
+    if isinstance(cache, CacheList):
+        offsets = [o for c in cache.caches if (o := _offset(c)) is not None]
+        return min(offsets) if offsets else None
     offset = getattr(cache, "offset", None)
     return offset if isinstance(offset, int) else None
 
@@ -123,7 +127,11 @@ class ColdTierPromptCache(LRUPromptCache):
         t0 = time.perf_counter()
         # blocks this thread, as the prefill it replaces would, only shorter; a prefix no longer than what memory
         # gave is neither read nor counted as a hit by the daemon
-        loaded = tier.load(tokens, longer_than=have)
+        try:  # (the tiers never raise; this is for what nobody foresaw: the request goes on regardless)
+            loaded = tier.load(tokens, longer_than=have)
+        except Exception as exc:
+            log.warning("cold-tier lookup failed: %s", exc)
+            loaded = None
         n = len(loaded.tokens) if loaded is not None else 0
         if loaded is None or n <= have:
             self.stats["cold_misses"] += 1
@@ -158,11 +166,18 @@ class ColdTierPromptCache(LRUPromptCache):
             self.stats["evictions_spilled"] += 1
 
     def _spill(self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool) -> bool:
+        """Hand the entry to the tier: True if it took it (a spill refused on the spot is not counted)."""
         tier = self._tier_for(model)
-        n = covered_tokens(tokens, caches)
-        if tier is None or not n or (held := held_to(caches, n)) is None:
+        try:  # the cold tier must never fail the server's request (its generation loop would end)
+            n = covered_tokens(tokens, caches)
+            if tier is None or not n or (held := held_to(caches, n)) is None:
+                return False
+            future = tier.spill(tokens[:n], held, droppable=droppable)
+        except Exception as exc:
+            log.warning("spill refused: %s", exc)
             return False
-        future = tier.spill(tokens[:n], held, droppable=droppable)
+        if future.done() and not future.result().stored:  # refused at once: no daemon, ids a file cannot hold
+            return False
         self.stats["spills"] += 1
         if droppable:
             key = (model, tuple(tokens))
@@ -257,6 +272,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def absolute_paths(opts: argparse.Namespace) -> None:
+    """The integration's paths, absolute and with ``~`` expanded, as the daemon's own (found in review: a quoted
+    '~/x', or --spilld-dir=~/x, wrote into a folder named '~' under the current one)."""
+    for name in ("spilld_dir", "spilld_socket", "spilld_metrics_file"):
+        if (path := getattr(opts, name)) is not None:
+            setattr(opts, name, os.path.abspath(os.path.expanduser(path)))
+
+
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -272,7 +295,7 @@ def _refuse(message: str) -> NoReturn:
 def describe_tier(socket: str | None, folder: str | None) -> str:
     """What the start-up line says: the folder written in-process, or the daemon's socket and whether it answers."""
     if folder is not None:
-        return f"cold tier: embedded (no daemon), files in {os.path.abspath(os.path.expanduser(folder))}"
+        return f"cold tier: embedded (no daemon), files in {folder}"
     path = socket or default_socket()
     if is_served(path):
         return f"cold tier: the spilld daemon at {path} (answers)"
@@ -302,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     parser = _parser()
     opts, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    absolute_paths(opts)
     if opts.spilld_dir and opts.spilld_socket:
         _refuse("--spilld-dir (no daemon) and --spilld-socket (a daemon) exclude each other: give one")
     if opts.spilld_metrics_file and not os.path.isdir(os.path.dirname(os.path.abspath(opts.spilld_metrics_file))):

@@ -26,7 +26,7 @@ from ..spiller import Spiller
 
 log = logging.getLogger("spilld.tier")
 
-RECONNECT_INTERVAL_S = 5.0  # how often an engine retries an unreachable daemon
+RECONNECT_INTERVAL_S = 5.0  # how often an engine retries an unreachable daemon, or asks again after a hung one
 
 
 class ColdTier(Protocol):
@@ -73,6 +73,40 @@ def guarded_load(load: Callable[[], Loaded | None], tokens: Sequence[int]) -> Lo
         return None
 
 
+MAX_QUIET_S = 300.0  # the longest a tier that keeps timing out goes unasked
+
+
+class Backoff:
+    """After a load that timed out (a lookup a hung daemon did not answer, a read a hung disk did not finish): no
+    load for ``RECONNECT_INTERVAL_S``, doubled at each timeout in a row up to ``MAX_QUIET_S``, since each would
+    block the engine's thread as long again; a load that answers in time ends it."""
+
+    def __init__(self) -> None:
+        self._quiet_until = 0.0
+        self._quiet_s = RECONNECT_INTERVAL_S
+
+    def load(self, load: Callable[[], Loaded | None], tokens: Sequence[int]) -> Loaded | None:
+        if time.monotonic() < self._quiet_until:
+            return None
+
+        def timed() -> Loaded | None:
+            try:
+                got = load()
+            except (errors.Timeout, errors.StorageTimeout) as exc:
+                self._quiet_until = time.monotonic() + self._quiet_s
+                self._quiet_s = min(2 * self._quiet_s, MAX_QUIET_S)
+                log.warning(
+                    "the cold tier did not answer in time (%s); lookups skipped for %.0f s",
+                    exc,
+                    self._quiet_until - time.monotonic(),
+                )
+                raise
+            self._quiet_s = RECONNECT_INTERVAL_S
+            return got
+
+        return guarded_load(timed, tokens)
+
+
 class EmbeddedTier:
     """A ``Spiller`` on a private event-loop thread: no daemon, the engine's process writes the files."""
 
@@ -80,6 +114,7 @@ class EmbeddedTier:
         self._lt, self.spiller = LoopThread.start_with(
             "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=identity, lease=lease, **kwargs))
         )
+        self._backoff = Backoff()
 
     def _run(self, coro: Any) -> Any:
         return self._lt.run(coro)
@@ -90,7 +125,7 @@ class EmbeddedTier:
         return guarded_spill(lambda: self.spiller.spill_threadsafe(tokens, caches, droppable=droppable), tokens)
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
-        return guarded_load(lambda: self._run(self.spiller.load(tokens, longer_than=longer_than)), tokens)
+        return self._backoff.load(lambda: self._run(self.spiller.load(tokens, longer_than=longer_than)), tokens)
 
     def stats(self) -> dict[str, Any]:
         return self.spiller.stats()
@@ -111,7 +146,7 @@ class DaemonTier:
         self.kwargs = kwargs
         self._client: Client | None = None
         self._next_try = 0.0
-        self._quiet_until = 0.0  # after a lookup timed out: no lookup before then (each would wait as long)
+        self._backoff = Backoff()
         self._connect()
 
     def _connect(self) -> Client | None:
@@ -134,18 +169,9 @@ class DaemonTier:
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
         client = self._connect()
-        if client is None or time.monotonic() < self._quiet_until:
+        if client is None:
             return None
-
-        def load() -> Loaded | None:
-            try:
-                return client.load(tokens, longer_than=longer_than)
-            except errors.Timeout:  # a hung daemon: the next prompts miss at once, for a while
-                self._quiet_until = time.monotonic() + RECONNECT_INTERVAL_S
-                log.warning("spilld daemon does not answer; lookups skipped for %.0f s", RECONNECT_INTERVAL_S)
-                raise
-
-        return guarded_load(load, tokens)  # a lost connection reconnects next time
+        return self._backoff.load(lambda: client.load(tokens, longer_than=longer_than), tokens)  # (reconnects later)
 
     def stats(self) -> dict[str, Any]:
         client = self._connect()
