@@ -465,3 +465,25 @@ def test_evict_through_the_daemon_shows_progress_on_a_terminal(daemon: Daemon) -
         os.close(main)
     assert r.returncode == 0 and b"evicted 3 entries" in r.stdout
     assert f"evicting from {daemon.dir}: 3 items" in shown, shown
+
+
+def test_status_text_shows_the_stores_misses_beside_the_shared_tiers(
+    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: with --remote, the lookups line printed the shared tier's misses as the store's."""
+    from spilld.cli.running import _print_status
+
+    st = json.loads(spilld("status", "--json", "--socket", daemon.socket).stdout)
+    st["store"]["misses"] = {"no_entry": 3}
+    st["remote"] = {"state": "open", "push": "all", "misses": {"down": 2}, "fill_misses": {"no_root": 1}}
+    _print_status(st)
+    out = capsys.readouterr().out
+    assert "misses: no_entry 3" in out and "misses: down 2, no_root 1" in out, out
+
+
+def test_evict_without_a_daemon_from_a_folder_it_cannot_lock_is_a_usage_error(tmp_path: Path) -> None:
+    """Found in review: exit 7 ('the daemon answered with an error'), where no daemon was involved."""
+    root = tmp_path / "store"
+    (root / ".spilld.lock").mkdir(parents=True)  # the lock file cannot be opened
+    r = spilld("evict", "--all", "--dir", str(root), "--socket", str(tmp_path / "none.sock"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot evict" in r.stderr, r.stderr

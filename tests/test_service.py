@@ -916,3 +916,12 @@ def test_numbers_from_the_environment_and_installed_files_are_bounded(tmp_path: 
     unit.unlink()
     os.mkfifo(unit)
     assert install.installed_stop_s("systemd", tmp_path) == default  # at once: a FIFO is never opened
+
+
+@pytest.mark.parametrize("deadline", [1209600.0, 2.5, 1e-05, 3153600000.0])
+def test_the_drain_deadline_a_unit_writes_is_one_the_daemon_reads_back_exactly(deadline: float) -> None:
+    """Found in review: 14 days were written '1.2096e+06', which the daemon refused (exit 2) at every start."""
+    from spilld.config import parse_duration
+
+    argv = ServiceSpec(cap="2GiB", drain_deadline=deadline).argv()
+    assert parse_duration(argv[argv.index("--drain-deadline") + 1], positive=True) == deadline

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+from .. import errors
 from ..config import format_size
 from .common import EXIT_OK, Progress, UsageError, ask, control, folder_arg, plural, socket_path
 from .files import quarantine_files
@@ -38,7 +39,12 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
     from ..store.scan import scan_root
 
     lock = FileLock(os.path.join(root, LOCK_NAME), f"the folder {root}")
-    lock.acquire()
+    try:
+        lock.acquire()
+    except errors.AlreadyRunning:
+        raise
+    except errors.SpillError as exc:  # no daemon involved: a folder this user cannot lock is a usage error (exit 2)
+        raise UsageError(f"{root}: cannot evict from it: {exc}") from None
     try:
         cutoff = time.time() - older if older is not None else None
         rows = [

@@ -6,6 +6,7 @@ writes them again; a test keeps them in step).
 
 from __future__ import annotations
 
+import decimal
 import math
 import os
 import plistlib
@@ -57,11 +58,17 @@ class ServiceSpec:
             args += ["--dir", self.dir]
         if self.socket:
             args += ["--socket", self.socket]
-        return [*args, "--drain-deadline", f"{self.drain_deadline:g}"]
+        return [*args, "--drain-deadline", seconds_arg(self.drain_deadline)]
 
     @property
     def stop_timeout_s(self) -> int:
         return stop_timeout_s(self.drain_deadline)
+
+
+def seconds_arg(seconds: float) -> str:
+    """A number of seconds as the daemon's --drain-deadline reads it back exactly: positional, never an exponent
+    (found in review: 14 days were written 1.2096e+06, which the daemon refused at every start)."""
+    return format(decimal.Decimal(repr(float(seconds))).normalize(), "f")
 
 
 def stop_timeout_s(drain_deadline: float) -> int:
