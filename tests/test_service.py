@@ -925,3 +925,17 @@ def test_the_drain_deadline_a_unit_writes_is_one_the_daemon_reads_back_exactly(d
 
     argv = ServiceSpec(cap="2GiB", drain_deadline=deadline).argv()
     assert parse_duration(argv[argv.index("--drain-deadline") + 1], positive=True) == deadline
+
+
+@pytest.mark.parametrize("action", ["status", "uninstall"])
+@pytest.mark.parametrize(
+    "extra", [["--cap", "9GiB"], ["--dir", "/x"], ["--drain-deadline", "5"], ["--no-socket-activation"]]
+)
+def test_options_only_install_uses_are_refused_by_the_other_actions(action: str, extra: list[str]) -> None:
+    """Found in review: status and uninstall ignored them (the README says an option is refused, never ignored)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld", "service", action, "--manager", "systemd", *extra],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    said = extra[0].replace("--no-", "--")
+    assert r.returncode == 2 and "only install uses them" in r.stderr and said in r.stderr, r.stderr

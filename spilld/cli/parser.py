@@ -327,21 +327,23 @@ def build_parser() -> argparse.ArgumentParser:
         "remove the files; status: are the files there and is it loaded "
         f"(exit {EXIT_NOT_INSTALLED} if not)",
     )
-    svc.add_argument("--dry-run", action="store_true", help="print the files and the commands; change nothing")
-    svc.add_argument("--cap", type=size_text_arg, default="4GiB", help="the daemon's --cap (default 4GiB)")
+    svc.add_argument(
+        "--dry-run", action="store_true", help="install, uninstall: print the files and the commands; change nothing"
+    )
+    svc.add_argument("--cap", type=size_text_arg, default=None, help="the daemon's --cap (default 4GiB)")
     with_dir(svc, "the daemon's --dir (default: its own default)")
     with_socket(svc, "the daemon's --socket (default: its own default)")
     svc.add_argument(
         "--drain-deadline",
         type=positive_duration_arg,
-        default=60.0,
+        default=None,
         help="the daemon's --drain-deadline (default 60); launchd's ExitTimeOut is this plus 30 s, systemd's stop "
         "timeout is 30 s, extended by the daemon while its drain advances",
     )
     svc.add_argument(
         "--socket-activation",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="let the manager own the socket and hand it to the daemon (default: on)",
     )
     svc.add_argument("--manager", choices=["launchd", "systemd"], default=None, help="default: the platform's own")

@@ -15,13 +15,20 @@ def _service_spec(args: argparse.Namespace) -> Any:
     from ..service.units import ServiceSpec
 
     absolute = lambda p: os.path.abspath(os.path.expanduser(p)) if p else None  # noqa: E731
-    return ServiceSpec(
-        cap=args.cap,
-        dir=absolute(args.dir),
-        socket=absolute(args.socket),
-        drain_deadline=args.drain_deadline,
-        socket_activation=args.socket_activation,
-    )
+    given = {k: v for k in ("cap", "drain_deadline", "socket_activation") if (v := getattr(args, k)) is not None}
+    return ServiceSpec(dir=absolute(args.dir), socket=absolute(args.socket), **given)  # the rest: its defaults
+
+
+INSTALL_ONLY = ("cap", "dir", "socket", "drain_deadline", "socket_activation")
+
+
+def _refuse_install_options(args: argparse.Namespace) -> None:
+    """An option ``install`` alone uses, given to ``status`` or ``uninstall``: refused, never ignored."""
+    given = [f"--{n.replace('_', '-')}" for n in INSTALL_ONLY if getattr(args, n) is not None]
+    if args.action == "status" and args.dry_run:
+        given.append("--dry-run")
+    if given:
+        raise UsageError(f"service {args.action} takes no {', '.join(given)} (only install uses them)")
 
 
 def _service_status(manager: Any, home: Path) -> int:
@@ -42,6 +49,8 @@ def cmd_service(args: argparse.Namespace) -> int:
     if manager is None:
         raise UsageError(f"no service manager for {sys.platform} (launchd or systemd)")
     home = Path.home()
+    if args.action != "install":
+        _refuse_install_options(args)
     if args.action == "status":
         return _service_status(manager, home)
     if args.action == "install":
