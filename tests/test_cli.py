@@ -487,3 +487,12 @@ def test_evict_without_a_daemon_from_a_folder_it_cannot_lock_is_a_usage_error(tm
     (root / ".spilld.lock").mkdir(parents=True)  # the lock file cannot be opened
     r = spilld("evict", "--all", "--dir", str(root), "--socket", str(tmp_path / "none.sock"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot evict" in r.stderr, r.stderr
+
+
+def test_a_socket_in_use_is_refused_before_the_store_folder_is_touched(daemon: Daemon, tmp_path: Path) -> None:
+    """Found in review: the daemon took and scanned its folder before it looked at its socket, so a refusal for a
+    socket in use came after the scan (a long wait on a big store), and left a new folder and its lock behind."""
+    fresh = tmp_path / "fresh"
+    r = spilld("serve", "--dir", str(fresh), "--socket", daemon.socket, "--cap", "64MiB")
+    assert r.returncode == 5 and "in use by another spilld" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not fresh.exists()

@@ -96,13 +96,12 @@ def _accepts(fn: Any, name: str) -> bool:
         return False
 
 
-async def bind(path: str, handler: Any, lock: FileLock | None = None) -> asyncio.AbstractServer:
-    """Bind the socket (0600) under ``lock`` (taken here if given and not yet held); replace a stale socket.
-
-    The socket's folder is made (0700) only if missing; see ``socket_folder``.
-    """
+def claim(path: str, lock: FileLock | None = None) -> None:
+    """Make the socket's path ours to bind: its folder ready (made 0700 only if missing; see ``socket_folder``),
+    ``lock`` taken if given and not yet held, a path in use or not a socket refused, a stale socket removed. A
+    daemon claims its socket before it touches its store's folder, so such a refusal leaves nothing behind."""
     socket_folder(path)
-    if lock is not None:
+    if lock is not None and not lock.held:
         lock.acquire()  # AlreadyRunning: another spilld starts or serves on this path
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -110,6 +109,11 @@ async def bind(path: str, handler: Any, lock: FileLock | None = None) -> asyncio
         if is_served(path):
             raise errors.AlreadyRunning(f"a daemon already listens on {path}")
         os.unlink(path)  # nobody listens: a stale socket from a crash (ours to remove: we hold the lock)
+
+
+async def bind(path: str, handler: Any, lock: FileLock | None = None) -> asyncio.AbstractServer:
+    """``claim`` the path (again: nothing to do if done), then bind the socket (0600)."""
+    claim(path, lock)
     old = os.umask(0o177)
     try:
         server = await asyncio.get_running_loop().create_unix_server(handler, path=path)

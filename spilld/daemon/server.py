@@ -37,7 +37,7 @@ from ..service.lifecycle import Lifecycle, Progress
 from ..store import Store
 from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, received_bytes
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
-from .listen import bind, serve_inherited, socket_lock
+from .listen import bind, claim, serve_inherited, socket_lock
 from .logs import CLIENT_ERROR_LOGS_PER_S, CLIENT_NAMES_KEPT, LogThrottle
 from .params import IDENTITY_FIELDS
 
@@ -92,7 +92,9 @@ class Daemon:
     """The service state shared by every connection. ``listener``: a listening socket handed over by a service
     manager (socket activation), served instead of binding ``cfg.socket``."""
 
-    def __init__(self, cfg: Config, listener: socket.socket | None = None) -> None:
+    def __init__(self, cfg: Config, listener: socket.socket | None = None, claimed: FileLock | None = None) -> None:
+        """``claimed``: the socket's lock, held by a caller that claimed the socket before this made the store's
+        folder (``run``); else the socket is claimed at ``start``."""
         self.cfg = cfg
         self.listener = listener
         self.service = Lifecycle.from_env()  # sd_notify; no-ops outside systemd
@@ -116,7 +118,7 @@ class Daemon:
         self._scrubbing: asyncio.Task[None] | None = None
         self.restore_seconds = LatencyHistogram(RESTORE_BUCKETS_S)
         self._server: asyncio.AbstractServer | None = None
-        self._socket_lock: FileLock | None = None
+        self._socket_lock: FileLock | None = claimed
         self._expiry: asyncio.TimerHandle | None = None
         self._signals = 0
         self._metrics_failing = False
@@ -126,8 +128,12 @@ class Daemon:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Own the folder, check it takes writes, scan it, then listen; a refusal releases what was taken."""
+        """Claim the socket, own the folder, check it takes writes, scan it, then listen; a refusal releases what was
+        taken. The socket's checks come first: a refusal for it touches no store folder and waits for no scan."""
         try:
+            if self.listener is None:
+                lock = self._socket_lock = self._socket_lock or socket_lock(self.cfg.socket)
+                await off_loop(lambda: claim(self.cfg.socket, lock))
             await off_loop(self._own_folder)
             async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan (a big store)
                 await off_loop(self.store.scan)
@@ -207,8 +213,7 @@ class Daemon:
         if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
             self._server = await serve_inherited(self.listener, lambda: Connection(self))
             self.cfg.socket = socket_path(self.listener) or self.cfg.socket
-        else:
-            self._socket_lock = socket_lock(self.cfg.socket)
+        else:  # claimed at the start, before the scan
             self._server = await bind(self.cfg.socket, lambda: Connection(self), self._socket_lock)
 
     def _release_locks(self) -> None:
@@ -496,8 +501,20 @@ def run(cfg: Config) -> int:
     import uvloop
 
     listener = inherited_listener()  # before anything could start a child: it unsets LISTEN_*
+    lock = None
+    if listener is None:  # a socket in use is refused before the store's folder is made or scanned
+        lock = socket_lock(cfg.socket)
+        try:
+            claim(cfg.socket, lock)
+        except BaseException:
+            lock.release()
+            raise
 
     async def main() -> int:
-        return await Daemon(cfg, listener).serve()
+        return await Daemon(cfg, listener, claimed=lock).serve()
 
-    return int(uvloop.run(main()))
+    try:
+        return int(uvloop.run(main()))
+    finally:
+        if lock is not None:
+            lock.release()
