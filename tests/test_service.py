@@ -66,6 +66,8 @@ def test_plist_holds_the_launchd_keys(tmp_path: Path) -> None:
 def test_deploy_files_are_the_rendered_examples() -> None:
     for rel, text in units.examples().items():
         assert (ROOT / "deploy" / rel).read_text() == text, f"deploy/{rel}: run python -m spilld.service.units deploy"
+        # found in review: a copy installed by hand carried the marker, so install replaced it and uninstall removed it
+        assert units.MARKER not in text and units.EXAMPLE_NOTE in text
     job = plistlib.loads((ROOT / "deploy" / "launchd" / units.PLIST_NAME).read_bytes())
     check_plist(job, "/Users/you", 60)
 

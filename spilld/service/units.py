@@ -221,13 +221,18 @@ EXAMPLE_LAUNCHD = ServiceSpec(command=("/Users/you/.local/bin/spilld",))
 EXAMPLE_SYSTEMD = ServiceSpec(command=("/home/you/.local/bin/spilld",))
 
 
+# An example copied by hand is its user's file, never one ``service install`` may replace or ``uninstall`` remove
+EXAMPLE_NOTE = "An example of what `spilld service install` writes; a copy installed by hand is yours alone."
+
+
 def examples() -> dict[str, str]:
-    """The files of ``deploy/``, by path relative to it."""
-    return {
+    """The files of ``deploy/``, by path relative to it: what ``install`` writes, without its marker."""
+    files = {
         f"launchd/{PLIST_NAME}": launchd_plist(EXAMPLE_LAUNCHD, Path("/Users/you")),
         f"systemd/{SERVICE_NAME}": systemd_service(EXAMPLE_SYSTEMD),
         f"systemd/{SOCKET_NAME}": systemd_socket(EXAMPLE_SYSTEMD),
     }
+    return {rel: text.replace(MARKER, EXAMPLE_NOTE) for rel, text in files.items()}
 
 
 if __name__ == "__main__":
