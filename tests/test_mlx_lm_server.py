@@ -535,3 +535,32 @@ def test_the_integrations_paths_are_absolute_with_the_home_folder_expanded(monke
     absolute_paths(opts)
     assert opts.spilld_dir == "/home/engine/cold" and opts.spilld_socket is None
     assert opts.spilld_metrics_file == os.path.join(os.getcwd(), "m.prom")
+
+
+def test_a_daemon_that_accepts_and_never_answers_is_tried_less_and_less_often(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: each try held the generation thread for the hello's bound, every RECONNECT_INTERVAL_S,
+    for as long as the daemon stayed hung (half the engine's time). Failed tries in a row now wait twice as long."""
+    from spilld import client as client_mod
+    from spilld.format import Identity
+    from spilld.integrations import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 0.2)
+    monkeypatch.setattr(client_mod, "CONNECT_TIMEOUT_S", 0.2)
+    path = str(tmp_path / "hung.sock")
+    hung = socket.socket(socket.AF_UNIX)
+    hung.bind(path)
+    hung.listen(64)  # accepts (the kernel's backlog), never answers
+    try:
+        t = tier_mod.DaemonTier(path, Identity(model_id="x"))
+        t0, tries = time.monotonic(), 1
+        while time.monotonic() - t0 < 3.0:
+            c0 = time.monotonic()
+            assert t.load([1, 2, 3]) is None
+            tries += time.monotonic() - c0 > 0.1  # a try: held for the hello's bound
+            time.sleep(0.02)
+        assert 3 <= tries <= 5, tries  # 0.2 s apart each time: 8
+        t.close(1)
+    finally:
+        hung.close()

@@ -146,17 +146,21 @@ class DaemonTier:
         self.kwargs = kwargs
         self._client: Client | None = None
         self._next_try = 0.0
+        self._retry_s = RECONNECT_INTERVAL_S  # doubled at each failed try in a row, up to MAX_QUIET_S
         self._backoff = Backoff()
         self._connect()
 
     def _connect(self) -> Client | None:
         if self._client is not None or time.monotonic() < self._next_try:
             return self._client
-        try:
+        try:  # on the engine's thread: a daemon that accepts and never answers holds it CONNECT_TIMEOUT_S a try
             self._client = Client(self.socket_path, identity=self.identity, **self.kwargs)
         except errors.SpillError as exc:
-            self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
-            log.warning("spilld daemon unreachable (%s); retrying in %.0f s", exc, RECONNECT_INTERVAL_S)
+            self._next_try = time.monotonic() + self._retry_s
+            log.warning("spilld daemon unreachable (%s); retrying in %.0f s", exc, self._retry_s)
+            self._retry_s = min(2 * self._retry_s, MAX_QUIET_S)
+        else:
+            self._retry_s = RECONNECT_INTERVAL_S
         return self._client
 
     def spill(
