@@ -564,3 +564,31 @@ def test_a_daemon_that_accepts_and_never_answers_is_tried_less_and_less_often(
         t.close(1)
     finally:
         hung.close()
+
+
+def test_a_stalled_writer_holds_at_most_a_few_evicted_caches_past_the_queue_cap(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """Found in review: every evicted cache was spilled not droppable, and a queue never sheds those, so a writer
+    that stalled (a hung disk, a stopped daemon) kept every cache the LRU let go in memory: the LRU's bounds no
+    longer bounded anything. Past LAST_COPIES_HELD the evicted caches are spilled droppable (shed over the cap)."""
+    import threading
+
+    from spilld.integrations import mlx_lm as integration
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine), queue_cap=1 << 20)
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    one = 0
+    with engine:  # the writer waits for the engine's lock: stalled
+        for i in range(16):
+            p = [3, i, *range(20, 400)]
+            cache = _prefilled(model, p)
+            one = max(one, sum(c.nbytes for c in cache))
+            lru.insert_cache("m", [*p, 1], cache)  # evicts the one before
+        q = tier.spiller.queue.counters()
+        assert lru.stats["evictions_spilled"] == 15
+        assert q["pending_bytes"] <= (1 << 20) + (integration.LAST_COPIES_HELD + 1) * one, (q, one)
+    tier._run(tier.spiller.drain(30))

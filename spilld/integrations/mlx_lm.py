@@ -43,6 +43,10 @@ log = logging.getLogger("spilld.mlx_lm")
 
 TierFor = Callable[[Any], ColdTier | None]
 
+# Evicted caches at once whose spill may not be shed (each the last copy, held in memory until written); past this,
+# an evicted cache is spilled droppable: a stalled writer would otherwise hold every cache the LRU let go
+LAST_COPIES_HELD = 4
+
 
 def covered_tokens(tokens: Sequence[int], caches: Sequence[Any]) -> int | None:
     """How many of ``tokens`` the caches hold: the server keys entries with the last, unfed token too.
@@ -116,6 +120,7 @@ class ColdTierPromptCache(LRUPromptCache):
         self._lock = threading.Lock()
         self._behind: dict[Key, concurrent.futures.Future[Settled]] = {}  # write-behinds in flight
         self._stored: set[Key] = set()  # entries in the LRU whose write-behind is on disk
+        self._last_copies: set[concurrent.futures.Future[Settled]] = set()  # evictions' spills, not droppable
         self.stats = {"restores": 0, "restored_tokens": 0, "cold_misses": 0, "spills": 0, "evictions_spilled": 0}
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
@@ -154,37 +159,56 @@ class ColdTierPromptCache(LRUPromptCache):
         for lru in self._lru._lrus.values():
             for model, tokens in list(lru):
                 if not self._is_stored((model, tuple(tokens))):
-                    n += self._spill(model, tokens, self._trie.get(model, tokens).prompt_cache, droppable=False)
+                    cache = self._trie.get(model, tokens).prompt_cache
+                    n += self._spill(model, tokens, cache, droppable=False) is not None
         return n
 
     def _evicted(self, model: Any, tokens: list[int], entry: Any) -> None:
         key = (model, tuple(tokens))
         stored = self._is_stored(key)
         self._forget(key)
-        # Not stored (still queued, shed or failed): this is the last copy, so it must not be dropped.
-        if not stored and self._spill(model, tokens, entry.prompt_cache, droppable=False):
-            self.stats["evictions_spilled"] += 1
+        if stored:
+            return
+        # Not stored (still queued, shed or failed): this is the last copy, so it must not be dropped, unless
+        # LAST_COPIES_HELD are waiting for their writes already (memory must stay bounded)
+        with self._lock:
+            keep = len(self._last_copies) < LAST_COPIES_HELD
+        future = self._spill(model, tokens, entry.prompt_cache, droppable=not keep, in_lru=False)
+        if future is None:
+            return
+        self.stats["evictions_spilled"] += 1
+        if keep:
+            with self._lock:
+                self._last_copies.add(future)
+            future.add_done_callback(self._written)
 
-    def _spill(self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool) -> bool:
-        """Hand the entry to the tier: True if it took it (a spill refused on the spot is not counted)."""
+    def _written(self, f: concurrent.futures.Future[Settled]) -> None:
+        with self._lock:
+            self._last_copies.discard(f)
+
+    def _spill(
+        self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool, in_lru: bool = True
+    ) -> concurrent.futures.Future[Settled] | None:
+        """Hand the entry to the tier: the future of its outcome, None if it did not take it (not counted). The
+        write-behind of an entry ``in_lru`` (a droppable one) is followed: once stored, its eviction spills nothing."""
         tier = self._tier_for(model)
         try:  # the cold tier must never fail the server's request (its generation loop would end)
             n = covered_tokens(tokens, caches)
             if tier is None or not n or (held := held_to(caches, n)) is None:
-                return False
+                return None
             future = tier.spill(tokens[:n], held, droppable=droppable)
         except Exception as exc:
             log.warning("spill refused: %s", exc)
-            return False
+            return None
         if future.done() and not future.result().stored:  # refused at once: no daemon, ids a file cannot hold
-            return False
+            return None
         self.stats["spills"] += 1
-        if droppable:
+        if droppable and in_lru:
             key = (model, tuple(tokens))
             with self._lock:
                 self._behind[key] = future
             future.add_done_callback(lambda f: self._settled(key, f))
-        return True
+        return future
 
     def _settled(self, key: Key, f: concurrent.futures.Future[Settled]) -> None:
         with self._lock:  # only this very write-behind, still current, counts
