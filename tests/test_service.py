@@ -941,3 +941,17 @@ def test_options_only_install_uses_are_refused_by_the_other_actions(action: str,
     )  # fmt: skip
     said = extra[0].replace("--no-", "--")
     assert r.returncode == 2 and "only install uses them" in r.stderr and said in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("bad", ["dir", "socket"])
+def test_install_refuses_a_dir_or_socket_serve_would_refuse(tmp_path: Path, bad: str) -> None:
+    """Found in review: install took a --dir that is a file (refused only when the service started) and a socket in
+    a folder other users can write (with socket activation the manager binds it: serve's check never runs)."""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    option = ["--dir", str(a_file)] if bad == "dir" else ["--socket", "/tmp/spilld-test.sock"]
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld", "service", "install", "--manager", "systemd", "--dry-run", *option],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr

@@ -8,15 +8,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, UsageError
+from ..config import default_dir
+from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, UsageError, folder_arg
 
 
 def _service_spec(args: argparse.Namespace) -> Any:
     from ..service.units import ServiceSpec
 
-    absolute = lambda p: os.path.abspath(os.path.expanduser(p)) if p else None  # noqa: E731
     given = {k: v for k in ("cap", "drain_deadline", "socket_activation") if (v := getattr(args, k)) is not None}
-    return ServiceSpec(dir=absolute(args.dir), socket=absolute(args.socket), **given)  # the rest: its defaults
+    folder = folder_arg(args.dir, default_dir, must_exist=False) if args.dir else None  # refused now, not at start
+    return ServiceSpec(dir=folder, socket=_service_socket(args.socket), **given)  # the rest: its defaults
+
+
+def _service_socket(path: str | None) -> str | None:
+    """``--socket`` as ``serve`` would take it, checked now (a folder other users can write is refused: under
+    socket activation the manager binds it, and ``serve``'s own check would never run)."""
+    if path is None:
+        return None
+    from ..config import check_socket_path
+    from ..daemon.listen import check_socket_folder
+
+    try:
+        full = check_socket_path(os.path.abspath(os.path.expanduser(path)))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if os.path.isdir(folder := os.path.dirname(full)):  # one that is missing is made, ours alone
+        check_socket_folder(folder)
+    return full
 
 
 INSTALL_ONLY = ("cap", "dir", "socket", "drain_deadline", "socket_activation")
