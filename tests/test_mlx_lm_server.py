@@ -592,3 +592,21 @@ def test_a_stalled_writer_holds_at_most_a_few_evicted_caches_past_the_queue_cap(
         assert lru.stats["evictions_spilled"] == 15
         assert q["pending_bytes"] <= (1 << 20) + (integration.LAST_COPIES_HELD + 1) * one, (q, one)
     tier._run(tier.spiller.drain(30))
+
+
+def test_a_daemon_not_there_yet_is_tried_every_interval(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: a daemon not started yet (or restarting) was backed off like a hung one, up to 5 minutes,
+    though a try of a missing socket costs the engine nothing."""
+    from spilld.format import Identity
+    from spilld.integrations import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 0.1)
+    t = tier_mod.DaemonTier(str(tmp_path / "later.sock"), Identity(model_id="x"))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:
+        assert t.load([1, 2, 3]) is None
+        time.sleep(0.02)
+    tries = sum("unreachable" in r.getMessage() for r in caplog.records)
+    assert tries >= 7, tries  # doubling: 4

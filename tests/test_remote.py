@@ -1064,21 +1064,65 @@ async def test_blocks_a_failed_push_left_out_go_with_the_next_entry_that_names_t
 async def test_only_so_many_entries_wait_to_push_the_oldest_waiting_is_skipped(
     server: RedisServer, tmp_path: Any
 ) -> None:
+    """Past PUSHES_WAITING the oldest waiting entry is skipped at once: its task ends then, not after every turn
+    before it (found in review), and the STORED event of what this host holds is published whatever its push."""
     store, tier, link = await pushing(tmp_path / "a", server.url)
     waits = link_module.PUSHES_WAITING + 3
     try:
-        async with link._turn:  # the turn held: every entry stored meanwhile waits for it
-            for i in range(waits):
-                caches = [fill(C.KVCache(), 16 + 1, heads=2, dim=8, seed=10 * i + s) for s in range(2)]
-                await store.put([1000 * (i + 1) + t for t in range(17)], caches, FILL_IDENT)
-            await wait_for(lambda: len(link._waiting) == link_module.PUSHES_WAITING)
+        assert await link._turns.take()  # the turn held: every entry stored meanwhile waits for it
+        for i in range(waits):
+            caches = [fill(C.KVCache(), 16 + 1, heads=2, dim=8, seed=10 * i + s) for s in range(2)]
+            await store.put([1000 * (i + 1) + t for t in range(17)], caches, FILL_IDENT)
+        await wait_for(lambda: link.counters()["pushing"] == link_module.PUSHES_WAITING)  # the skipped ones ended
+        assert tier.counters()["events_published"] == waits and link.counters()["pushes_skipped"] == 3
+        link._turns.give()
         assert await link.drain(30)
         # each entry pushed: its block, the block's reference and its manifest; the first one the layout's root
-        assert (
-            link.counters()["pushes_skipped"] == 3 and tier.counters()["pushed"] == 3 * link_module.PUSHES_WAITING + 1
-        )
+        assert tier.counters()["pushed"] == 3 * link_module.PUSHES_WAITING + 1
     finally:
         await link.close(1)
+
+
+@pytest.mark.asyncio
+async def test_an_entry_superseded_before_its_turn_pushes_nothing(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: the manifest was read last, so an entry superseded while it waited pushed its blocks with
+    references to a manifest the tier would never hold (a prompt branching inside them missed for good)."""
+    short, n = 16 * 2 + 3, 16 * 4 + 3
+    caches = [fill(C.KVCache(), short, heads=2, dim=8, seed=s) for s in range(2)]
+    store, tier, link = await pushing(tmp_path / "a", server.url)
+    try:
+        assert await link._turns.take()
+        await store.put(list(range(short)), caches, FILL_IDENT)
+        first = store.entries[0].path
+        for s, c in enumerate(caches):
+            c.update_and_fetch(*kv(n - short, heads=2, dim=8, seed=10 + s))
+        await store.put(list(range(n)), caches, FILL_IDENT)  # supersedes the first: its manifest goes
+        await wait_for(lambda: not os.path.exists(first))
+        link._turns.give()
+        assert await link.drain(30)
+        assert tier.counters()["pushed"] == 2 * 4 + 2  # the second entry's blocks, references, manifest, root
+        with server.client() as c:
+            refs = [c.get(keys.value_key("", k, Kind.REF)) for k in store.entries[0].blocks]
+        assert refs == [store.entries[0].blocks[-1]] * 4  # each names the manifest the tier holds
+    finally:
+        await link.close(1)
+    await filled_whole(tmp_path / "b", server.url, list(range(n)), caches)
+
+
+def test_the_push_queue_knows_what_it_has_not_finished() -> None:
+    """A push queued, or taken and not yet done, is not asked of the tier again (found in review: the next entry
+    found the blocks of the one before still queued, read them from disk again and queued them twice)."""
+    q = PushQueue(max_items=2)
+    a, b, c = (Push("", k, b"x") for k in chain(3))
+    assert q.offer(a) and q.offer(b) and q.pending("", a.key)
+    taken = q.take_now(1)
+    assert taken == [a] and q.pending("", a.key)  # taken: under way
+    q.done(taken)
+    assert not q.pending("", a.key)
+    assert q.offer(c) and q.offer(a) and not q.pending("", b.key)  # b dropped for room
+    assert not q.pending("", a.key, Kind.REF)  # a value of another kind under the same key
+    q.clear()
+    assert not any(q.pending("", p.key) for p in (a, b, c))
 
 
 @pytest.mark.asyncio

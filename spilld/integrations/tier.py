@@ -158,7 +158,10 @@ class DaemonTier:
         except errors.SpillError as exc:
             self._next_try = time.monotonic() + self._retry_s
             log.warning("spilld daemon unreachable (%s); retrying in %.0f s", exc, self._retry_s)
-            self._retry_s = min(2 * self._retry_s, MAX_QUIET_S)
+            # a daemon that answered nothing in time costs each try a wait: tried less and less often; one that
+            # is not there (not started yet, restarting) costs nothing: tried every RECONNECT_INTERVAL_S
+            hung = isinstance(exc, errors.Timeout)
+            self._retry_s = min(2 * self._retry_s, MAX_QUIET_S) if hung else RECONNECT_INTERVAL_S
         else:
             self._retry_s = RECONNECT_INTERVAL_S
         return self._client

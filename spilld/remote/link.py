@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -81,11 +80,42 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-@dataclasses.dataclass(eq=False)
-class _Waiting:
-    """An entry's push waiting for its turn; ``skipped`` once too many newer ones wait behind it."""
+class Turns:
+    """Turns taken one at a time, in order; at most ``limit`` wait, and past that the oldest waiting is told at once
+    that it is skipped (its task ends then, not after every turn before it)."""
 
-    skipped: bool = False
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.skipped = 0
+        self._busy = False
+        self._waiting: deque[asyncio.Future[bool]] = deque()
+
+    async def take(self) -> bool:
+        """Wait for the turn: True once it is ours (``give`` it back), False if skipped."""
+        if not self._busy and not self._waiting:
+            self._busy = True
+            return True
+        me: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting.append(me)
+        if len(self._waiting) > self.limit:
+            self._waiting.popleft().set_result(False)
+            self.skipped += 1
+        try:
+            return await me
+        except asyncio.CancelledError:
+            if me in self._waiting:
+                self._waiting.remove(me)
+            elif me.done() and not me.cancelled() and me.result():
+                self.give()  # handed the turn as it was cancelled: pass it on
+            raise
+
+    def give(self) -> None:
+        """The turn is done: the next waiting takes it."""
+        while self._waiting:
+            if not (nxt := self._waiting.popleft()).done():
+                nxt.set_result(True)
+                return
+        self._busy = False
 
 
 class _Absent(Exception):
@@ -105,9 +135,7 @@ class RemoteLink:
         self._pushing: set[asyncio.Task[Any]] = set()  # pushes being read and queued, events being published
         self._gone: dict[str, list[bytes]] = {}  # blocks reclaimed this loop turn, by namespace
         self._evicting: set[asyncio.Task[Any]] = set()  # evicted entries being read and queued
-        self._turn = asyncio.Lock()  # one entry's pushes queued at a time, in the order they were stored
-        self._waiting: deque[_Waiting] = deque()  # entries waiting for that turn, oldest first
-        self.pushes_skipped = 0  # entries whose push was skipped: too many waiting
+        self._turns = Turns(PUSHES_WAITING)  # one entry's pushes queued at a time, in the order they were stored
         self.evicted_skipped = 0  # evicted entries not pushed: too many in flight, or the tier not taking pushes
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
@@ -144,10 +172,10 @@ class RemoteLink:
         task.add_done_callback(into.discard)
 
     async def _stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
-        if self.push == "all" and not await self._push(entry, self.store.named_blocks(entry), root):
-            return
-        if written:
+        if written:  # what this host holds now, whatever becomes of the push (and before a later eviction's event)
             await self.tier.publish_event(EventKind.STORED, entry.namespace, [r.key for r in written], self.host)
+        if self.push == "all":
+            await self._push(entry, self.store.named_blocks(entry), root)
 
     async def _push_evicted(self, entry: Entry, named: list[Block], paths: list[str]) -> None:
         try:
@@ -167,22 +195,19 @@ class RemoteLink:
         meanwhile: what was not read is not pushed), the tier stopped taking pushes, or the push was skipped."""
         if not self.tier.taking_pushes:  # (down, disabled, or its breaker open): every offer would be refused
             return False
-        me = _Waiting()
-        self._waiting.append(me)
-        if len(self._waiting) > PUSHES_WAITING:
-            self._waiting.popleft().skipped = True
+        if not await self._turns.take():
+            return False  # skipped: newer entries waited behind it (theirs carry its blocks that they name)
         try:
-            async with self._turn:
-                if me.skipped:
-                    self.pushes_skipped += 1
-                    return False
-                self._waiting.remove(me)
-                return await self._push_in_turn(entry, recs, root, manifest)
+            return await self._push_in_turn(entry, recs, root, manifest)
         finally:
-            if me in self._waiting:
-                self._waiting.remove(me)
+            self._turns.give()
 
     async def _push_in_turn(self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None) -> bool:
+        try:  # the manifest first: one superseded meanwhile (its file gone) pushes nothing, never blocks whose
+            if manifest is None:  # references would name a manifest the tier will not hold (the next entry heals)
+                manifest = await off_loop(functools.partial(_read, entry.path), background=True)
+        except OSError:
+            return False
         ns = entry.namespace
         space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
         offer = self.tier.offer_in_turn
@@ -202,8 +227,6 @@ class RemoteLink:
                 data = await off_loop(functools.partial(_read, rec.path), background=True)
                 if not (await offer(ns, rec.key, data) and await offer(ns, rec.key, last, Kind.REF)):
                     return False
-            if manifest is None:
-                manifest = await off_loop(functools.partial(_read, entry.path), background=True)
         except OSError:
             return False
         return await offer(ns, last, manifest, Kind.MANIFEST)
@@ -406,7 +429,7 @@ class RemoteLink:
             "fill_misses": dict(self.fill_misses),
             "pushing": len(self._pushing) + len(self._evicting),
             "evicted_skipped": self.evicted_skipped,
-            "pushes_skipped": self.pushes_skipped,
+            "pushes_skipped": self._turns.skipped,
             "fills_shared": self.fills_shared,
         }
 

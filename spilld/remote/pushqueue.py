@@ -4,7 +4,7 @@ producer whose pushes must all land in order (an entry's chain of blocks) waits 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from .keys import Kind
@@ -34,6 +34,7 @@ class PushQueue:
         self._bytes = 0
         self._ready = asyncio.Event()
         self._took = asyncio.Event()  # set whenever pushes leave the queue: room may have been made
+        self._pending: Counter[tuple[str, bytes, Kind]] = Counter()  # queued or taken and not yet ``done``
         self.dropped = 0  # pushes dropped to make room for newer ones
         self.refused = 0  # pushes larger than the whole queue
 
@@ -49,6 +50,21 @@ class PushQueue:
         that ``offer`` would not refuse)."""
         return not self._items or (len(self._items) < self.max_items and self._bytes + size <= self.max_bytes)
 
+    def pending(self, namespace: str, key: bytes, kind: Kind = Kind.BLOCK) -> bool:
+        """A push of this value is queued, or taken and not yet ``done``: asking the tier for it would say absent."""
+        return self._pending[(namespace, key, kind)] > 0
+
+    def done(self, pushes: list[Push]) -> None:
+        """Pushes taken are finished (written or failed)."""
+        for p in pushes:
+            self._forget(p)
+
+    def _forget(self, p: Push) -> None:
+        name = (p.namespace, p.key, p.kind)
+        self._pending[name] -= 1
+        if self._pending[name] <= 0:
+            del self._pending[name]
+
     async def room(self) -> None:
         """Wait until some pushes leave the queue (taken or cleared)."""
         self._took.clear()
@@ -61,9 +77,12 @@ class PushQueue:
             self.refused += 1
             return False
         while self._items and (len(self._items) >= self.max_items or self._bytes + size > self.max_bytes):
-            self._bytes -= len(self._items.popleft().data)
+            old = self._items.popleft()
+            self._bytes -= len(old.data)
+            self._forget(old)
             self.dropped += 1
         self._items.append(push)
+        self._pending[(push.namespace, push.key, push.kind)] += 1
         self._bytes += size
         self._ready.set()
         return True
@@ -96,6 +115,8 @@ class PushQueue:
     def clear(self) -> int:
         """Drop every waiting push (the tier is disabled); returns how many."""
         n = len(self._items)
+        for p in self._items:
+            self._forget(p)
         self._items.clear()
         self._bytes = 0
         self._ready.clear()

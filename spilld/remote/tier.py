@@ -281,18 +281,28 @@ class RemoteTier:
         return self.offer(namespace, key, data, kind)
 
     async def absent(self, namespace: str, keys: Sequence[bytes]) -> list[bytes] | None:
-        """Which of the blocks ``keys`` the tier does not hold (pipelined EXISTS, ``PROBE_BATCH_KEYS`` a round trip,
-        each bounded by ``push_timeout_s``); None if the tier could not say."""
+        """Which of the blocks ``keys`` the tier neither holds nor has a push of under way (pipelined EXISTS,
+        ``PROBE_BATCH_KEYS`` a round trip, each bounded by ``push_timeout_s``); None if the tier could not say
+        (those keys counted in ``push_failed``). Those it holds count in ``push_present``."""
+        asked = [k for k in keys if not self.queue.pending(namespace, k)]
         out: list[bytes] = []
-        for lo in range(0, len(keys), PROBE_BATCH_KEYS):
-            batch = keys[lo : lo + PROBE_BATCH_KEYS]
+        for lo in range(0, len(asked), PROBE_BATCH_KEYS):
+            batch = asked[lo : lo + PROBE_BATCH_KEYS]
             r = await self._call(
                 _pipeline([_cmd("exists", rkeys.block_key(namespace, k, self.key_tag)) for k in batch]),
                 self.config.push_timeout_s,
             )
-            if isinstance(r, _Failed) or any(isinstance(x, Exception) for x in r):
+            failed = (
+                r.reason
+                if isinstance(r, _Failed)
+                else next((_reason_of(x) for x in r if isinstance(x, Exception)), None)
+            )
+            if failed is not None:
+                self.stats.push_failed[failed] += len(asked) - lo
                 return None
+            assert not isinstance(r, _Failed)
             out += [k for k, there in zip(batch, r, strict=True) if there != 1]
+            self.stats.push_present += sum(1 for there in r if there == 1)
         return out
 
     async def push(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
@@ -310,6 +320,7 @@ class RemoteTier:
                 self.stats.push_failed[Reason.REFUSED] += len(batch)
             finally:
                 self._busy = 0
+                self.queue.done(batch)
 
     async def _push_batch(self, batch: Sequence[Push]) -> list[bool]:
         """Probe the batch's keys, then write the absent ones: shared prefixes cross the network once."""
