@@ -1109,6 +1109,36 @@ async def test_an_entry_superseded_before_its_turn_pushes_nothing(server: RedisS
     await filled_whole(tmp_path / "b", server.url, list(range(n)), caches)
 
 
+@pytest.mark.asyncio
+async def test_an_evicted_entrys_files_go_as_its_push_reads_them(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: with --remote-push evicted, every file of an evicted entry was kept from its unlink until its
+    whole push was queued (minutes for 8 entries of 512 blocks), the disk over its cap meanwhile."""
+    n = 16 * 3 + 3
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url, queue_items=1))
+    link = RemoteLink(tier, store, push="evicted")
+    real = tier._push_batch
+
+    async def slow(batch: Any) -> list[bool]:  # a slow link to the tier: the push queue fills, the push waits
+        await asyncio.sleep(0.3)
+        return await real(batch)
+
+    tier._push_batch = slow  # type: ignore[method-assign]
+    try:
+        await store.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        first = [store.block_path(k) for k in store.entries[0].blocks]
+        store.disk_cap = store.total_bytes + 1024  # the next entry evicts this one
+        other = [fill(C.KVCache(), n, heads=2, dim=8, seed=7 + s) for s in range(2)]
+        await store.put([5000 + t for t in range(n)], other, FILL_IDENT)
+        assert store.count == 1
+        await wait_for(lambda: not os.path.exists(str(first[0])), 3.0)
+        assert link.counters()["pushing"] == 1 and os.path.exists(str(first[-1]))  # its push goes on
+        assert await link.drain(30)
+        assert not any(os.path.exists(str(p)) for p in first) and tier.counters()["pushed"] == 2 * 3 + 2
+    finally:
+        await link.close(1)
+
+
 def test_the_push_queue_knows_what_it_has_not_finished() -> None:
     """A push queued, or taken and not yet done, is not asked of the tier again (found in review: the next entry
     found the blocks of the one before still queued, read them from disk again and queued them twice)."""

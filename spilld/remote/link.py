@@ -25,7 +25,7 @@ import logging
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -178,18 +178,38 @@ class RemoteLink:
             await self._push(entry, self.store.named_blocks(entry), root)
 
     async def _push_evicted(self, entry: Entry, named: list[Block], paths: list[str]) -> None:
+        kept = set(paths)
+
+        def let_go(path: str) -> None:  # read, or not needed: its unlink need not wait for the rest of the push
+            if path in kept:
+                kept.remove(path)
+                self.store.release_file(path)
+
         try:
             manifest = await off_loop(functools.partial(_read, entry.path), background=True)
+            let_go(entry.path)
             header = header_from_bytes(manifest, len(manifest))
-            await self._push(entry, named, blocks.header_root(header, entry.block_size), manifest)
+            await self._push(entry, named, blocks.header_root(header, entry.block_size), manifest, let_go)
         except (OSError, errors.SpillError) as exc:  # not readable: nothing of it is pushed
             log.debug("evicted entry %s not pushed: %s", entry.path, exc)
         finally:
-            for p in paths:
-                self.store.release_file(p)
+            for p in list(kept):
+                let_go(p)
             await self.store.delete_doomed_async()
 
-    async def _push(self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None = None) -> bool:
+    async def _let_go_now(self, let_go: Callable[[str], None], path: str) -> None:
+        """``let_go(path)``, and the files no longer kept unlinked now (the disk over its cap meanwhile)."""
+        let_go(path)
+        await self.store.delete_doomed_async()
+
+    async def _push(
+        self,
+        entry: Entry,
+        recs: list[Block],
+        root: bytes,
+        manifest: bytes | None = None,
+        let_go: Callable[[str], None] = lambda _: None,
+    ) -> bool:
         """In its turn, offer those of ``recs`` the tier lacks (each with a reference to the entry's last block),
         then the entry's manifest and its layout's root: False if a file could not be read (evicted or superseded
         meanwhile: what was not read is not pushed), the tier stopped taking pushes, or the push was skipped."""
@@ -198,11 +218,14 @@ class RemoteLink:
         if not await self._turns.take():
             return False  # skipped: newer entries waited behind it (theirs carry its blocks that they name)
         try:
-            return await self._push_in_turn(entry, recs, root, manifest)
+            return await self._push_in_turn(entry, recs, root, manifest, let_go)
         finally:
             self._turns.give()
 
-    async def _push_in_turn(self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None) -> bool:
+    async def _push_in_turn(
+        self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None, let_go: Callable[[str], None]
+    ) -> bool:
+        """``let_go(path)`` is told of each block file once it is read, or found not needed."""
         try:  # the manifest first: one superseded meanwhile (its file gone) pushes nothing, never blocks whose
             if manifest is None:  # references would name a manifest the tier will not hold (the next entry heals)
                 manifest = await off_loop(functools.partial(_read, entry.path), background=True)
@@ -223,8 +246,10 @@ class RemoteLink:
         try:
             for rec in recs:
                 if rec.key not in todo:
+                    let_go(rec.path)
                     continue
                 data = await off_loop(functools.partial(_read, rec.path), background=True)
+                await self._let_go_now(let_go, rec.path)
                 if not (await offer(ns, rec.key, data) and await offer(ns, rec.key, last, Kind.REF)):
                     return False
         except OSError:
