@@ -44,18 +44,20 @@ def _free(port: int) -> bool:
 
 
 def wait_pingable(proc: subprocess.Popen[bytes], client: Callable[[], redis.Redis], log: Callable[[], str]) -> None:
-    """Until a new ``client()`` answers PING; the server's ``log()`` if it exits first."""
+    """Until a new ``client()`` answers PING from ``proc`` itself; the server's ``log()`` if it exits first. (Another
+    test run's server may hold the port a moment before ours fails to bind it: its answer is not ours.)"""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         assert proc.poll() is None, log()
         try:
             with client() as c:
-                c.ping()
-            return
+                if int(c.info("server")["process_id"]) == proc.pid:
+                    return
         except redis.ConnectionError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.02)
+        assert time.monotonic() < deadline, f"another server answers on our port: {log()}"
+        time.sleep(0.02)
 
 
 @dataclass

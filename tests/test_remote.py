@@ -1075,6 +1075,7 @@ async def test_only_so_many_entries_wait_to_push_the_oldest_waiting_is_skipped(
             await store.put([1000 * (i + 1) + t for t in range(17)], caches, FILL_IDENT)
         await wait_for(lambda: link.counters()["pushing"] == link_module.PUSHES_WAITING)  # the skipped ones ended
         assert tier.counters()["events_published"] == waits and link.counters()["pushes_skipped"] == 3
+        assert not await link.drain(0.2)  # pushes still to come: not drained (it said so of an empty queue)
         link._turns.give()
         assert await link.drain(30)
         # each entry pushed: its block, the block's reference and its manifest; the first one the layout's root

@@ -273,10 +273,14 @@ class RemoteLink:
             task.add_done_callback(self._pushing.discard)
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait for the pushes being read and queued, then for the tier's queue."""
+        """Wait for the pushes being read and queued, then for the tier's queue, ``timeout_s`` in all: False if
+        either was not done by then."""
+        end = time.monotonic() + timeout_s
         if work := self._pushing | self._evicting:
-            await asyncio.wait(list(work), timeout=timeout_s)
-        return await self.tier.drain(timeout_s)
+            _, left = await asyncio.wait(list(work), timeout=timeout_s)
+            if left:
+                return False
+        return await self.tier.drain(max(0.0, end - time.monotonic()))
 
     # --- fill ---------------------------------------------------------------------------------------------
 
