@@ -610,3 +610,32 @@ def test_a_daemon_not_there_yet_is_tried_every_interval(
         time.sleep(0.02)
     tries = sum("unreachable" in r.getMessage() for r in caplog.records)
     assert tries >= 7, tries  # doubling: 4
+
+
+def test_a_rank_other_than_0_stops_its_generation_before_the_tier_drains(model_dir: str, tmp_path: Any) -> None:
+    """In a distributed run only rank 0 serves HTTP; the others wait on their generation thread. Found in review:
+    a stop signal there cut that wait short, so the drain ran beside a generation still decoding, and exit was 1."""
+    log = tmp_path / "rank1.log"
+    script = (
+        "import mlx.core as mx\n"
+        "class Rank1:\n"
+        "    def rank(self): return 1\n"
+        "    def size(self): return 1\n"
+        "mx.distributed.init = lambda *a, **k: Rank1()\n"
+        "from spilld.integrations.mlx_lm import main\n"
+        f"main(['--model', {model_dir!r}, '--port', '0', '--spilld-dir', {str(tmp_path / 'store')!r}])\n"
+    )
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=f)
+    try:
+        deadline = time.monotonic() + 120
+        while "cold tier: embedded" not in _read(log):
+            assert proc.poll() is None and time.monotonic() < deadline, _read(log)
+            time.sleep(0.2)
+        time.sleep(1.0)  # the generation thread started, waiting for requests
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, _read(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "mlx_lm.server failed" not in _read(log) and "cold tier counters:" in _read(log)
