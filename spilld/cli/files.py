@@ -133,10 +133,15 @@ def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Heade
 
 def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
     """Check every entry of a store: (files checked, bad ones); bad ones are printed as they are found."""
+    from ..store.folders import unlistable_folders
+
     files = store_files(root)
     sizes = {p: os.path.getsize(p) if os.path.exists(p) else 0 for p, _ in files}
     progress = Progress(f"verifying {root}", quiet=quiet)
     left_bytes, bad = sum(sizes.values()), 0
+    for folder in unlistable_folders(root):  # its entries cannot be checked: a failed check, said
+        bad += 1
+        print(f"BAD  {folder}: a folder of the store that cannot be listed (permission denied)")
     for i, (path, fp) in enumerate(files):
         progress.show(len(files) - i, left_bytes)
         why, _ = _check_file(path, fp)
@@ -200,6 +205,7 @@ def quarantine_files(root: str) -> list[dict[str, Any]]:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..config import default_dir
     from ..store import list_entries
+    from ..store.folders import unlistable_folders
 
     root = folder_arg(args.dir, default_dir, must_exist=args.dir is not None)  # the default may not be made yet
     if args.quarantine:
@@ -214,6 +220,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{plural(len(qrows), 'quarantined file')}, {total} in {root}")
         return EXIT_OK
     rows = list_entries(root)
+    for folder in unlistable_folders(root):  # its entries are not in the list: said, on stderr
+        print(f"spilld: {folder}: cannot be listed (permission denied); its entries are left out", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK

@@ -49,6 +49,21 @@ def folder_names(folder: str) -> list[str]:
         return []
 
 
+def unlistable_folders(root: str) -> list[str]:
+    """The folders a walk of ``root`` looks into (the root, its model and namespace folders) that cannot be listed:
+    a walk skips them, so a command that reports on a whole store must say so."""
+    folders = [root, *(d for d, _ in identity_folders(root)), *(f for f, _, _ in namespace_folders(root))]
+    out = []
+    for folder in folders:
+        try:
+            os.listdir(folder)
+        except PermissionError:
+            out.append(folder)
+        except OSError:  # gone meanwhile, or not a folder: nothing of ours to report
+            continue
+    return out
+
+
 class FolderClaims:
     """Folders a save writes into, counted: the sweep of empty folders leaves a claimed one, and its model folder,
     alone until released. Thread-safe: saves claim on the loop, the sweep runs on a worker thread."""
