@@ -325,3 +325,32 @@ async def test_barriers_waiting_at_the_daemon_keep_to_the_clients_in_flight_boun
         ops.release.set()
         assert (await blocker).stored
         assert [(await b).outcome for b in barriers] == [Outcome.STORED] * len(barriers)
+
+
+@pytest.mark.asyncio
+async def test_the_waits_of_a_client_that_is_gone_end_with_it() -> None:
+    """Found in review: a drain a client asked for went on after it vanished (each polling until the queue emptied
+    or its timeout, up to a century), so clients that asked and left piled up tasks without bound."""
+    async with writer_held() as (socket, ops), AsyncClient(socket, identity=IDENT, shm=False) as c:
+        blocker = await held_by(c, ops)  # the queue stays busy: a drain waits
+        asking = await AsyncClient.open(socket, identity=IDENT)
+        waits = [asyncio.ensure_future(asking.call("drain", {"timeout": 3600.0}, timeout=None)) for _ in range(20)]
+        await wait_until(lambda: len(named("drain")) == 20)
+        assert asking._writer is not None
+        asking._writer.transport.abort()  # gone, its answers never to be read
+        await wait_until(lambda: not named("drain"))
+        await asyncio.gather(*waits, return_exceptions=True)
+        await asking.close(timeout=1)
+        ops.release.set()
+        assert (await blocker).stored
+
+
+def named(name: str) -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == name and not t.done()]
+
+
+async def wait_until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "not within the bound"
+        await asyncio.sleep(0.02)

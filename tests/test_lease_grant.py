@@ -145,3 +145,46 @@ def test_no_grant_in_time_fails_the_write_and_a_late_grant_is_let_go_at_once() -
         client.close()
         daemon.kill()
         cleanup(daemon.root)
+
+
+class NeverGrants:
+    """An engine lease that takes its own turns (the client's reads of its caches) but never answers the daemon's
+    asks for one (the client's grant is the call that holds the turn: ``AsyncClient._grant``'s ``hold``)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    async def __call__(self, fn: Any, /) -> Any:
+        import asyncio
+
+        if getattr(fn, "__name__", "") == "hold":
+            await asyncio.to_thread(self.open.wait)
+        return await asyncio.to_thread(fn)
+
+
+def test_an_engine_that_missed_a_grant_holds_the_daemons_writer_once_not_once_an_item() -> None:
+    """Found in review: the daemon has one writer, and each item of a grantor that does not answer held it for a
+    request timeout, so one stuck engine delayed every other client's writes by that much per item. After one missed
+    grant its items fail at once; another client's write waits one timeout at most."""
+    args = ["--cap", "256MiB", "--block-tokens", "0", "--request-timeout", "2"]
+    daemon = Daemon(new_root(), args).start()
+    lease = NeverGrants()
+    stuck = Client(daemon.socket, identity=spilld.Identity("stuck"), name="stuck", lease=lease, grant_lease=True)
+    other = Client(daemon.socket, identity=spilld.Identity("other"), name="other")
+    try:
+        items = [stuck.spill([i, *range(15)], [fill(C.KVCache(), 16, seed=i)]) for i in range(4)]
+        time.sleep(0.3)  # all four committed: queued at the daemon ahead of the other client's
+        t0 = time.monotonic()
+        assert other.spill(list(range(100, 116)), [fill(C.KVCache(), 16, seed=9)]).result(timeout=60).stored
+        waited = time.monotonic() - t0
+        assert waited < 2 * 2, waited  # one missed grant (2 s), not one an item (8 s)
+        outcomes = [f.result(timeout=60) for f in items]
+        assert all(s.outcome.value == "failed" and s.error is not None and s.error.code == "timeout" for s in outcomes)
+        st = other.status()
+        assert st["store"]["store_errors"] == 0  # an engine's missed grant is no failed write of the disk's
+    finally:
+        lease.open.set()
+        stuck.close()
+        other.close()
+        daemon.kill()
+        cleanup(daemon.root)

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from spilld import errors
 from spilld import format as fmt
 from spilld import protocol as P
 from spilld.admission import MAX_ADMIT_AFTER
@@ -458,3 +459,16 @@ async def test_max_event_keys_fit_one_stream_entry_one_more_takes_two(redis: Red
         assert tier.counters()["events_published"] == 3
     finally:
         await tier.close()
+
+
+def test_a_lookups_tokens_are_held_as_4_bytes_each() -> None:
+    """Found in review: a lookup decoded its tokens into a list (28 + 8 bytes a token: 39 MiB for a 4 MiB message)
+    and held it while it waited for the comparison threads or a fill."""
+    import numpy as np
+
+    raw = fmt.encode_tokens(list(range(1_000_000)))
+    got = fmt.token_array(raw)
+    assert isinstance(got, np.ndarray) and got.dtype == np.dtype("<u4") and got.nbytes == len(raw)
+    assert got.tolist() == fmt.decode_tokens(raw)
+    with pytest.raises(errors.HeaderMalformed):
+        fmt.token_array(raw[:-1])

@@ -273,3 +273,25 @@ def test_a_small_put_shm_that_does_not_end_its_tensor_fails_its_spill(small: Dae
     assert n.params["code"] == "bad_params" and str(MIN_SHM_PUT_BYTES) in n.params["message"]
     assert w.note("shm_free").params["names"] == [name]
     w.close()
+
+
+def test_a_put_payload_stays_counted_until_read_whatever_ends_its_spill(small: Daemon) -> None:
+    """Found in review: an abort read just before a put's payload released the spill's count while the payload went
+    on filling its buffer (up to 64 MiB a connection) uncounted. The count now goes when the payload is read."""
+    w = Wire(small.socket)
+    w.hello()
+    rows = 4096  # 8 heads x 128 dims x f16: 8 MiB a tensor
+    sid = w.call("spill", {"header": kv_header(rows)}).result["spill"]
+    tensor = 8 * rows * 128 * 2
+    head = frames(P.request(7, "abort", {"spill": sid}))
+    put = frames(P.notification("put", {"spill": sid, "index": 0, "offset": 0}, b"\0" * tensor))
+    w.sock.sendall(head + put[:-1])  # the abort, then all of the payload but its last byte
+    assert w.response(7).result["aborted"] is True
+    mon = Wire(small.socket)
+    mon.hello()
+    assert mon.call("status", {}).result["ingest"]["receiving"] >= tensor  # still counted: its buffer is filling
+    w.sock.sendall(put[-1:])
+    deadline = time.monotonic() + 10
+    while mon.call("status", {}).result["ingest"]["receiving"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mon.call("status", {}).result["ingest"]["receiving"] == 0  # read: let go

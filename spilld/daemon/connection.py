@@ -29,6 +29,9 @@ log = logging.getLogger("spilld.daemon")
 # The only methods whose params may be a big message (its tokens): the others' params are small, and some of them
 # wait a long time (drain, barrier, commit) holding their params, which are counted only until a handler starts.
 BIG_PARAMS_METHODS = frozenset({"spill", "lookup"})
+# Requests whose only work is their answer: cancelled with a lost connection (a drain may wait for hours); the others
+# (a commit, a barrier, an eviction, a delete) go on: what they started is the daemon's to finish
+ANSWER_ONLY = frozenset({"drain", "lookup", "resume", "status"})
 MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say why (then: no such spill)
 # What the daemon keeps written for a client that has not read it: past this, the client does not read its answers
 # and is cut off (its requests are answered whether it reads or not; 64 in flight of the largest answer, a lookup's
@@ -57,6 +60,8 @@ class Incoming:
         self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
         self.last = asyncio.get_running_loop().time()  # when it last received something
         self.released = False  # its bytes were handed back to the daemon's count
+        self.filling = False  # a put's payload is being read into a buffer counted as this spill's
+        self.forget_when_filled = False  # it ended meanwhile: its count goes once that payload is read
         self.chunks: list[list[bytes | bytearray | memoryview]] = [[] for _ in self.slots]  # kept as received: no copy
         self._coalesced: list[bytearray | None] = [None] * len(self.slots)  # each tensor's chunk of small puts
         self.reads: set[asyncio.Future[None]] = set()  # segment copies under way into chunks of this spill
@@ -138,6 +143,8 @@ class Connection(asyncio.BufferedProtocol):
         self.lease_grantor = False
         self.asked: dict[int, asyncio.Future[errors.SpillError | None]] = {}  # our requests to the client, by msgid
         self._eof = False  # the client sent EOF: it reads our answers, but sends (and grants) nothing more
+        self._grant_missed: str | None = None  # why this client's engine is asked for no more grants
+        self._filling: Incoming | None = None  # the spill whose put payload is being read now
         self._ask_ids = itertools.count(1)
 
     # --- asyncio protocol -------------------------------------------------------------------
@@ -196,6 +203,8 @@ class Connection(asyncio.BufferedProtocol):
         one the engine refuses raises its error: the step must not run unheld."""
         if self._no_grants:
             return None
+        if self._grant_missed is not None:  # it let a grant time out: asking again would hold the writer as long
+            raise P.Timeout(f"the engine did not grant its lease before ({self._grant_missed}); nothing written")
         msgid = next(self._ask_ids)
         fut: asyncio.Future[errors.SpillError | None] = asyncio.get_running_loop().create_future()
         self.asked[msgid] = fut
@@ -203,6 +212,10 @@ class Connection(asyncio.BufferedProtocol):
         try:
             refused = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
+            # one grant missed, and this connection's writes fail at once from now on: the daemon has one writer,
+            # and an engine that does not answer must not hold every other client's writes a timeout an item
+            self._grant_missed = f"no grant in {timeout:g} s"
+            log.warning("client %d: its engine did not grant its lease in %g s; its spills now fail", self.id, timeout)
             raise P.Timeout(f"the engine did not grant its lease in {timeout:g} s; nothing written") from None
         finally:
             self.asked.pop(msgid, None)
@@ -220,6 +233,9 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._grantor_gone()
+        for task in self.tasks:  # nobody will read their answers (a drain could wait for hours); commits and
+            if task.get_name() in ANSWER_ONLY:  # barriers go on: what they started is the daemon's to finish
+                task.cancel()
         if self._timer is not None:
             self._timer.cancel()
         log.debug(
@@ -231,6 +247,7 @@ class Connection(asyncio.BufferedProtocol):
             self.daemon.ingest.forget(sp)
             sp.fail(P.ConnectionLost("the client is gone"))
         self.spills.clear()  # incomplete spills are dropped: no partial file ever exists
+        self._filled()
         self.daemon.ingest.release(self._held_msg)
         self._held_msg = 0
         self.daemon.connections.discard(self)
@@ -340,9 +357,21 @@ class Connection(asyncio.BufferedProtocol):
         sp = self.spills.get(sid) if type(sid) is int else None
         if sp is None or sp.error is not None or type(index) is not int or type(offset) is not int:
             return False
-        return sp.next_within(index, offset, size)
+        if not sp.next_within(index, offset, size):
+            return False
+        sp.filling, self._filling = True, sp  # counted as the spill's until the frame ends, whatever ends the spill
+        return True
+
+    def _filled(self) -> None:
+        """The payload being read has ended (its frame, or the connection): a spill that ended meanwhile is let go."""
+        sp, self._filling = self._filling, None
+        if sp is not None:
+            sp.filling = False
+            if sp.forget_when_filled:
+                self.daemon.ingest.forget(sp)
 
     def _dispatch(self, msg: P.Message) -> None:
+        self._filled()  # (a payload is the end of its frame: the message dispatched now is that put)
         held, self._held_msg = self._held_msg, 0
         task = None
         try:
@@ -379,7 +408,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._respond(msg.msgid, error=too_big)
                 return None
             hold = [held]  # released once: when the handler starts, or when the task ends if it never started
-            task = asyncio.get_running_loop().create_task(self._call(handler, msg.method, msg.msgid, msg.params, hold))
+            call = self._call(handler, msg.method, msg.msgid, msg.params, hold)
+            task = asyncio.get_running_loop().create_task(call, name=msg.method)
             task.add_done_callback(lambda _: self._release(hold))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)

@@ -203,6 +203,9 @@ class Ingest:
         """A spill being received ends (committed, aborted, expired, or its client gone): release what it held."""
         if sp.released:
             return
+        if sp.filling:  # a payload counted as its own is still being read into its buffer: that count stays
+            sp.forget_when_filled = True  # until the frame ends (the connection lets it go then)
+            return
         sp.released = True
         self.receiving -= sp.cost
         if not sp.droppable:

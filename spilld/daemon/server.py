@@ -354,10 +354,13 @@ class Daemon:
 
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         ident = _identity(p["identity"])  # its namespace, if sent, is not used
-        tokens = fmt.decode_tokens(p["tokens"])
+        tokens = fmt.token_array(p["tokens"])
         ns, provider = p.get("namespace", ""), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
-        if self.remote is not None and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id):
+        filled = self.remote is not None and await self.remote.fill(
+            ident, ns, tokens.tolist(), provider or self.store.provider_id
+        )
+        if filled:
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
         return self._answer_lookup(conn, hit, len(tokens))
 

@@ -772,6 +772,8 @@ class Store:
                 await self.delete_doomed_async()
                 unpin(exc)  # dropped here: its frames must not keep this attempt's bytes (or a cycle) alive
                 log.warning("disk full: evicted old entries, retrying the write")
+            except errors.Timeout:  # an engine's lease not granted in time: not a failed write of the disk's
+                raise
             except Exception as exc:
                 self._count_error(exc)
                 raise
