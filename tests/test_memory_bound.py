@@ -4,6 +4,7 @@ tensors; payloads get no buffer unless the accounting admitted their bytes. Real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -295,3 +296,23 @@ def test_a_put_payload_stays_counted_until_read_whatever_ends_its_spill(small: D
     while mon.call("status", {}).result["ingest"]["receiving"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert mon.call("status", {}).result["ingest"]["receiving"] == 0  # read: let go
+
+
+def test_a_headers_free_text_counts_against_the_cap(small: Daemon) -> None:
+    """Found in review: a spill's meta (and identity, and key) was not counted: open spills of a few tensor bytes
+    each and 3.8 MiB of meta held 17 MB apiece, past the cap, for the idle timeout."""
+    w = Wire(small.socket)
+    w.hello()
+    header = kv_header(16) | {"meta": {"note": "x" * 3_800_000}}
+    r = w.call("spill", {"header": header})
+    assert r.error is None, r.error
+    assert w.call("status", {}).result["ingest"]["receiving"] >= 3_800_000
+    refused = None
+    for i in range(32):  # the receiving budget (half of 64 MiB) is spent by text, not by tensors
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused while it was still sent
+            w.send(P.request(1000 + i, "spill", {"header": header}))
+        _, error = w.answer(1000 + i)  # a big message that does not fit: busy, and the connection closes
+        if error is not None:
+            refused = error
+            break
+    assert refused is not None and refused["code"] == "busy" and i < 16, (i, refused)

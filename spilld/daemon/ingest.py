@@ -33,8 +33,19 @@ MAX_SPILL_CAPS = 2  # one spill may be up to this x --cap (taken alone, when not
 # unpack.MAX_EXPANSION x its size (the decoder refuses more maps and arrays than that allows).
 PARSED_BYTES_PER_TOKEN = 48
 PARSED_BYTES_PER_TENSOR = 1024
+PARSED_BYTES_PER_STRING = 64  # a str object's own size, beside its characters (meta, identity, attachments' metadata)
 DECODED_BYTES_PER_MSG_BYTE = MAX_EXPANSION
 BIG_MSG_BYTES = 64 * 1024  # messages this large are counted against the cap while received and decoded
+
+
+def text_bytes(header: fmt.Header, key: str) -> int:
+    """What a spill's free-form text holds in memory once parsed: its meta, its identity, its attachments' metadata
+    and its key, each string with its object's own size."""
+    texts = [key, *vars(header.identity).values(), *(x for kv in header.meta.items() for x in kv)]
+    texts += [x for a in header.attachments for kv in a.metadata.items() for x in kv] + [
+        a.schema for a in header.attachments
+    ]
+    return sum(PARSED_BYTES_PER_STRING + (len(t) if isinstance(t, str) else 0) for t in texts)
 
 
 def _items(v: Any) -> list[Any]:
@@ -145,6 +156,7 @@ class Ingest:
             raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
         droppable = p.get("droppable", True)
         parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
+        parsed += text_bytes(header, p.get("key", ""))  # found in review: a header of 4 MiB of meta held 17 MB
         held = self.held_rows(header) if p.get("held", False) else 0  # the client sends only the rows past it
         sp = Incoming(header, droppable, p.get("key", ""), parsed, pin=p.get("pin", False), held_rows=held)
         self.admit(conn, sp)
