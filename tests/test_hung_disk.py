@@ -354,3 +354,50 @@ async def wait_until(cond: Any, timeout_s: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "not within the bound"
         await asyncio.sleep(0.02)
+
+
+class HangingFolderSync(fileio.FileOps):
+    """A folder's fsync blocks while ``hanging`` is set, until ``release`` (a hung disk under the blocks' sync)."""
+
+    def __init__(self) -> None:
+        self.hanging, self.release = threading.Event(), threading.Event()
+        self._dirs: set[int] = set()
+
+    def open_dir(self, path: str) -> int:
+        fd = super().open_dir(path)
+        self._dirs.add(fd)
+        return fd
+
+    def close(self, fd: int) -> None:
+        self._dirs.discard(fd)
+        super().close(fd)
+
+    def fsync(self, fd: int, durability: Any) -> None:
+        if fd in self._dirs and self.hanging.is_set():
+            self.release.wait(30)
+        super().fsync(fd, durability)
+
+
+@pytest.mark.asyncio
+async def test_a_hung_folder_sync_after_a_puts_blocks_fails_it_at_the_deadline(tmp_path: Path) -> None:
+    """Found in review: the one folder sync that makes a put's new blocks durable had no deadline: a hung disk held
+    the store's writer (the daemon's only one) for as long as it hung."""
+    ops = HangingFolderSync()
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, io_timeout=DEADLINE_S, ops=ops)
+    await s.put(list(range(40)), caches(40), IDENT)  # the folder is made and synced once
+    ops.hanging.set()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(errors.StorageTimeout):
+            await s.put(list(range(500, 540)), caches(40, seed=3), IDENT)
+        assert time.monotonic() - t0 < DEADLINE_S + 2
+    finally:
+        ops.release.set()
+    ops.hanging.clear()
+    got = await s.put(list(range(500, 540)), caches(40, seed=3), IDENT)  # the disk answers again
+    loaded = await s.restore_async(await s.lookup_async(IDENT, "", [*range(500, 540), 1]), IDENT)  # type: ignore[arg-type]
+    assert (
+        got.path
+        and isinstance(loaded, spilld.Loaded)
+        and same([live(c) for c in loaded.caches], [live(c) for c in caches(40, seed=3)])
+    )

@@ -715,8 +715,10 @@ class Store:
     async def _sync_folder(self, folder: str) -> None:
         """fsync ``folder``; a failure fails the put, never retried (not even after making room: a second fsync
         may succeed without the names the first one failed to make durable)."""
-        try:
-            await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+        try:  # bounded like every step: a hung disk fails the put, it never holds the writer (found in review)
+            await within(
+                off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability)), self.io_timeout, "a folder's sync"
+            )
         except Exception as exc:
             self._count_error(exc)
             raise
