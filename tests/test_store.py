@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from spilld import fileio, matching
 from spilld import format as fmt
 from spilld.entries import Hit, Miss, MissReason, checkpoint_namespace, identity_fingerprint, namespace_hash
 from spilld.store import DEFAULT_DISK_CAP, EXT, QUARANTINE, Store, default_disk_cap
+from spilld.store.pins import PINS_FILE
 from spilld.store.store import LOOKUP_ATTEMPTS
 from tests.blocks_corpus import files
 from tests.caches import chunked, fill, live, same
@@ -1038,3 +1040,36 @@ async def test_a_block_put_takes_each_array_once_in_the_lease_then_writes_its_bl
     got = await store.restore_async(hit, IDENT)
     assert isinstance(got, spilld.loader.Loaded)
     assert all(same(live(a), live(b)) for a, b in zip(got.caches, caches, strict=True))
+
+
+class SlowFirstPinsWrite(fileio.FileOps):
+    """The first rename of the pins file lands late (a busy disk): it waits (1 s at most) for a later one to land."""
+
+    def __init__(self) -> None:
+        self.renames = 0
+        self.later_landed = threading.Event()
+
+    def rename(self, src: str, dst: str) -> None:
+        if os.path.basename(dst) == PINS_FILE:
+            self.renames += 1
+            if self.renames == 1:
+                self.later_landed.wait(1.0)
+            else:
+                super().rename(src, dst)
+                self.later_landed.set()
+                return
+        super().rename(src, dst)
+
+
+@pytest.mark.asyncio
+async def test_two_pins_at_once_are_both_kept_across_a_restart(tmp_path: Path) -> None:
+    """Found in review: each pin wrote the set as it was at its call, on a worker thread, unordered: the older set
+    renamed last, and a pin its caller was told was made was gone after a restart."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    a = await s.put(list(range(40)), [fill(C.KVCache(), 40)], IDENT)
+    b = await s.put(list(range(900, 940)), [fill(C.KVCache(), 40, seed=2)], IDENT)
+    s.ops = SlowFirstPinsWrite()
+    assert await asyncio.gather(s.pin_async(a.path), s.pin_async(b.path)) == [True, True]
+    again = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    again.scan()
+    assert again.stats()["pinned"] == 2

@@ -117,6 +117,7 @@ class Store:
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
         self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
+        self._pins_written = asyncio.Lock()  # one pins file written at a time, each with the set as it is then
         self._provider = provider  # built on first use: the daemon only moves bytes and never needs codecs
         self.verify = verify
         self.counters = StoreCounters()
@@ -423,7 +424,12 @@ class Store:
             await self.bad_read_async(e, outcome)
             return self._miss(MissReason.CORRUPT)
         where = self._read_path(e, outcome)
-        gone = isinstance(outcome, errors.StorageError) and not await off_loop(lambda: os.path.exists(where))
+        try:
+            gone = isinstance(outcome, errors.StorageError) and not await self._io(
+                lambda: os.path.exists(where), "a check"
+            )
+        except errors.StorageTimeout:  # a hung disk: the file is not known gone
+            gone = False
         return self._failed_read(e, outcome, gone)
 
     def _read_path(self, e: Entry, exc: errors.SpillError) -> str:
@@ -458,7 +464,8 @@ class Store:
     async def touch_async(self, e: Entry) -> None:
         """``touch`` with the file's mtime set on a worker thread."""
         e.last_used = when = time.time()
-        await off_loop(lambda: _set_mtime(e.path, when))
+        with contextlib.suppress(errors.StorageTimeout):  # a hung disk: the use is counted, its mtime set later
+            await self._io(lambda: _set_mtime(e.path, when), "an mtime")
 
     # --- store --------------------------------------------------------------------------
 
@@ -553,8 +560,7 @@ class Store:
                 listener.stored(entry, written, cut.root)
         try:
             if pin:
-                pins = sorted(self._pins)
-                await off_loop(lambda: write_pins(self.root, pins, self.ops, self.durability))
+                await self._save_pins()
             await self.delete_doomed_async()
         except asyncio.CancelledError:  # the entry is stored and indexed: say so (the unlinks still finish)
             if (task := asyncio.current_task()) is not None:
@@ -644,10 +650,10 @@ class Store:
                 held.update(new)
             if missing := [k for k in m.blocks.keys if k not in held]:
                 raise errors.BlockMissing(f"block {missing[0].hex()} is neither held nor fetched")
-            await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
-            await off_loop(functools.partial(self._check_named, m, path), background=True)
-            await off_loop(functools.partial(self._write_file, path, manifest), background=True)
-            await off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability))
+            await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
+            await self._io(functools.partial(self._check_named, m, path), "a manifest's check", background=True)
+            await self._io(functools.partial(self._write_file, path, manifest), "a manifest's write", background=True)
+            await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
             self._check_pinned(pinned, path)
         except BaseException:
             fileio.remove_quietly(self.ops, path)
@@ -716,9 +722,7 @@ class Store:
         """fsync ``folder``; a failure fails the put, never retried (not even after making room: a second fsync
         may succeed without the names the first one failed to make durable)."""
         try:  # bounded like every step: a hung disk fails the put, it never holds the writer (found in review)
-            await within(
-                off_loop(lambda: fileio.sync_dir(self.ops, folder, self.durability)), self.io_timeout, "a folder's sync"
-            )
+            await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
         except Exception as exc:
             self._count_error(exc)
             raise
@@ -932,9 +936,19 @@ class Store:
     async def pin_async(self, path: str, on: bool = True) -> bool:
         if not self._set_pin(path, on):
             return False
-        pins = sorted(self._pins)
-        await off_loop(lambda: write_pins(self.root, pins, self.ops, self.durability))
+        await self._save_pins()
         return True
+
+    async def _save_pins(self) -> None:
+        """Write the pins file with the set as it is once this write's turn comes (found in review: two writes at
+        once could rename the older set last, and a pin was lost at the next start)."""
+        async with self._pins_written:
+            pins = sorted(self._pins)
+            await self._io(lambda: write_pins(self.root, pins, self.ops, self.durability), "the pins file")
+
+    async def _io(self, fn: Callable[[], T], what: str, background: bool = False) -> T:
+        """``fn`` (blocking file work) on a worker thread within the I/O deadline (``StorageTimeout`` past it)."""
+        return await within(off_loop(fn, background=background), self.io_timeout, what)
 
     def _set_pin(self, path: str, on: bool) -> bool:
         if path not in self.index.by_path:
@@ -1086,9 +1100,11 @@ class Store:
     async def quarantine_async(self, path: str, why: BaseException) -> None:
         """``quarantine`` with the move on a worker thread; the index changes here."""
         self._quarantine_index(path, why)
-        self.counters.quarantine_removed += await off_loop(
-            lambda: move_aside(self.root, path, self.quarantine_cap, self.ops)
-        )
+        try:  # out of the index already: a hung disk delays the move, never the caller
+            move = lambda: move_aside(self.root, path, self.quarantine_cap, self.ops)  # noqa: E731
+            self.counters.quarantine_removed += await self._io(move, "a move to quarantine")
+        except errors.StorageTimeout as exc:
+            log.warning("%s not moved aside yet: %s", path, exc)
 
     def _quarantine_index(self, path: str, why: BaseException) -> None:
         e = self.index.by_path.get(path)
