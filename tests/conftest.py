@@ -46,3 +46,20 @@ def leftover_files(folder: str) -> list[str]:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else len(os.listdir("/dev/fd"))
+
+
+@pytest.fixture
+def refuse_listing(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any, OSError], None]:
+    """``refuse_listing(folder, error)``: ``os.listdir(folder)`` raises ``error`` from then on; other folders list as
+    they are (root reads any folder, and a sweep's removal cannot be timed: the refusal is made here)."""
+    real = os.listdir
+
+    def refuse(folder: Any, error: OSError) -> None:
+        def listdir(path: Any = ".") -> list[str]:
+            if os.fspath(path) == os.fspath(folder):
+                raise error
+            return real(path)
+
+        monkeypatch.setattr(os, "listdir", listdir)
+
+    return refuse

@@ -499,19 +499,12 @@ def test_a_socket_in_use_is_refused_before_the_store_folder_is_touched(daemon: D
 
 
 def test_verify_and_ls_say_so_of_a_folder_they_cannot_list(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, refuse_listing: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Found in review: a model folder that could not be listed was skipped in silence: verify said '0 entries,
-    0 bad' and exited 0. (Root reads any folder, so the refusal is made here, by os.listdir itself.)"""
+    0 bad' and exited 0."""
     folder = place(tmp_path / "store", 2)[0].parent
-    listdir = os.listdir
-
-    def refused(path: Any = ".") -> list[str]:
-        if os.fspath(path) == str(folder):
-            raise PermissionError(13, "Permission denied", str(folder))
-        return listdir(path)
-
-    monkeypatch.setattr(os, "listdir", refused)
+    refuse_listing(folder, PermissionError(13, "Permission denied", str(folder)))
     assert cli.main(["verify", "--dir", str(tmp_path / "store")]) == cli.EXIT_BAD_FILE
     out = capsys.readouterr().out
     assert f"BAD  {folder}: a folder of the store that cannot be listed" in out and "1 bad" in out, out

@@ -236,7 +236,7 @@ def test_the_scan_reports_bad_files_and_reaps_only_when_it_may(tmp_path: Path) -
         assert len(left) == (2 if reap else 4) and "bad.spilld" in left  # the store moves bad files, not the scan
 
 
-def test_a_folder_that_goes_while_a_store_is_walked_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_that_goes_while_a_store_is_walked_is_skipped(tmp_path: Path, refuse_listing: Any) -> None:
     """A running store's sweep removes an empty folder between a walk's check and its listing (found in review:
     `verify --dir` then exited 70 with FileNotFoundError). Every walk of a store skips it."""
     from spilld.cli.files import store_files
@@ -244,13 +244,6 @@ def test_a_folder_that_goes_while_a_store_is_walked_is_skipped(tmp_path: Path, m
 
     gone = tmp_path / "0123456789abcdef" / "base"
     gone.mkdir(parents=True)
-    real = os.listdir
-
-    def listdir(path: Any = ".") -> list[str]:
-        if os.fspath(path) == str(gone):
-            raise FileNotFoundError(2, "No such file or directory", str(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "listdir", listdir)
+    refuse_listing(gone, FileNotFoundError(2, "No such file or directory", str(gone)))
     assert store_files(str(tmp_path)) == [] and list_entries(str(tmp_path)) == []
     assert scan_root(str(tmp_path), fileio.DEFAULT_OPS, True).index.blocks == {}
