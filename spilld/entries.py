@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from . import errors
 from . import format as fmt
 
 CHECKPOINT_NS_PREFIX = "\0checkpoint:"
@@ -30,6 +31,14 @@ def namespace_hash(namespace: str) -> str:
 
 def checkpoint_namespace(key: str) -> str:
     return CHECKPOINT_NS_PREFIX + key
+
+
+def token_array(raw: bytes) -> np.ndarray:
+    """``format.decode_tokens`` as a read-only uint32 array over ``raw``: 4 bytes a token, where a list holds a
+    Python int of 28 bytes and a pointer of 8 (a lookup of a 4 MiB message held 39 MiB while it waited)."""
+    if len(raw) % 4:
+        raise errors.HeaderMalformed("token bytes are not a multiple of 4")
+    return np.frombuffer(raw, dtype="<u4")
 
 
 def check_namespace(namespace: str) -> str:

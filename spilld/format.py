@@ -293,16 +293,6 @@ def decode_tokens(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
-def token_array(raw: bytes) -> Any:
-    """``decode_tokens`` as a read-only uint32 array over ``raw``: 4 bytes a token, where a list holds a Python int
-    of 28 bytes and a pointer of 8 (a lookup of a 4 MiB message held 39 MiB while it waited)."""
-    import numpy as np
-
-    if len(raw) % 4:
-        raise errors.HeaderMalformed("token bytes are not a multiple of 4")
-    return np.frombuffer(raw, dtype="<u4")
-
-
 # --- layout -----------------------------------------------------------------
 
 

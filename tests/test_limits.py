@@ -466,9 +466,11 @@ def test_a_lookups_tokens_are_held_as_4_bytes_each() -> None:
     and held it while it waited for the comparison threads or a fill."""
     import numpy as np
 
+    from spilld.entries import token_array
+
     raw = fmt.encode_tokens(list(range(1_000_000)))
-    got = fmt.token_array(raw)
+    got = token_array(raw)
     assert isinstance(got, np.ndarray) and got.dtype == np.dtype("<u4") and got.nbytes == len(raw)
     assert got.tolist() == fmt.decode_tokens(raw)
     with pytest.raises(errors.HeaderMalformed):
-        fmt.token_array(raw[:-1])
+        token_array(raw[:-1])

@@ -23,7 +23,7 @@ from .. import __version__, errors, fileio
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
-from ..entries import Hit, Miss, MissReason
+from ..entries import Hit, Miss, MissReason, token_array
 from ..lease import off_loop
 from ..lockfile import FileLock
 from ..lru import LRU
@@ -354,7 +354,7 @@ class Daemon:
 
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         ident = _identity(p["identity"])  # its namespace, if sent, is not used
-        tokens = fmt.token_array(p["tokens"])
+        tokens = token_array(p["tokens"])
         ns, provider = p.get("namespace", ""), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
         filled = self.remote is not None and await self.remote.fill(

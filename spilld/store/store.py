@@ -61,6 +61,7 @@ from .unlinks import Unlinks, unlink_all
 
 log = logging.getLogger("spilld.store")
 T = TypeVar("T")
+Tokens = Sequence[int] | np.ndarray  # a prompt: ints, or a lookup's uint32 array (entries.token_array)
 
 EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain misses
 DEFAULT_DISK_CAP = 64 * 1024**3
@@ -280,7 +281,7 @@ class Store:
     # --- lookup ------------------------------------------------------------------------
 
     def lookup(
-        self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], *, codec_provider: str | None = None
+        self, ident: fmt.Identity, namespace: str, tokens: Tokens, *, codec_provider: str | None = None
     ) -> Hit | Miss:
         """The longest usable prefix of ``tokens`` (at most len - 1: one token must be computed).
 
@@ -292,7 +293,7 @@ class Store:
         return self._settle(q, q.match())
 
     async def lookup_async(
-        self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], *, codec_provider: str | None = None
+        self, ident: fmt.Identity, namespace: str, tokens: Tokens, *, codec_provider: str | None = None
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
         for _ in range(LOOKUP_ATTEMPTS):
@@ -304,7 +305,7 @@ class Store:
                 break
         return self._settle(q, found)
 
-    def _query(self, ident: fmt.Identity, namespace: str, tokens: Sequence[int], provider: str | None) -> Query:
+    def _query(self, ident: fmt.Identity, namespace: str, tokens: Tokens, provider: str | None) -> Query:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
         ask = (self._ask_scope(ident, namespace), self.admission.size) if self.admission is not None else None
