@@ -442,7 +442,7 @@ class Store:
         rec = self.index.block_of(e, outcome.path)
         if gone and rec is not None:  # a block removed under us: every entry naming it is unusable
             log.warning("a block of %d entries is gone: %s", len(rec.refs), rec.path)
-            self._remove_naming(rec)
+            self._take_out_block(rec)  # its record too: a put under way that reuses it must fail, not name it
             return self._miss(MissReason.CORRUPT)
         if gone:
             self._remember_evicted(e)  # evicted between lookup and open
