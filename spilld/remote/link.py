@@ -180,10 +180,12 @@ class RemoteLink:
     async def _push_evicted(self, entry: Entry, named: list[Block], paths: list[str]) -> None:
         kept = set(paths)
 
-        def let_go(path: str) -> None:  # read, or not needed: its unlink need not wait for the rest of the push
-            if path in kept:
-                kept.remove(path)
-                self.store.release_file(path)
+        def let_go(path: str) -> bool:  # read, or not needed: its unlink need not wait for the rest of the push
+            if path not in kept:
+                return False
+            kept.remove(path)
+            self.store.release_file(path)
+            return True
 
         try:
             manifest = await off_loop(functools.partial(_read, entry.path), background=True)
@@ -197,10 +199,10 @@ class RemoteLink:
                 let_go(p)
             await self.store.delete_doomed_async()
 
-    async def _let_go_now(self, let_go: Callable[[str], None], path: str) -> None:
-        """``let_go(path)``, and the files no longer kept unlinked now (the disk over its cap meanwhile)."""
-        let_go(path)
-        await self.store.delete_doomed_async()
+    async def _let_go_now(self, let_go: Callable[[str], bool], path: str) -> None:
+        """``let_go(path)``; a file it no longer kept is unlinked now (the disk over its cap meanwhile)."""
+        if let_go(path):
+            await self.store.delete_doomed_async()
 
     async def _push(
         self,
@@ -208,7 +210,7 @@ class RemoteLink:
         recs: list[Block],
         root: bytes,
         manifest: bytes | None = None,
-        let_go: Callable[[str], None] = lambda _: None,
+        let_go: Callable[[str], bool] = lambda _: False,
     ) -> bool:
         """In its turn, offer those of ``recs`` the tier lacks (each with a reference to the entry's last block),
         then the entry's manifest and its layout's root: False if a file could not be read (evicted or superseded
@@ -223,9 +225,10 @@ class RemoteLink:
             self._turns.give()
 
     async def _push_in_turn(
-        self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None, let_go: Callable[[str], None]
+        self, entry: Entry, recs: list[Block], root: bytes, manifest: bytes | None, let_go: Callable[[str], bool]
     ) -> bool:
-        """``let_go(path)`` is told of each block file once it is read, or found not needed."""
+        """``let_go(path)`` is told of each block file once it is read, or found not needed (True: it was kept
+        for this push, and may go now)."""
         try:  # the manifest first: one superseded meanwhile (its file gone) pushes nothing, never blocks whose
             if manifest is None:  # references would name a manifest the tier will not hold (the next entry heals)
                 manifest = await off_loop(functools.partial(_read, entry.path), background=True)

@@ -409,8 +409,7 @@ class Store:
         """``restore`` on an event loop: the read, the mtime, the existence check and a quarantine's move run on
         worker threads; the index changes on the loop only."""
         try:
-            read = off_loop(lambda: self.read_hit(hit, ident))
-            outcome: Loaded | errors.SpillError = await within(read, self.io_timeout, "a restore's read")
+            outcome: Loaded | errors.SpillError = await self._io(lambda: self.read_hit(hit, ident), "a restore's read")
         except errors.StorageTimeout as exc:
             log.warning("restore of %s: %s", hit.entry.path, exc)
             return self._miss(MissReason.IO_TIMEOUT)
@@ -736,13 +735,11 @@ class Store:
 
         async def create() -> None:
             none = fileio.Durability.NONE  # created only: synced below, where a failure is not retried
-            await within(
-                off_loop(lambda: fileio.make_dirs(self.ops, folder, none)), self.io_timeout, "a folder's creation"
-            )
+            await self._io(lambda: fileio.make_dirs(self.ops, folder, none), "a folder's creation")
 
         await (self._with_room(create, 0) if room else create())
         try:
-            await within(off_loop(lambda: self._sync_folder_path(folder)), self.io_timeout, "a folder's sync")
+            await self._io(lambda: self._sync_folder_path(folder), "a folder's sync")
         except Exception as exc:
             self._count_error(exc)
             raise
@@ -1005,7 +1002,7 @@ class Store:
         """Unlink the files of entries that left the index, on a worker thread."""
         if doomed := self._doomed.take():
             try:
-                await within(off_loop(lambda: unlink_all(self.ops, doomed)), self.io_timeout, "unlinks")
+                await self._io(lambda: unlink_all(self.ops, doomed), "unlinks")
             except errors.StorageTimeout as exc:  # the entries are out of the index: their files go when it can
                 log.warning("%d files not removed yet: %s", len(doomed), exc)
 
