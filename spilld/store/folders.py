@@ -7,7 +7,7 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # The names spilld gives its folders (entries.identity_fingerprint, namespace_hash): 16 hex digits, or "base".
 # The sweep removes no other folder, however empty: a user's folders under --dir are theirs.
@@ -66,11 +66,15 @@ def unlistable_folders(root: str) -> list[str]:
 
 class FolderClaims:
     """Folders a save writes into, counted: the sweep of empty folders leaves a claimed one, and its model folder,
-    alone until released. Thread-safe: saves claim on the loop, the sweep runs on a worker thread."""
+    alone until released. Thread-safe: saves claim on the loop, the sweep runs on a worker thread.
 
-    def __init__(self) -> None:
+    ``on_removed`` is told of each folder the sweep removes, before any save can claim it again.
+    """
+
+    def __init__(self, on_removed: Callable[[str], None] | None = None) -> None:
         self._busy: Counter[str] = Counter()
         self._lock = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
+        self._on_removed = on_removed
 
     def claim(self, folder: str) -> None:
         with self._lock:
@@ -87,8 +91,12 @@ class FolderClaims:
         with self._lock:
             if any(b == folder or b.startswith(folder + os.sep) for b in self._busy):
                 return
-            with contextlib.suppress(OSError):
+            try:
                 os.rmdir(folder)  # only succeeds when empty
+            except OSError:
+                return
+            if self._on_removed is not None:
+                self._on_removed(folder)
 
 
 def remove_empty_folders(root: str, claims: FolderClaims | None = None) -> None:

@@ -125,8 +125,10 @@ class Store:
         self._evicted: dict[tuple[str, str], deque[np.ndarray]] = {}
         self.index = Index()  # changed only on the thread that owns the store (the event loop), read anywhere
         self._doomed = Unlinks()  # files whose entries left the index, still to unlink (off the loop)
-        self._folders = FolderClaims()  # folders a save writes into: never removed as empty
         self._durable_folders: set[str] = set()  # entry folders whose names this process made durable
+        # folders a save writes into: never removed as empty; one removed is durable no more (made again, its name
+        # must be synced again before a save there is reported stored)
+        self._folders = FolderClaims(on_removed=self._durable_folders.discard)
         self._error_run = 0  # writes failed in a row
         self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
