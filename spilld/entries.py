@@ -126,6 +126,9 @@ class Block:
     # of the folder put there may be named by entries this store never saw: it is never unlinked here, and a put
     # writes a copy of its own rather than name it.
     owned: bool = True
+    # Its name is durable in its folder: False from its publish until the folder's sync that follows. A put that
+    # names it syncs the folder itself first, whatever put wrote it (the manifest must never outlive its blocks).
+    synced: bool = True
 
 
 @dataclass

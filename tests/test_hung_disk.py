@@ -498,3 +498,59 @@ async def test_a_folder_swept_and_made_again_is_synced_again_before_a_put_there_
         ops.release.set()
     await first
     assert s.count == 2
+
+
+class HeldFolderSyncLog(fileio.FileOps):
+    """Logs each folder fsync completed and each rename; the first folder fsync while ``hanging`` is set blocks until
+    ``release``."""
+
+    def __init__(self) -> None:
+        self.hanging, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
+        self.log: list[tuple[str, str]] = []
+        self._dirs: dict[int, str] = {}
+
+    def open_dir(self, path: str) -> int:
+        fd = super().open_dir(path)
+        self._dirs[fd] = path
+        return fd
+
+    def close(self, fd: int) -> None:
+        self._dirs.pop(fd, None)
+        super().close(fd)
+
+    def fsync(self, fd: int, durability: Any) -> None:
+        path = self._dirs.get(fd)
+        if path is not None and self.hanging.is_set() and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        super().fsync(fd, durability)
+        if path is not None:
+            self.log.append(("fsync", path))
+
+    def rename(self, src: str, dst: str) -> None:
+        super().rename(src, dst)
+        self.log.append(("rename", dst))
+
+
+@pytest.mark.asyncio
+async def test_a_put_naming_blocks_whose_folder_sync_is_under_way_syncs_the_folder_before_its_manifest(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a put that wrote no block of its own skipped the folder sync, though the blocks it named
+    could be another put's, published and not yet synced: its manifest could then be durable before their names."""
+    ops = HeldFolderSyncLog()
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, ops=ops)
+    await s.put(list(range(8)), caches(8), IDENT)  # the folder is made and synced: no block yet
+    folder = os.path.dirname(s.entries[0].path)
+    ops.hanging.set()
+    first = asyncio.ensure_future(s.put(list(range(40)), caches(40), IDENT))
+    try:
+        assert await asyncio.to_thread(ops.entered.wait, 30)  # its 2 blocks published; their folder's sync held
+        ops.log.clear()
+        second = await s.put(list(range(44)), caches(44), IDENT)  # names the same 2 blocks, writes none
+        assert s.stats()["blocks_written"] == 2
+        renamed = ops.log.index(("rename", second.path))
+        assert ("fsync", folder) in ops.log[:renamed]
+    finally:
+        ops.release.set()
+    await first

@@ -256,16 +256,18 @@ class Store:
             rec.owned = False
 
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
+        """A block file just published (its folder not synced yet) into the index."""
         rec = self.index.blocks.get(key)
         if rec is not None and rec.owned:  # another put published the same block meanwhile: ours is a spare
             self._doomed.add(path)
             return rec
         if rec is None:
-            return self.index.add_block(key, path, nbytes)
-        # another writer's file of this block: ours takes its place here (theirs is left alone)
-        self.index.drop_block(rec)
-        new = self.index.add_block(key, path, nbytes)
-        new.refs, new.pins, new.namespace = rec.refs, rec.pins, rec.namespace
+            new = self.index.add_block(key, path, nbytes)
+        else:  # another writer's file of this block: ours takes its place here (theirs is left alone)
+            self.index.drop_block(rec)
+            new = self.index.add_block(key, path, nbytes)
+            new.refs, new.pins, new.namespace = rec.refs, rec.pins, rec.namespace
+        new.synced = False
         return new
 
     def _drop_block(self, rec: Block) -> None:
@@ -605,8 +607,10 @@ class Store:
                     self.counters.blocks_reused += 1
                 rec.pins += 1
                 pinned.append(rec)
-            if written:  # one folder sync makes every new block's name durable
-                await self._sync_folder(folder)
+            if written or not all(rec.synced for rec in pinned):  # one folder sync makes their names durable
+                await self._sync_folder(folder)  # (another put's blocks too, found before its own sync was done)
+                for rec in pinned:
+                    rec.synced = True
         except BaseException:
             self._unpin(pinned)
             raise
@@ -653,6 +657,8 @@ class Store:
             if missing := [k for k in m.blocks.keys if k not in held]:
                 raise errors.BlockMissing(f"block {missing[0].hex()} is neither held nor fetched")
             await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
+            for rec in pinned:
+                rec.synced = True
             await self._io(functools.partial(self._check_named, m, path), "a manifest's check", background=True)
             await self._io(functools.partial(self._write_file, path, manifest), "a manifest's write", background=True)
             await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
