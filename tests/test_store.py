@@ -1073,3 +1073,29 @@ async def test_two_pins_at_once_are_both_kept_across_a_restart(tmp_path: Path) -
     again = Store(tmp_path, disk_cap=2**40, block_tokens=16)
     again.scan()
     assert again.stats()["pinned"] == 2
+
+
+@pytest.mark.asyncio
+async def test_a_scan_that_took_the_folders_lock_holds_it_through_its_evictions(tmp_path: Path) -> None:
+    """Found in review: a scan that took the lock for itself released it before evicting to the cap, so its unlinks
+    ran while another spilld could own the folder."""
+    from spilld.lockfile import FileLock
+    from spilld.store.store import LOCK_NAME
+
+    writer = Store(tmp_path, disk_cap=2**40)
+    for i in range(3):
+        await writer.put(toks(8, start=100 * i), kv_layers(8, seed=i), IDENT)
+    unlocked: list[str] = []
+
+    class Checked(fileio.FileOps):
+        def unlink(self, path: str) -> None:
+            probe = FileLock(os.path.join(str(tmp_path), LOCK_NAME), "probe")
+            if probe.try_acquire():  # nobody held it: another spilld could have
+                probe.release()
+                unlocked.append(path)
+            super().unlink(path)
+
+    s = Store(tmp_path, disk_cap=writer.entries[0].nbytes, ops=Checked())
+    assert not s.lock.held
+    assert s.scan() == 1 and s.stats()["evicted"] == 2
+    assert unlocked == [] and not s.lock.held

@@ -215,16 +215,16 @@ class Store:
         held = self.lock.held
         reap = held or self._try_lock()
         took = reap and not held
-        try:
+        try:  # a lock taken for the scan is held until its last removal: another spilld may take it at once after
             self._take_scan(scan_root(self.root, self.ops, reap), reap)
+            self._pins = {p for p in read_pins(self.root) if p in self.index.by_path}
+            log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
+            if reap:  # another owner's files are never evicted to this store's cap
+                self.evict_to_cap()
+                self._delete_doomed()
         finally:
             if took:
                 self.lock.release()
-        self._pins = {p for p in read_pins(self.root) if p in self.index.by_path}
-        log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
-        if reap:  # another owner's files are never evicted to this store's cap
-            self.evict_to_cap()
-            self._delete_doomed()
         return self.count
 
     def _try_lock(self) -> bool:
