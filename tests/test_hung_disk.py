@@ -554,3 +554,49 @@ async def test_a_put_naming_blocks_whose_folder_sync_is_under_way_syncs_the_fold
     finally:
         ops.release.set()
     await first
+
+
+class HungPublish(fileio.FileOps):
+    """While ``hanging`` is set, renames onto a manifest's name and unlinks of one hang (up to ``HANG_S``): a disk
+    that stopped answering under a put's publish."""
+
+    HANG_S = 2.0
+
+    def __init__(self) -> None:
+        self.hanging = threading.Event()
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.hanging.is_set() and dst.endswith(".spilld"):
+            time.sleep(self.HANG_S)
+        super().rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        if self.hanging.is_set() and path.endswith(".spilld"):
+            time.sleep(self.HANG_S)
+        super().unlink(path)
+
+
+@pytest.mark.asyncio
+async def test_a_put_failed_by_a_hung_disk_cleans_up_off_the_loop(tmp_path: Path) -> None:
+    """Found in review: a put that failed removed its manifest's name on the event loop, so when the disk that
+    failed it was hung the loop hung with it, and every client of the daemon waited."""
+    ops = HungPublish()
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, io_timeout=DEADLINE_S, ops=ops)
+    await s.put(list(range(40)), caches(40), IDENT)
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            last = time.monotonic()
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+
+    tick = asyncio.ensure_future(ticker())
+    ops.hanging.set()
+    try:
+        with pytest.raises(errors.StorageTimeout):
+            await s.put(list(range(500, 540)), caches(40, seed=3), IDENT)
+    finally:
+        tick.cancel()
+        ops.hanging.clear()
+    assert max(gaps) < SERVING_BOUND_S * 4, max(gaps)

@@ -537,15 +537,12 @@ class Store:
                 await off_loop(functools.partial(validate_header, planned[0]), compute=True)
             result = await self._write(path, ident, planned, **kw)
             self._check_pinned(pinned, path)
-        except asyncio.CancelledError:
-            # Cancelled (a queue closing on its timeout) perhaps after the rename: a cancelled entry leaves
-            # no durable file the index does not know.
-            fileio.remove_quietly(self.ops, path)
-            self._unpin(pinned)
-            raise
         except BaseException:
-            fileio.remove_quietly(self.ops, path)  # a manifest published, but naming a block found bad meanwhile
-            self._unpin(pinned)  # the blocks it wrote that nothing names: removed now, not at the next put
+            # No durable file the index does not know is left: a manifest published, but naming a block found bad
+            # meanwhile, or cancelled after its rename (a queue closing on its timeout). Unlinked off the loop and
+            # within the deadline (the disk may be what hung), with the blocks it wrote that nothing names.
+            self._doomed.add(path)
+            self._unpin(pinned)
             await self.delete_doomed_async()
             raise
         finally:
@@ -664,7 +661,7 @@ class Store:
             await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
             self._check_pinned(pinned, path)
         except BaseException:
-            fileio.remove_quietly(self.ops, path)
+            self._doomed.add(path)  # as a put's: off the loop, within the deadline
             self._unpin(pinned)
             await self.delete_doomed_async()
             raise
