@@ -42,6 +42,7 @@ MAX_DIM = 2**31 - 1
 MAX_TOTAL_BYTES = 2**40  # 1 TiB of tensor data in one file
 MAX_TOKENS = 8 * 1024 * 1024  # 32 MiB of u32 ids, well inside the header limit
 MAX_NESTING = 8  # CacheList inside CacheList ...
+MAX_FIELD_DEPTH = 4  # lists and maps inside a cache's field value (the codecs' deepest: a list of scalars)
 KEY_LEN = 32  # a block key: SHA-256
 MIN_BLOCK_TOKENS = 16  # a manifest's block size B: at least this, so its key list stays short
 MAX_BLOCK_TOKENS = 65_536
@@ -553,11 +554,21 @@ def _checkpoint_from_wire(d: Any) -> GenerationCheckpoint | None:
 
 
 def _fields(d: Any) -> dict[str, Any]:
-    """A cache's fields: names are text (a bytes name beside a text one could never be put in order, §5.2's key)."""
+    """A cache's fields: names are text (a bytes name beside a text one could never be put in order, §5.2's key),
+    values nested at most ``MAX_FIELD_DEPTH`` deep (a block key packs them again, one level deeper)."""
     _want(d, dict, "cache.fields")
-    for k in d:
+    for k, v in d.items():
         _want(k, str, "cache.fields key")
+        _check_depth(v, MAX_FIELD_DEPTH, k)
     return dict(d)
+
+
+def _check_depth(v: Any, left: int, name: str) -> None:
+    if isinstance(v, (list, dict)):
+        if left == 0:
+            raise errors.NestingTooDeep(f"cache field {name!r} nests lists or maps deeper than {MAX_FIELD_DEPTH}")
+        for x in v.values() if isinstance(v, dict) else v:
+            _check_depth(x, left - 1, name)
 
 
 def _metadata(d: Any) -> dict[str, str | int | float | bool]:

@@ -552,11 +552,22 @@ def _bytes_field_name(w: dict[str, Any]) -> None:
     w["caches"][0]["fields"] |= {"step": 1, b"step": 2}  # a text and a bytes name: no order between them
 
 
+def _deep_field_value(w: dict[str, Any]) -> None:
+    deep: Any = 0
+    for _ in range(1020):  # within msgpack's 1,024 levels as a header, past them once packed into the root key
+        deep = [deep]
+    w["caches"][0]["fields"] |= {"x": deep}
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("edit", "code"),
-    [(_rank_zero, "tensor_rank_mismatch"), (_bytes_field_name, "header_malformed")],
-    ids=["rank-0", "bytes-field-name"],
+    [
+        (_rank_zero, "tensor_rank_mismatch"),
+        (_bytes_field_name, "header_malformed"),
+        (_deep_field_value, "nesting_too_deep"),  # found in review: a ValueError that stopped a restart's scan
+    ],
+    ids=["rank-0", "bytes-field-name", "deep-field-value"],
 )
 async def test_a_hostile_manifest_layout_is_refused_by_every_reader(
     edit: Callable[[dict[str, Any]], None], code: str, tmp_path: Path
