@@ -7,7 +7,7 @@ where a constant is patched smaller (only where the code reads it at call time),
 command line, and real redis-server processes (``tests/redis_servers.py``). Sections:
 
 - the wire protocol: ``MAX_INFLIGHT_REQUESTS``, ``MAX_ERROR_MESSAGE`` (``spilld/protocol.py``)
-- a header's blocks: ``MIN_BLOCK_TOKENS`` / ``MAX_BLOCK_TOKENS``, ``KEY_LEN`` (``spilld/format.py``)
+- a header: ``MIN_BLOCK_TOKENS`` / ``MAX_BLOCK_TOKENS``, ``KEY_LEN``, ``MAX_FIELD_DEPTH`` (``spilld/format.py``)
 - a lookup's reply: ``MAX_LOOKUP_BLOCK_PATHS`` (``spilld/daemon/server.py``)
 - settings: block tokens, ``MAX_ADMIT_AFTER`` (``spilld/admission.py``), ``MAX_DURATION_S`` (``spilld/config.py``)
 - the remote tier: ``MAX_SECRET_FILE_BYTES``, ``MAX_MANIFEST_VALUE_BYTES``, ``MAX_EVENT_KEYS`` (``spilld/remote``)
@@ -239,6 +239,17 @@ def test_a_block_key_of_key_len_bytes_parses_another_length_is_header_malformed(
         assert error["code"] == PARSED and "sends every row" in error["message"], error
     else:
         assert error["code"] == "header_malformed" and f"must be {fmt.KEY_LEN} bytes" in error["message"], error
+
+
+@pytest.mark.parametrize("depth", [fmt.MAX_FIELD_DEPTH, fmt.MAX_FIELD_DEPTH + 1])
+def test_a_cache_field_nested_max_field_depth_deep_parses_one_more_is_nesting_too_deep(w: Wire, depth: int) -> None:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    header = kv_header(ROWS)
+    header["caches"][0]["fields"] = {**header["caches"][0]["fields"], "x": value}
+    error = refused(w, header)  # parsed, it is then refused by the kind's rule: no field "x"
+    assert (error["code"] == "nesting_too_deep") == (depth > fmt.MAX_FIELD_DEPTH), error
 
 
 # --- a lookup's reply -------------------------------------------------------------------------------------------
