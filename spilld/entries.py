@@ -101,6 +101,9 @@ class Entry:
     block_size: int = 0
     whole: bool = False  # every cache positional: its blocks alone restore a prefix (attachments aside)
     restorable: int | None = None  # tokens its caches hold (``Header.restorable_tokens``), when fewer than its tokens
+    # Ours to unlink: written by this store, or found by a scan made alone. Another writer's (a guest's scan of a
+    # daemon's folder) leaves this index when evicted or superseded, and its file stays: it is not ours.
+    owned: bool = True
 
     @property
     def ntokens(self) -> int:

@@ -97,7 +97,7 @@ class Spiller:
             self.store.close()
             raise
         if alone and not lock.share():  # flock converts by letting go, then taking: another may come between
-            self.store.disown_blocks()  # and may have scanned alone meanwhile: the blocks found are theirs too
+            self.store.disown_files()  # and may have scanned alone meanwhile: the files found are theirs too
             await self._share(lock)
         self._loop = asyncio.get_running_loop()
         return self

@@ -1099,3 +1099,24 @@ async def test_a_scan_that_took_the_folders_lock_holds_it_through_its_evictions(
     assert not s.lock.held
     assert s.scan() == 1 and s.stats()["evicted"] == 2
     assert unlocked == [] and not s.lock.held
+
+
+@pytest.mark.asyncio
+async def test_a_guests_evictions_leave_the_owners_files_on_disk(tmp_path: Path) -> None:
+    """Found in review: a store that scanned a folder another spilld owns (a Spiller writing as a daemon's guest)
+    reaped nothing at its scan, but its puts then evicted to its own cap over every entry it indexed, and unlinked
+    the owner's manifests, which the owner still served. The owner's entries now leave the guest's index only."""
+    owner = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    owner.acquire()
+    try:
+        theirs = await owner.put(toks(40), kv_layers(40, seed=1), IDENT)
+        guest = Store(tmp_path, disk_cap=owner.total_bytes + 100, block_tokens=16)
+        assert guest.scan() == 1
+        mine = await guest.put(toks(40, start=5000), kv_layers(40, seed=2), IDENT)
+        assert guest.entry_at(theirs.path) is None and guest.entry_at(mine.path) is not None  # evicted here
+        assert os.path.exists(theirs.path)  # and left on disk: the owner's
+        entry = owner.entry_at(theirs.path)
+        assert entry is not None and all(os.path.exists(rec.path) for rec in owner.named_blocks(entry))
+        assert restored(owner, IDENT, "", toks(41)).tokens == toks(40)
+    finally:
+        owner.close()

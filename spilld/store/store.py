@@ -246,14 +246,17 @@ class Store:
             self._drop_block(b)
         if reap:
             self.counters.blocks_reclaimed += len(found.orphans)
-        else:  # another spilld owns the folder: its blocks are not ours to remove
+        else:  # another spilld owns the folder: its files are not ours to remove
             self._doomed.forget_where(lambda p: p.endswith(BLOCK_EXT))
+            self.disown_files()
 
-    def disown_blocks(self) -> None:
-        """Every block indexed now is another writer's too (one may have scanned the folder alone): none is
-        unlinked or reused here; puts write blocks of their own."""
+    def disown_files(self) -> None:
+        """Every file indexed now is another writer's too (one may have scanned the folder alone): none is
+        unlinked here, and no block reused; puts write blocks of their own."""
         for rec in self.index.blocks.values():
             rec.owned = False
+        for e in self.index.by_path.values():
+            e.owned = False
 
     def _add_block(self, key: bytes, path: str, nbytes: int) -> Block:
         """A block file just published (its folder not synced yet) into the index."""
@@ -996,9 +999,10 @@ class Store:
                 self._reclaim_if_unused(rec)
 
     def _remove(self, e: Entry) -> None:
-        """Out of the index now; the file joins those to delete."""
+        """Out of the index now; the file joins those to delete, if it is ours (``Entry.owned``)."""
         self._forget(e)
-        self._doomed.add(e.path)
+        if e.owned:
+            self._doomed.add(e.path)
 
     def _delete_doomed(self) -> None:
         unlink_all(self.ops, self._doomed.take())
