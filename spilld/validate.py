@@ -299,6 +299,10 @@ def _ring(offset: int, how: Rows, f: dict[str, Any], rows: int, where: str) -> N
         raise errors.OffsetMismatch(f"{where}: offset {offset}, max_size {size}, but {rows} rows stored")
     if f["idx"] > rows:
         raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} past the {rows} rows stored")
+    # not wrapped yet, the ring writes at its end (mlx-lm's does): an idx inside it would let a cut load send the
+    # ring's write index below zero, and the next token would be written nowhere
+    if how is Rows.RING and offset < size and f["idx"] != rows:
+        raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} inside a ring that has not wrapped ({rows} rows)")
 
 
 def header_from_bytes(data: bytes | memoryview, file_size: int, path: str | None = None) -> fmt.Header:

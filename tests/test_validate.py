@@ -264,3 +264,22 @@ def test_unknown_field_keys_of_any_type_are_refused(sample: bytes) -> None:
     wire["caches"][1]["fields"][b"raw"] = 1  # msgpack map keys may be bytes too: a name must be text, from the parser
     with pytest.raises(errors.HeaderMalformed, match=r"cache\.fields key"):
         fmt.header_from_wire(wire)
+
+
+@pytest.mark.parametrize("idx", [0, 1, 19])
+def test_a_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, idx: int) -> None:
+    """Found in review: an unwrapped rotating ring (offset < max_size: every token held, in order) with ``idx`` below
+    its rows passed, and a load cut back to fewer tokens trimmed mlx-lm's ``_idx`` below zero: the next token was
+    written nowhere and the attention kept a row of the cut tokens. mlx-lm's own ring writes at its end until it
+    wraps, so ``idx`` must equal its rows."""
+    ring = fill(C.RotatingKVCache(max_size=32, keep=4), 20, heads=2, dim=16, dtype=mx.float16)
+    good = str(tmp_path / "good.spilld")
+    spilld.save(good, list(range(20)), [ring], identity=IDENT)
+    spilld.loader.read_header(good)  # as mlx-lm wrote it: idx 20
+    with open(good, "rb") as f:
+        wire, body = split(f.read())
+    assert wire["caches"][0]["fields"]["idx"] == 20
+    wire["caches"][0]["fields"]["idx"] = idx
+    bad = write(str(tmp_path / "bad.spilld"), join(wire, body))
+    with pytest.raises(errors.IndexOutOfRange):
+        spilld.loader.read_header(bad)
