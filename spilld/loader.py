@@ -484,8 +484,8 @@ def _results(futs: dict[Any, concurrent.futures.Future[Any]]) -> dict[Any, Any]:
         raise
 
 
-def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
-    """Trim loaded caches back to ``upto`` tokens, where the header says that is valid."""
+def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str, prov: CodecProvider) -> None:
+    """Cut loaded caches back to ``upto`` tokens (each by its codec), where the header says that is valid."""
     if upto > len(header.tokens) or upto < 0:
         raise errors.NotReusable(f"cannot cut {len(header.tokens)} tokens to {upto}", path=path)
     if upto == len(header.tokens):
@@ -498,7 +498,7 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str) -> None:
         )
     for c, e in zip(caches, header.caches, strict=True):
         if e.offset is not None and e.offset > upto:
-            c.trim(e.offset - upto)
+            prov.for_entry(e, path).cut(c, e.offset - upto)
 
 
 def load(
@@ -556,7 +556,7 @@ def load(
         ops.close(fd)
     tokens = whole.tokens
     if upto is not None:
-        _cut(caches, whole, upto, p)
+        _cut(caches, whole, upto, p, prov)
         tokens = tokens[:upto]
     # Every array evaluated here: a lazy one (a batch cache's offsets after a trim) is bound to this thread's streams,
     # and a load often runs on a worker thread whose streams end with it. The tensors read are evaluated already.

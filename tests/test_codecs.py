@@ -322,3 +322,23 @@ def test_a_trailing_empty_tensor_does_not_extend_the_file(tmp_path: Any) -> None
     big = [fill(C.KVCache(), 4096, heads=8, dim=128)]  # the O_DIRECT path too
     res = spilld.save(tmp_path / "g", [], big, attachments=[att], direct=True)
     assert os.path.getsize(tmp_path / "g") == res.file_bytes and spilld.load(tmp_path / "g").caches
+
+
+def test_a_concatenate_cache_loaded_as_a_shorter_prefix_continues_like_a_fresh_prefill(tmp_path: Any) -> None:
+    """Found in review: a restore cut back to a shorter prefix trimmed a ``ConcatenateKVCache`` by its offset only,
+    and its next update concatenated onto every stored row: the model attended to tokens not in the prompt."""
+    from tests.models import tiny_llama
+
+    model = tiny_llama()
+    base = [(7 * i) % 250 for i in range(40)]
+    spilled = [C.ConcatenateKVCache() for _ in model.layers]
+    mx.eval(model(mx.array([base]), cache=spilled))
+    spilld.save(tmp_path / "f", base, spilled)
+    prompt = [*base[:30], 201, 202, 203]
+    got = spilld.load(tmp_path / "f", upto=30).caches
+    assert got[0].offset == 30 and got[0].keys.shape[2] == 30
+    restored = model(mx.array([prompt[30:]]), cache=got)[0, -1]
+    fresh = model(mx.array([prompt]), cache=[C.ConcatenateKVCache() for _ in model.layers])[0, -1]
+    assert mx.allclose(restored, fresh, atol=1e-4).item()
+    whole = spilld.load(tmp_path / "f").caches  # negative control: the 40 tokens kept, the answer differs
+    assert not mx.allclose(model(mx.array([prompt[30:]]), cache=whole)[0, -1], fresh, atol=1e-4).item()

@@ -278,6 +278,10 @@ class Codec:
         """SNAPSHOT_NESTED: the caches inside this one."""
         return ()
 
+    def cut(self, cache: Any, n: int) -> None:
+        """A loaded cache cut back by ``n`` tokens (a restore of a shorter prefix): the class's own ``trim``."""
+        cache.trim(n)
+
     # helpers shared by the codecs
 
     def entry(

@@ -88,6 +88,12 @@ class ConcatenateKVCodec(KVCacheCodec):
     def cache_type(self) -> type:
         return C.ConcatenateKVCache
 
+    def cut(self, cache: Any, n: int) -> None:
+        # its trim lowers the offset only, and its next update concatenates onto every row kept: keep only the live
+        cache.trim(n)
+        if cache.keys is not None:
+            cache.keys, cache.values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+
 
 class ChunkedKVCodec(Codec):
     """``ChunkedKVCache``: the buffer holds tokens ``[start_position, offset)``.
