@@ -22,7 +22,7 @@ from . import errors
 
 SEGMENT_BYTES = 32 * 1024 * 1024
 POOL_SEGMENTS = 8
-NAME = re.compile(r"^spilld-[0-9a-f]{8}-\d{1,4}$")  # short: macOS limits names to 31 bytes
+NAME = re.compile(r"spilld-[0-9a-f]{8}-[0-9]{1,4}")  # whole names only (fullmatch); short: macOS allows 31 bytes
 
 
 ShmRefused = errors.ShmRefused  # defined in errors.py, where every code is mapped
@@ -114,7 +114,7 @@ def _reserve(name: str, size: int) -> None:
 
 def check_name(name: str) -> None:
     """Refuse a segment name that is not one of a client pool's (before anything is opened or allocated)."""
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise ShmRefused(f"bad segment name {name[:64]!r}: expected spilld-<8 hex>-<number>")
 
 

@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
-from spilld import loader, saver
+from spilld import errors, loader, saver
 from spilld import protocol as P
 from tests.caches import fill, live, same
 from tests.daemons import Daemon, serving
@@ -332,3 +332,15 @@ async def test_the_pool_is_made_off_the_loop_and_a_full_dev_shm_sends_inline(
     finally:
         await c.close()
     assert {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("spilld-")} == set()
+
+
+@pytest.mark.parametrize(
+    "name", ["spilld-0123abcd-1\n", "spilld-0123abcd-\u0661\u0662", "spilld-0123abcd-1/../x", "xspilld-0123abcd-1"]
+)
+def test_a_segment_name_is_refused_unless_it_is_one_a_pool_gives(name: str) -> None:
+    """Found in review: ``$`` also matched before a final newline and ``\\d`` took any script's digits."""
+    from spilld import shm
+
+    shm.check_name("spilld-0123abcd-12")
+    with pytest.raises(errors.ShmRefused):
+        shm.check_name(name)
