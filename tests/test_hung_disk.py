@@ -600,3 +600,35 @@ async def test_a_put_failed_by_a_hung_disk_cleans_up_off_the_loop(tmp_path: Path
         tick.cancel()
         ops.hanging.clear()
     assert max(gaps) < SERVING_BOUND_S * 4, max(gaps)
+
+
+class SlowManifestRename(fileio.FileOps):
+    """A manifest's rename takes ``SLOW_S`` (a disk that answers late)."""
+
+    SLOW_S = 1.0
+
+    def rename(self, src: str, dst: str) -> None:
+        if dst.endswith(".spilld"):
+            time.sleep(self.SLOW_S)
+        super().rename(src, dst)
+
+
+@pytest.mark.asyncio
+async def test_a_fills_manifest_published_after_its_deadline_is_removed(tmp_path: Path) -> None:
+    """Found in review: a fill (``Store.adopt``) whose manifest write passed the I/O deadline failed and let its
+    blocks go, then the late rename published a manifest that no index knew, naming blocks that were gone."""
+    src = Store(tmp_path / "a", disk_cap=2**40, block_tokens=16)
+    put = await src.put(list(range(40)), caches(40), IDENT)
+    manifest = Path(put.path).read_bytes()
+    held = {rec.key: Path(rec.path).read_bytes() for rec in src.blocks}
+
+    async def fetched() -> AsyncIterator[dict[bytes, bytes]]:
+        yield held
+
+    s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=16, io_timeout=0.3, ops=SlowManifestRename())
+    with pytest.raises(errors.StorageTimeout):
+        await s.adopt(IDENT, "", manifest, fetched())
+    await asyncio.sleep(SlowManifestRename.SLOW_S + 0.5)  # the late rename lands
+    await s.delete_doomed_async()  # what the next put, fill or eviction runs
+    left = [f for _, _, fs in os.walk(tmp_path / "b") for f in fs if f.endswith((".spilld", BLOCK_EXT))]
+    assert s.count == 0 and left == []

@@ -660,7 +660,9 @@ class Store:
             for rec in pinned:
                 rec.synced = True
             await self._io(functools.partial(self._check_named, m, path), "a manifest's check", background=True)
-            await self._io(functools.partial(self._write_file, path, manifest), "a manifest's write", background=True)
+            await self._io(
+                functools.partial(self._write_file, path, manifest), "a manifest's write", background=True, late=[path]
+            )
             await self._io(lambda: fileio.sync_dir(self.ops, folder, self.durability), "a folder's sync")
             self._check_pinned(pinned, path)
         except BaseException:
@@ -688,7 +690,12 @@ class Store:
         await asyncio.gather(*(_check_fetched(v, scope, k, on_bad) for k, v in new.items()))
         names = {k: os.path.join(folder, blocks.block_name(k)) for k in new}
         files = [(names[k], v) for k, v in new.items()]
-        await off_loop(lambda: fileio.publish_all(self.ops, files, self.durability), background=True)
+        await self._io(
+            lambda: fileio.publish_all(self.ops, files, self.durability),
+            "fetched blocks' writes",
+            background=True,
+            late=list(names.values()),
+        )
         recs = []
         for k, v in new.items():
             recs.append(rec := self._add_block(k, names[k], len(v)))
@@ -952,9 +959,17 @@ class Store:
             pins = sorted(self._pins)
             await self._io(lambda: write_pins(self.root, pins, self.ops, self.durability), "the pins file")
 
-    async def _io(self, fn: Callable[[], T], what: str, background: bool = False) -> T:
-        """``fn`` (blocking file work) on a worker thread within the I/O deadline (``StorageTimeout`` past it)."""
-        return await within(off_loop(fn, background=background), self.io_timeout, what)
+    async def _io(self, fn: Callable[[], T], what: str, background: bool = False, late: Sequence[str] = ()) -> T:
+        """``fn`` (blocking file work) on a worker thread within the I/O deadline (``StorageTimeout`` past it).
+        ``late``: the files ``fn`` publishes; past the deadline its caller has given up on them, so once ``fn``
+        ends they join the files to unlink (the next ``delete_doomed_async``; a scan judges them after a crash)."""
+
+        def doom() -> None:
+            for path in late:
+                if path not in self.index.by_path:
+                    self._doomed.add(path)
+
+        return await within(off_loop(fn, background=background), self.io_timeout, what, on_late=doom if late else None)
 
     def _set_pin(self, path: str, on: bool) -> bool:
         if path not in self.index.by_path:
