@@ -1120,3 +1120,32 @@ async def test_a_guests_evictions_leave_the_owners_files_on_disk(tmp_path: Path)
         assert restored(owner, IDENT, "", toks(41)).tokens == toks(40)
     finally:
         owner.close()
+
+
+@pytest.mark.asyncio
+async def test_an_entry_evicted_while_its_restore_reads_is_an_evicted_miss_and_nothing_is_quarantined(
+    tmp_path: Path,
+) -> None:
+    """Found in review: the read then found the entry's blocks gone from the index (a ``BlockMissing`` naming the
+    manifest) and the store quarantined the evicted entry's healthy manifest as corrupt."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    await s.put(toks(40), kv_layers(40), IDENT)
+    hit = s.lookup(IDENT, "", toks(41))
+    assert isinstance(hit, Hit)
+    reached, go = threading.Event(), threading.Event()
+    real = s.block_path
+
+    def block_path(key: bytes) -> str | None:  # the read resolves its blocks on a worker thread
+        if not go.is_set():
+            reached.set()
+            go.wait(10)
+        return real(key)
+
+    s.block_path = block_path  # type: ignore[method-assign]
+    task = asyncio.ensure_future(s.restore_async(hit, IDENT))
+    assert await asyncio.to_thread(reached.wait, 10)
+    assert s.remove_where(lambda e: True) == 1  # an eviction on the loop meanwhile
+    go.set()
+    got = await task
+    assert isinstance(got, Miss) and got.reason is MissReason.EVICTED
+    assert s.stats()["quarantined"] == 0 and not os.path.exists(os.path.join(str(tmp_path), QUARANTINE))

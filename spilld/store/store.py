@@ -428,6 +428,10 @@ class Store:
             self.counters.hits += 1
             return outcome
         if isinstance(outcome, errors.FileFormatError):
+            if (
+                self.index.by_path.get(e.path) is not e
+            ):  # evicted (or found bad) while it was read: not its files' fault
+                return self._miss(MissReason.EVICTED)
             await self.bad_read_async(e, outcome)
             return self._miss(MissReason.CORRUPT)
         where = self._read_path(e, outcome)
