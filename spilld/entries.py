@@ -125,6 +125,7 @@ class Block:
     refs: set[str] = field(default_factory=set)  # paths of the manifests that name it
     pins: int = 0  # puts that will name it once their manifest is published
     namespace: str = ""  # of the manifests that name it (keys include the namespace: one per block)
+    named: bool = False  # a manifest has named it (only then was it announced as stored: StoreListener.stored)
     # Ours to reuse and unlink: written by this store, or found by a scan made alone. A block file another writer
     # of the folder put there may be named by entries this store never saw: it is never unlinked here, and a put
     # writes a copy of its own rather than name it.

@@ -1149,3 +1149,44 @@ async def test_an_entry_evicted_while_its_restore_reads_is_an_evicted_miss_and_n
     got = await task
     assert isinstance(got, Miss) and got.reason is MissReason.EVICTED
     assert s.stats()["quarantined"] == 0 and not os.path.exists(os.path.join(str(tmp_path), QUARANTINE))
+
+
+class Reclaims:
+    """A store listener that records the blocks it is told were reclaimed: (namespace, key)."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, bytes]] = []
+
+    def stored(self, entry: Any, written: Any, root: bytes) -> None:
+        pass
+
+    def evicted(self, entry: Any, named: list[Any]) -> None:
+        pass
+
+    def reclaimed(self, block: Any) -> None:
+        self.told.append((block.namespace, block.key))
+
+
+@pytest.mark.asyncio
+async def test_listeners_hear_of_reclaimed_blocks_a_manifest_named_under_its_namespace_only(tmp_path: Path) -> None:
+    """Found in review: the blocks a failed put wrote, which no manifest ever named (nor any event announced),
+    were reported reclaimed under namespace '' (the remote tier published tenant keys on the base stream)."""
+    acme = ident("acme")
+
+    class FailedManifest(fileio.FileOps):
+        def rename(self, src: str, dst: str) -> None:
+            if dst.endswith(EXT):
+                raise OSError(5, "injected")
+            super().rename(src, dst)
+
+    s = Store(tmp_path, block_tokens=16, ops=FailedManifest())
+    told = Reclaims()
+    s.listeners.append(told)
+    with pytest.raises(spilld.errors.StorageError):
+        await s.put(toks(40), kv_layers(40), acme)
+    assert s.stats()["blocks_reclaimed"] == 2 and told.told == []  # gone, never announced: nothing to say
+    s.ops = fileio.FileOps()
+    await s.put(toks(40), kv_layers(40), acme)
+    keys = list(s.entries[0].blocks)
+    assert s.remove_where(lambda e: True) == 1
+    assert sorted(told.told) == sorted(("acme", k) for k in keys)

@@ -76,7 +76,7 @@ class Index:
         if b is not None:
             for k in b.keys:
                 self.blocks[k].refs.add(path)
-                self.blocks[k].namespace = e.namespace
+                self.blocks[k].namespace, self.blocks[k].named = e.namespace, True
             roots = self.roots.setdefault((e.fingerprint, e.namespace, e.codec_provider), {})
             roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
         self.by_path[path] = e

@@ -269,20 +269,24 @@ class Store:
         else:  # another writer's file of this block: ours takes its place here (theirs is left alone)
             self.index.drop_block(rec)
             new = self.index.add_block(key, path, nbytes)
-            new.refs, new.pins, new.namespace = rec.refs, rec.pins, rec.namespace
+            new.refs, new.pins, new.namespace, new.named = rec.refs, rec.pins, rec.namespace, rec.named
         new.synced = False
         return new
 
-    def _drop_block(self, rec: Block) -> None:
-        if self.index.drop_block(rec) and rec.owned:  # another writer's file may be named by entries we never saw
+    def _drop_block(self, rec: Block) -> bool:
+        """``rec`` out of the index (False: it was not the block indexed under its key), its file doomed if ours."""
+        if not self.index.drop_block(rec):
+            return False
+        if rec.owned:  # another writer's file may be named by entries we never saw
             self._doomed.add(rec.path)
+        return True
 
     def _reclaim_if_unused(self, rec: Block) -> None:
-        """A block no manifest names and no put is about to name goes."""
-        if not rec.refs and not rec.pins:
-            self._drop_block(rec)
+        """A block no manifest names and no put is about to name goes; listeners are told of one that a manifest
+        named (announced as stored), never of one a failed put wrote, nor of one already out (found bad)."""
+        if not rec.refs and not rec.pins and self._drop_block(rec):
             self.counters.blocks_reclaimed += 1
-            for listener in self.listeners:
+            for listener in self.listeners if rec.named else []:
                 listener.reclaimed(rec)
 
     # --- lookup ------------------------------------------------------------------------
