@@ -443,3 +443,26 @@ def test_cuts_above_the_snapshot_are_fine_until_too_many_to_tell(tmp_path: Any, 
         assert equal(freeze(live(spilld.load(settled.value.path).caches[0])), want)
     else:  # the oldest cut was forgotten: whether it went below the snapshot cannot be told
         assert settled.outcome is Outcome.FAILED and isinstance(settled.error, spilld.errors.PlanDrift)
+
+
+def test_a_watched_cache_is_freed_when_dropped_and_its_deep_copy_watches_itself() -> None:
+    """Found in review: a live snapshot installs a watch as the cache's ``trim``, and the watch held the cache: a
+    cycle, so an engine's dropped cache kept its buffers until a full collection (never, under ``gc.freeze``)."""
+    import copy
+    import gc
+    import weakref
+
+    cache = fill(C.KVCache(), 30)
+    watch = base.CutWatch.of(cache)
+    twin = copy.deepcopy(cache)  # the copy's trim cuts the copy and counts there, not in the original
+    twin.trim(5)
+    assert (twin.offset, cache.offset) == (25, 30) and base.CutWatch.of(twin).cuts == 1 and watch.cuts == 0
+    cache.trim(2)
+    assert cache.offset == 28 and watch.cuts == 1
+    gone = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache, watch
+        assert gone() is None  # freed by its count, no collection needed
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ change our files.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,15 +99,24 @@ class CutWatch:
     ATTR = "_spilld_cut_watch"
 
     def __init__(self, cache: Any) -> None:
-        self._cache = cache  # strong: a deep copy of the cache copies its watch, pointing at the copy
+        # weak: the cache holds its watch (and its trim, a method of it), so a strong reference back was a cycle
+        # that kept a dropped cache's buffers until a full collection (found in review)
+        self._cache = weakref.ref(cache)
         self.cuts = 0
         self._recent: deque[tuple[int, int]] = deque(maxlen=MAX_CUTS_REMEMBERED)  # (cut number, offset after)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CutWatch:
+        """A deep copy of the cache copies its watch, watching the copy (which ``memo`` holds by then)."""
+        cache = self._cache()
+        out = CutWatch(memo.get(id(cache), cache))
+        out.cuts, out._recent = self.cuts, deque(self._recent, maxlen=MAX_CUTS_REMEMBERED)
+        return out
 
     @classmethod
     def of(cls, cache: Any) -> CutWatch:
         """The cache's watch, installed on first use."""
         watch: CutWatch | None = getattr(cache, cls.ATTR, None)
-        if watch is None or watch._cache is not cache:
+        if watch is None or watch._cache() is not cache:
             watch = cls(cache)
             setattr(cache, cls.ATTR, watch)
             cache.trim = watch.trim
@@ -122,11 +132,12 @@ class CutWatch:
         return min((off for k, off in self._recent if k > mark), default=None)
 
     def trim(self, n: int) -> Any:
-        before = self._cache.offset
-        out = type(self._cache).trim(self._cache, n)
-        if self._cache.offset < before:
+        cache = self._cache()  # alive: this is its trim, called through it
+        before = cache.offset
+        out = type(cache).trim(cache, n)
+        if cache.offset < before:
             self.cuts += 1
-            self._recent.append((self.cuts, self._cache.offset))
+            self._recent.append((self.cuts, cache.offset))
         return out
 
 
