@@ -132,7 +132,7 @@ class CutWatch:
         return min((off for k, off in self._recent if k > mark), default=None)
 
     def trim(self, n: int) -> Any:
-        cache = self._cache()  # alive: this is its trim, called through it
+        cache: Any = self._cache()  # alive: this is its trim, called through it
         before = cache.offset
         out = type(cache).trim(cache, n)
         if cache.offset < before:
