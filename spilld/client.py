@@ -908,8 +908,15 @@ class Client:
         return self._run(self._async.status())
 
     def close(self, timeout: float | None = None) -> DrainReport:
-        """As ``AsyncClient.close``; then the loop thread ends. A second close gives the first one's report."""
+        """As ``AsyncClient.close``; then the loop thread ends. A second close gives the first one's report.
+
+        From the client's own loop thread (a spill future's callback) the close cannot be waited for: it runs once
+        the callback returns, and this returns at once a report that is not ``done``."""
         if self._closed is not None:
+            return self._closed
+        if self._lt.on_own_thread:
+            self._closed = DrainReport(False, 0, 0, 0)
+            self._lt.stop(first=self._async.close(timeout))
             return self._closed
         try:
             self._closed = self._lt.run(self._async.close(timeout))

@@ -40,7 +40,8 @@ class LoopThread:
         self._lock = threading.Lock()
         self._stopping = False
         self._pending: set[concurrent.futures.Future[Any]] = set()  # calls waited on from other threads
-        self._thread = mlxthreads.start_thread(self.loop.run_forever, name, daemon=True)
+        self._self_stopped = False  # stopped from its own thread: the thread closes the loop when it ends
+        self._thread = mlxthreads.start_thread(self._serve, name, daemon=True)
         # A caller that exits without ``stop`` must not leave a thread that ran mlx work alive at interpreter
         # shutdown (mlx aborts the process: 'terminate called without an active exception').
         atexit.register(self.stop)
@@ -69,20 +70,54 @@ class LoopThread:
         with self._lock:
             self._pending.discard(fut)
 
-    def stop(self) -> None:
-        """Cancel what still runs on the loop (letting it unwind), end the thread, close the loop. A call another
-        thread waits on that the loop will never run is cancelled, never left waiting."""
+    def _serve(self) -> None:
+        self.loop.run_forever()
+        if self._self_stopped:  # nobody waits to close it: this thread does, last
+            self._close()
+
+    @property
+    def on_own_thread(self) -> bool:
+        """The caller is the loop's own thread (a callback of a future the loop settles)."""
+        return threading.current_thread() is self._thread
+
+    def stop(self, first: Awaitable[Any] | None = None) -> None:
+        """Run ``first`` (if given), cancel what still runs on the loop (letting it unwind), end the thread, close
+        the loop. A call another thread waits on that the loop will never run is cancelled, never left waiting.
+
+        From the loop's own thread (a future's callback) nothing can be waited for: the same happens after the
+        callback returns, and the thread closes its loop as it ends."""
         with self._lock:
-            self._stopping = True
-        if self.loop.is_closed():
+            again, self._stopping = self._stopping, True
+        if self.loop.is_closed() or (again and self._self_stopped):
+            if asyncio.iscoroutine(first):
+                first.close()
             return
         atexit.unregister(self.stop)
+        if self.on_own_thread:
+            self._self_stopped = True
+            self.loop.create_task(self._stop_here(first))
+            return
         if self._thread.is_alive():
-            unwound = asyncio.run_coroutine_threadsafe(_wind_down(STOP_TASKS_TIMEOUT_S), self.loop)
+            unwound = asyncio.run_coroutine_threadsafe(self._unwind(first), self.loop)
             with contextlib.suppress(Exception):
-                unwound.result(2 * STOP_TASKS_TIMEOUT_S + 1)
+                unwound.result(None if first is not None else 2 * STOP_TASKS_TIMEOUT_S + 1)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
+        self._close()
+
+    async def _unwind(self, first: Awaitable[Any] | None) -> None:
+        if first is not None:  # bounded by its own arguments (a client's close by its timeout)
+            with contextlib.suppress(Exception):
+                await first
+        await _wind_down(STOP_TASKS_TIMEOUT_S)
+
+    async def _stop_here(self, first: Awaitable[Any] | None) -> None:
+        try:
+            await self._unwind(first)
+        finally:
+            self.loop.stop()
+
+    def _close(self) -> None:
         with self._lock:
             left, self._pending = list(self._pending), set()
         for fut in left:

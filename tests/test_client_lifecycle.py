@@ -162,3 +162,41 @@ async def test_a_lost_connections_reader_ends_before_the_next_connection_is_made
         await asyncio.sleep(0.4)  # any reader that was still to end has ended
         assert new is not None and not new.is_closing() and c._writer is new
         assert (await c.status())["clients"] >= 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_close_from_a_spill_futures_callback_closes_the_client_once_the_callback_returns(daemon: Daemon) -> None:
+    """Found in review: ``close`` on the client's own loop thread blocked that thread for 11 s waiting on itself,
+    then failed to join it: the socket stayed open and the pool's segments stayed in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
+    c = Client(daemon.socket, identity=IDENT, timeout=5.0)
+    assert c.spill(list(range(8)), [fill(C.KVCache(), 8)]).result(30).stored  # the pool is made
+    assert set(os.listdir("/dev/shm")) - before
+    took: list[float] = []
+    done = threading.Event()
+
+    def callback(_: object) -> None:
+        t0 = time.monotonic()
+        report = c.close(5)
+        took.append(time.monotonic() - t0)
+        assert not report.done  # it could not be waited for
+        done.set()
+
+    c.spill(list(range(8)), [fill(C.KVCache(), 8)]).add_done_callback(callback)
+    assert done.wait(30) and took[0] < 1.0
+    deadline = time.monotonic() + 10
+    while not c._lt.loop.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert c._lt.loop.is_closed() and not c._lt._thread.is_alive()
+    assert set(os.listdir("/dev/shm")) - before == set()  # the pool went with the close
+    assert not c.spill(list(range(8)), [fill(C.KVCache(), 8)]).result(5).stored  # closed: refused, never raised
+
+
+def test_a_spill_handed_to_a_loop_closed_meanwhile_is_cancelled_not_raised() -> None:
+    """Found in review: a spill whose hand-off raced a close raised the closed loop's RuntimeError into the engine."""
+    from spilld.snapshot import threadsafe
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    settled = threadsafe(loop, lambda: pytest.fail("never run")).result(1)  # type: ignore[arg-type,return-value]
+    assert settled.outcome is Outcome.CANCELLED

@@ -639,3 +639,29 @@ def test_a_rank_other_than_0_stops_its_generation_before_the_tier_drains(model_d
         if proc.poll() is None:
             proc.kill()
     assert "mlx_lm.server failed" not in _read(log) and "cold tier counters:" in _read(log)
+
+
+def test_an_embedded_tier_closed_from_a_spill_futures_callback_closes_once_it_returns(tmp_path: Any) -> None:
+    """As the daemon's client (tests/test_client_lifecycle.py): a close on the tier's own loop thread is run once
+    the callback returns, never waited for there (it blocked that thread on itself, then failed to join it)."""
+    import threading
+
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    tier = EmbeddedTier(str(tmp_path), model_identity(None, model_id="embedded-close"))
+    done, took = threading.Event(), []
+
+    def callback(_: object) -> None:
+        t0 = time.monotonic()
+        tier.close(5)
+        took.append(time.monotonic() - t0)
+        done.set()
+
+    tier.spill(list(range(8)), [fill(C.KVCache(), 8)], droppable=False).add_done_callback(callback)
+    assert done.wait(30) and took[0] < 1.0
+    deadline = time.monotonic() + 10
+    while not tier._lt.loop.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tier._lt.loop.is_closed() and not tier.spiller.store.lock.held  # closed, the folder's lock let go

@@ -131,6 +131,9 @@ class EmbeddedTier:
         return self.spiller.stats()
 
     def close(self, timeout: float | None = None) -> None:
+        if self._lt.on_own_thread:  # a spill future's callback: the close runs once it returns (none can be waited)
+            self._lt.stop(first=self.spiller.close(timeout))
+            return
         try:
             self._run(self.spiller.close(timeout))
         finally:
