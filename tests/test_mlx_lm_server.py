@@ -665,3 +665,42 @@ def test_an_embedded_tier_closed_from_a_spill_futures_callback_closes_once_it_re
     while not tier._lt.loop.is_closed() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert tier._lt.loop.is_closed() and not tier.spiller.store.lock.held  # closed, the folder's lock let go
+
+
+def test_entries_inserted_while_the_daemon_was_away_are_spilled_at_exit(tmp_path: Any) -> None:
+    """Found in review: mlx-lm's batched path inserts lazily extracted caches; while the daemon was unreachable the
+    spill was refused before any clone evaluated them, and at exit the main thread, which cannot evaluate a graph
+    built on the generation thread, refused every one of them: all lost."""
+    import threading
+
+    from mlx_lm.generate import BatchGenerator
+
+    from spilld import format as fmt
+    from spilld.integrations.tier import DaemonTier
+    from tests.models import tiny_llama
+
+    d = Daemon(new_root())
+    try:
+        model = tiny_llama()
+        tier = DaemonTier(d.socket, fmt.Identity(model_id="tiny"))  # no daemon yet
+        lru = ColdTierPromptCache(max_size=10, tier_for=lambda key: tier)
+
+        def generation_thread() -> None:  # as the server's: a stream of its own, caches extracted lazily
+            bg = BatchGenerator(model, max_tokens=4, stream=mx.default_stream(mx.default_device()))
+            bg.insert([[(7 * i) % 250 for i in range(40)]])
+            while not (done := [r for r in bg.next()[1] if r.finish_reason is not None]):
+                pass
+            lru.insert_cache("m", done[0].all_tokens[:], done[0].prompt_cache)
+            bg.close()
+
+        t = threading.Thread(target=generation_thread)
+        t.start()
+        t.join()
+        assert lru.stats["spills"] == 0  # refused: no daemon
+        d.start()
+        tier._next_try = 0.0  # the daemon is up by the server's exit
+        assert lru.spill_unstored() == 1  # on the main thread
+        tier.close(30)
+        assert "stored 1," in d.cli("status", "--socket", d.socket).stdout
+    finally:
+        cleanup(d)

@@ -36,7 +36,7 @@ from ..daemon.listen import is_served
 from ..identity import model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
 from ..queue import Settled
-from ..saver import clone_caches
+from ..saver import clone_caches, evaluated
 from .tier import ColdTier, DaemonTier, EmbeddedTier
 
 log = logging.getLogger("spilld.mlx_lm")
@@ -201,6 +201,8 @@ class ColdTierPromptCache(LRUPromptCache):
             log.warning("spill refused: %s", exc)
             return None
         if future.done() and not future.result().stored:  # refused at once: no daemon, ids a file cannot hold
+            if in_lru:
+                _readable_later(caches)
             return None
         self.stats["spills"] += 1
         if droppable and in_lru:
@@ -225,6 +227,16 @@ class ColdTierPromptCache(LRUPromptCache):
         with self._lock:
             self._behind.pop(key, None)
             self._stored.discard(key)
+
+
+def _readable_later(caches: list[Any]) -> None:
+    """An entry the tier refused stays in memory, to be spilled at exit from another thread: its pending work
+    (mlx-lm's batched path inserts lazy copies) is evaluated now, on the engine's thread that built it; the main
+    thread cannot (found in review: every such entry was lost at exit)."""
+    try:
+        evaluated(caches)
+    except Exception as exc:  # the engine goes on; the entry is then only lost, as before
+        log.warning("an entry the cold tier refused could not be evaluated: %s", exc)
 
 
 class ServerTiers:
