@@ -50,45 +50,68 @@ class Query:
     roots: list[tuple[bytes, int, bool]]  # (root key, block size, whole) of the layouts stored for this prompt
     blocks: dict[bytes, Block]
     by_path: dict[str, Entry]
+    by_last: dict[bytes, dict[str, Entry]]  # entries with blocks, by their last block
     ask: tuple[str, int] | None = None  # the write gate's scope and block size: the prompt's asks are hashed here
 
-    def chains(self) -> list[tuple[int, Block, bool]]:
-        """Per stored layout, the longest run of its blocks that starts the prompt: (tokens, last block, whole)."""
+    def chains(self) -> list[tuple[int, list[Block], bool]]:
+        """Per stored layout, the longest run of its blocks that starts the prompt: (block size, its blocks, whole).
+        Its deepest blocks may be named by no manifest yet (a put between its blocks and its manifest)."""
         out = []
         toks = self.want
         for root, size, whole in self.roots:
-            key, last, i = root, None, 0
-            while (i + 1) * size <= len(toks) - 1:  # one token must be left to compute
+            key, walked = root, list[Block]()
+            while (len(walked) + 1) * size <= len(toks) - 1:  # one token must be left to compute
+                i = len(walked)
                 key = blocks.next_key(key, toks[i * size : (i + 1) * size].tolist())
                 rec = self.blocks.get(key)
                 if rec is None:
                     break
-                last, i = rec, i + 1
-            if last is not None:
-                out.append((i * size, last, whole))
+                walked.append(rec)
+            if walked:
+                out.append((size, walked, whole))
         return out
 
     def match(self) -> Found:
         """Entries with blocks are found through their chain (O(prompt / B) probes, then the manifests naming its
-        last block), entries without through the first-token index; a whole layout's chain alone is a hit too."""
+        last block or ending on one of its blocks), entries without through the first-token index; a whole
+        layout's chain alone is a hit too, as deep as a whole manifest names it."""
         found = Found()
         if self.ask is not None:
             scope, size = self.ask
             found.asked = prefix_digests(scope, self.want, size, len(self.want) // size)
         limit = len(self.want) - 1
         chains = self.chains()
-        candidates = list(self.by_start.values())
-        for _, last, _ in chains:
-            candidates += [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None]
-        self._compare(found, candidates, limit)
-        for covered, last, whole in chains:
-            if whole and (found.best is None or found.best.matched < covered):
-                refs = [e for p in list(last.refs) if (e := self.by_path.get(p)) is not None and e.whole]
-                if refs:
-                    found.best = Hit(refs[0], covered, blocks_only=True)
+        candidates = {e.path: e for e in self.by_start.values()}
+        for _, walked, _ in chains:
+            candidates |= self._along(walked)
+        self._compare(found, list(candidates.values()), limit)
+        for size, walked, whole in chains:
+            if whole:
+                self._blocks_only(found, size, walked)
         if found.best is None:  # would an entry we evicted have served this prompt? (explains the miss)
             found.evicted = any(common_prefix(t, self.want) > 0 for t in self.evicted)
         return found
+
+    def _along(self, walked: list[Block]) -> dict[str, Entry]:
+        """The entries a chain can serve: those naming its last block, and those whose own chain ends on one of
+        its blocks (their tail runs on from there). Not every entry naming a shared block: a system prompt's are
+        named by every conversation under it. Found in review: with the last block's manifests only, an entry
+        that ended earlier (the previous turn, while this turn's put wrote its blocks; or the trimmable turn
+        before an untrimmable one) was never compared."""
+        out = {p: e for p in list(walked[-1].refs) if (e := self.by_path.get(p)) is not None}
+        for rec in walked:
+            out |= {e.path: e for e in list(self.by_last.get(rec.key, {}).values())}
+        return out
+
+    def _blocks_only(self, found: Found, size: int, walked: list[Block]) -> None:
+        """A hit from the chain's blocks alone, at the deepest block a whole manifest names, if it beats ``found``."""
+        for depth in range(len(walked), 0, -1):
+            if found.best is not None and found.best.matched >= depth * size:
+                return
+            refs = [e for p in list(walked[depth - 1].refs) if (e := self.by_path.get(p)) is not None and e.whole]
+            if refs:
+                found.best = Hit(refs[0], depth * size, blocks_only=True)
+                return
 
     def _compare(self, found: Found, candidates: list[Entry], limit: int) -> None:
         for e in candidates:

@@ -9,9 +9,11 @@ random-weight models (tests/models.py), each comparison with a negative control 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -943,3 +945,55 @@ def test_block_file_names_say_their_key_and_nothing_else_passes() -> None:
     for name in ("x" * 64 + "-00.spilld-block", key.hex()[:-2] + "-00.spilld-block", key.hex() + "-00.spilld",
                  "-" + key.hex() + ".spilld-block"):  # fmt: skip
         assert blocks.key_of_name(name) is None, name
+
+
+class HeldManifest(fileio.FileOps):
+    """While ``hold`` is set, a manifest's rename waits for ``go``: a put between its blocks and its manifest."""
+
+    def __init__(self) -> None:
+        self.hold, self.reached, self.go = False, threading.Event(), threading.Event()
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.hold and dst.endswith(".spilld"):
+            self.reached.set()
+            self.go.wait(10)
+        super().rename(src, dst)
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_while_the_next_turns_put_writes_finds_the_previous_turn(tmp_path: Path) -> None:
+    """Found in review: the chain ran into the put's new blocks, which no manifest names yet, and only manifests
+    naming the chain's last block were compared: the previous turn, which serves the prompt, was a miss."""
+    ops = HeldManifest()
+    s = store(tmp_path, ops=ops)
+    first = toks(40)  # 2 blocks and a tail
+    a = await s.put(first, conversation(first), IDENT)
+    second = [*first, *toks(30, start=7000)]  # the next turn: 2 more blocks
+    ops.hold = True
+    put = asyncio.ensure_future(s.put(second, conversation(second), IDENT))
+    try:
+        assert await asyncio.to_thread(ops.reached.wait, 10)
+        hit = await s.lookup_async(IDENT, "", [*second, 1])
+        assert isinstance(hit, Hit) and hit.entry.path == a.path and hit.matched == 40
+    finally:
+        ops.go.set()
+    await put
+    hit = await s.lookup_async(IDENT, "", [*second, 1])
+    assert isinstance(hit, Hit) and hit.matched == 70
+
+
+@pytest.mark.asyncio
+async def test_a_branch_inside_an_untrimmable_turn_is_served_by_the_turn_before_it(tmp_path: Path) -> None:
+    """Found in review: with a recurrent state beside the KV cache no turn supersedes the one before it; a prompt
+    that branched inside the newer turn's blocks compared only that turn (untrimmable): a miss, though the turn
+    before it is an exact prefix of the prompt."""
+    s = store(tmp_path)
+    kinds = ("arrays", "kv")
+    first = toks(40)
+    a = await s.put(first, conversation(first, kinds), IDENT)
+    second = [*first, *toks(30, start=7000)]
+    await s.put(second, conversation(second, kinds), IDENT)
+    assert s.count == 2
+    branch = [*second[:56], *toks(20, start=9000)]  # diverges inside the newer turn's 4th block
+    hit = await s.lookup_async(IDENT, "", branch)
+    assert isinstance(hit, Hit) and hit.entry.path == a.path and hit.matched == 40

@@ -325,8 +325,9 @@ class Store:
         roots = [(r, size, whole) for r, (size, whole) in self.index.roots.get((fp, namespace, prov), {}).items()]
         evicted = list(self._evicted.get((fp, namespace), ()))
         return Query(
-            want, fp, prov, group, evicted, roots if len(want) > 1 else [], self.index.blocks, self.index.by_path, ask
-        )
+            want, fp, prov, group, evicted, roots if len(want) > 1 else [], self.index.blocks, self.index.by_path,
+            self.index.by_last, ask,
+        )  # fmt: skip
 
     def _settle(self, q: Query, found: Found) -> Hit | Miss:
         if self.admission is not None:  # the prompt's asks, hashed with the comparisons (off the loop, async)
