@@ -632,3 +632,35 @@ async def test_a_fills_manifest_published_after_its_deadline_is_removed(tmp_path
     await s.delete_doomed_async()  # what the next put, fill or eviction runs
     left = [f for _, _, fs in os.walk(tmp_path / "b") for f in fs if f.endswith((".spilld", BLOCK_EXT))]
     assert s.count == 0 and left == []
+
+
+@pytest.mark.asyncio
+async def test_a_hung_sweep_of_empty_folders_never_holds_the_loop_and_a_put_there_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the sweep held the claims lock across its rmdir, and a put takes that lock on the event
+    loop: an rmdir stuck on a failing disk froze the loop. Now a put whose folder is being removed waits for the
+    removal (off the loop's critical path), then makes the folder again."""
+    from spilld.store import folders
+
+    real = os.rmdir
+    entered = threading.Event()
+
+    def slow_rmdir(path: str) -> None:
+        entered.set()
+        time.sleep(1.0)  # a metadata call stuck on a failing disk, for a while
+        real(path)
+
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    await s.put(list(range(40)), caches(40), IDENT)
+    assert s.remove_where(lambda e: True) == 1
+    monkeypatch.setattr(folders.os, "rmdir", slow_rmdir)
+    sweep = asyncio.ensure_future(asyncio.to_thread(s.remove_empty_folders))
+    assert await asyncio.to_thread(entered.wait, 10)
+    t0 = time.monotonic()
+    put = asyncio.ensure_future(s.put(list(range(100, 140)), caches(40, seed=1), IDENT))  # the same folder
+    await asyncio.sleep(0)
+    assert time.monotonic() - t0 < SERVING_BOUND_S  # the claim did not wait on the rmdir
+    await sweep
+    got = await put
+    assert os.path.exists(got.path) and s.count == 1

@@ -73,12 +73,21 @@ class FolderClaims:
 
     def __init__(self, on_removed: Callable[[str], None] | None = None) -> None:
         self._busy: Counter[str] = Counter()
-        self._lock = threading.Lock()  # orders "this folder is busy" against "this empty folder goes"
+        # orders "this folder is busy" against "this empty folder goes"; held for those marks only, never across
+        # a filesystem call (the loop takes it to claim: a hung rmdir must not hold the loop, found in review)
+        self._lock = threading.Lock()
+        self._removing: set[str] = set()  # folders the sweep is removing now (its rmdir under way)
         self._on_removed = on_removed
 
     def claim(self, folder: str) -> None:
         with self._lock:
             self._busy[folder] += 1
+
+    def removing(self, folder: str) -> bool:
+        """The sweep is removing ``folder`` or its model folder now: a save that claimed it waits for that to end
+        before it makes the folder (it may be gone after)."""
+        with self._lock:
+            return folder in self._removing or os.path.dirname(folder) in self._removing
 
     def release(self, folder: str) -> None:
         with self._lock:
@@ -87,16 +96,23 @@ class FolderClaims:
                 del self._busy[folder]
 
     def rmdir_unless_claimed(self, folder: str) -> None:
-        """Remove ``folder`` if it is empty and neither it nor a folder under it is claimed."""
+        """Remove ``folder`` if it is empty and neither it nor a folder under it is claimed; a save that claims it
+        meanwhile waits for the removal's end (``removing``), and ``on_removed`` is told before that end."""
         with self._lock:
             if any(b == folder or b.startswith(folder + os.sep) for b in self._busy):
                 return
-            try:
-                os.rmdir(folder)  # only succeeds when empty
-            except OSError:
-                return
-            if self._on_removed is not None:
-                self._on_removed(folder)
+            self._removing.add(folder)
+        removed = False
+        try:
+            os.rmdir(folder)  # only succeeds when empty
+            removed = True
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                if removed and self._on_removed is not None:
+                    self._on_removed(folder)
+                self._removing.discard(folder)
 
 
 def remove_empty_folders(root: str, claims: FolderClaims | None = None) -> None:

@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import functools
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -67,6 +68,7 @@ EVICTED_MEMORY = 256  # evicted entries remembered per namespace, to explain mis
 DEFAULT_DISK_CAP = 64 * 1024**3
 EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of the event loop
 STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
+FOLDER_WAIT_S = 0.005  # how often a save polls while the sweep removes the folder it is about to write in
 LOOKUP_ATTEMPTS = 3  # comparisons a lookup makes when the entry it found was removed while it compared
 
 
@@ -754,6 +756,11 @@ class Store:
     async def _make_folder(self, folder: str, room: bool = False) -> None:
         """Create a claimed entry folder and its model folder (with ``room``, ENOSPC makes room and tries again),
         then make their names durable: a failed fsync is never retried (a second may succeed without them)."""
+        deadline = time.monotonic() + (self.io_timeout if self.io_timeout is not None else math.inf)
+        while self._folders.removing(folder):  # the sweep's rmdir of it under way: it may be gone after
+            if time.monotonic() > deadline:
+                raise errors.StorageTimeout(f"the removal of the empty folder {folder} did not end: the disk is hung")
+            await asyncio.sleep(FOLDER_WAIT_S)
         if folder in self._durable_folders and os.path.isdir(folder):
             return
 
