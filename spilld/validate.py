@@ -27,6 +27,7 @@ from .codecs.rules import (
     Tensor,
     Trim,
     rules_for,
+    unruled_kinds,
 )
 
 _ANY = Tensor("state", None, None)
@@ -67,8 +68,9 @@ def _validate(header: fmt.Header, file_size: int | None, prefix_version: int) ->
             )
     table = rules_for(header.codec_provider)
     base = _blocks(header, table)
+    unruled = unruled_kinds(header.codec_provider)
     for i, e in enumerate(header.caches):
-        _entry(e, table, len(header.tokens), f"cache {i}", base)
+        _entry(e, table, unruled, len(header.tokens), f"cache {i}", base)
     if header.block is not None:
         _block(header)
     # last, so a header refused for what it says gets the same code from a file and from a spill
@@ -121,17 +123,24 @@ def _block(header: fmt.Header) -> None:
         raise errors.BlockKeyMismatch("block 0 does not chain from the root key of its identity and layout")
 
 
-def _entry(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None, ntokens: int, where: str, base: int = 0) -> None:
+def _entry(
+    e: fmt.CacheEntry,
+    table: Mapping[str, KindRule] | None,
+    unruled: frozenset[str],
+    ntokens: int,
+    where: str,
+    base: int = 0,
+) -> None:
     if e.offset is not None and ntokens and e.offset > ntokens:
         # A file saved without tokens (the mlx-lm prompt-cache drop-in) records none to compare with.
         raise errors.OffsetBeyondTokens(f"{where} ({e.kind}) encodes {e.offset} tokens, the file records {ntokens}")
-    if table is not None:
+    if table is not None and e.kind not in unruled:
         rule = table.get(e.kind)
         if rule is None:
             raise errors.KindNotInProvider(f"{where}: kind {e.kind!r} is not one of {sorted(table)}")
         _check_rule(e, rule, where, base if rule.rows is Rows.OFFSET and not e.children else 0)
     for j, c in enumerate(e.children):
-        _entry(c, table, ntokens, f"{where}.{j}", base)
+        _entry(c, table, unruled, ntokens, f"{where}.{j}", base)
 
 
 # --- one entry against its kind's rule --------------------------------------------

@@ -273,6 +273,31 @@ def test_engine_registers_its_own_codec(tmp_path: Any) -> None:
         spilld.load(tmp_path / "f")
 
 
+def test_an_extended_providers_built_in_kinds_keep_their_rules(tmp_path: Any) -> None:
+    """Found in review: a file of an extended provider skipped every rule of §5.1 (its id had no rule table), yet
+    the built-in codecs decoded it: a quantized cache of 1 bit in groups of 7 reached the engine, which failed."""
+    from spilld import format as fmt
+    from spilld.codecs.rules import rules_for
+    from tests.hostile import join, split
+
+    mine = default_provider().extended("engine-y/1", [_DoublingCodec()])
+    assert rules_for("engine-y/1") is not None
+    spilld.save(
+        tmp_path / "good", [], [_DoublingCache(mx.arange(4, dtype=mx.float32)), fill(C.KVCache(), 3)], provider=mine
+    )
+    assert spilld.load(tmp_path / "good", provider=mine).caches[1].offset == 3  # its own kind, unruled, still loads
+    q = C.QuantizedKVCache(group_size=32, bits=4)
+    q.update_and_fetch(*kv(5, dim=32))
+    spilld.save(tmp_path / "q", [], [q], provider=mine)
+    with open(tmp_path / "q", "rb") as f:
+        wire, body = split(f.read())
+    wire["caches"][0]["fields"] = {"group_size": 7, "bits": 1}  # what mlx-lm never writes (rule 6)
+    with open(tmp_path / "bad", "wb") as f:
+        f.write(join(wire, body, version=fmt.FORMAT_VERSION))
+    with pytest.raises(errors.QuantizationInvalid):
+        spilld.load(tmp_path / "bad", provider=mine)
+
+
 def test_provider_rejects_duplicate_kinds() -> None:
     with pytest.raises(ValueError):
         CodecProvider("x", [_DoublingCodec(), _DoublingCodec()])

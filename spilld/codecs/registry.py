@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..format import CacheEntry
-from .rules import MLX_LM_PROVIDER_ID
+from .rules import MLX_LM_PROVIDER_ID, register_rules, rules_for, unruled_kinds
 
 if TYPE_CHECKING:
     from .base import Codec, Encoded, LiveSource
@@ -36,8 +36,17 @@ class CodecProvider:
             self._by_type[c.cache_type()] = c
 
     def extended(self, provider_id: str, codecs: Iterable[Codec]) -> CodecProvider:
-        """A new provider with these codecs added (a new id: files name the table they need)."""
-        return CodecProvider(provider_id, [*self._by_kind.values(), *codecs])
+        """A new provider with these codecs added (a new id: files name the table they need). Its rules are this
+        provider's and each added codec's ``rule``, registered for this process's readers; a kind with no rule
+        is taken as its codec reads it."""
+        added = list(codecs)
+        out = CodecProvider(provider_id, [*self._by_kind.values(), *added])
+        base = rules_for(self.id)
+        if base is not None:
+            table = {**base, **{c.kind: c.rule for c in added if c.rule is not None}}
+            unruled = unruled_kinds(self.id) | {c.kind for c in added if c.rule is None}
+            register_rules(provider_id, table, frozenset(unruled))
+        return out
 
     def for_cache(self, cache: Any) -> Codec:
         try:

@@ -216,8 +216,23 @@ MLX_LM_RULES: Mapping[str, KindRule] = {
 # Rule tables by codec provider id. A provider's id names a fixed set of kinds:
 # a kind outside its table makes the file bad, not newer (new kinds need a new id).
 PROVIDER_RULES: dict[str, Mapping[str, KindRule]] = {MLX_LM_PROVIDER_ID: MLX_LM_RULES}
+# kinds a provider registered without a rule (an engine's own cache classes): its codec checks them itself
+_UNRULED: dict[str, frozenset[str]] = {}
 
 
 def rules_for(provider_id: str) -> Mapping[str, KindRule] | None:
-    """The rule table of a provider id, or None for a provider this build does not know."""
+    """The rule table of a provider id, or None for a provider this process does not know."""
     return PROVIDER_RULES.get(provider_id)
+
+
+def unruled_kinds(provider_id: str) -> frozenset[str]:
+    """The kinds of a known provider that have no rule (taken as they are; any other kind not in its table is
+    refused)."""
+    return _UNRULED.get(provider_id, frozenset())
+
+
+def register_rules(provider_id: str, table: Mapping[str, KindRule], unruled: frozenset[str] = frozenset()) -> None:
+    """Make a provider's rules known to this process's readers (``CodecProvider.extended`` registers the table of
+    the provider it makes: its built-in kinds keep their rules, found in review: they were skipped)."""
+    PROVIDER_RULES[provider_id] = dict(table)
+    _UNRULED[provider_id] = unruled
