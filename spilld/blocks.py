@@ -199,6 +199,15 @@ def positional_slots(header: fmt.Header) -> list[int]:
     return [first + j for e, first in positional_leaves(header) for j in range(len(e.tensors))]
 
 
+def cache_bytes(header: fmt.Header) -> int:
+    """Tensor bytes of the whole cache a file describes: a manifest's own and its blocks' rows."""
+    b = header.blocks
+    if b is None:
+        return header.data_bytes
+    per_block = sum(rows_slot(s, b.size).nbytes for e, _ in positional_leaves(header) for s in e.tensors)
+    return header.data_bytes + per_block * len(b.keys)
+
+
 def rows_slot(s: fmt.Slot, rows: int) -> fmt.Slot:
     """``s`` with ``rows`` rows (axis -2), unplaced."""
     shape = (*s.shape[:-2], rows, s.shape[-1])

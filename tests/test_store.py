@@ -1190,3 +1190,42 @@ async def test_listeners_hear_of_reclaimed_blocks_a_manifest_named_under_its_nam
     keys = list(s.entries[0].blocks)
     assert s.remove_where(lambda e: True) == 1
     assert sorted(told.told) == sorted(("acme", k) for k in keys)
+
+
+@pytest.mark.asyncio
+async def test_an_entry_that_left_while_an_evict_ran_is_not_evicted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: an evict request took its list of entries once, then evicted them in batches; one removed
+    between two batches (superseded, evicted for room) was evicted again: counted twice, its listeners told twice."""
+    from spilld.store import store as store_module
+
+    monkeypatch.setattr(store_module, "EVICT_BATCH", 1)
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    for i in range(3):
+        await s.put(toks(40, start=1000 * (i + 1)), kv_layers(40, seed=i), IDENT)
+    last = s.entries[-1].path
+    evict = asyncio.ensure_future(s.evict_async())
+    await asyncio.sleep(0)  # its first batch is out
+    assert s.remove_where(lambda e: e.path == last) == 1  # another way out, between two batches
+    n, _ = await evict
+    assert n == 2 and s.stats()["evicted"] == 2 and s.count == 0
+
+
+@pytest.mark.asyncio
+async def test_a_fill_counts_the_bytes_it_writes_and_the_cache_it_adds(tmp_path: Path) -> None:
+    """Found in review: files a fill from the shared tier wrote were left out of ``bytes_written`` (and so of the
+    day's write budget), which counts every file published; the cache they add counts as new bytes too."""
+    src = Store(tmp_path / "a", disk_cap=2**40, block_tokens=16)
+    put = await src.put(toks(40), kv_layers(40), IDENT)
+    manifest = Path(put.path).read_bytes()
+    held = {rec.key: Path(rec.path).read_bytes() for rec in src.blocks}
+
+    async def fetched() -> Any:
+        yield held
+
+    s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=16)
+    await s.adopt(IDENT, "", manifest, fetched())
+    st, want = s.stats(), src.stats()
+    assert st["bytes_written"] == len(manifest) + sum(map(len, held.values())) == want["bytes_written"]
+    assert st["written_day"] == st["bytes_written"] and st["unique_added"] == want["unique_added"] > 0

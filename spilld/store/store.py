@@ -568,8 +568,7 @@ class Store:
         self.counters.stored += 1
         self._wrote(result.file_bytes)
         self._ok()
-        held = max(held * self.block_tokens, self._settle_new(entry, result.header))
-        self.counters.unique_added += logical * max(entry.ntokens - held, 0) // max(entry.ntokens, 1)
+        self._added(entry, logical, max(held * self.block_tokens, self._settle_new(entry, result.header)))
         if cut is not None:
             for listener in self.listeners:
                 listener.stored(entry, written, cut.root)
@@ -686,7 +685,8 @@ class Store:
         entry = self.index.add(path, m, time.time())
         self._unpin(pinned)
         self.counters.adopted += 1
-        self._settle_new(entry, m)
+        self._wrote(len(manifest))  # a fill's files wear the disk as a put's do (found in review: not counted)
+        self._added(entry, blocks.cache_bytes(m), self._settle_new(entry, m))
         await self.delete_doomed_async()
         return entry
 
@@ -712,6 +712,7 @@ class Store:
             recs.append(rec := self._add_block(k, names[k], len(v)))
             rec.pins += 1
             self.counters.blocks_fetched += 1
+            self._wrote(len(v))
         return recs
 
     def _settle_new(self, entry: Entry, header: fmt.Header) -> int:
@@ -732,6 +733,11 @@ class Store:
         assert m.blocks is not None
         resolve = lambda k: r.path if (r := self.index.blocks.get(k)) is not None else None  # noqa: E731
         assemble.checked_blocks(m, path, resolve, lambda p, _: read_header(p, self.ops), len(m.blocks.keys))
+
+    def _added(self, entry: Entry, logical: int, held: int) -> None:
+        """``entry`` (``logical`` cache bytes) stored, of which the store held ``held`` tokens before: the cache
+        bytes of the rest are new (``unique_added``)."""
+        self.counters.unique_added += logical * max(entry.ntokens - held, 0) // max(entry.ntokens, 1)
 
     def _wrote(self, nbytes: int) -> None:
         self.counters.bytes_written += nbytes
@@ -1072,10 +1078,11 @@ class Store:
         changes here (``EVICT_BATCH`` entries a turn of the
         loop), every unlink and the sweep on a worker. ``progress(files, bytes)`` left to unlink is called from
         that worker, first before any unlink, then at most every ``UNLINK_PROGRESS_S``."""
-        gone = self._evict_match(fingerprint, older_than_s)
-        named = {id(rec): rec for e in gone for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
-        for i in range(0, len(gone), EVICT_BATCH):
-            self._evict_entries(gone[i : i + EVICT_BATCH])
+        match = self._evict_match(fingerprint, older_than_s)
+        named = {id(rec): rec for e in match for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
+        gone: list[Entry] = []
+        for i in range(0, len(match), EVICT_BATCH):
+            gone += self._evict_entries(match[i : i + EVICT_BATCH])
             await asyncio.sleep(0)  # other requests are answered between two batches
         # the bytes freed: the entries' files, and the blocks that went with them (no other entry named them)
         sizes = {e.path: e.nbytes for e in gone}
@@ -1096,9 +1103,13 @@ class Store:
             if (fingerprint is None or e.fingerprint == fingerprint) and (cutoff is None or e.last_used < cutoff)
         ]  # fmt: skip
 
-    def _evict_entries(self, gone: Sequence[Entry]) -> None:
+    def _evict_entries(self, match: Sequence[Entry]) -> list[Entry]:
+        """Evict those of ``match`` still indexed (one superseded or evicted since the list was made is not counted
+        again, found in review); the ones evicted here."""
+        gone = [e for e in match if self.index.by_path.get(e.path) is e]
         for e in gone:
             self._evict(e)
+        return gone
 
     def remove_empty_folders(self) -> None:
         """Folders of models no longer in use go when their last entry does (blocking: a worker thread).
