@@ -497,8 +497,18 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str, prov: Code
             f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path
         )
     for c, e in zip(caches, header.caches, strict=True):
-        if e.offset is not None and e.offset > upto:
-            prov.for_entry(e, path).cut(c, e.offset - upto)
+        _cut_to(prov, c, e, upto, path)
+
+
+def _cut_to(prov: CodecProvider, cache: Any, e: fmt.CacheEntry, upto: int, path: str) -> None:
+    """One cache cut to ``upto`` tokens by its codec; a container's children each by their own (a CacheList's trim
+    would call theirs: a ConcatenateKVCache inside one kept its rows, found in review)."""
+    codec = prov.for_entry(e, path)
+    if e.children:
+        for child, ce in zip(codec.children(cache), e.children, strict=True):
+            _cut_to(prov, child, ce, upto, path)
+    elif e.offset is not None and e.offset > upto:
+        codec.cut(cache, e.offset - upto)
 
 
 def load(

@@ -310,7 +310,7 @@ def _ring(offset: int, how: Rows, f: dict[str, Any], rows: int, where: str) -> N
         raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} past the {rows} rows stored")
     # not wrapped yet, the ring writes at its end (mlx-lm's does): an idx inside it would let a cut load send the
     # ring's write index below zero, and the next token would be written nowhere
-    if how is Rows.RING and offset < size and f["idx"] != rows:
+    if offset < size and f["idx"] != rows:
         raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} inside a ring that has not wrapped ({rows} rows)")
 
 

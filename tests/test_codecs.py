@@ -367,3 +367,14 @@ def test_a_concatenate_cache_loaded_as_a_shorter_prefix_continues_like_a_fresh_p
     assert mx.allclose(restored, fresh, atol=1e-4).item()
     whole = spilld.load(tmp_path / "f").caches  # negative control: the 40 tokens kept, the answer differs
     assert not mx.allclose(model(mx.array([prompt[30:]]), cache=whole)[0, -1], fresh, atol=1e-4).item()
+
+
+def test_a_concatenate_cache_inside_a_cache_list_is_cut_to_the_rows_it_serves(tmp_path: Any) -> None:
+    """Found in review: the cut of a ``CacheList`` went through its trim, which calls its children's own: a
+    ``ConcatenateKVCache`` inside one kept the rows of the tokens cut off."""
+    spilld.save(tmp_path / "f", list(range(40)), [C.CacheList(fill(C.ConcatenateKVCache(), 40), fill(C.KVCache(), 40))])
+    got = spilld.load(tmp_path / "f", upto=30).caches[0]
+    concat, plain = got.caches
+    assert (concat.offset, concat.keys.shape[2]) == (30, 30) and plain.offset == 30
+    want = fill(C.ConcatenateKVCache(), 40)
+    assert same(concat.keys, want.keys[..., :30, :]) and same(concat.values, want.values[..., :30, :])

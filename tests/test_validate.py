@@ -26,7 +26,7 @@ from spilld.codecs.rules import CAPACITY_STEP, MAX_ARRAY_SLOTS, MLX_LM_RULES
 from spilld.loader import alloc_shape
 from spilld.store import Store
 from spilld.validate import validate_header
-from tests.caches import fill
+from tests.caches import fill, kv
 from tests.daemons import Daemon, cleanup, new_root
 from tests.hostile import wire_align
 
@@ -279,6 +279,23 @@ def test_a_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, idx: i
     with open(good, "rb") as f:
         wire, body = split(f.read())
     assert wire["caches"][0]["fields"]["idx"] == 20
+    wire["caches"][0]["fields"]["idx"] = idx
+    bad = write(str(tmp_path / "bad.spilld"), join(wire, body))
+    with pytest.raises(errors.IndexOutOfRange):
+        spilld.loader.read_header(bad)
+
+
+@pytest.mark.parametrize("idx", [0, 1, 5])
+def test_a_batch_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, idx: int) -> None:
+    """As the single ring's: mlx-lm's ``BatchRotatingKVCache.trim`` lowers ``_idx`` too (found in review)."""
+    ring = C.BatchRotatingKVCache(max_size=16, left_padding=[2, 0])
+    ring.update_and_fetch(*kv(6, batch=2))
+    good = str(tmp_path / "good.spilld")
+    spilld.save(good, list(range(6)), [ring], identity=IDENT)
+    spilld.loader.read_header(good)
+    with open(good, "rb") as f:
+        wire, body = split(f.read())
+    assert wire["caches"][0]["fields"]["idx"] == 6
     wire["caches"][0]["fields"]["idx"] = idx
     bad = write(str(tmp_path / "bad.spilld"), join(wire, body))
     with pytest.raises(errors.IndexOutOfRange):
