@@ -132,3 +132,34 @@ def test_a_client_that_never_reads_its_answers_is_cut_off(daemon: Daemon) -> Non
     assert st["client_errors"] >= 1
     assert "answers left unread; disconnected" in daemon.read_log()
     assert next(ids) * 2000 > MAX_UNREAD_BYTES  # it took that many answers, not a protocol error, to be cut
+
+
+def test_a_silent_client_that_never_reads_its_answers_is_let_go_at_its_idle_timeout() -> None:
+    """Found in review: a client that left answers unread (under ``MAX_UNREAD_BYTES``) and went silent was closed
+    at its idle timeout with a close that waits for the unread bytes to be sent: it never was, and the connection
+    kept its slot of ``--max-clients`` and its answers for ever. It is cut off ``CLOSE_FLUSH_S`` after the close."""
+    from spilld.daemon.connection import CLOSE_FLUSH_S
+
+    with serving("--cap", "64MiB", "--idle-timeout", "1") as d:
+        stuck = socket.socket(socket.AF_UNIX)
+        stuck.connect(d.socket)
+        stuck.sendall(frames(P.request(1, "hello", {"version": 1, "client": "stuck"})))
+        stuck.setblocking(False)
+        sent = 0
+        for i in range(200):  # a few MiB of answers, never read (a few in flight at a time)
+            try:
+                stuck.sendall(frames(*(P.request(10 + 16 * i + j, "status", {}) for j in range(16))))
+            except BlockingIOError:
+                break
+            sent += 16
+            time.sleep(0.002)
+        assert sent >= 160
+        deadline = time.monotonic() + 1 + CLOSE_FLUSH_S + 10
+        clients = -1
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            r = d.cli("status", "--socket", d.socket, "--json")
+            if (clients := json.loads(r.stdout)["clients"]) == 1:  # the status call's own connection only
+                break
+        assert clients == 1, "the silent client that reads nothing still holds its connection"
+        stuck.close()

@@ -37,6 +37,7 @@ MAX_EXPIRED_KEPT = 64  # spills the daemon aborted whose commit can still say wh
 # and is cut off (its requests are answered whether it reads or not; 64 in flight of the largest answer, a lookup's
 # block paths, come to about 32 MiB)
 MAX_UNREAD_BYTES = 64 * 1024**2
+CLOSE_FLUSH_S = 5.0  # how long a closed connection's last bytes may wait for a peer to read them
 # A spill's cost counts its tensor bytes, not the objects that hold them: a put smaller than this is copied onto
 # the tensor's last chunk (one of at most COALESCED_CHUNK_BYTES), so a client sending 1-byte puts holds one object
 # per MiB, not 66 bytes of objects per byte (found in review: 60x the cap)
@@ -323,11 +324,21 @@ class Connection(asyncio.BufferedProtocol):
             self.send(P.notification("shm_free", {"names": names}))
 
     def close(self) -> None:
+        """Close after the bytes still buffered are sent, within ``CLOSE_FLUSH_S``; a client that does not read
+        them is cut off then (found in review: a close waited for ever for a peer that never read, and its
+        connection kept its slot and its unread answers)."""
         self._closing = True
         if self._timer is not None:
             self._timer.cancel()
-        if self.transport is not None:
-            self.transport.close()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.close()
+            if t.get_write_buffer_size():
+                asyncio.get_running_loop().call_later(CLOSE_FLUSH_S, self._cut_off, t)
+
+    def _cut_off(self, t: asyncio.Transport) -> None:
+        if not self.closed.done():  # still not lost: the peer reads nothing
+            t.abort()
 
     def take_spill(self, sid: Any) -> Incoming:
         """Remove and return open spill ``sid`` (for its commit); the error that says why there is none."""
