@@ -218,6 +218,9 @@ class Ingest:
         if sp.filling:  # a payload counted as its own is still being read into its buffer: that count stays
             sp.forget_when_filled = True  # until the frame ends (the connection lets it go then)
             return
+        if sp.reads:  # segment copies still fill its buffers: their room stays counted until the last one ends
+            next(iter(sp.reads)).add_done_callback(lambda _: self.forget(sp))  # (found in review: an abort freed
+            return  # it at once, and every spill admitted next held a copy's buffer beyond the bound)
         sp.released = True
         self.receiving -= sp.cost
         if not sp.droppable:
