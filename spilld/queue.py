@@ -340,11 +340,20 @@ class SpillQueue:
 
     # --- drain and close --------------------------------------------------------
 
-    async def drain(self, timeout: float | None = None) -> DrainReport:
-        """Wait until everything enqueued before this call has settled (or ``timeout`` passes)."""
-        futs = [r.settled for r in self._queue]  # never the callers' futures, which a caller may cancel
+    def settling(self) -> list[asyncio.Future[Settled]]:
+        """What ``drain`` waits for: the settling of everything enqueued now (never the callers' futures, which a
+        caller may cancel)."""
+        futs = [r.settled for r in self._queue]
         if self._in_flight is not None:
             futs.append(self._in_flight.settled)
+        return futs
+
+    async def drain(
+        self, timeout: float | None = None, *, of: list[asyncio.Future[Settled]] | None = None
+    ) -> DrainReport:
+        """Wait until everything enqueued before this call (or in ``of``, a ``settling()`` taken earlier: a wait in
+        slices) has settled, or ``timeout`` passes."""
+        futs = self.settling() if of is None else of
         if futs:
             await asyncio.wait(futs, timeout=timeout)
         left = [f for f in futs if not f.done()]

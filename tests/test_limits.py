@@ -15,6 +15,7 @@ command line, and real redis-server processes (``tests/redis_servers.py``). Sect
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import math
@@ -485,3 +486,62 @@ def test_a_lookups_tokens_are_held_as_4_bytes_each() -> None:
     assert got.tolist() == fmt.decode_tokens(raw)
     with pytest.raises(errors.HeaderMalformed):
         token_array(raw[:-1])
+
+
+@pytest.mark.asyncio
+async def test_a_drain_waits_for_what_was_queued_before_it_not_for_what_comes_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: the daemon's drain waited in slices of ``DRAIN_PROGRESS_S`` and took the queue anew in each,
+    so under a steady stream of spills it never answered done (``spilld drain`` then exited 3)."""
+    monkeypatch.setattr(server_module, "DRAIN_PROGRESS_S", 0.05)
+    root = new_root()
+    cfg = quiet_config(root)
+    daemon = InProcessDaemon(cfg)
+    await daemon.start()
+    real_put = daemon.store.put
+
+    async def slow_put(*a: Any, **kw: Any) -> Any:  # each write takes a while: the queue is never empty
+        await asyncio.sleep(0.15)
+        return await real_put(*a, **kw)
+
+    daemon.store.put = slow_put  # type: ignore[method-assign]
+    drainer = None
+    try:
+        drainer = await AsyncWire.open(cfg.socket, "drainer")
+
+        async def one_spill(seed: int) -> None:  # a connection each: a wire answers one call at a time
+            w = await AsyncWire.open(cfg.socket, f"producer-{seed}")
+            try:
+                r, err = await w.call("spill", {"header": kv_header(ROWS, seed=seed)})
+                assert err is None, err
+                for i in range(2):
+                    payload = bytes(2 * 8 * ROWS * 128)
+                    w.send(P.notification("put", {"spill": r["spill"], "index": i, "offset": 0}, payload))
+                await w.call("commit", {"spill": r["spill"]})
+            finally:
+                w.close()
+
+        first = asyncio.ensure_future(one_spill(next(SEEDS)))
+        await asyncio.sleep(0.05)  # queued or being written
+        stop = asyncio.Event()
+
+        async def steady() -> None:  # a new spill every 0.1 s while the drain runs
+            tasks = []
+            while not stop.is_set():
+                tasks.append(asyncio.ensure_future(one_spill(next(SEEDS))))
+                await asyncio.sleep(0.1)
+            await asyncio.gather(*tasks)
+
+        load = asyncio.ensure_future(steady())
+        t0 = asyncio.get_running_loop().time()
+        r, err = await drainer.call("drain", {"timeout": 10.0})
+        took = asyncio.get_running_loop().time() - t0
+        stop.set()
+        await asyncio.gather(first, load)
+        assert err is None and r["done"] is True and took < 3.0, (r, took)
+    finally:
+        if drainer is not None:
+            drainer.close()
+        await daemon.stop()
+        cleanup(root)

@@ -424,15 +424,16 @@ class Daemon:
 
     async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         deadline = time.monotonic() + p.get("timeout", 3600.0)
-        lost = 0  # items that settled during the wait without being stored (each wait sees those still queued)
+        # what was queued at the request, waited for in slices: never what comes after it (found in review: each
+        # slice took the queue anew, so under steady load a drain never said done)
+        before = self.queue.settling()
         while True:
             left = deadline - time.monotonic()
-            rep = await self.queue.drain(timeout=max(0.0, min(DRAIN_PROGRESS_S, left)))
-            lost += rep.not_stored
+            rep = await self.queue.drain(timeout=max(0.0, min(DRAIN_PROGRESS_S, left)), of=before)
             if rep.done or left <= 0:
                 return {
                     "done": rep.done, "pending_items": rep.pending_items, "pending_bytes": rep.pending_bytes,
-                    "not_stored": lost,
+                    "not_stored": rep.not_stored,
                 }  # fmt: skip
             conn.send(
                 P.notification(
