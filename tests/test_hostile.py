@@ -163,3 +163,40 @@ def test_a_silent_client_that_never_reads_its_answers_is_let_go_at_its_idle_time
                 break
         assert clients == 1, "the silent client that reads nothing still holds its connection"
         stuck.close()
+
+
+def test_a_malformed_lease_answer_lets_its_step_run_unheld_at_once() -> None:
+    """Found in review: a grantor's answer to a lease request whose error map had no code closed its connection,
+    but the wait for that grant had been taken out first: the daemon's one writer waited out --request-timeout,
+    then failed the item, and every other client's commit waited behind it. A grantor gone runs its steps free."""
+    import msgpack
+
+    from tests.hostile_memory import kv_header
+
+    with serving("--cap", "64MiB", "--request-timeout", "20", "--block-tokens", "0") as d:
+
+        def spill(w: Wire, seed: int) -> int:
+            sid = w.call("spill", {"header": kv_header(16, seed=seed), "droppable": False}).result["spill"]
+            for i in range(2):
+                w.send(
+                    P.notification("put", {"spill": sid, "index": i, "offset": 0}, bytes([seed]) * (8 * 16 * 128 * 2))
+                )
+            w._ids += 1
+            w.send(P.request(w._ids, "commit", {"spill": sid}))
+            return w._ids
+
+        g = Wire(d.socket, timeout=30)
+        g.hello(lease_grantor=True)
+        spill(g, 1)
+        while (ask := next((m for m in g.inbox if m.kind == P.REQUEST and m.method == "lease"), None)) is None:
+            assert g._read()
+        t0 = time.monotonic()
+        body = msgpack.packb([1, ask.msgid, {"message": "no code"}, None])
+        g.sock.sendall(len(body).to_bytes(4, "little") + (0).to_bytes(4, "little") + body)
+        other = Wire(d.socket, timeout=30)
+        other.hello()
+        assert other.response(spill(other, 2)).result["outcome"] == "stored"
+        assert time.monotonic() - t0 < 10  # not the 20 s request timeout
+        st = other.call("status", {}).result
+        assert st["queue"]["stored"] == 2 and st["queue"]["failed"] == 0, st["queue"]
+        other.close()

@@ -328,6 +328,7 @@ class Connection(asyncio.BufferedProtocol):
         them is cut off then (found in review: a close waited for ever for a peer that never read, and its
         connection kept its slot and its unread answers)."""
         self._closing = True
+        self._grantor_gone()  # it grants nothing more: a step waiting for it runs unheld now
         if self._timer is not None:
             self._timer.cancel()
         t = self.transport
@@ -426,8 +427,10 @@ class Connection(asyncio.BufferedProtocol):
             task.add_done_callback(self._task_done)
             return task
         else:  # an answer to a request of ours (a lease grant)
-            fut = self.asked.pop(msg.msgid, None)
+            # parsed before its wait is taken: a malformed answer closes the connection, whose close then settles
+            # that wait as a grantor gone (found in review: the writer waited out --request-timeout)
             refused = None if msg.error is None else errors.error_from_code(msg.error["code"], msg.error["message"])
+            fut = self.asked.pop(msg.msgid, None)
             if fut is not None and not fut.done():
                 fut.set_result(refused)
             elif refused is None:  # granted after we stopped waiting: let the engine go at once
