@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import errors, mlxthreads
 
@@ -90,8 +91,17 @@ async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bo
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        await asyncio.wait([fut])
+        await outlast(fut)
         raise
+
+
+async def outlast(fut: asyncio.Future[Any]) -> None:
+    """Wait for ``fut`` (work on a thread, which no cancel can stop) to end, through any number of cancels: a
+    caller cancelled twice must not go on to close what that thread still uses (found in review: a second cancel
+    closed a save's file under its running write). The caller re-raises its own cancel after."""
+    while not fut.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([fut])
 
 
 class Begun:
@@ -135,7 +145,7 @@ async def within(
     except asyncio.CancelledError:
         if begun is not None and begun.at is None:  # nothing runs yet: a stop must not wait out a grant's timeout
             task.cancel()
-        await asyncio.wait([task])
+        await outlast(task)
         if not task.cancelled():
             task.exception()  # retrieved: it ends with the cancel, never logged as lost
         raise
@@ -221,6 +231,7 @@ class FairLock:
         self._cond = threading.Condition(threading.Lock())
         self._next = 0  # the next ticket to hand out
         self._serving = 0  # the ticket that holds the lock
+        self._abandoned: set[int] = set()  # tickets whose waits ended in an exception: skipped when their turn comes
 
     def acquire(self, blocking: bool = True) -> bool:
         with self._cond:
@@ -228,16 +239,30 @@ class FairLock:
                 return False
             ticket = self._next
             self._next += 1
-            while self._serving != ticket:
-                self._cond.wait()
+            try:
+                while self._serving != ticket:
+                    self._cond.wait()
+            except BaseException:  # a Ctrl-C in the wait: the ticket is given up, never left to hold the lock
+                if self._serving == ticket:  # (found in review: every later acquire waited for ever)
+                    self._advance()
+                else:
+                    self._abandoned.add(ticket)
+                raise
             return True
 
     def release(self) -> None:
         with self._cond:
             if self._serving == self._next:
                 raise RuntimeError("release of an unlocked FairLock")
+            self._advance()
+
+    def _advance(self) -> None:
+        """The lock to the next ticket still waiting (the condition's lock held)."""
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
             self._serving += 1
-            self._cond.notify_all()
+        self._cond.notify_all()
 
     def locked(self) -> bool:
         with self._cond:
@@ -246,7 +271,7 @@ class FairLock:
     def waiting(self) -> int:
         """How many threads wait for the lock (beyond its holder)."""
         with self._cond:
-            return max(0, self._next - self._serving - 1)
+            return max(0, self._next - self._serving - 1 - len(self._abandoned))
 
     def __enter__(self) -> FairLock:
         self.acquire()
@@ -296,9 +321,12 @@ class IdleGate:
     def busy(self) -> Iterator[None]:
         with self._cond:
             self._engine_waiting += 1
-            while self._background:
-                self._cond.wait()
-            self._engine_waiting -= 1
+            try:
+                while self._background:
+                    self._cond.wait()
+            finally:  # a Ctrl-C in the wait must not count an engine waiting for ever (no background step would run)
+                self._engine_waiting -= 1
+                self._cond.notify_all()
             self._engine_active += 1
         try:
             yield

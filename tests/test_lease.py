@@ -11,6 +11,7 @@ import pytest
 
 import spilld
 from spilld import AsyncLockLease, IdleGate, NoLease, ThreadLockLease, mlxthreads
+from spilld.lease import FairLock
 
 pytestmark = pytest.mark.asyncio
 
@@ -206,3 +207,96 @@ async def test_a_thread_lock_lease_on_a_fair_lock_runs_while_an_engine_loops() -
         stop.set()
         t.join(5)
     assert ran == "ran" and steps[0] > 0
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _interrupt_main_in(seconds: float) -> Any:
+    """Raise ``_Interrupt`` in the main thread ``seconds`` from now, as a Ctrl-C would (a signal's handler)."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Interrupt
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    main = threading.main_thread().ident
+    assert main is not None
+    threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
+    return old
+
+
+async def test_a_fair_lock_wait_interrupted_gives_up_its_turn() -> None:
+    """Found in review: an acquire whose wait raised (a Ctrl-C) kept its ticket, and when its turn came nobody
+    took it: the lock stayed held for ever and every later acquire waited."""
+    import signal
+
+    lock = FairLock()
+    lock.acquire()  # held (by the engine's other step, say)
+    old = _interrupt_main_in(0.2)
+    try:
+        with pytest.raises(_Interrupt):
+            lock.acquire()  # waits, then is interrupted
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert lock.waiting() == 0
+    lock.release()
+    assert not lock.locked() and lock.acquire(blocking=False)
+    lock.release()
+
+
+async def test_an_idle_gate_wait_interrupted_counts_no_engine_waiting() -> None:
+    """Found in review: an engine step whose wait for a background step raised stayed counted as waiting, and no
+    background step ever ran again."""
+    import signal
+
+    gate = IdleGate()
+    inside, leave = threading.Event(), threading.Event()
+
+    def background() -> None:
+        inside.set()
+        leave.wait(5)
+
+    t = threading.Thread(target=lambda: gate._run_when_idle(background))
+    t.start()
+    assert inside.wait(5)
+    old = _interrupt_main_in(0.2)
+    try:
+        with pytest.raises(_Interrupt), gate.busy():
+            pass  # waits for the background step, then is interrupted
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        leave.set()
+        t.join(5)
+    ran = threading.Event()
+    t2 = threading.Thread(target=lambda: gate._run_when_idle(ran.set))
+    t2.start()
+    t2.join(5)
+    assert ran.is_set()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["off_loop", "within"])
+async def test_work_on_a_thread_is_outlasted_through_a_second_cancel(how: str) -> None:
+    """Found in review: a caller cancelled while its work ran on a thread waited for it, but a second cancel cut
+    that wait short: a save then closed its file while its write still ran on the thread."""
+    from spilld.lease import off_loop, within
+
+    running, finish = threading.Event(), threading.Event()
+
+    def work() -> None:
+        running.set()
+        finish.wait(10)
+
+    aw = off_loop(work) if how == "off_loop" else within(off_loop(work), 30, "a step")
+    task = asyncio.ensure_future(aw)
+    assert await asyncio.to_thread(running.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.2)
+    assert not task.done()  # still waiting for the thread
+    finish.set()
+    await asyncio.wait([task], timeout=10)
+    assert task.cancelled()
