@@ -651,10 +651,21 @@ async def test_a_hung_sweep_of_empty_folders_never_holds_the_loop_and_a_put_ther
         time.sleep(1.0)  # a metadata call stuck on a failing disk, for a while
         real(path)
 
-    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    class SlowCreate(fileio.FileOps):  # the put's files come late: the folder is still empty when rmdir returns
+        slow = False
+
+        def open_new(self, path: str, flags: int = 0) -> int:
+            if self.slow:  # the first one only
+                self.slow = False
+                time.sleep(1.5)
+            return super().open_new(path, flags)
+
+    ops = SlowCreate()
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, ops=ops)
     await s.put(list(range(40)), caches(40), IDENT)
     assert s.remove_where(lambda e: True) == 1
     monkeypatch.setattr(folders.os, "rmdir", slow_rmdir)
+    ops.slow = True
     sweep = asyncio.ensure_future(asyncio.to_thread(s.remove_empty_folders))
     assert await asyncio.to_thread(entered.wait, 10)
     t0 = time.monotonic()
