@@ -264,7 +264,7 @@ class _DoublingCodec(Codec):
 
 
 def test_engine_registers_its_own_codec(tmp_path: Any) -> None:
-    mine = default_provider().extended("engine-x/1", [_DoublingCodec()])
+    mine = default_provider().extended("engine-doubling/1", [_DoublingCodec()])
     data = mx.arange(10, dtype=mx.float32)
     spilld.save(tmp_path / "f", [], [_DoublingCache(data), fill(C.KVCache(), 3)], provider=mine)
     got = spilld.load(tmp_path / "f", provider=mine)
@@ -378,3 +378,12 @@ def test_a_concatenate_cache_inside_a_cache_list_is_cut_to_the_rows_it_serves(tm
     assert (concat.offset, concat.keys.shape[2]) == (30, 30) and plain.offset == 30
     want = fill(C.ConcatenateKVCache(), 40)
     assert same(concat.keys, want.keys[..., :30, :]) and same(concat.values, want.values[..., :30, :])
+
+
+def test_one_provider_id_names_one_table() -> None:
+    """Found in review: a second ``extended`` under an id already in use, with other codecs, replaced the first
+    table, and the first provider's own files were then refused (and quarantined by a store)."""
+    default_provider().extended("engine-once/1", [_DoublingCodec()])
+    default_provider().extended("engine-once/1", [_DoublingCodec()])  # the same table again: fine
+    with pytest.raises(ValueError):
+        default_provider().extended("engine-once/1", [])

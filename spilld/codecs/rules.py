@@ -8,6 +8,7 @@ two agree with mlx-lm (step sizes, classes).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -218,6 +219,7 @@ MLX_LM_RULES: Mapping[str, KindRule] = {
 PROVIDER_RULES: dict[str, Mapping[str, KindRule]] = {MLX_LM_PROVIDER_ID: MLX_LM_RULES}
 # kinds a provider registered without a rule (an engine's own cache classes): its codec checks them itself
 _UNRULED: dict[str, frozenset[str]] = {}
+_REGISTERING = threading.Lock()
 
 
 def rules_for(provider_id: str) -> Mapping[str, KindRule] | None:
@@ -234,5 +236,10 @@ def unruled_kinds(provider_id: str) -> frozenset[str]:
 def register_rules(provider_id: str, table: Mapping[str, KindRule], unruled: frozenset[str] = frozenset()) -> None:
     """Make a provider's rules known to this process's readers (``CodecProvider.extended`` registers the table of
     the provider it makes: its built-in kinds keep their rules, found in review: they were skipped)."""
-    PROVIDER_RULES[provider_id] = dict(table)
-    _UNRULED[provider_id] = unruled
+    with _REGISTERING:
+        known = PROVIDER_RULES.get(provider_id)
+        if known is not None and (dict(known), _UNRULED.get(provider_id, frozenset())) != (dict(table), unruled):
+            # files name their table by id: two tables under one id would make one's files the other's (review)
+            raise ValueError(f"codec provider {provider_id!r} is registered already, with other codecs")
+        _UNRULED[provider_id] = unruled  # first: a reader that finds the table finds its unruled kinds
+        PROVIDER_RULES[provider_id] = dict(table)
