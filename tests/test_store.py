@@ -1204,12 +1204,15 @@ async def test_an_entry_that_left_while_an_evict_ran_is_not_evicted_again(
     s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
     for i in range(3):
         await s.put(toks(40, start=1000 * (i + 1)), kv_layers(40, seed=i), IDENT)
-    last = s.entries[-1].path
+    last, before = s.entries[-1], s.total_bytes
+    third = last.nbytes + sum(r.nbytes for r in s.named_blocks(last))  # no block is shared: each its own
+    last = last.path
     evict = asyncio.ensure_future(s.evict_async())
     await asyncio.sleep(0)  # its first batch is out
     assert s.remove_where(lambda e: e.path == last) == 1  # another way out, between two batches
-    n, _ = await evict
+    n, freed = await evict
     assert n == 2 and s.stats()["evicted"] == 2 and s.count == 0
+    assert freed == before - third  # the two it evicted, with their blocks: not the third's (review)
 
 
 @pytest.mark.asyncio

@@ -1079,10 +1079,10 @@ class Store:
         loop), every unlink and the sweep on a worker. ``progress(files, bytes)`` left to unlink is called from
         that worker, first before any unlink, then at most every ``UNLINK_PROGRESS_S``."""
         match = self._evict_match(fingerprint, older_than_s)
-        named = {id(rec): rec for e in match for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
+        named: dict[int, Block] = {}  # the blocks of the entries this evict takes out (others may go meanwhile)
         gone: list[Entry] = []
         for i in range(0, len(match), EVICT_BATCH):
-            gone += self._evict_entries(match[i : i + EVICT_BATCH])
+            gone += self._evict_entries(match[i : i + EVICT_BATCH], named)
             await asyncio.sleep(0)  # other requests are answered between two batches
         # the bytes freed: the entries' files, and the blocks that went with them (no other entry named them)
         sizes = {e.path: e.nbytes for e in gone}
@@ -1103,10 +1103,11 @@ class Store:
             if (fingerprint is None or e.fingerprint == fingerprint) and (cutoff is None or e.last_used < cutoff)
         ]  # fmt: skip
 
-    def _evict_entries(self, match: Sequence[Entry]) -> list[Entry]:
+    def _evict_entries(self, match: Sequence[Entry], named: dict[int, Block]) -> list[Entry]:
         """Evict those of ``match`` still indexed (one superseded or evicted since the list was made is not counted
-        again, found in review); the ones evicted here."""
+        again, nor its blocks, found in review), their blocks added to ``named``; the ones evicted here."""
         gone = [e for e in match if self.index.by_path.get(e.path) is e]
+        named |= {id(rec): rec for e in gone for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
         for e in gone:
             self._evict(e)
         return gone
