@@ -445,6 +445,16 @@ def test_cuts_above_the_snapshot_are_fine_until_too_many_to_tell(tmp_path: Any, 
         assert settled.outcome is Outcome.FAILED and isinstance(settled.error, spilld.errors.PlanDrift)
 
 
+class _Picklable:
+    """A cache-like object that pickles (an mlx array does not): watched as a live spill watches a cache."""
+
+    offset = 30
+
+    def trim(self, n: int) -> int:
+        self.offset -= n
+        return n
+
+
 def test_a_watched_cache_is_freed_when_dropped_and_its_deep_copy_watches_itself() -> None:
     """Found in review: a live snapshot installs a watch as the cache's ``trim``, and the watch held the cache: a
     cycle, so an engine's dropped cache kept its buffers until a full collection (never, under ``gc.freeze``)."""
@@ -459,6 +469,13 @@ def test_a_watched_cache_is_freed_when_dropped_and_its_deep_copy_watches_itself(
     assert (twin.offset, cache.offset) == (25, 30) and base.CutWatch.of(twin).cuts == 1 and watch.cuts == 0
     cache.trim(2)
     assert cache.offset == 28 and watch.cuts == 1
+    import pickle
+
+    watched = _Picklable()
+    base.CutWatch.of(watched)
+    restored = pickle.loads(pickle.dumps(watched))  # found in review: a watched cache no longer pickled
+    restored.trim(4)
+    assert restored.offset == 26 and base.CutWatch.of(restored).cuts == 1 and base.CutWatch.of(watched).cuts == 0
     gone = weakref.ref(cache)
     gc.disable()
     try:

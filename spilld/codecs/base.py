@@ -105,6 +105,14 @@ class CutWatch:
         self.cuts = 0
         self._recent: deque[tuple[int, int]] = deque(maxlen=MAX_CUTS_REMEMBERED)  # (cut number, offset after)
 
+    def __getstate__(self) -> dict[str, Any]:  # a weak reference does not pickle: the cache itself does
+        return {"cache": self._cache(), "cuts": self.cuts, "recent": list(self._recent)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._cache = weakref.ref(state["cache"])
+        self.cuts = state["cuts"]
+        self._recent = deque(state["recent"], maxlen=MAX_CUTS_REMEMBERED)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> CutWatch:
         """A deep copy of the cache copies its watch, watching the copy (which ``memo`` holds by then)."""
         cache = self._cache()
