@@ -74,6 +74,7 @@ class LoopThread:
         self.loop.run_forever()
         if self._self_stopped:  # nobody waits to close it: this thread does, last
             self._close()
+            atexit.unregister(self.stop)
 
     @property
     def on_own_thread(self) -> bool:
@@ -85,18 +86,28 @@ class LoopThread:
         the loop. A call another thread waits on that the loop will never run is cancelled, never left waiting.
 
         From the loop's own thread (a future's callback) nothing can be waited for: the same happens after the
-        callback returns, and the thread closes its loop as it ends."""
+        callback returns, and the thread closes its loop as it ends; a later ``stop`` from another thread (a close,
+        or the interpreter's exit) waits for that end."""
         with self._lock:
             again, self._stopping = self._stopping, True
-        if self.loop.is_closed() or (again and self._self_stopped):
+            self_stopped = self._self_stopped
+            if not again and self.on_own_thread:
+                self._self_stopped = True
+        if self.loop.is_closed() or (again and (self_stopped or self.on_own_thread)):
             if asyncio.iscoroutine(first):
                 first.close()
+            if self_stopped and not self.on_own_thread:  # it stops itself: wait for that (review: an exit that
+                self._thread.join()  # did not wait lost the spills its close was still draining)
+            return
+        if self.on_own_thread:
+            self.loop.create_task(self._stop_here(first))
+            # The interpreter's exit waits for this close before its thread pools refuse work (they do so in
+            # threading's exit hooks, which run before atexit's, the later registered first); else a close still
+            # draining spills could write none (found in review). atexit's hook stays too, as a fallback.
+            with contextlib.suppress(AttributeError, RuntimeError):  # (no such hook, or the exit has begun)
+                threading._register_atexit(self._thread.join)  # type: ignore[attr-defined]
             return
         atexit.unregister(self.stop)
-        if self.on_own_thread:
-            self._self_stopped = True
-            self.loop.create_task(self._stop_here(first))
-            return
         if self._thread.is_alive():
             unwound = asyncio.run_coroutine_threadsafe(self._unwind(first), self.loop)
             with contextlib.suppress(Exception):

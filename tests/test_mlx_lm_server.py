@@ -704,3 +704,29 @@ def test_entries_inserted_while_the_daemon_was_away_are_spilled_at_exit(tmp_path
         assert "stored 1," in d.cli("status", "--socket", d.socket).stdout
     finally:
         cleanup(d)
+
+
+def test_a_process_that_exits_after_its_tier_closed_from_a_callback_loses_no_spill(tmp_path: Any) -> None:
+    """Found in review: a close begun on the tier's own loop thread unregistered the exit hook, so a process that
+    then exited did not wait for it: of 6 non-droppable spills queued, 1 was stored."""
+    script = f"""
+import threading
+from mlx_lm.models import cache as C
+from tests.caches import fill
+from spilld.integrations.tier import EmbeddedTier
+from spilld.identity import model_identity
+
+tier = EmbeddedTier({str(tmp_path)!r}, model_identity(None, model_id="exit-close"))
+done = threading.Event()
+futs = [
+    tier.spill(list(range(i, i + 2048)), [fill(C.KVCache(), 2048) for _ in range(4)], droppable=False)
+    for i in range(6)
+]
+futs[0].add_done_callback(lambda _: (tier.close(60), done.set()))
+assert done.wait(60)
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stored = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".spilld")]
+    assert len(stored) == 6, (stored, r.stderr[-2000:])

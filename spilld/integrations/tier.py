@@ -136,6 +136,8 @@ class EmbeddedTier:
             return
         try:
             self._run(self.spiller.close(timeout))
+        except concurrent.futures.CancelledError:  # a close from the loop's own thread runs it: stop waits for it
+            pass
         finally:
             self._lt.stop()
 
