@@ -1471,3 +1471,30 @@ async def test_a_value_made_larger_than_its_kind_allows_is_never_read_whole(serv
     finally:
         await tier.close()
         await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_a_layouts_root_lost_from_the_tier_comes_back_with_the_next_push(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: the root was offered once per process: once gone from Redis (a restart without persistence,
+    evicted, expired) no host pushed it again, and every host with an empty disk missed every fill (no_root)."""
+    n = 16 * 3 + 3
+    store, _tier, link = await pushing(tmp_path / "a", server.url)
+    try:
+        await store.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        assert await link.drain(10)
+        with server.client() as c:
+            c.flushall()  # the tier restarted empty
+        second = [7000 + i for i in range(n)]
+        await store.put(second, [fill(C.KVCache(), n, heads=2, dim=8, seed=9 + s) for s in range(2)], FILL_IDENT)
+        assert await link.drain(10)
+        fresh = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+        tier_b = await started(relaxed(server.url))
+        link_b = RemoteLink(tier_b, fresh, push="none")
+        try:
+            assert await link_b.fill(FILL_IDENT, "", [*second, 9], fresh.provider_id), dict(link_b.fill_misses)
+        finally:
+            await link_b.close(1)
+    finally:
+        await link.close(1)

@@ -237,9 +237,10 @@ class RemoteLink:
         ns = entry.namespace
         space = root_space(entry.fingerprint, ns, entry.codec_provider, entry.block_size)
         offer = self.tier.offer_in_turn
-        if self._roots.get(space) != (root, entry.whole) and await offer(
-            ns, space, msgpack.packb([root, entry.whole]), Kind.ROOT
-        ):  # remembered once offered: a push refused (the tier down) is offered again with the next entry
+        # offered with every entry (a few bytes, written only if absent, its TTL refreshed if present): one lost
+        # (a restart without persistence, evicted, expired) comes back with the next entry, never left missing
+        # until a restart, when every host with an empty disk would miss (found in review)
+        if await offer(ns, space, msgpack.packb([root, entry.whole]), Kind.ROOT):
             self._roots[space] = (root, entry.whole)
         last = entry.blocks[-1]
         lacking = await self.tier.absent(ns, [rec.key for rec in recs])
