@@ -1498,3 +1498,20 @@ async def test_a_layouts_root_lost_from_the_tier_comes_back_with_the_next_push(
             await link_b.close(1)
     finally:
         await link.close(1)
+
+
+@pytest.mark.asyncio
+async def test_more_calls_at_once_than_connections_wait_for_one_and_never_open_the_breaker(server: RedisServer) -> None:
+    """Found in review: a call past the pool's connections failed at once with the pool's error, counted as the
+    server failing: 100 probes at once of a healthy server opened its breaker, and pushes were refused."""
+    tier = await started(relaxed(server.url))
+    try:
+        ks = chain(8, b"pool")
+        for k in ks:
+            assert await tier.push("ns", k, b"v" * 1000)
+        got = await asyncio.gather(*(tier.probe_chain("ns", ks) for _ in range(100)))
+        c = tier.counters()
+        assert got == [8] * 100, c["misses"]
+        assert c["breaker_opened"] == 0 and tier.taking_pushes
+    finally:
+        await tier.close()

@@ -83,6 +83,10 @@ class RemoteTier:
         self._sealer = Sealer.from_file(config.key_file) if config.key_file else None
         self.key_tag = self._sealer.tag if self._sealer is not None else None  # names its sealed space (keys.py)
         self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock)
+        # one call a connection of the pool: a call waits for one (within its bound) rather than fail at once
+        # with the pool's error, which read as the server failing (found in review: 100 probes at once opened
+        # the breaker of a healthy server)
+        self._slots = asyncio.Semaphore(config.max_connections)
         self.queue = PushQueue(config.queue_items, config.queue_bytes)
         self.stats = Stats()
         self._client: Client | None = None
@@ -401,8 +405,10 @@ class RemoteTier:
         client = self._client
         if self._disabled or client is None or not self.breaker.allow():
             return _Failed(Reason.DOWN)
+        asked = False  # the call reached the server (not only waited for a connection)
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s), self._slots:
+                asked = True
                 result = await op(client)
         except asyncio.CancelledError:  # (a fill gave up on the batch it fetched ahead)
             self.breaker.abandon()
@@ -410,8 +416,11 @@ class RemoteTier:
         except rx.AuthenticationError as e:
             self._disable(self._auth_problem(e))
             return _Failed(Reason.DOWN)
-        except (TimeoutError, rx.TimeoutError):
-            self.breaker.failure()
+        except (TimeoutError, rx.TimeoutError, rx.MaxConnectionsError) as e:
+            if asked and not isinstance(e, rx.MaxConnectionsError):
+                self.breaker.failure()
+            else:  # every connection busy: no verdict on the server
+                self.breaker.abandon()
             return _Failed(Reason.TIMEOUT)
         except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, OSError):
             self.breaker.failure()
