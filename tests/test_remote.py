@@ -27,6 +27,8 @@ from redis.asyncio.cluster import ClusterNode
 import spilld
 import tests.redis_servers as tests_redis
 from spilld import fileio
+from spilld import format as fmt
+from spilld import protocol as P
 from spilld.entries import Hit
 from spilld.loader import Loaded
 from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
@@ -1515,3 +1517,47 @@ async def test_more_calls_at_once_than_connections_wait_for_one_and_never_open_t
         assert c["breaker_opened"] == 0 and tier.taking_pushes
     finally:
         await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_the_local_disk_serves_whole_never_waits_on_a_hung_tier() -> None:
+    """Found in review: every lookup asked the shared tier for a fill, a full local hit included, and the fill read
+    the layout's root before it looked at the local blocks: with Redis hung each such lookup waited out the bound."""
+    from spilld.daemon import Daemon as InProcessDaemon
+    from tests.daemons import cleanup, new_root, quiet_config
+    from tests.hostile_memory import AsyncWire, kv_header
+
+    root = new_root()
+    with redis_server() as srv:
+        cfg = quiet_config(root, block_tokens=16, remote=srv.url, remote_push="none")
+        daemon = InProcessDaemon(cfg)
+        await daemon.start()
+        wire = None
+        try:
+            wire = await AsyncWire.open(cfg.socket, "local-hit")
+            rows = 16 * 3 + 3
+            r, err = await wire.call("spill", {"header": kv_header(rows, heads=2, dim=8, seed=5)})
+            assert err is None, err
+            for i in range(2):
+                wire.send(
+                    P.notification("put", {"spill": r["spill"], "index": i, "offset": 0}, bytes(2 * rows * 8 * 2))
+                )
+            r, err = await wire.call("commit", {"spill": r["spill"]})
+            assert err is None and r["outcome"] == "stored", (r, err)
+            tokens = [(5 + i) % 50_000 for i in range(rows)] + [7]
+            params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens(tokens)}
+            params |= {"codec_provider": "spilld/mlx-lm/1"}
+            srv.signal(signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    hit, err = await wire.call("lookup", params)
+                    assert err is None and hit["hit"] and hit["matched"] == rows, (hit, err)
+                    assert time.monotonic() - t0 < 0.2  # the tier's bound is 0.5 s
+            finally:
+                srv.signal(signal.SIGCONT)
+        finally:
+            if wire is not None:
+                wire.close()
+            await daemon.stop()
+            cleanup(root)

@@ -357,12 +357,20 @@ class Daemon:
         tokens = token_array(p["tokens"])
         ns, provider = p.get("namespace", ""), p.get("codec_provider")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
-        filled = self.remote is not None and await self.remote.fill(
-            ident, ns, tokens.tolist(), provider or self.store.provider_id
+        filled = (
+            self.remote is not None
+            and not self._served_here(hit, len(tokens))
+            and await self.remote.fill(ident, ns, tokens.tolist(), provider or self.store.provider_id)
         )
         if filled:
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
         return self._answer_lookup(conn, hit, len(tokens))
+
+    def _served_here(self, hit: Hit | Miss, ntokens: int) -> bool:
+        """The local hit covers every block a fill could fetch for the prompt: the shared tier is not asked (found
+        in review: a full local hit waited on it, up to its bound when it hung)."""
+        size = self.store.block_tokens
+        return isinstance(hit, Hit) and (not size or hit.matched >= (ntokens - 1) // size * size)
 
     async def _resume(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         """The latest durable checkpoint of generation ``key``: answered as a lookup that matched all of it."""
