@@ -330,13 +330,18 @@ async def test_a_long_chain_is_probed_in_batches_each_with_the_whole_bound(
 @pytest.mark.asyncio
 async def test_a_probe_refused_by_an_acl_is_counted_refused_not_absent(server: RedisServer) -> None:
     """Found in review: a key's command failing inside a probe (NOPERM: the ACL recipe of design.md, a tenant
-    asking outside its pattern) was counted as an absent key."""
+    asking outside its pattern) was counted as an absent key. The user is made with design.md's recipe, as it
+    stands (found in review: without +ping the start's PING was refused, and the tier read as down for a while)."""
     ks = chain(3, seed=b"acl")
+    recipe = ["+@read", "+@write", "+@stream", "-@dangerous", "+ping"]  # docs/design.md, "Tenancy and secrets"
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "design.md")) as f:
+        assert f'~spilld:1:<tag of "tenant-a">:* {" ".join(recipe)}' in f.read()
     with server.client() as c:
-        c.execute_command("ACL", "SETUSER", "tenant-a", "on", ">pw-a", f"~{keys.acl_pattern(NS)}", "+@all")
+        c.execute_command("ACL", "SETUSER", "tenant-a", "on", ">pw-a", f"~{keys.acl_pattern(NS)}", *recipe)
     url = server.url.replace("redis://", "redis://tenant-a@")
     tier = await started(relaxed(url), environ={"SPILLD_REMOTE_PASSWORD": "pw-a"})
     try:
+        assert tier.counters()["state"] == "closed" and tier.counters()["breaker_opened"] == 0  # its PING passed
         assert await tier.push(NS, ks[0], b"v") and await tier.probe_chain(NS, ks) == 1
         assert await tier.probe_chain("tenant-b", ks) == 0  # outside its pattern
         misses = tier.counters()["misses"]

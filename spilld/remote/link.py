@@ -190,7 +190,8 @@ class RemoteLink:
         try:
             manifest = await off_loop(functools.partial(_read, entry.path), background=True)
             let_go(entry.path)
-            header = header_from_bytes(manifest, len(manifest))
+            # a header and a key chain of up to 64 MiB: checked off the loop, as a put's (found in review)
+            header = await off_loop(functools.partial(header_from_bytes, manifest, len(manifest)), compute=True)
             await self._push(entry, named, blocks.header_root(header, entry.block_size), manifest, let_go)
         except (OSError, errors.SpillError) as exc:  # not readable: nothing of it is pushed
             log.debug("evicted entry %s not pushed: %s", entry.path, exc)
