@@ -269,6 +269,9 @@ def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> No
             RemoteTier(RemoteConfig(f"rediss://127.0.0.1:1/0?ssl_cert_reqs=none&{param}"), environ={})
     with pytest.raises(RemoteConfigError, match="names no host"):
         RemoteTier(RemoteConfig("redis:///0"), environ={})
+    for bad in ("redis://127.0.0.1:1/0?db=x", "rediss://127.0.0.1:1/0?ssl_min_version=bogus"):
+        with pytest.raises(RemoteConfigError, match="Invalid value"):  # found in review: exit 70 at the start
+            RemoteTier(RemoteConfig(bad), environ={})
     RemoteTier(RemoteConfig("rediss://127.0.0.1:1/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem"), environ={})
     RemoteTier(RemoteConfig("unix:///run/redis.sock?db=2"), environ={})
     with pytest.raises(RemoteConfigError, match="fewer than"):

@@ -119,3 +119,17 @@ def check_url(url: str, cluster: bool) -> None:
         raise RemoteConfigError("a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket")
     if cluster and parts.path not in ("", "/", "/0"):
         raise RemoteConfigError("a Redis Cluster has one database (0): drop the /DB from the URL")
+    _check_values(url)
+
+
+def _check_values(url: str) -> None:
+    """The URL's parameter values, as the client library reads them (found in review: ``?db=x`` passed here and
+    stopped the daemon at its start, after the store's scan, exit 70)."""
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # the extra is missing: the tier says so when it is made
+        return
+    try:
+        parse_url(url)
+    except ValueError as e:
+        raise RemoteConfigError(f"the remote URL: {e}") from None

@@ -110,7 +110,10 @@ class RemoteTier:
             self._tls = await off_loop(lambda: tls_context(self.config, self._password), compute=True)
         except (OSError, ValueError, rx.RedisError) as e:  # a CA file missing or not one, a bad ssl_cert_reqs
             self._disable(f"its TLS settings cannot be used ({e})")
-        self._client = make_client(self.config, self._password, self._tls)
+        try:
+            self._client = make_client(self.config, self._password, self._tls)
+        except (ValueError, rx.RedisError) as e:  # settings the client refuses: the daemon serves without the tier
+            self._disable(f"its client cannot be made ({e})")
         if isinstance(await self._call(_ping, self.config.trial_bound_s), _Failed) and not self._disabled:
             self.breaker.trip()
             log.warning("remote tier %s unreachable; misses until it answers", self._where())
