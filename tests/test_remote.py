@@ -1569,3 +1569,36 @@ async def test_a_lookup_the_local_disk_serves_whole_never_waits_on_a_hung_tier()
                 wire.close()
             await daemon.stop()
             cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_a_blocks_reference_names_the_newest_manifest_pushed_that_names_it(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: a block's reference was written once (with the block) and never replaced: once the manifest
+    it named was gone (evicted by Redis, expired), every prompt ending inside that prefix missed for good, though a
+    later entry's manifest naming the same blocks was on the tier."""
+    n = 16 * 3 + 3
+    store, _tier, link = await pushing(tmp_path / "a", server.url)
+    try:
+        c1 = list(range(n))
+        await store.put(c1, [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        assert await link.drain(10)
+        (e1,) = store.entries
+        with server.client() as c:
+            c.delete(keys.manifest_key("", e1.blocks[-1]))  # evicted by Redis
+        c2 = [*c1[:32], *range(9000, 9000 + n - 32)]  # the same first two blocks, then its own
+        caches = [fill(C.KVCache(), 32, heads=2, dim=8, seed=s) for s in range(2)]
+        for s, cc in enumerate(caches):
+            cc.update_and_fetch(*kv(n - 32, heads=2, dim=8, seed=50 + s))
+        await store.put(c2, caches, FILL_IDENT)
+        assert await link.drain(10)
+        fresh = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+        link_b = RemoteLink(await started(relaxed(server.url)), fresh, push="none")
+        try:
+            prompt = [*c1[:32], *range(7000, 7040)]  # ends inside the shared prefix, then its own tokens
+            assert await link_b.fill(FILL_IDENT, "", prompt, fresh.provider_id), dict(link_b.fill_misses)
+        finally:
+            await link_b.close(1)
+    finally:
+        await link.close(1)

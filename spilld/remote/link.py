@@ -259,7 +259,14 @@ class RemoteLink:
                     return False
         except OSError:
             return False
-        return await offer(ns, last, manifest, Kind.MANIFEST)
+        if not await offer(ns, last, manifest, Kind.MANIFEST):
+            return False
+        # the blocks the tier held already: their references now name this entry's manifest, which names them
+        # (the one there may name a manifest gone, found in review: prompts ending there missed for good)
+        for rec in recs:
+            if rec.key not in todo and not await offer(ns, rec.key, last, Kind.REF):
+                return False
+        return True
 
     def reclaimed(self, block: Block) -> None:
         """A store listener: say on the namespace's stream that this host no longer holds ``block`` (batched:
@@ -381,7 +388,10 @@ class RemoteLink:
                 self.tier.bad_value(namespace, key, Kind.REF)
             return None
         (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
-        return None if m is None else (m, ref)
+        if m is None:  # the manifest it names is gone: the reference goes, and the next push naming the block heals
+            self.tier.stale(namespace, key, Kind.REF)
+            return None
+        return m, ref
 
     async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, under: bytes, asked: bytes) -> bool:
         """Keep the manifest fetched for block ``asked`` (stored under key ``under``: ``asked``, or the one the

@@ -255,6 +255,11 @@ class RemoteTier:
         if remove:
             self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
 
+    def stale(self, namespace: str, key: bytes, kind: Kind) -> None:
+        """A value that is well formed but names one the tier no longer holds (a block's reference to a manifest
+        gone): removed in the background (the next push naming the block writes a live one)."""
+        self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
+
     def _remove_later(self, names: list[str]) -> None:
         if not names:
             return
@@ -337,13 +342,16 @@ class RemoteTier:
         if isinstance(present, _Failed):
             self.stats.push_failed[present.reason] += len(batch)
             return [False] * len(batch)
-        todo = [i for i, r in enumerate(present) if r != 1]
+        # a block's reference names the newest manifest that names the block: written over the one there (which
+        # may name a manifest gone: found in review, prompts ending in a shared prefix then missed for good)
+        over = [p.kind is Kind.REF for p in batch]
+        todo = [i for i, r in enumerate(present) if r != 1 or over[i]]
         self.stats.push_present += len(batch) - len(todo)
         sealed = await self._seal_all([batch[i] for i in todo])
         ttl = self.config.ttl_s
-        cmds = [_cmd("set", names[i], v, nx=True, ex=ttl) for i, v in zip(todo, sealed, strict=True)]
+        cmds = [_cmd("set", names[i], v, nx=not over[i], ex=ttl) for i, v in zip(todo, sealed, strict=True)]
         if ttl is not None:  # a push of a value already there is a use of it: its TTL starts again
-            cmds += [_cmd("expire", names[i], ttl) for i, r in enumerate(present) if r == 1]
+            cmds += [_cmd("expire", names[i], ttl) for i, r in enumerate(present) if r == 1 and not over[i]]
         written = await self._call(_pipeline(cmds), timeout_s) if cmds else []
         return self._count_writes(len(batch), todo, sealed, written)
 
