@@ -92,6 +92,18 @@ class AsyncWire:
         m = self.answers.pop(msgid)
         return m.result, m.error
 
+    async def store_kv(self, rows: int, seed: int, heads: int = 2, dim: int = 8) -> list[int]:
+        """Spill ``kv_header(rows, heads, dim, seed)`` whole (zero bytes) and check it is stored: its tokens."""
+        r, err = await self.call("spill", {"header": kv_header(rows, heads=heads, dim=dim, seed=seed)})
+        assert err is None, err
+        for i in range(2):
+            self.send(
+                P.notification("put", {"spill": r["spill"], "index": i, "offset": 0}, bytes(heads * rows * dim * 2))
+            )
+        r, err = await self.call("commit", {"spill": r["spill"]})
+        assert err is None and r["outcome"] == "stored", (r, err)
+        return [(seed + i) % 50_000 for i in range(rows)]
+
     def close(self) -> None:
         self.w.close()
 

@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -441,71 +441,13 @@ async def test_a_block_found_gone_fails_a_put_that_reuses_it(tmp_path: Path) -> 
     assert s.count == 0 and not os.path.exists(first)
 
 
-class HeldModelFolderSync(fileio.FileOps):
-    """Records each folder fsync that completed; the first fsync of a model folder blocks while ``hanging`` is set,
-    until ``release``."""
-
-    def __init__(self) -> None:
-        self.hanging, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
-        self.synced: list[str] = []
-        self._dirs: dict[int, str] = {}
-
-    def open_dir(self, path: str) -> int:
-        fd = super().open_dir(path)
-        self._dirs[fd] = path
-        return fd
-
-    def close(self, fd: int) -> None:
-        self._dirs.pop(fd, None)
-        super().close(fd)
-
-    def fsync(self, fd: int, durability: Any) -> None:
-        path = self._dirs.get(fd)
-        if path is not None and self.hanging.is_set() and not self.entered.is_set() and self.is_model_folder(path):
-            self.entered.set()
-            self.release.wait(30)
-        super().fsync(fd, durability)
-        if path is not None:
-            self.synced.append(path)
-
-    root = ""
-
-    def is_model_folder(self, path: str) -> bool:
-        return os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root)
-
-
-@pytest.mark.asyncio
-async def test_a_folder_swept_and_made_again_is_synced_again_before_a_put_there_is_stored(tmp_path: Path) -> None:
-    """Found in review: the store remembered the folders it had made durable, and the empty-folder sweep did not
-    forget one it removed. Made again by one put whose sync of its name was still under way, a second put found it
-    'durable' and reported stored files under a name a power loss could take."""
-    ops = HeldModelFolderSync()
-    ops.root = str(tmp_path)
-    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, ops=ops)
-    await s.put(list(range(40)), caches(40), IDENT)
-    model_folder = os.path.dirname(s.entries[0].path.rsplit(os.sep, 1)[0])
-    assert s.remove_where(lambda e: True) == 1
-    s.remove_empty_folders()
-    assert not os.path.exists(model_folder)  # swept with its last entry
-    ops.hanging.set()
-    first = asyncio.ensure_future(s.put(list(range(100, 140)), caches(40, seed=1), IDENT))
-    try:
-        assert await asyncio.to_thread(ops.entered.wait, 30)  # made again; its name's sync under way
-        ops.synced.clear()
-        await s.put(list(range(200, 240)), caches(40, seed=2), IDENT)
-        assert model_folder in ops.synced  # this put made the name durable itself before it was stored
-    finally:
-        ops.release.set()
-    await first
-    assert s.count == 2
-
-
 class HeldFolderSyncLog(fileio.FileOps):
-    """Logs each folder fsync completed and each rename; the first folder fsync while ``hanging`` is set blocks until
-    ``release``."""
+    """Logs each folder fsync completed and each rename; while ``hanging`` is set, the first folder fsync that
+    ``holds`` (a folder's path: every folder by default) blocks until ``release``."""
 
-    def __init__(self) -> None:
+    def __init__(self, holds: Callable[[str], bool] = lambda _: True) -> None:
         self.hanging, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
+        self.holds = holds
         self.log: list[tuple[str, str]] = []
         self._dirs: dict[int, str] = {}
 
@@ -520,7 +462,7 @@ class HeldFolderSyncLog(fileio.FileOps):
 
     def fsync(self, fd: int, durability: Any) -> None:
         path = self._dirs.get(fd)
-        if path is not None and self.hanging.is_set() and not self.entered.is_set():
+        if path is not None and self.hanging.is_set() and not self.entered.is_set() and self.holds(path):
             self.entered.set()
             self.release.wait(30)
         super().fsync(fd, durability)
@@ -530,6 +472,31 @@ class HeldFolderSyncLog(fileio.FileOps):
     def rename(self, src: str, dst: str) -> None:
         super().rename(src, dst)
         self.log.append(("rename", dst))
+
+
+@pytest.mark.asyncio
+async def test_a_folder_swept_and_made_again_is_synced_again_before_a_put_there_is_stored(tmp_path: Path) -> None:
+    """Found in review: the store remembered the folders it had made durable, and the empty-folder sweep did not
+    forget one it removed. Made again by one put whose sync of its name was still under way, a second put found it
+    'durable' and reported stored files under a name a power loss could take."""
+    ops = HeldFolderSyncLog(holds=lambda path: os.path.dirname(os.path.abspath(path)) == str(tmp_path))  # a model's
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, ops=ops)
+    await s.put(list(range(40)), caches(40), IDENT)
+    model_folder = os.path.dirname(s.entries[0].path.rsplit(os.sep, 1)[0])
+    assert s.remove_where(lambda e: True) == 1
+    s.remove_empty_folders()
+    assert not os.path.exists(model_folder)  # swept with its last entry
+    ops.hanging.set()
+    first = asyncio.ensure_future(s.put(list(range(100, 140)), caches(40, seed=1), IDENT))
+    try:
+        assert await asyncio.to_thread(ops.entered.wait, 30)  # made again; its name's sync under way
+        ops.log.clear()
+        await s.put(list(range(200, 240)), caches(40, seed=2), IDENT)
+        assert ("fsync", model_folder) in ops.log  # this put made the name durable itself before it was stored
+    finally:
+        ops.release.set()
+    await first
+    assert s.count == 2
 
 
 @pytest.mark.asyncio

@@ -270,16 +270,8 @@ async def test_a_lookup_names_at_most_max_lookup_block_paths_block_files(monkeyp
     try:
         wire = await AsyncWire.open(cfg.socket, "limits")
         for nblocks in (2, 3):
-            rows, seed = fmt.MIN_BLOCK_TOKENS * nblocks, 1_000 * nblocks
-            r, err = await wire.call("spill", {"header": kv_header(rows, heads=2, dim=8, seed=seed)})
-            assert err is None, err
-            for i in range(2):
-                wire.send(
-                    P.notification("put", {"spill": r["spill"], "index": i, "offset": 0}, bytes(2 * rows * 8 * 2))
-                )
-            r, err = await wire.call("commit", {"spill": r["spill"]})
-            assert err is None and r["outcome"] == "stored", (r, err)
-            tokens = [(seed + i) % 50_000 for i in range(rows)] + [7]
+            rows = fmt.MIN_BLOCK_TOKENS * nblocks
+            tokens = [*await wire.store_kv(rows, seed=1_000 * nblocks), 7]
             params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens(tokens)}
             hit, err = await wire.call("lookup", params | {"codec_provider": "spilld/mlx-lm/1"})
             assert err is None and hit["hit"] is True and hit["matched"] == rows, (hit, err)

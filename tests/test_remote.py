@@ -28,7 +28,6 @@ import spilld
 import tests.redis_servers as tests_redis
 from spilld import fileio
 from spilld import format as fmt
-from spilld import protocol as P
 from spilld.entries import Hit
 from spilld.loader import Loaded
 from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
@@ -1533,7 +1532,7 @@ async def test_a_lookup_the_local_disk_serves_whole_never_waits_on_a_hung_tier()
     the layout's root before it looked at the local blocks: with Redis hung each such lookup waited out the bound."""
     from spilld.daemon import Daemon as InProcessDaemon
     from tests.daemons import cleanup, new_root, quiet_config
-    from tests.hostile_memory import AsyncWire, kv_header
+    from tests.hostile_memory import AsyncWire
 
     root = new_root()
     with redis_server() as srv:
@@ -1544,15 +1543,7 @@ async def test_a_lookup_the_local_disk_serves_whole_never_waits_on_a_hung_tier()
         try:
             wire = await AsyncWire.open(cfg.socket, "local-hit")
             rows = 16 * 3 + 3
-            r, err = await wire.call("spill", {"header": kv_header(rows, heads=2, dim=8, seed=5)})
-            assert err is None, err
-            for i in range(2):
-                wire.send(
-                    P.notification("put", {"spill": r["spill"], "index": i, "offset": 0}, bytes(2 * rows * 8 * 2))
-                )
-            r, err = await wire.call("commit", {"spill": r["spill"]})
-            assert err is None and r["outcome"] == "stored", (r, err)
-            tokens = [(5 + i) % 50_000 for i in range(rows)] + [7]
+            tokens = [*await wire.store_kv(rows, seed=5), 7]
             params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens(tokens)}
             params |= {"codec_provider": "spilld/mlx-lm/1"}
             srv.signal(signal.SIGSTOP)

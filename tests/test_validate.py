@@ -266,36 +266,29 @@ def test_unknown_field_keys_of_any_type_are_refused(sample: bytes) -> None:
         fmt.header_from_wire(wire)
 
 
+def _single_ring() -> Any:
+    return fill(C.RotatingKVCache(max_size=32, keep=4), 20, heads=2, dim=16, dtype=mx.float16)
+
+
+def _batch_ring() -> Any:
+    ring = C.BatchRotatingKVCache(max_size=32, left_padding=[2, 0])
+    ring.update_and_fetch(*kv(20, batch=2))
+    return ring
+
+
 @pytest.mark.parametrize("idx", [0, 1, 19])
-def test_a_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, idx: int) -> None:
+@pytest.mark.parametrize("make", [_single_ring, _batch_ring], ids=["rotating", "batch_rotating"])
+def test_a_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, make: Callable[[], Any], idx: int) -> None:
     """Found in review: an unwrapped rotating ring (offset < max_size: every token held, in order) with ``idx`` below
     its rows passed, and a load cut back to fewer tokens trimmed mlx-lm's ``_idx`` below zero: the next token was
-    written nowhere and the attention kept a row of the cut tokens. mlx-lm's own ring writes at its end until it
-    wraps, so ``idx`` must equal its rows."""
-    ring = fill(C.RotatingKVCache(max_size=32, keep=4), 20, heads=2, dim=16, dtype=mx.float16)
+    written nowhere and the attention kept a row of the cut tokens. mlx-lm's own rings (the batch one too) write at
+    their end until they wrap, so ``idx`` must equal their rows."""
     good = str(tmp_path / "good.spilld")
-    spilld.save(good, list(range(20)), [ring], identity=IDENT)
+    spilld.save(good, list(range(20)), [make()], identity=IDENT)
     spilld.loader.read_header(good)  # as mlx-lm wrote it: idx 20
     with open(good, "rb") as f:
         wire, body = split(f.read())
     assert wire["caches"][0]["fields"]["idx"] == 20
-    wire["caches"][0]["fields"]["idx"] = idx
-    bad = write(str(tmp_path / "bad.spilld"), join(wire, body))
-    with pytest.raises(errors.IndexOutOfRange):
-        spilld.loader.read_header(bad)
-
-
-@pytest.mark.parametrize("idx", [0, 1, 5])
-def test_a_batch_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, idx: int) -> None:
-    """As the single ring's: mlx-lm's ``BatchRotatingKVCache.trim`` lowers ``_idx`` too (found in review)."""
-    ring = C.BatchRotatingKVCache(max_size=16, left_padding=[2, 0])
-    ring.update_and_fetch(*kv(6, batch=2))
-    good = str(tmp_path / "good.spilld")
-    spilld.save(good, list(range(6)), [ring], identity=IDENT)
-    spilld.loader.read_header(good)
-    with open(good, "rb") as f:
-        wire, body = split(f.read())
-    assert wire["caches"][0]["fields"]["idx"] == 6
     wire["caches"][0]["fields"]["idx"] = idx
     bad = write(str(tmp_path / "bad.spilld"), join(wire, body))
     with pytest.raises(errors.IndexOutOfRange):
