@@ -601,3 +601,30 @@ async def test_received_bytes_are_written_in_batches_not_a_lease_call_a_tensor()
             await client.close()
         await daemon.stop()
         cleanup(root)
+
+
+def test_spilld_drain_keeps_to_its_timeout_when_the_daemon_stops_answering() -> None:
+    """Found in review: `spilld drain --timeout 2` sent the timeout to the daemon and then waited for its answer
+    without a bound: a daemon that stopped answering (hung, SIGSTOP) held a shutdown script for ever."""
+    import subprocess
+    import sys
+
+    from spilld.cli.running import ANSWER_GRACE_S
+    from tests.test_limits import queue_held
+
+    with serving("--cap", "64MiB") as d, queue_held(d):  # the drain is answered only at its timeout
+        assert d.proc is not None
+        cmd = [sys.executable, "-m", "spilld", "drain", "--socket", d.socket, "--timeout", "2"]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while "spilld drain" not in d.read_log() and time.monotonic() < deadline:
+            time.sleep(0.01)  # its hello answered
+        time.sleep(0.5)  # its drain is waiting
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            out, _ = proc.communicate(timeout=2 + ANSWER_GRACE_S + 20)
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert proc.returncode == 3 and "timeout" in out, out
+        assert time.monotonic() - t0 < 2 + ANSWER_GRACE_S + 10

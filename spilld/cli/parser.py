@@ -260,7 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr = add("drain", "wait until everything queued in the daemon is durable (progress on a terminal)")
     with_socket(dr)
     dr.add_argument(
-        "--timeout", type=duration_arg, default=None, help="give up after this long (e.g. 30, 5m; exit code 3)"
+        "--timeout",
+        type=duration_arg,
+        default=None,
+        help="give up after this long (default 1h; e.g. 30, 5m): exit code 3, also when the daemon stops answering",
     )
     dr.set_defaults(func=cmd_drain)
 

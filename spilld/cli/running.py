@@ -12,6 +12,9 @@ from .. import errors
 from ..config import format_size
 from .common import EXIT_BAD_FILE, EXIT_OK, EXIT_TIMEOUT, Progress, ask, plural, socket_path
 
+DRAIN_DEFAULT_S = 3600.0  # `spilld drain` without --timeout waits this long (the daemon's own default)
+ANSWER_GRACE_S = 5.0  # past the drain's timeout, how long the answer may take to come back
+
 
 def cmd_drain(args: argparse.Namespace) -> int:
     progress = Progress("draining")
@@ -20,9 +23,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
         if note.method == "drain_progress":
             progress.show(int(note.params["pending_items"]), int(note.params["pending_bytes"]), force=True)
 
-    wait = 3600.0 if args.timeout is None else args.timeout  # the daemon's own default
-    try:
-        r = ask(args, "drain", {"timeout": wait}, timeout=None, on_note=show)
+    wait = DRAIN_DEFAULT_S if args.timeout is None else args.timeout
+    try:  # bounded here too: a daemon that stopped answering (hung, SIGSTOP) must not hold a shutdown script
+        r = ask(args, "drain", {"timeout": wait}, timeout=wait + ANSWER_GRACE_S, on_note=show)
+    except errors.Timeout:
+        print(f"timeout: the daemon did not answer within {wait + ANSWER_GRACE_S:g} s")
+        return EXIT_TIMEOUT
     finally:
         progress.done()
     lost = int(r.get("not_stored", 0))
