@@ -26,7 +26,7 @@ _UNITS = {
     "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
     "B": 1,
 }  # fmt: skip
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")  # ASCII digits only (\d takes any script's)
 MAX_SIZE = 1 << 62  # larger than any disk; keeps every sum of sizes inside an int64
 MAX_DURATION_S = 100 * 365 * 86400  # a century: past this a number is a typo, and timers overflow
 
@@ -38,12 +38,14 @@ def parse_size(text: str, *, minimum: int = 1) -> int:
     """
     if text.strip().startswith("-"):
         raise ValueError(f"{text!r}: a size cannot be negative")
-    m = _SIZE.match(text)
+    m = _SIZE.fullmatch(text)
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2G, 10GB)")
     n = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if not math.isfinite(n) or n > MAX_SIZE:  # int() of an infinite float raises, not ValueError
         raise ValueError(f"{text!r}: larger than any disk (at most {MAX_SIZE} bytes)")
+    if _UNITS[m.group(2).upper()] == 1 and n != int(n):  # 1.5B (found in review: cut to 1 without a word)
+        raise ValueError(f"{text!r} is not a whole number of bytes")  # (1.3GiB is rounded down to a byte)
     return check_size(int(n), repr(text), minimum=minimum)
 
 
@@ -57,7 +59,7 @@ def check_size(n: int, what: str | None = None, *, minimum: int = 1) -> int:
     return n
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -65,7 +67,7 @@ def parse_duration(text: str, *, positive: bool = False) -> float:
     """'45s', '30m', '12h', '7d', '2w' (a bare number is seconds): finite and not negative (> 0 if ``positive``)."""
     if text.strip().startswith("-"):
         raise ValueError(f"{text!r}: a duration cannot be negative")
-    m = _DURATION.match(text)
+    m = _DURATION.fullmatch(text)
     if not m:
         raise ValueError(f"not a duration: {text!r} (a finite number of seconds, or e.g. 45s, 30m, 12h, 7d)")
     return check_duration(float(m.group(1)) * _SECONDS[m.group(2)], repr(text), positive=positive)

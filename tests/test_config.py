@@ -22,7 +22,13 @@ def test_sizes(text: str, n: int) -> None:
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "4 parsecs", "-1G", "4GiBs", "1e9", "4 G B", "9" * 400, "99999999999T"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "", "GiB", "4 parsecs", "-1G", "4GiBs", "1e9", "4 G B", "9" * 400, "99999999999T",
+        "1.5B", "2.5", "\uff14GiB",  # found in review: 1.5B was 1 byte, and fullwidth digits passed
+    ],
+)  # fmt: skip
 def test_bad_sizes_are_usage_errors(text: str) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
@@ -31,8 +37,9 @@ def test_bad_sizes_are_usage_errors(text: str) -> None:
 def test_durations() -> None:
     assert parse_duration("45s") == 45 and parse_duration("30m") == 1800 and parse_duration("7d") == 7 * 86400
     assert parse_duration("12") == 12
-    with pytest.raises(ValueError):
-        parse_duration("soon")
+    for bad in ("soon", "\uff11s"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
 
 
 def test_format_size() -> None:
