@@ -510,3 +510,20 @@ def test_verify_and_ls_say_so_of_a_folder_they_cannot_list(
     assert f"BAD  {folder}: a folder of the store that cannot be listed" in out and "1 bad" in out, out
     assert cli.main(["ls", "--dir", str(tmp_path / "store")]) == 0
     assert f"{folder}: cannot be listed" in capsys.readouterr().err
+
+
+def test_an_empty_folder_path_is_refused_never_the_default_in_its_place(tmp_path: Path) -> None:
+    """Found in review: `--dir ''` (an unset variable in a unit) served, and made, the default folder."""
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for args in (["--socket", str(tmp_path / "s.sock"), "--dir", ""], ["ls", "--dir", ""], ["verify", "--dir", " "]):
+        r = subprocess.run([sys.executable, "-m", "spilld", *args], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 2 and "empty path" in r.stderr, (args, r.stderr)
+    assert os.listdir(tmp_path) == []  # no default folder made
+
+
+def test_ls_on_a_machine_where_no_daemon_ran_lists_nothing(tmp_path: Path) -> None:
+    """Found in review: `spilld ls` with the default folder not made yet failed (exit 2, 'No such file')."""
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "spilld", "ls"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "0 entries" in r.stdout, (r.stdout, r.stderr)
+    assert os.listdir(tmp_path) == []

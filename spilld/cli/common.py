@@ -85,6 +85,15 @@ whole_seconds_arg = _arg_type(lambda t: max(1, math.ceil(parse_duration(t, posit
 socket_arg = _arg_type(check_socket_path, "socket path")
 
 
+def _nonempty_path(text: str) -> str:
+    if not text.strip():  # an unset variable in a unit (--dir "$UNSET"): never the default in its place (review)
+        raise ValueError("an empty path (an unset variable?)")
+    return text
+
+
+path_arg = _arg_type(_nonempty_path, "path")
+
+
 def _checked_text(text: str) -> str:
     parse_size(text)
     return text

@@ -21,6 +21,7 @@ from .common import (
     EXIT_NOT_INSTALLED,
     Parser,
     duration_arg,
+    path_arg,
     positive_duration_arg,
     size_arg,
     size_or_zero_arg,
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"spilld {__version__}")
     p.add_argument("--socket", type=socket_arg, default=None, help=f"the daemon's socket (default {default_socket()})")
-    p.add_argument("--dir", default=None, help=f"the store's folder (default {default_dir()})")
+    p.add_argument("--dir", type=path_arg, default=None, help=f"the store's folder (default {default_dir()})")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_dir(sp: argparse.ArgumentParser, help: str) -> None:
         takers["--dir"].add(sp.prog.split()[-1])
-        sp.add_argument("--dir", default=argparse.SUPPRESS, help=help)
+        sp.add_argument("--dir", type=path_arg, default=argparse.SUPPRESS, help=help)
 
     srv = add("serve", "run the daemon")
     srv.add_argument(
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--metrics-file",
+        type=path_arg,
         default=None,
         help="write Prometheus metrics to this file every few seconds, atomically (for node_exporter's textfile "
         "collector: a name ending in .prom in its --collector.textfile.directory)",
