@@ -259,6 +259,8 @@ def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> No
         RemoteTier(RemoteConfig("http://127.0.0.1:1"), environ={})
     with pytest.raises(RemoteConfigError, match="one database"):
         RemoteTier(RemoteConfig("redis://127.0.0.1:1/3", cluster=True), environ={})
+    with pytest.raises(RemoteConfigError, match="one database"):  # found in review: it disabled the tier at start
+        RemoteTier(RemoteConfig("redis://127.0.0.1:1/?db=5", cluster=True), environ={})
     # found in review: a bad port was an internal error at start; a URL's timeout overrode the tier's bounds; a TLS
     # key's passphrase in the URL showed in `ps` and in every log line naming the tier
     with pytest.raises(RemoteConfigError, match="port is not a number"):
@@ -1522,6 +1524,31 @@ async def test_more_calls_at_once_than_connections_wait_for_one_and_never_open_t
         c = tier.counters()
         assert got == [8] * 100, c["misses"]
         assert c["breaker_opened"] == 0 and tier.taking_pushes
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_waited_for_a_connection_still_has_its_whole_bound(server: RedisServer) -> None:
+    """Review of the fix above: a call that waited for a connection spent its bound waiting, then timed out at a
+    server that answers within the bound (20 ms of 50) and counted as it failing: the breaker opened anyway."""
+    tier = await started(replace(relaxed(server.url), probe_timeout_s=0.05, max_connections=4))
+    try:
+        ks = chain(4, b"slots")
+        for k in ks:
+            assert await tier.push("ns", k, b"v" * 1000)
+        real = tier._call
+
+        async def slower(op: Any, timeout_s: float) -> Any:  # each answer takes 20 ms: a loaded server
+            async def slow(client: Any) -> Any:
+                await asyncio.sleep(0.02)
+                return await op(client)
+
+            return await real(slow, timeout_s)
+
+        tier._call = slower  # type: ignore[method-assign]
+        await asyncio.gather(*(tier.probe_chain("ns", ks) for _ in range(12)))
+        assert tier.counters()["breaker_opened"] == 0 and tier.taking_pushes
     finally:
         await tier.close()
 

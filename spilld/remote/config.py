@@ -117,8 +117,8 @@ def check_url(url: str, cluster: bool) -> None:
         raise RemoteConfigError("the remote URL names no host (redis://HOST:PORT/DB)")
     if cluster and parts.scheme == "unix":
         raise RemoteConfigError("a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket")
-    if cluster and parts.path not in ("", "/", "/0"):
-        raise RemoteConfigError("a Redis Cluster has one database (0): drop the /DB from the URL")
+    if cluster and (parts.path not in ("", "/", "/0") or parse_qs(parts.query).get("db", ["0"]) != ["0"]):
+        raise RemoteConfigError("a Redis Cluster has one database (0): drop the /DB (or ?db=) from the URL")
     _check_values(url)
 
 

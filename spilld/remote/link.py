@@ -388,10 +388,7 @@ class RemoteLink:
                 self.tier.bad_value(namespace, key, Kind.REF)
             return None
         (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
-        if m is None:  # the manifest it names is gone: the reference goes, and the next push naming the block heals
-            self.tier.stale(namespace, key, Kind.REF)
-            return None
-        return m, ref
+        return None if m is None else (m, ref)  # (a reference to a manifest gone heals with the next push naming it)
 
     async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, under: bytes, asked: bytes) -> bool:
         """Keep the manifest fetched for block ``asked`` (stored under key ``under``: ``asked``, or the one the

@@ -255,11 +255,6 @@ class RemoteTier:
         if remove:
             self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
 
-    def stale(self, namespace: str, key: bytes, kind: Kind) -> None:
-        """A value that is well formed but names one the tier no longer holds (a block's reference to a manifest
-        gone): removed in the background (the next push naming the block writes a live one)."""
-        self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
-
     def _remove_later(self, names: list[str]) -> None:
         if not names:
             return
@@ -418,9 +413,14 @@ class RemoteTier:
             return _Failed(Reason.DOWN)
         asked = False  # the call reached the server (not only waited for a connection)
         try:
-            async with asyncio.timeout(timeout_s), self._slots:
+            async with asyncio.timeout(timeout_s):  # a connection of the pool, within the bound: no verdict if not
+                await self._slots.acquire()
+            try:
                 asked = True
-                result = await op(client)
+                async with asyncio.timeout(timeout_s):  # the call's own bound, from when it has its connection
+                    result = await op(client)
+            finally:
+                self._slots.release()
         except asyncio.CancelledError:  # (a fill gave up on the batch it fetched ahead)
             self.breaker.abandon()
             raise
