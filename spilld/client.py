@@ -913,8 +913,8 @@ class Client:
         From the client's own loop thread (a spill future's callback) the close cannot be waited for: it runs once
         the callback returns, and this returns at once a report that is not ``done``."""
         if self._closed is not None:
-            if not self._lt.on_own_thread:
-                self._lt.stop()  # one begun from the loop's own thread may still run: wait for its end
+            if not self._lt.on_own_thread:  # one begun on the loop's own thread may still run: wait for its end,
+                self._lt.stop(wait=timeout)  # as long as this close may take
             return self._closed
         if self._lt.on_own_thread:
             self._closed = DrainReport(False, 0, 0, 0)

@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -15,6 +16,7 @@ from . import mlxthreads
 T = TypeVar("T")
 
 STOP_TASKS_TIMEOUT_S = 5.0  # how long ``stop`` lets cancelled tasks unwind before closing the loop
+SELF_CLOSE_EXIT_S = 300.0  # the most the interpreter's exit waits for a close begun on the loop's own thread
 
 
 async def _wind_down(timeout: float) -> None:
@@ -81,13 +83,14 @@ class LoopThread:
         """The caller is the loop's own thread (a callback of a future the loop settles)."""
         return threading.current_thread() is self._thread
 
-    def stop(self, first: Awaitable[Any] | None = None) -> None:
+    def stop(self, first: Awaitable[Any] | None = None, wait: float | None = None) -> None:
         """Run ``first`` (if given), cancel what still runs on the loop (letting it unwind), end the thread, close
         the loop. A call another thread waits on that the loop will never run is cancelled, never left waiting.
 
         From the loop's own thread (a future's callback) nothing can be waited for: the same happens after the
         callback returns, and the thread closes its loop as it ends; a later ``stop`` from another thread (a close,
-        or the interpreter's exit) waits for that end."""
+        or the interpreter's exit) waits for that end: at most ``wait`` seconds (the caller's own timeout; it may
+        hold what that close waits for, such as the engine's lock)."""
         with self._lock:
             again, self._stopping = self._stopping, True
             self_stopped = self._self_stopped
@@ -97,7 +100,7 @@ class LoopThread:
             if asyncio.iscoroutine(first):
                 first.close()
             if self_stopped and not self.on_own_thread:  # it stops itself: wait for that (review: an exit that
-                self._thread.join()  # did not wait lost the spills its close was still draining)
+                self._thread.join(wait)  # did not wait lost the spills its close was still draining)
             return
         if self.on_own_thread:
             self.loop.create_task(self._stop_here(first))
@@ -105,7 +108,7 @@ class LoopThread:
             # threading's exit hooks, which run before atexit's, the later registered first); else a close still
             # draining spills could write none (found in review). atexit's hook stays too, as a fallback.
             with contextlib.suppress(AttributeError, RuntimeError):  # (no such hook, or the exit has begun)
-                threading._register_atexit(self._thread.join)  # type: ignore[attr-defined]
+                threading._register_atexit(functools.partial(self._thread.join, SELF_CLOSE_EXIT_S))  # type: ignore[attr-defined]
             return
         atexit.unregister(self.stop)
         if self._thread.is_alive():

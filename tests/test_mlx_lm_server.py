@@ -722,11 +722,57 @@ futs = [
     tier.spill(list(range(i, i + 2048)), [fill(C.KVCache(), 2048) for _ in range(4)], droppable=False)
     for i in range(6)
 ]
-futs[0].add_done_callback(lambda _: (tier.close(60), done.set()))
-assert done.wait(60)
+on_loop = []
+def callback(_):
+    on_loop.append(threading.current_thread() is not threading.main_thread())  # else the test proves nothing
+    tier.close(60)
+    done.set()
+futs[0].add_done_callback(callback)
+assert done.wait(60) and on_loop == [True], on_loop
 """
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     stored = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".spilld")]
     assert len(stored) == 6, (stored, r.stderr[-2000:])
+
+
+def test_a_close_after_one_begun_on_the_loop_thread_keeps_to_its_own_timeout(tmp_path: Any) -> None:
+    """Review of the fix above: a close from another thread waited for the one begun on the loop thread without a
+    bound, and when that thread held the engine's lock (which the first close's drain waited for) neither ended."""
+    import threading
+
+    from mlx_lm.models import cache as C
+
+    from spilld.lease import FairLock, ThreadLockLease
+    from tests.caches import fill
+
+    lock = FairLock()
+    tier = EmbeddedTier(str(tmp_path), model_identity(None, model_id="join"), lease=ThreadLockLease(lock))
+    go, held = threading.Event(), threading.Event()
+
+    def callback(_: object) -> None:  # on the loop thread: a close begun there, with no timeout
+        go.set()
+        held.wait(30)
+        tier.close()
+
+    with lock:  # the engine in a step: nothing of the first spill runs before its callback is attached
+        first = tier.spill(list(range(64)), [fill(C.KVCache(), 64) for _ in range(2)], droppable=False)
+        first.add_done_callback(callback)
+        tier.spill(list(range(100, 164)), [fill(C.KVCache(), 64) for _ in range(2)], droppable=False)
+    assert go.wait(30)
+    lock.acquire()  # the engine's next step; it then closes the tier with a bound
+    held.set()
+    took: list[float] = []
+
+    def closer() -> None:
+        t0 = time.monotonic()
+        tier.close(2)
+        took.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=closer, daemon=True)
+    t.start()
+    t.join(20)
+    lock.release()  # the engine's step ends: the first close can finish
+    assert took and took[0] < 10, took
+    tier._lt._thread.join(30)

@@ -139,7 +139,7 @@ class EmbeddedTier:
         except concurrent.futures.CancelledError:  # a close from the loop's own thread runs it: stop waits for it
             pass
         finally:
-            self._lt.stop()
+            self._lt.stop(wait=timeout)  # (as long as this close may take: the caller may hold the engine's lock)
 
 
 class DaemonTier:
