@@ -31,7 +31,35 @@ async def _wind_down(timeout: float) -> None:
         await asyncio.wait(tasks, timeout=timeout)
     # at interpreter exit no thread may be started for this; a worker stuck in a hung read is left behind
     with contextlib.suppress(RuntimeError, TimeoutError):
-        await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), timeout)
+        await _end_default_executor(timeout)
+
+
+async def _end_default_executor(timeout: float) -> None:
+    """Let the loop's default executor's threads end, waiting at most ``timeout``."""
+    loop = asyncio.get_running_loop()
+    try:
+        ending = loop.shutdown_default_executor(timeout)  # type: ignore[call-arg]  # (3.12+, uvloop)
+    except TypeError:  # 3.11's takes no timeout, and once cancelled it joins its thread on this loop without a
+        ending = None  # bound: a worker stuck on a lock or a hung disk held the loop for ever (found in review)
+    if ending is not None:
+        await asyncio.wait_for(ending, timeout + 1)
+        return
+    executor = getattr(loop, "_default_executor", None)
+    if executor is None:
+        return
+    ended = loop.create_future()
+
+    def settle() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    def shut_down() -> None:  # on a thread of its own, left behind if a worker never ends
+        executor.shutdown(wait=True)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle)
+
+    threading.Thread(target=shut_down, name="spilld-executor-end", daemon=True).start()
+    await asyncio.wait_for(asyncio.shield(ended), timeout)
 
 
 class LoopThread:

@@ -197,3 +197,40 @@ def test_release_is_a_no_op_without_mlx() -> None:
     script = "import sys; from spilld import mlxthreads; mlxthreads.release_streams(); print('mlx' in sys.modules)"
     got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "False"
+
+
+def test_a_loop_thread_stops_in_bounded_time_with_a_default_executor_worker_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: on Python 3.11, the default executor's shutdown, once its wait timed out, joined its thread
+    on the loop without a bound, so a worker stuck on a lock (the engine's, held) or a hung disk held the loop
+    thread, and ``stop`` (a client's close), for ever."""
+    import asyncio
+    import threading
+    import time
+
+    from spilld import loopthread
+
+    monkeypatch.setattr(loopthread, "STOP_TASKS_TIMEOUT_S", 0.5)
+    stuck, entered = threading.Event(), threading.Event()
+
+    def blocked() -> None:
+        entered.set()
+        stuck.wait(60)
+
+    lt = loopthread.LoopThread("stuck-executor")
+
+    async def start() -> None:
+        asyncio.get_running_loop().run_in_executor(None, blocked)  # the loop's default executor
+
+    lt.run(start())
+    assert entered.wait(10)
+    stopped = threading.Event()
+    stopper = threading.Thread(target=lambda: (lt.stop(), stopped.set()), daemon=True)
+    t0 = time.monotonic()
+    stopper.start()
+    try:
+        assert stopped.wait(20), "stop() still waits for the stuck worker"
+        assert time.monotonic() - t0 < 10 and lt.loop.is_closed()
+    finally:
+        stuck.set()
