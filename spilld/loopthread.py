@@ -58,7 +58,7 @@ async def _end_default_executor(timeout: float) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(settle)
 
-    threading.Thread(target=shut_down, name="spilld-executor-end", daemon=True).start()
+    mlxthreads.start_thread(shut_down, "spilld-executor-end", daemon=True)
     await asyncio.wait_for(asyncio.shield(ended), timeout)
 
 
