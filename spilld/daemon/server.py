@@ -212,7 +212,12 @@ class Daemon:
     async def _listen(self) -> None:
         if self.listener is not None:  # the manager owns the path: no stale-socket probe, no unlink at stop
             self._server = await serve_inherited(self.listener, lambda: Connection(self))
-            self.cfg.socket = socket_path(self.listener) or self.cfg.socket
+            inherited = socket_path(self.listener)
+            if inherited and os.path.abspath(inherited) != os.path.abspath(self.cfg.socket):  # a unit edited by hand
+                log.warning(
+                    "serving the socket the service manager passed, %s, not --socket %s", inherited, self.cfg.socket
+                )
+            self.cfg.socket = inherited or self.cfg.socket
         else:  # claimed at the start, before the scan
             self._server = await bind(self.cfg.socket, lambda: Connection(self), self._socket_lock)
 
