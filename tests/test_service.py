@@ -702,7 +702,8 @@ def test_launchd_bootstrap_is_retried_on_an_io_error(tmp_path: Path) -> None:
     assert slept == [install.RETRY_PAUSE_S] * 2
     stuck = FakeRunner(codes={"bootstrap": [0, *[5] * 10]})
     ok, slept, err = launchd_reinstall(tmp_path / "stuck", stuck)
-    assert not ok and verbs(stuck).count("bootstrap") == 1 + install.RETRIES and "failed (5)" in err
+    # the new job's tries, then the rollback's to load the old one again: each retried as long
+    assert not ok and verbs(stuck).count("bootstrap") == 2 * (1 + install.RETRIES) and "failed (5)" in err
 
 
 def test_launchd_reinstall_gives_up_on_a_job_that_never_unloads(tmp_path: Path) -> None:
@@ -758,13 +759,23 @@ def test_a_refused_install_puts_the_files_back(
     monkeypatch.setattr(install, "run_command", FakeRunner())
     assert cli.main(["service", "install", "--manager", "systemd", "--cap", "2GiB"]) == 0
     before = service.read_text()
-    monkeypatch.setattr(install, "run_command", FakeRunner(codes={"enable": [1]}))
+    failing = FakeRunner(codes={"enable": [1]})
+    monkeypatch.setattr(install, "run_command", failing)
     assert cli.main(["service", "install", "--manager", "systemd", "--cap", "8GiB"]) == cli.EXIT_SERVICE
     assert service.read_text() == before and "--cap 2GiB" in before  # a reinstall: the old unit is back
     assert f"restored {service}" in capsys.readouterr().err
+    # and its daemon, stopped by the reinstall's try-restart, is started again (found in review: left down)
+    assert failing.calls[-1] == ["systemctl", "--user", "start", "spilld.socket", "spilld.service"]
     monkeypatch.setattr(install, "run_command", FakeRunner(codes={"bootstrap": [1]}))
     assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
     assert not install.plist_path(home).exists()
+    monkeypatch.setattr(install, "run_command", FakeRunner())
+    assert cli.main(["service", "install", "--manager", "launchd", "--cap", "2GiB"]) == 0
+    failing = FakeRunner(codes={"bootstrap": [1]})
+    monkeypatch.setattr(install, "run_command", failing)
+    assert cli.main(["service", "install", "--manager", "launchd", "--cap", "8GiB"]) == cli.EXIT_SERVICE
+    assert "--cap" in install.plist_path(home).read_text() and "2GiB" in install.plist_path(home).read_text()
+    assert failing.calls[-1][:2] == ["launchctl", "bootstrap"] and failing.loaded  # the old job loaded again
 
 
 # --- the lifecycle, in-process ------------------------------------------------------------------

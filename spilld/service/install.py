@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -171,6 +171,7 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
     if manager == "launchd":
         plist = plist_path(home)
         target = f"{_domain()}/{units.LABEL}"
+        bootstrap = Step(["launchctl", "bootstrap", _domain(), str(plist)], retry_on=(5,))
         return Plan(
             write={plist: units.launchd_plist(spec, home)},
             foreign=_foreign([plist]),
@@ -180,10 +181,10 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
                 # the old job may still be unloading, and a bootstrap meanwhile fails with 5 (I/O error)
                 Step(["launchctl", "print", target], until_fails=True),
             ],
-            after=[
-                Step(["launchctl", "enable", target]),
-                Step(["launchctl", "bootstrap", _domain(), str(plist)], retry_on=(5,)),
-            ],
+            after=[Step(["launchctl", "enable", target]), bootstrap],
+            # a failed reinstall put the old plist back: its job, booted out above, is loaded again (found in
+            # review: the service stayed down though the files were 'rolled back')
+            undo=[replace(bootstrap, may_fail=True)] if written_by_spilld(plist) else [],
             stop_s=stop_s,
         )
     folder = unit_dir(home)
@@ -206,9 +207,18 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
             Step(["systemctl", "--user", "try-restart", units.SERVICE_NAME], may_fail=True),
             Step(["systemctl", "--user", "enable", "--now", *names]),
         ],
-        undo=[Step(["systemctl", "--user", "daemon-reload"], may_fail=True)],  # the manager sees the old files again
+        undo=[
+            Step(["systemctl", "--user", "daemon-reload"], may_fail=True),  # the manager sees the old files again
+            # a failed reinstall: the daemon its try-restart stopped comes back with the old units (review)
+            *([Step(["systemctl", "--user", "start", *old], may_fail=True)] if (old := _ours(folder)) else []),
+        ],
         stop_s=stop_s,
     )
+
+
+def _ours(folder: Path) -> list[str]:
+    """The units an earlier install of ours left in ``folder`` (the socket first)."""
+    return [n for n in (units.SOCKET_NAME, units.SERVICE_NAME) if written_by_spilld(folder / n)]
 
 
 def uninstall_plan(manager: Manager, home: Path) -> Plan:
