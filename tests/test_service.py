@@ -623,8 +623,10 @@ def test_files_spilld_did_not_write_are_never_replaced_removed_or_stopped(
     mine = folder / "spilld.service"
     mine.write_text("[Service]\nExecStart=/usr/bin/my-own-spilld\n")
     mine.chmod(0o600)
-    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_SERVICE
+    # a usage refusal, exit 2 (found in review: 6, which says a service manager refused a command), dry run too
+    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_USAGE
     assert "was not written by spilld service install" in capsys.readouterr().err
+    assert cli.main(["service", "install", "--manager", "systemd", "--dry-run"]) == cli.EXIT_USAGE
     assert mine.read_text().startswith("[Service]") and (mine.stat().st_mode & 0o777) == 0o600
     assert runner.calls == [] and not (folder / "spilld.socket").exists()
     assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
@@ -634,7 +636,7 @@ def test_files_spilld_did_not_write_are_never_replaced_removed_or_stopped(
     kept.write_text(units.systemd_service(ServiceSpec()))
     mine.unlink()
     mine.symlink_to(kept)
-    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_SERVICE and mine.is_symlink()
+    assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_USAGE and mine.is_symlink()
     mine.unlink()
     assert cli.main(["service", "install", "--manager", "systemd"]) == 0  # ours now: with the marker
     sock = folder / "spilld.socket"
@@ -662,7 +664,7 @@ def test_a_binary_plist_of_ours_is_saved_and_put_back_as_bytes(fake_home: tuple[
     converted = plistlib.dumps(job, fmt=plistlib.FMT_BINARY)
     plist.write_bytes(converted)
     runner.calls.clear()
-    assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
+    assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_USAGE  # the user's: refused
     assert plist.read_bytes() == converted and runner.calls == []
     ours = plistlib.dumps(job | {"Comment": units.MARKER}, fmt=plistlib.FMT_BINARY)
     plist.write_bytes(ours)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import default_dir
-from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, UsageError, folder_arg
+from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, EXIT_USAGE, UsageError, folder_arg
 
 
 def _service_spec(args: argparse.Namespace) -> Any:
@@ -77,9 +77,9 @@ def cmd_service(args: argparse.Namespace) -> int:
         plan = svc.uninstall_plan(manager, home)
     if args.dry_run:
         svc.show(plan, sys.stdout)
-        return EXIT_OK
-    if not svc.apply(plan, svc.run_command, sys.stderr):
-        return EXIT_SERVICE
+        return EXIT_USAGE if plan.refuse else EXIT_OK
+    if not svc.apply(plan, svc.run_command, sys.stderr):  # refused (a file of the user's in the way): usage, as
+        return EXIT_USAGE if plan.refuse else EXIT_SERVICE  # any path we cannot use (found in review: it was 6)
     touched = [str(p) for p in [*plan.write, *plan.remove]]
     if not touched:  # uninstall with nothing of ours installed
         print(f"nothing to {args.action}: no spilld service files for {manager}")
