@@ -200,3 +200,23 @@ def test_a_malformed_lease_answer_lets_its_step_run_unheld_at_once() -> None:
         st = other.call("status", {}).result
         assert st["queue"]["stored"] == 2 and st["queue"]["failed"] == 0, st["queue"]
         other.close()
+
+
+def test_clients_connecting_in_a_loop_under_new_names_do_not_flood_the_log() -> None:
+    """Found in review: each new client name was one line at info, unthrottled: a client connecting in a loop
+    under new names (each process's default name is its pid) wrote a line a connection; and a newline in a name
+    forged a second line on a terminal."""
+    from spilld.daemon.logs import CLIENT_ERROR_LOGS_PER_S
+
+    with serving("--cap", "64MiB") as d:
+        t0 = time.monotonic()
+        for i in range(120):
+            w = Wire(d.socket)
+            w.hello(client=f"n{i}\nFAKE level=error")
+            w.close()
+        took = time.monotonic() - t0
+        time.sleep(0.3)
+        lines = [json.loads(line) for line in d.read_log().splitlines() if line.startswith("{")]
+    said = [x for x in lines if x["level"] == "info" and "connected" in x["msg"]]
+    assert len(said) <= CLIENT_ERROR_LOGS_PER_S * (took + 2), (len(said), took)
+    assert said and all("\n" not in x["msg"] and x["client_name"].startswith("n") for x in said)

@@ -484,12 +484,16 @@ class Connection(asyncio.BufferedProtocol):
             raise P.UnsupportedProtocol(f"protocol version {shown}; this daemon speaks {P.PROTOCOL_VERSION}")
         params = check_params("hello", params)
         self.hello = True
-        self.client_name = params.get("client", "?")[:64]
+        # printable only: a name goes into log lines, and a newline in it could forge a second one (found in review)
+        self.client_name = "".join(c if c.isprintable() else "?" for c in params.get("client", "?")[:64])
         self.lease_grantor = params.get("lease_grantor", False)
         known = self.daemon.client_names.get(self.client_name) is not None
         self.daemon.client_names.put(self.client_name, True)
+        # a new name is said at info, at most CLIENT_ERROR_LOGS_PER_S a second: a client connecting in a loop under
+        # new names (a process's default name is its pid) must not fill the disk with our logs (found in review)
+        said = not known and self.daemon.connect_log.allow()
         log.log(
-            logging.DEBUG if known else logging.INFO, "client %d connected: %s", self.id, self.client_name,
+            logging.INFO if said else logging.DEBUG, "client %d connected: %s", self.id, self.client_name,
             extra={"client": self.id, "client_name": self.client_name, "pid": params.get("pid"), "grantor": self.lease_grantor},
         )  # fmt: skip
         return {

@@ -107,6 +107,7 @@ class Daemon:
         self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.held_rows)
         self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
         self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
+        self.connect_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)  # "client connected" lines at info
         self.client_names: LRU[str, bool] = LRU(CLIENT_NAMES_KEPT)  # names whose connection was logged at info
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.time()
