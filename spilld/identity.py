@@ -177,6 +177,8 @@ def config_fingerprint(
 ) -> str:
     """First 16 hex digits of sha256 over the model's class, arguments, dtype, KV quantization and weights."""
     args = getattr(model, "args", None)
+    if args is None:  # some families keep it as ``config`` (youtu_llm, plamo2/3): its RoPE settings are in no weight,
+        args = getattr(model, "config", None)  # so without it two configs read alike (found in review)
     payload = {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "args": _jsonable(args) if args is not None else None,

@@ -119,3 +119,25 @@ def test_a_safetensors_header_over_the_limit_is_refused(tmp_path: Any) -> None:
     small = tmp_path / "ok.safetensors"
     small.write_bytes(struct.pack("<Q", 2) + b"{}")
     assert ident_mod.file_fingerprint(small)
+
+
+def test_a_model_that_keeps_its_config_as_config_has_it_in_its_fingerprint() -> None:
+    """Found in review: the fingerprint read ``model.args`` only; mlx-lm models that keep theirs as
+    ``model.config`` (youtu_llm, plamo2, plamo3) had the same identity under another RoPE config, whose keys
+    differ, and one's cache was served to the other."""
+    import mlx.core as mx
+    from mlx_lm.models import youtu_llm
+
+    from spilld.identity import model_identity
+
+    small = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+    )  # fmt: skip
+    a = youtu_llm.Model(youtu_llm.ModelArgs(**small, rope_theta=10000.0))  # type: ignore[arg-type]
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    b = youtu_llm.Model(youtu_llm.ModelArgs(**small, rope_theta=1000000.0, rope_scaling=yarn))  # type: ignore[arg-type]
+    b.update(a.parameters())  # the same weights, config.json edited
+    mx.eval(a.parameters(), b.parameters())
+    assert not hasattr(a, "args")
+    assert model_identity(a, model_id="m").config_fingerprint != model_identity(b, model_id="m").config_fingerprint
