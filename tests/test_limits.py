@@ -537,3 +537,28 @@ async def test_a_drain_waits_for_what_was_queued_before_it_not_for_what_comes_af
             drainer.close()
         await daemon.stop()
         cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_in_the_checkpoint_namespace_is_refused() -> None:
+    """Found in review: a spill into the reserved checkpoint namespace was refused, a lookup there was not, and a
+    raw client got generation checkpoints back as prefix hits (they are found by resume only)."""
+    from spilld.entries import CHECKPOINT_NS_PREFIX
+
+    root = new_root()
+    cfg = quiet_config(root)
+    daemon = InProcessDaemon(cfg)
+    await daemon.start()
+    wire = None
+    try:
+        wire = await AsyncWire.open(cfg.socket, "ckpt")
+        params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens([1, 2, 3])}
+        _, err = await wire.call("lookup", params | {"namespace": CHECKPOINT_NS_PREFIX + "gen-1"})
+        assert err is not None and err["code"] == "bad_params", err
+        _, err = await wire.call("lookup", params | {"namespace": "ok"})
+        assert err is None
+    finally:
+        if wire is not None:
+            wire.close()
+        await daemon.stop()
+        cleanup(root)

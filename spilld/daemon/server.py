@@ -23,7 +23,7 @@ from .. import __version__, errors, fileio
 from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
-from ..entries import Hit, Miss, MissReason, token_array
+from ..entries import CHECKPOINT_NS_PREFIX, Hit, Miss, MissReason, token_array
 from ..lease import off_loop
 from ..lockfile import FileLock
 from ..lru import LRU
@@ -362,6 +362,8 @@ class Daemon:
         ident = _identity(p["identity"])  # its namespace, if sent, is not used
         tokens = token_array(p["tokens"])
         ns, provider = p.get("namespace", ""), p.get("codec_provider")
+        if ns.startswith(CHECKPOINT_NS_PREFIX):  # checkpoints are found by ``resume`` only, never by a lookup (review)
+            raise P.BadParams("lookup: namespaces starting with the checkpoint prefix are reserved")
         hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
         filled = (
             self.remote is not None
