@@ -1232,3 +1232,15 @@ async def test_a_fill_counts_the_bytes_it_writes_and_the_cache_it_adds(tmp_path:
     st, want = s.stats(), src.stats()
     assert st["bytes_written"] == len(manifest) + sum(map(len, held.values())) == want["bytes_written"]
     assert st["written_day"] == st["bytes_written"] and st["unique_added"] == want["unique_added"] > 0
+    # a second conversation under the same first two blocks: only its own tokens are new (found in review: a
+    # fill counted every token as new, and the filled store's write amplification read below 1)
+    other = [*toks(32), *toks(8, start=7000)]
+    second = await src.put(other, kv_layers(40, seed=9), IDENT)
+    added = src.stats()["unique_added"] - want["unique_added"]
+    held2 = {rec.key: Path(rec.path).read_bytes() for rec in src.blocks if rec.key not in held}
+
+    async def fetched2() -> Any:
+        yield held2
+
+    await s.adopt(IDENT, "", Path(second.path).read_bytes(), fetched2())
+    assert s.stats()["unique_added"] - st["unique_added"] == added

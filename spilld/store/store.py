@@ -656,6 +656,9 @@ class Store:
         pinned = [self.index.blocks[k] for k in m.blocks.keys if self.index.owns(k)]
         for rec in pinned:
             rec.pins += 1
+        # the leading tokens held before the fill: not new (found in review: a fill under a shared system prompt
+        # counted the prompt as unique again, and write amplification read below 1)
+        lead = next((i for i, k in enumerate(m.blocks.keys) if not self.index.owns(k)), len(m.blocks.keys))
         held, named = {rec.key for rec in pinned}, set(m.blocks.keys)
         self.claim_folder(folder)
         try:
@@ -686,7 +689,7 @@ class Store:
         self._unpin(pinned)
         self.counters.adopted += 1
         self._wrote(len(manifest))  # a fill's files wear the disk as a put's do (found in review: not counted)
-        self._added(entry, blocks.cache_bytes(m), self._settle_new(entry, m))
+        self._added(entry, blocks.cache_bytes(m), max(lead * m.blocks.size, self._settle_new(entry, m)))
         await self.delete_doomed_async()
         return entry
 
