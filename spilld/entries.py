@@ -61,12 +61,14 @@ class Wear:
     def add(self, nbytes: int) -> None:
         hour = int(self._clock() // WEAR_BUCKET_S)
         self._hours[hour] = self._hours.get(hour, 0) + nbytes
-        for h in [h for h in self._hours if h <= hour - 7 * 24]:
+        for h in [h for h in self._hours if h < hour - 7 * 24]:
             del self._hours[h]
 
     def _since(self, hours: int) -> int:
+        """Bytes written in the last ``hours`` hours, counted in whole hours: the oldest bucket is in, so a budget
+        errs long (up to an hour more), never short (found in review: a write 23 h old had left the day's count)."""
         now = int(self._clock() // WEAR_BUCKET_S)
-        return sum(n for h, n in self._hours.items() if h > now - hours)
+        return sum(n for h, n in self._hours.items() if h >= now - hours)
 
     def last_day(self) -> int:
         return self._since(24)

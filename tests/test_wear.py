@@ -57,13 +57,15 @@ async def test_a_shed_spill_settles_dropped_through_the_spiller(tmp_path: Path) 
 
 
 def test_wear_counts_the_last_day_and_week_by_the_hour() -> None:
-    now = [1_000_000.0 * WEAR_BUCKET_S]
+    now = [1_000_000.9 * WEAR_BUCKET_S]  # late in an hour
     w = Wear(clock=lambda: now[0])
     w.add(100)
     now[0] += 23 * WEAR_BUCKET_S
     w.add(10)
     assert (w.last_day(), w.last_week()) == (110, 110)
-    now[0] += 2 * WEAR_BUCKET_S  # the first hour is now more than a day old
+    now[0] += 0.2 * WEAR_BUCKET_S  # the first write is 23.2 h old: still in (found in review: it had left the count)
+    assert (w.last_day(), w.last_week()) == (110, 110)
+    now[0] += 1.0 * WEAR_BUCKET_S  # now more than a day old
     assert (w.last_day(), w.last_week()) == (10, 110)
     now[0] += 7 * 24 * WEAR_BUCKET_S
     w.add(1)
