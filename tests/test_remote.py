@@ -28,6 +28,7 @@ import spilld
 import tests.redis_servers as tests_redis
 from spilld import fileio
 from spilld import format as fmt
+from spilld import protocol as P
 from spilld.entries import Hit
 from spilld.loader import Loaded
 from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
@@ -1620,3 +1621,50 @@ async def test_a_blocks_reference_names_the_newest_manifest_pushed_that_names_it
             await link_b.close(1)
     finally:
         await link.close(1)
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_that_fills_counts_once_for_the_write_gate(tmp_path: Any) -> None:
+    """Found in review: a lookup whose fill kept a manifest looked the prompt up again, and the write gate counted
+    that second look as a second ask: with --admit-after 2, a one-off prompt under a fetched prefix was written
+    after a single ask."""
+    import mlx.core as mx
+
+    from spilld.daemon import Daemon as InProcessDaemon
+    from tests.daemons import cleanup, new_root, quiet_config
+    from tests.hostile_memory import AsyncWire, kv_header
+
+    rows = 48  # three blocks of 16 on the shared tier
+    tokens = [(7 + i) % 50_000 for i in range(rows + 16)]
+    root = new_root()
+    with redis_server() as srv:
+        store, _tier, link = await pushing(tmp_path / "a", srv.url)
+        await store.put(
+            tokens[:rows], [fill(C.KVCache(), rows, heads=2, dim=8, dtype=mx.float16)], spilld.Identity("hostile")
+        )
+        assert await link.drain(10)
+        cfg = quiet_config(root, block_tokens=16, remote=srv.url, remote_push="none", admit_after=2)
+        daemon = InProcessDaemon(cfg)
+        await daemon.start()
+        wire = None
+        try:
+            wire = await AsyncWire.open(cfg.socket, "gate")
+            params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens([*tokens, 1])}
+            hit, err = await wire.call("lookup", params | {"codec_provider": "spilld/mlx-lm/1"})
+            assert err is None and hit["hit"] and hit["matched"] == rows, (hit, err)  # filled from the tier
+            r, err = await wire.call("spill", {"header": kv_header(rows + 16, heads=2, dim=8, seed=7)})
+            assert err is None, err
+            for i in range(2):
+                wire.send(
+                    P.notification(
+                        "put", {"spill": r["spill"], "index": i, "offset": 0}, bytes(2 * (rows + 16) * 8 * 2)
+                    )
+                )
+            r, err = await wire.call("commit", {"spill": r["spill"]})
+            assert r["outcome"] == "dropped" and daemon.store.counters.dropped_admit == 1, (r, err)  # asked once
+        finally:
+            if wire is not None:
+                wire.close()
+            await daemon.stop()
+            await link.close(1)
+            cleanup(root)

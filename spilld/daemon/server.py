@@ -371,7 +371,7 @@ class Daemon:
             and await self.remote.fill(ident, ns, tokens.tolist(), provider or self.store.provider_id)
         )
         if filled:
-            hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # now held here too
+            hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)  # held now
         return self._answer_lookup(conn, hit, len(tokens))
 
     def _served_here(self, hit: Hit | Miss, ntokens: int) -> bool:

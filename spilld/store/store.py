@@ -306,11 +306,19 @@ class Store:
         return self._settle(q, q.match())
 
     async def lookup_async(
-        self, ident: fmt.Identity, namespace: str, tokens: Tokens, *, codec_provider: str | None = None
+        self,
+        ident: fmt.Identity,
+        namespace: str,
+        tokens: Tokens,
+        *,
+        codec_provider: str | None = None,
+        counted: bool = True,
     ) -> Hit | Miss:
-        """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only."""
+        """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only.
+        ``counted`` False: the prompt was asked for already (a lookup again after a fill): the write gate does not
+        count it twice (found in review)."""
         for _ in range(LOOKUP_ATTEMPTS):
-            q = self._query(ident, namespace, tokens, codec_provider)
+            q = self._query(ident, namespace, tokens, codec_provider, counted)
             found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots or q.ask else Found()
             # Its best entry superseded while the comparison ran (the same prompt spilled again): compare again,
             # against the index as it is now, rather than miss an entry that is still there under a new name.
@@ -318,10 +326,13 @@ class Store:
                 break
         return self._settle(q, found)
 
-    def _query(self, ident: fmt.Identity, namespace: str, tokens: Tokens, provider: str | None) -> Query:
+    def _query(
+        self, ident: fmt.Identity, namespace: str, tokens: Tokens, provider: str | None, counted: bool = True
+    ) -> Query:
         want = np.asarray(tokens, dtype=np.uint32)
         fp = identity_fingerprint(ident)
-        ask = (self._ask_scope(ident, namespace), self.admission.size) if self.admission is not None else None
+        gate = self.admission
+        ask = (self._ask_scope(ident, namespace), gate.size) if gate is not None and counted else None
         prov = provider or self.provider_id
         group = self.index.by_start.get(start_key(namespace, want), {}) if len(want) > 1 else {}
         roots = [(r, size, whole) for r, (size, whole) in self.index.roots.get((fp, namespace, prov), {}).items()]
