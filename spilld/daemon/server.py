@@ -110,7 +110,7 @@ class Daemon:
         self.connect_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)  # "client connected" lines at info
         self.client_names: LRU[str, bool] = LRU(CLIENT_NAMES_KEPT)  # names whose connection was logged at info
         self.writing = 0  # saves under way (a drain that is writing is making progress)
-        self.started = time.time()
+        self.started = time.monotonic()  # uptime: a clock a step of the wall clock (NTP at boot) does not move
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
         self.last_lookup = -math.inf  # monotonic time of the last one: a client restore follows a lookup
         self.readahead: ReadAhead | None = None  # warm start (--warm-bytes), once the scan is done
@@ -493,7 +493,7 @@ class Daemon:
         return {
             "version": __version__,
             "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 1),
+            "uptime_s": round(time.monotonic() - self.started, 1),
             "socket": self.cfg.socket,
             "dir": self.cfg.dir,
             "cap": self.cfg.cap,
