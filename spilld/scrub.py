@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from . import errors
+from . import blocks, errors
 from .config import DEFAULT_SCRUB_INTERVAL_S, DEFAULT_SCRUB_RATE
 from .lease import Pace, off_loop
 from .loader import verify_file
 from .store import Store
 from .validate import check_file_bytes
+
+log = logging.getLogger("spilld.scrub")
 
 FIRST_AFTER_S = 600.0  # the first pass waits this long after a start (or one interval, if shorter): boot is busy
 IN_MEMORY_MAX = 64 * 1024 * 1024  # a manifest at most this large is read whole and checked in memory
@@ -34,6 +38,7 @@ class ScrubStats:
     bytes: int = 0  # bytes checked in the current pass
     planned_files: int = 0  # files listed for the current pass
     bad: int = 0  # files found bad and quarantined, all passes
+    unreadable: int = 0  # files still stored that could not be read (EIO, a hung disk), all passes
     paused: bool = False  # waiting for the daemon to be idle
 
 
@@ -95,12 +100,23 @@ class Scrub:
             except errors.FileFormatError as exc:
                 if await self.store.found_bad_async(path, exc):
                     st.bad += 1
-            except (errors.SpillError, OSError):
-                pass  # gone (evicted, superseded) or unreadable now: the next pass sees it again
+            except (errors.SpillError, OSError) as exc:  # gone (evicted, superseded), or unreadable now
+                if not self._held(path):  # not the store's any more: listed, and nothing read
+                    st.files += 1
+                    continue
+                st.unreadable += 1  # an unreadable sector is what a scrub is for: said (found in review: hidden)
+                log.warning("scrub: %s could not be read: %s", path, exc)
             st.files += 1
             st.bytes += nbytes
             await pace.took(nbytes)  # paced on the pass's total, less its pauses
         st.passes += 1
+
+    def _held(self, path: str) -> bool:
+        """``path`` is still one of the store's files (an entry's, or the block its name says)."""
+        if self.store.entry_at(path) is not None:
+            return True
+        key = blocks.key_of_name(os.path.basename(path))
+        return key is not None and self.store.block_path(key) == path
 
     def _paused(self, paused: bool) -> None:
         self.stats.paused = paused

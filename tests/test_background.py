@@ -185,3 +185,38 @@ def test_a_daemon_scrubs_in_idle_time_and_status_shows_it() -> None:
     finally:
         d.stop()
         cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_counts_and_says_a_stored_file_it_cannot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: a file the scrub could not read (EIO) counted as checked, with nothing said or counted,
+    every pass; a file gone meanwhile (evicted) is not the store's any more and counts as nothing."""
+    from spilld import errors
+    from spilld import scrub as scrub_module
+
+    s, _ = await three_conversations(tmp_path)
+    unreadable = s.block_path(s.entries[0].blocks[2])
+    gone = str(tmp_path / "evicted-meanwhile.spilld")
+    real = scrub_module.check_one
+
+    def check(path: str, has_blocks: bool) -> None:
+        if path == unreadable:
+            raise errors.StorageError("read failed: Input/output error", path=path)
+        if path == gone:
+            raise FileNotFoundError(path)
+        real(path, has_blocks)
+
+    monkeypatch.setattr(scrub_module, "check_one", check)
+    t = FakeTime()
+    scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
+    listed = scrub.targets()
+    monkeypatch.setattr(scrub, "targets", lambda: [*listed, (gone, 100, False)])
+    with caplog.at_level("WARNING", logger="spilld.scrub"):
+        await scrub.scrub_pass()
+    st = scrub.stats
+    assert (st.unreadable, st.bad, st.files, st.planned_files) == (1, 0, len(listed) + 1, len(listed) + 1)
+    assert st.bytes == sum(n for _, n, _ in listed)  # the file gone meanwhile: nothing read
+    assert any(unreadable in r.getMessage() for r in caplog.records)
+    assert s.count == 3  # an unreadable file is not taken for a bad one: it stays
