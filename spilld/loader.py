@@ -7,9 +7,9 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import xxhash
 
@@ -112,9 +112,21 @@ def verify_file(
 
 
 def _verify_one(p: str, ops: FileOps) -> fmt.Header:
-    fd = _open(ops, p)
+    steps = verify_steps(p, ops)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(fmt.Header, done.value)
+
+
+def verify_steps(path: str, ops: FileOps = DEFAULT_OPS) -> Generator[int, None, fmt.Header]:
+    """``verify_file`` of one file, a chunk of at most ``VERIFY_CHUNK`` bytes a step (each yields its bytes; the
+    file's header is the result): a background check can pace itself and yield to serving between two steps. The
+    file is open until the last step, or the generator's close."""
+    fd = _open(ops, path)
     try:
-        header = _read_header_fd(fd, p)
+        header = _read_header_fd(fd, path)
         buf = bytearray(VERIFY_CHUNK)
         for i, slot in enumerate(header.slots()):
             h = xxhash.xxh3_64()
@@ -122,11 +134,12 @@ def _verify_one(p: str, ops: FileOps) -> fmt.Header:
             while done < slot.nbytes:
                 n = min(VERIFY_CHUNK, slot.nbytes - done)
                 view = memoryview(buf)[:n]
-                fileio.read_all(ops, fd, [view], header.data_start + slot.off + done, p)
+                fileio.read_all(ops, fd, [view], header.data_start + slot.off + done, path)
                 h.update(view)
                 done += n
+                yield n
             if h.digest() != slot.hash:
-                raise errors.TensorHashMismatch(f"tensor {i} at offset {slot.off} does not match its hash", path=p)
+                raise errors.TensorHashMismatch(f"tensor {i} at offset {slot.off} does not match its hash", path=path)
         return header
     finally:
         ops.close(fd)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from . import blocks, errors
 from .config import DEFAULT_SCRUB_INTERVAL_S, DEFAULT_SCRUB_RATE
 from .lease import Pace, off_loop
-from .loader import verify_file
+from .loader import verify_file, verify_steps
 from .store import Store
 from .validate import check_file_bytes
 
@@ -47,6 +47,11 @@ def check_one(path: str, has_blocks: bool) -> None:
     if not has_blocks:
         verify_file(path)  # a block, or an entry without blocks: streamed in chunks
         return
+    check_manifest(path)
+
+
+def check_manifest(path: str) -> None:
+    """A manifest without its blocks (they are checked as files of their own)."""
     with open(path, "rb") as f:
         data = f.read(IN_MEMORY_MAX + 1)  # (never more than the bound, whatever the file's size says meanwhile)
     if len(data) > IN_MEMORY_MAX:
@@ -96,7 +101,10 @@ class Scrub:
         for path, nbytes, has_blocks in files:
             await pace.wait_idle()
             try:
-                await off_loop(functools.partial(check_one, path, has_blocks), background=True)
+                if has_blocks:  # a manifest's tail: small
+                    await off_loop(functools.partial(check_manifest, path), background=True)
+                else:  # a chunk a worker call, paced and yielding to serving between two (found in review: a
+                    await self._check_in_steps(path, nbytes, pace)  # whole file at disk speed, busy or not)
             except errors.FileFormatError as exc:
                 if await self.store.found_bad_async(path, exc):
                     st.bad += 1
@@ -108,8 +116,20 @@ class Scrub:
                 log.warning("scrub: %s could not be read: %s", path, exc)
             st.files += 1
             st.bytes += nbytes
-            await pace.took(nbytes)  # paced on the pass's total, less its pauses
+            if has_blocks:
+                await pace.took(nbytes)  # paced on the pass's total, less its pauses (a file in steps: each step)
         st.passes += 1
+
+    async def _check_in_steps(self, path: str, nbytes: int, pace: Pace) -> None:
+        steps, read = verify_steps(path), 0
+        try:
+            while (n := await off_loop(functools.partial(next, steps, -1), background=True)) >= 0:
+                read += n
+                await pace.took(n)
+                await pace.wait_idle()
+        finally:
+            await off_loop(steps.close, background=True)  # its file closed on a worker: never on the loop
+        await pace.took(max(0, nbytes - read))  # its header and padding, read too
 
     def _held(self, path: str) -> bool:
         """``path`` is still one of the store's files (an entry's, or the block its name says)."""

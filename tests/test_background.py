@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlx_lm.models import cache as C
@@ -199,16 +200,16 @@ async def test_a_scrub_counts_and_says_a_stored_file_it_cannot_read(
     s, _ = await three_conversations(tmp_path)
     unreadable = s.block_path(s.entries[0].blocks[2])
     gone = str(tmp_path / "evicted-meanwhile.spilld")
-    real = scrub_module.check_one
+    real = scrub_module.verify_steps
 
-    def check(path: str, has_blocks: bool) -> None:
+    def steps(path: str, ops: Any = None) -> Any:
         if path == unreadable:
             raise errors.StorageError("read failed: Input/output error", path=path)
         if path == gone:
             raise FileNotFoundError(path)
-        real(path, has_blocks)
+        return real(path)
 
-    monkeypatch.setattr(scrub_module, "check_one", check)
+    monkeypatch.setattr(scrub_module, "verify_steps", steps)
     t = FakeTime()
     scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
     listed = scrub.targets()
@@ -220,3 +221,48 @@ async def test_a_scrub_counts_and_says_a_stored_file_it_cannot_read(
     assert st.bytes == sum(n for _, n, _ in listed)  # the file gone meanwhile: nothing read
     assert any(unreadable in r.getMessage() for r in caplog.records)
     assert s.count == 3  # an unreadable file is not taken for a bad one: it stays
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_yields_to_a_busy_daemon_inside_a_file_and_paces_each_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a file was checked whole in one worker call, at disk speed, a client busy or not; it is now
+    checked a chunk a call, paced and yielding between two."""
+    from spilld import loader
+    from spilld import scrub as scrub_module
+
+    s, _ = await three_conversations(tmp_path)
+    monkeypatch.setattr(loader, "VERIFY_CHUNK", 1024)  # a block file is several chunks
+    busy = {"now": False, "files": 0, "came": False}
+    real = scrub_module.verify_steps
+
+    def steps(path: str, ops: Any = None) -> Any:
+        def wrapped() -> Any:
+            gen = real(path)
+            try:
+                while True:
+                    n = next(gen)
+                    if not busy["came"]:  # a client arrives once, during the first file's check
+                        busy["now"] = busy["came"] = True
+                    yield n
+            except StopIteration as stop:
+                busy["files"] += 1
+                busy["now"] = False  # and is gone when that file is done
+                return stop.value
+
+        return wrapped()
+
+    monkeypatch.setattr(scrub_module, "verify_steps", steps)
+    t = FakeTime()
+
+    async def sleep(s_: float) -> None:
+        if s_ == scrub_module.BUSY_POLL_S:  # the client's work ends while the scrub waits for it
+            busy["now"] = False
+        await t.sleep(s_)
+
+    rate = 64 * 1024
+    scrub = Scrub(s, rate, lambda: busy["now"], clock=t.clock, sleep=sleep)
+    await scrub.scrub_pass()
+    assert 0.2 in t.slept and busy["files"] == len(s.blocks)  # paused inside the first file, then went on
+    assert t.now == pytest.approx(0.2 + scrub.stats.bytes / rate, rel=0.05)  # and kept its rate
