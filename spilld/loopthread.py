@@ -16,6 +16,7 @@ from . import mlxthreads
 T = TypeVar("T")
 
 STOP_TASKS_TIMEOUT_S = 5.0  # how long ``stop`` lets cancelled tasks unwind before closing the loop
+EXECUTOR_POLL_S = 0.01  # how often a stop looks whether the default executor's workers have ended (Python 3.11)
 SELF_CLOSE_EXIT_S = 300.0  # the most the interpreter's exit waits for a close begun on the loop's own thread
 
 
@@ -47,19 +48,11 @@ async def _end_default_executor(timeout: float) -> None:
     executor = getattr(loop, "_default_executor", None)
     if executor is None:
         return
-    ended = loop.create_future()
-
-    def settle() -> None:
-        if not ended.done():
-            ended.set_result(None)
-
-    def shut_down() -> None:  # on a thread of its own, left behind if a worker never ends
-        executor.shutdown(wait=True)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle)
-
-    mlxthreads.start_thread(shut_down, "spilld-executor-end", daemon=True)
-    await asyncio.wait_for(asyncio.shield(ended), timeout)
+    threads = list(getattr(executor, "_threads", ()))  # its workers: waited for here, no thread of ours to end
+    executor.shutdown(wait=False)
+    deadline = loop.time() + timeout
+    while any(t.is_alive() for t in threads) and loop.time() < deadline:
+        await asyncio.sleep(EXECUTOR_POLL_S)
 
 
 class LoopThread:
