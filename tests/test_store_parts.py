@@ -80,12 +80,15 @@ def _entry(path: str, last_used: float, nbytes: int = 10) -> Entry:
 def test_the_eviction_order_is_lru_with_the_newest_pins_that_fit_last() -> None:
     everyone = [_entry("new", 3), _entry("pin_old", 0), _entry("old", 1), _entry("pin_new", 2.5), _entry("mid", 2)]
     pinned = {"pin_old", "pin_new"}
-    size = lambda e: e.nbytes * 2  # noqa: E731 (an entry with its blocks)
-    names = lambda cap: [e.path for e in evict_order(everyone, pinned, size, cap)]  # noqa: E731
+    parts = lambda e: (e.nbytes, {e.path.encode(): e.nbytes})  # noqa: E731 (an entry and a block of its own)
+    names = lambda cap: [e.path for e in evict_order(everyone, pinned, parts, cap)]  # noqa: E731
     assert names(40) == ["old", "mid", "new", "pin_old", "pin_new"]
     # room for one pin: the newest keeps its place at the end, the older one goes by age like the rest
     assert names(20) == ["pin_old", "old", "mid", "new", "pin_new"]
     assert names(19) == ["pin_old", "old", "mid", "pin_new", "new"]  # none fits: plain LRU
+    # two pins sharing a block: it counts once against the cap (found in review: twice, and a pin that fit went)
+    shared = lambda e: (e.nbytes, {b"system": 100, e.path.encode(): e.nbytes})  # noqa: E731
+    assert [e.path for e in evict_order(everyone, pinned, shared, 140)][-2:] == ["pin_old", "pin_new"]
 
 
 def test_a_kept_file_is_unlinked_only_after_its_last_release() -> None:

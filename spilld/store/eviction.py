@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from ..entries import Entry
 
 
 def evict_order(
-    entries: Iterable[Entry], pinned: Collection[str], size: Callable[[Entry], int], pin_cap: int
+    entries: Iterable[Entry],
+    pinned: Collection[str],
+    parts: Callable[[Entry], tuple[int, Mapping[bytes, int]]],
+    pin_cap: int,
 ) -> list[Entry]:
-    """Least recently used first, pinned entries last: the newest pins, as long as their ``size`` (an entry's
-    bytes on disk with its blocks) fits ``pin_cap`` together; older pins beyond it take their place among the
-    others."""
+    """Least recently used first, pinned entries last: the newest pins, as long as what they hold on disk fits
+    ``pin_cap`` together (``parts``: an entry's own bytes, and its blocks' by key: a block two pins share counts
+    once, found in review); older pins beyond it take their place among the others."""
     order = sorted(entries, key=lambda x: x.last_used)
     kept: set[str] = set()
+    counted: set[bytes] = set()
     used = 0
     for e in reversed(order):
-        if e.path in pinned and used + (n := size(e)) <= pin_cap:
+        if e.path not in pinned:
+            continue
+        own, named = parts(e)
+        n = own + sum(b for k, b in named.items() if k not in counted)
+        if used + n <= pin_cap:
             kept.add(e.path)
+            counted.update(named)
             used += n
     return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]

@@ -964,10 +964,11 @@ class Store:
 
     def _evict_order(self, entries: Iterable[Entry]) -> list[Entry]:
         """Least recently used first, the newest pins (within the pin cap, with their blocks) last."""
-        return evict_order(entries, self._pins, self._size_with_blocks, self.pin_cap)
+        return evict_order(entries, self._pins, self._on_disk, self.pin_cap)
 
-    def _size_with_blocks(self, e: Entry) -> int:
-        return e.nbytes + sum(rec.nbytes for k in e.blocks if (rec := self.index.blocks.get(k)) is not None)
+    def _on_disk(self, e: Entry) -> tuple[int, dict[bytes, int]]:
+        """``e``'s own bytes, and its blocks' by key."""
+        return e.nbytes, {k: rec.nbytes for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
 
     # --- pins -------------------------------------------------------------------------
 
