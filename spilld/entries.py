@@ -102,6 +102,7 @@ class Entry:
     blocks: list[bytes] = field(default_factory=list)  # v2: the prefix blocks it names, in order
     block_size: int = 0
     whole: bool = False  # every cache positional: its blocks alone restore a prefix (attachments aside)
+    attachments: bool = False  # it carries attachments (a draft model's KV, ...): an entry without them serves less
     restorable: int | None = None  # tokens its caches hold (``Header.restorable_tokens``), when fewer than its tokens
     # Ours to unlink: written by this store, or found by a scan made alone. Another writer's (a guest's scan of a
     # daemon's folder) leaves this index when evicted or superseded, and its file stays: it is not ours.

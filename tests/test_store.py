@@ -1244,3 +1244,29 @@ async def test_a_fill_counts_the_bytes_it_writes_and_the_cache_it_adds(tmp_path:
 
     await s.adopt(IDENT, "", Path(second.path).read_bytes(), fetched2())
     assert s.stats()["unique_added"] - st["unique_added"] == added
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("block_tokens", [0, 16])
+async def test_a_supersede_never_removes_what_the_new_entry_cannot_serve(tmp_path: Path, block_tokens: int) -> None:
+    """Found in review: a longer entry without attachments superseded an ancestor that had them (a draft model's
+    KV, lost), and an untrimmable exact copy superseded a trimmable one (shorter prefixes stopped hitting)."""
+    from spilld.saver import Attachment
+
+    def draft(n: int) -> list[Attachment]:
+        a = mx.random.normal((1, 2, n, 8))
+        mx.eval(a)
+        return [Attachment("draft-kv", {"tokens": str(n)}, [a])]
+
+    s = Store(tmp_path / "a", disk_cap=2**40, block_tokens=block_tokens)
+    base = toks(40)
+    ancestor = await s.put(base, kv_layers(40), IDENT, attachments=draft(40))
+    await s.put([*base, 7, 8, 9], kv_layers(43), IDENT)  # longer, no attachments
+    assert s.entry_at(ancestor.path) is not None  # kept, with its attachments
+    assert len(spilld.loader.read_header(ancestor.path).attachments) == 1
+    s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=block_tokens)
+    first = await s.put(base, kv_layers(40), IDENT)  # trimmable
+    await s.put(base, kv_layers(40), IDENT, attachments=draft(40))  # the same tokens, not trimmable
+    assert s.entry_at(first.path) is not None
+    hit = s.lookup(IDENT, "", [*base[:20], 1])
+    assert isinstance(hit, Hit) and hit.matched == 20

@@ -71,6 +71,7 @@ class Index:
             blocks=list(b.keys) if b else [],
             block_size=b.size if b else 0,
             whole=blocks.whole(header),
+            attachments=bool(header.attachments),
             restorable=held if held < len(header.tokens) else None,
         )
         if b is not None:

@@ -908,6 +908,10 @@ class Store:
                 continue  # another engine's codecs: its readers cannot use ours
             if _restorable(new) < _restorable(e):
                 continue  # it records those tokens, but its caches hold fewer: it serves less than e does
+            if e.attachments and not has_attachments:
+                continue  # it carries what the new one does not (found in review: a draft's KV was lost)
+            if e.trimmable and (not new.trimmable or new.min_reusable > e.min_reusable):
+                continue  # it serves shorter prefixes the new one cannot (found in review: they stopped hitting)
             exact = e.ntokens == new.ntokens and common_prefix(e.tokens, new.tokens) == new.ntokens
             ancestor = (
                 e.ntokens < new.ntokens
