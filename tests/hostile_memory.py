@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 from spilld import format as fmt
@@ -202,3 +203,24 @@ async def run_all(sock: str, counts: Counter[str], idle_timeout: float, stop: as
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+
+
+@contextlib.asynccontextmanager
+async def in_process(name: str, **over: Any) -> AsyncIterator[tuple[Any, AsyncWire]]:
+    """A daemon on the test's loop (``quiet_config`` in a fresh root, ``over`` its settings) and a connection named
+    ``name`` to it; both gone afterwards, the root removed."""
+    from spilld.daemon import Daemon
+    from tests.daemons import cleanup, new_root, quiet_config
+
+    root = new_root()
+    daemon = Daemon(quiet_config(root, **over))
+    await daemon.start()
+    wire = None
+    try:
+        wire = await AsyncWire.open(daemon.cfg.socket, name)
+        yield daemon, wire
+    finally:
+        if wire is not None:
+            wire.close()
+        await daemon.stop()
+        cleanup(root)

@@ -33,7 +33,6 @@ from spilld import format as fmt
 from spilld import protocol as P
 from spilld.admission import MAX_ADMIT_AFTER
 from spilld.config import MAX_DURATION_S, Config, check_duration, parse_duration
-from spilld.daemon import Daemon as InProcessDaemon
 from spilld.daemon import server as server_module
 from spilld.entries import Hit
 from spilld.remote import EventKind, RemoteConfig, RemoteConfigError, RemoteTier, keys
@@ -42,8 +41,8 @@ from spilld.remote import tier as tier_module
 from spilld.remote.credentials import MAX_SECRET_FILE_BYTES
 from spilld.remote.link import RemoteLink
 from spilld.store import Store
-from tests.daemons import Daemon, cleanup, new_root, quiet_config, serving
-from tests.hostile_memory import AsyncWire, kv_header
+from tests.daemons import Daemon, cleanup, new_root, serving
+from tests.hostile_memory import AsyncWire, in_process, kv_header
 from tests.redis_servers import RedisServer, redis_server
 from tests.test_remote import FILL_IDENT, NS, chain, pushed_store, relaxed, secret_file, started
 from tests.wire import Wire
@@ -262,13 +261,7 @@ async def test_a_lookup_names_at_most_max_lookup_block_paths_block_files(monkeyp
     is patched to 2 in an in-process daemon (``_lookup`` reads it at call time): an entry of 2 blocks is named
     whole, one of 3 by its first 2, in chain order."""
     monkeypatch.setattr(server_module, "MAX_LOOKUP_BLOCK_PATHS", 2)
-    root = new_root()
-    cfg = quiet_config(root, block_tokens=fmt.MIN_BLOCK_TOKENS)
-    daemon = InProcessDaemon(cfg)
-    await daemon.start()
-    wire = None
-    try:
-        wire = await AsyncWire.open(cfg.socket, "limits")
+    async with in_process("limits", block_tokens=fmt.MIN_BLOCK_TOKENS) as (daemon, wire):
         for nblocks in (2, 3):
             rows = fmt.MIN_BLOCK_TOKENS * nblocks
             tokens = [*await wire.store_kv(rows, seed=1_000 * nblocks), 7]
@@ -278,11 +271,6 @@ async def test_a_lookup_names_at_most_max_lookup_block_paths_block_files(monkeyp
             entry = daemon.store.entry_at(hit["path"])
             assert entry is not None and len(entry.blocks) == nblocks
             assert hit["blocks"] == [daemon.store.block_path(k) for k in entry.blocks[:2]]
-    finally:
-        if wire is not None:
-            wire.close()
-        await daemon.stop()
-        cleanup(root)
 
 
 # --- settings: the constructors and the command line --------------------------------------------------------------
@@ -487,23 +475,17 @@ async def test_a_drain_waits_for_what_was_queued_before_it_not_for_what_comes_af
     """Found in review: the daemon's drain waited in slices of ``DRAIN_PROGRESS_S`` and took the queue anew in each,
     so under a steady stream of spills it never answered done (``spilld drain`` then exited 3)."""
     monkeypatch.setattr(server_module, "DRAIN_PROGRESS_S", 0.05)
-    root = new_root()
-    cfg = quiet_config(root)
-    daemon = InProcessDaemon(cfg)
-    await daemon.start()
-    real_put = daemon.store.put
+    async with in_process("drainer") as (daemon, drainer):
+        real_put = daemon.store.put
 
-    async def slow_put(*a: Any, **kw: Any) -> Any:  # each write takes a while: the queue is never empty
-        await asyncio.sleep(0.15)
-        return await real_put(*a, **kw)
+        async def slow_put(*a: Any, **kw: Any) -> Any:  # each write takes a while: the queue is never empty
+            await asyncio.sleep(0.15)
+            return await real_put(*a, **kw)
 
-    daemon.store.put = slow_put  # type: ignore[method-assign]
-    drainer = None
-    try:
-        drainer = await AsyncWire.open(cfg.socket, "drainer")
+        daemon.store.put = slow_put  # type: ignore[method-assign]
 
         async def one_spill(seed: int) -> None:  # a connection each: a wire answers one call at a time
-            w = await AsyncWire.open(cfg.socket, f"producer-{seed}")
+            w = await AsyncWire.open(daemon.cfg.socket, f"producer-{seed}")
             try:
                 r, err = await w.call("spill", {"header": kv_header(ROWS, seed=seed)})
                 assert err is None, err
@@ -532,11 +514,6 @@ async def test_a_drain_waits_for_what_was_queued_before_it_not_for_what_comes_af
         stop.set()
         await asyncio.gather(first, load)
         assert err is None and r["done"] is True and took < 3.0, (r, took)
-    finally:
-        if drainer is not None:
-            drainer.close()
-        await daemon.stop()
-        cleanup(root)
 
 
 @pytest.mark.asyncio
@@ -545,20 +522,9 @@ async def test_a_lookup_in_the_checkpoint_namespace_is_refused() -> None:
     raw client got generation checkpoints back as prefix hits (they are found by resume only)."""
     from spilld.entries import CHECKPOINT_NS_PREFIX
 
-    root = new_root()
-    cfg = quiet_config(root)
-    daemon = InProcessDaemon(cfg)
-    await daemon.start()
-    wire = None
-    try:
-        wire = await AsyncWire.open(cfg.socket, "ckpt")
+    async with in_process("ckpt") as (_, wire):
         params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens([1, 2, 3])}
         _, err = await wire.call("lookup", params | {"namespace": CHECKPOINT_NS_PREFIX + "gen-1"})
         assert err is not None and err["code"] == "bad_params", err
         _, err = await wire.call("lookup", params | {"namespace": "ok"})
         assert err is None
-    finally:
-        if wire is not None:
-            wire.close()
-        await daemon.stop()
-        cleanup(root)

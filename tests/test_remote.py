@@ -906,6 +906,18 @@ async def pushing(root: Any, url: str, **over: Any) -> tuple[Store, RemoteTier, 
     return store, tier, RemoteLink(tier, store)
 
 
+async def fills_fresh(root: Any, url: str, prompt: list[int]) -> bool:
+    """Whether a host with an empty disk in ``root`` fills ``prompt`` from the tier at ``url`` (its misses said)."""
+    fresh = Store(str(root), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(url)), fresh, push="none")
+    try:
+        ok = await link.fill(FILL_IDENT, "", prompt, fresh.provider_id)
+        assert ok, dict(link.fill_misses)
+        return ok
+    finally:
+        await link.close(1)
+
+
 async def pushed_store(root: Any, url: str, tokens: int) -> tuple[Store, RemoteTier, list[Any]]:
     """A store whose link pushed one entry of ``tokens`` tokens (blocks of 16), every push done."""
     caches = [fill(C.KVCache(), tokens, heads=2, dim=8, seed=s) for s in range(2)]
@@ -1501,13 +1513,7 @@ async def test_a_layouts_root_lost_from_the_tier_comes_back_with_the_next_push(
         second = [7000 + i for i in range(n)]
         await store.put(second, [fill(C.KVCache(), n, heads=2, dim=8, seed=9 + s) for s in range(2)], FILL_IDENT)
         assert await link.drain(10)
-        fresh = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
-        tier_b = await started(relaxed(server.url))
-        link_b = RemoteLink(tier_b, fresh, push="none")
-        try:
-            assert await link_b.fill(FILL_IDENT, "", [*second, 9], fresh.provider_id), dict(link_b.fill_misses)
-        finally:
-            await link_b.close(1)
+        assert await fills_fresh(tmp_path / "b", server.url, [*second, 9])
     finally:
         await link.close(1)
 
@@ -1558,18 +1564,10 @@ async def test_a_call_that_waited_for_a_connection_still_has_its_whole_bound(ser
 async def test_a_lookup_the_local_disk_serves_whole_never_waits_on_a_hung_tier() -> None:
     """Found in review: every lookup asked the shared tier for a fill, a full local hit included, and the fill read
     the layout's root before it looked at the local blocks: with Redis hung each such lookup waited out the bound."""
-    from spilld.daemon import Daemon as InProcessDaemon
-    from tests.daemons import cleanup, new_root, quiet_config
-    from tests.hostile_memory import AsyncWire
+    from tests.hostile_memory import in_process
 
-    root = new_root()
     with redis_server() as srv:
-        cfg = quiet_config(root, block_tokens=16, remote=srv.url, remote_push="none")
-        daemon = InProcessDaemon(cfg)
-        await daemon.start()
-        wire = None
-        try:
-            wire = await AsyncWire.open(cfg.socket, "local-hit")
+        async with in_process("local-hit", block_tokens=16, remote=srv.url, remote_push="none") as (_, wire):
             rows = 16 * 3 + 3
             tokens = [*await wire.store_kv(rows, seed=5), 7]
             params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens(tokens)}
@@ -1583,11 +1581,6 @@ async def test_a_lookup_the_local_disk_serves_whole_never_waits_on_a_hung_tier()
                     assert time.monotonic() - t0 < 0.2  # the tier's bound is 0.5 s
             finally:
                 srv.signal(signal.SIGCONT)
-        finally:
-            if wire is not None:
-                wire.close()
-            await daemon.stop()
-            cleanup(root)
 
 
 @pytest.mark.asyncio
@@ -1612,13 +1605,8 @@ async def test_a_blocks_reference_names_the_newest_manifest_pushed_that_names_it
             cc.update_and_fetch(*kv(n - 32, heads=2, dim=8, seed=50 + s))
         await store.put(c2, caches, FILL_IDENT)
         assert await link.drain(10)
-        fresh = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
-        link_b = RemoteLink(await started(relaxed(server.url)), fresh, push="none")
-        try:
-            prompt = [*c1[:32], *range(7000, 7040)]  # ends inside the shared prefix, then its own tokens
-            assert await link_b.fill(FILL_IDENT, "", prompt, fresh.provider_id), dict(link_b.fill_misses)
-        finally:
-            await link_b.close(1)
+        prompt = [*c1[:32], *range(7000, 7040)]  # ends inside the shared prefix, then its own tokens
+        assert await fills_fresh(tmp_path / "b", server.url, prompt)
     finally:
         await link.close(1)
 
@@ -1630,25 +1618,18 @@ async def test_a_lookup_that_fills_counts_once_for_the_write_gate(tmp_path: Any)
     after a single ask."""
     import mlx.core as mx
 
-    from spilld.daemon import Daemon as InProcessDaemon
-    from tests.daemons import cleanup, new_root, quiet_config
-    from tests.hostile_memory import AsyncWire, kv_header
+    from tests.hostile_memory import in_process, kv_header
 
     rows = 48  # three blocks of 16 on the shared tier
     tokens = [(7 + i) % 50_000 for i in range(rows + 16)]
-    root = new_root()
     with redis_server() as srv:
         store, _tier, link = await pushing(tmp_path / "a", srv.url)
         await store.put(
             tokens[:rows], [fill(C.KVCache(), rows, heads=2, dim=8, dtype=mx.float16)], spilld.Identity("hostile")
         )
         assert await link.drain(10)
-        cfg = quiet_config(root, block_tokens=16, remote=srv.url, remote_push="none", admit_after=2)
-        daemon = InProcessDaemon(cfg)
-        await daemon.start()
-        wire = None
-        try:
-            wire = await AsyncWire.open(cfg.socket, "gate")
+        gated = {"block_tokens": 16, "remote": srv.url, "remote_push": "none", "admit_after": 2}
+        async with in_process("gate", **gated) as (daemon, wire):
             params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens([*tokens, 1])}
             hit, err = await wire.call("lookup", params | {"codec_provider": "spilld/mlx-lm/1"})
             assert err is None and hit["hit"] and hit["matched"] == rows, (hit, err)  # filled from the tier
@@ -1662,9 +1643,4 @@ async def test_a_lookup_that_fills_counts_once_for_the_write_gate(tmp_path: Any)
                 )
             r, err = await wire.call("commit", {"spill": r["spill"]})
             assert r["outcome"] == "dropped" and daemon.store.counters.dropped_admit == 1, (r, err)  # asked once
-        finally:
-            if wire is not None:
-                wire.close()
-            await daemon.stop()
-            await link.close(1)
-            cleanup(root)
+        await link.close(1)

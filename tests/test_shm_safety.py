@@ -355,9 +355,7 @@ async def test_a_spill_aborted_while_its_segment_copies_run_keeps_its_room_until
     still filled the buffers they had been given: every spill admitted next could hold one more such buffer beyond
     the daemon's bound. The room now stays counted until the last copy ends."""
     from spilld import shm
-    from spilld.daemon import Daemon as InProcessDaemon
-    from tests.daemons import cleanup, new_root, quiet_config
-    from tests.hostile_memory import AsyncWire
+    from tests.hostile_memory import in_process
 
     started, go = threading.Event(), threading.Event()
 
@@ -367,32 +365,25 @@ async def test_a_spill_aborted_while_its_segment_copies_run_keeps_its_room_until
         into[:] = b"\0" * len(into)
 
     monkeypatch.setattr(shm, "read_segment", slow_read)
-    root = new_root()
-    cfg = quiet_config(root)
-    daemon = InProcessDaemon(cfg)
-    await daemon.start()
-    wire = None
-    try:
-        wire = await AsyncWire.open(cfg.socket, "abort-during-copy")
-        header, sizes = small_header()
-        r, err = await wire.call("spill", {"header": header, "droppable": False})
-        assert err is None, err
-        sid = r["spill"]
-        wire.send(
-            P.notification("put_shm", {"spill": sid, "index": 0, "offset": 0, "shm": seg_name(), "length": sizes[0]})
-        )
-        assert await asyncio.to_thread(started.wait, 10)
-        r, err = await wire.call("abort", {"spill": sid})
-        assert err is None and r["aborted"]
-        assert daemon.ingest.receiving > 0  # its copy still fills a buffer of its own
-        go.set()
-        deadline = asyncio.get_running_loop().time() + 10
-        while daemon.ingest.receiving and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
-        assert (daemon.ingest.receiving, daemon.ingest.reserved) == (0, 0)
-    finally:
-        go.set()
-        if wire is not None:
-            wire.close()
-        await daemon.stop()
-        cleanup(root)
+    async with in_process("abort-during-copy") as (daemon, wire):
+        try:
+            header, sizes = small_header()
+            r, err = await wire.call("spill", {"header": header, "droppable": False})
+            assert err is None, err
+            sid = r["spill"]
+            wire.send(
+                P.notification(
+                    "put_shm", {"spill": sid, "index": 0, "offset": 0, "shm": seg_name(), "length": sizes[0]}
+                )
+            )
+            assert await asyncio.to_thread(started.wait, 10)
+            r, err = await wire.call("abort", {"spill": sid})
+            assert err is None and r["aborted"]
+            assert daemon.ingest.receiving > 0  # its copy still fills a buffer of its own
+            go.set()
+            deadline = asyncio.get_running_loop().time() + 10
+            while daemon.ingest.receiving and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            assert (daemon.ingest.receiving, daemon.ingest.reserved) == (0, 0)
+        finally:
+            go.set()
