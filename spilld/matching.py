@@ -126,5 +126,11 @@ class Query:
                 found.untrimmable = True
                 continue
             best = found.best
-            if best is None or usable > best.matched or (usable == best.matched and e.last_used > best.entry.last_used):
+            # as many tokens: the one that restores more with them (its attachments: a draft model's KV), then the
+            # most recently used
+            if best is None or (usable, e.attachments, e.last_used) > (
+                best.matched,
+                best.entry.attachments,
+                best.entry.last_used,
+            ):
                 found.best = Hit(e, usable)

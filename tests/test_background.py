@@ -266,3 +266,22 @@ async def test_a_scrub_yields_to_a_busy_daemon_inside_a_file_and_paces_each_chun
     await scrub.scrub_pass()
     assert 0.2 in t.slept and busy["files"] == len(s.blocks)  # paused inside the first file, then went on
     assert t.now == pytest.approx(0.2 + scrub.stats.bytes / rate, rel=0.05)  # and kept its rate
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_lists_the_store_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: a pass listed every file of the store on the event loop (about 0.3 s at a million blocks)."""
+    import threading
+
+    s, _ = await three_conversations(tmp_path)
+    t = FakeTime()
+    scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
+    real, where = scrub.targets, []
+
+    def targets() -> Any:
+        where.append(threading.current_thread())
+        return real()
+
+    monkeypatch.setattr(scrub, "targets", targets)
+    await scrub.scrub_pass()
+    assert where and where[0] is not threading.current_thread() and scrub.stats.files == scrub.stats.planned_files

@@ -1263,7 +1263,8 @@ async def test_a_supersede_never_removes_what_the_new_entry_cannot_serve(tmp_pat
     ancestor = await s.put(base, kv_layers(40), IDENT, attachments=draft(40))
     await s.put([*base, 7, 8, 9], kv_layers(43), IDENT)  # longer, no attachments
     assert s.entry_at(ancestor.path) is not None  # kept, with its attachments
-    assert len(spilld.loader.read_header(ancestor.path).attachments) == 1
+    got = restored(s, IDENT, "", [*base, 1])  # and preferred, as many tokens matched: it restores more with them
+    assert got.tokens == base and got.attachments and got.attachments[0].schema == "draft-kv"
     s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=block_tokens)
     first = await s.put(base, kv_layers(40), IDENT)  # trimmable
     await s.put(base, kv_layers(40), IDENT, attachments=draft(40))  # the same tokens, not trimmable
