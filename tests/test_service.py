@@ -408,6 +408,11 @@ def test_socket_activation_with_a_real_inherited_fd(root: str) -> None:
         assert st["pid"] == proc.pid and st["socket"] == path
         assert not os.path.exists(os.path.join(root, "never.sock"))  # it never bound a socket of its own
         assert f"not --socket {os.path.join(root, 'never.sock')}" in log_of(root)  # and said so (found in review)
+        second = subprocess.run(
+            [sys.executable, "-m", "spilld", "--socket", path, "--dir", os.path.join(root, "other")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 5 and f"pid {proc.pid}" in second.stderr, second.stderr  # named (review)
         pings = recv_all(notify, lambda g: sum(m == "WATCHDOG=1" for m in g) >= 3, timeout=10)
         assert pings.count("WATCHDOG=1") >= 3
         proc.send_signal(signal.SIGTERM)

@@ -35,6 +35,19 @@ def is_served(path: str, timeout: float = 1.0) -> bool:
         probe.close()
 
 
+def _pid_of(path: str) -> str:
+    """' (pid N)' of the daemon answering on ``path``, asked in a hello (one a service manager started on a socket it
+    made holds no lock file to name it: found in review), or '' if it does not say."""
+    from ..control import Control
+
+    try:
+        with Control(path, "spilld (a second start)", timeout=1.0) as c:
+            pid = c.server.get("pid")
+    except Exception:  # anything but a daemon that answers: no pid to name
+        return ""
+    return f" (pid {pid})" if type(pid) is int else ""
+
+
 def socket_folder(path: str) -> list[str]:
     """Make ready the folder that will hold the socket; return the folders made (0700: only those).
 
@@ -107,7 +120,7 @@ def claim(path: str, lock: FileLock | None = None) -> None:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise errors.UnusableFolder(f"{path} exists and is not a socket: refusing to replace it")
         if is_served(path):
-            raise errors.AlreadyRunning(f"a daemon already listens on {path}")
+            raise errors.AlreadyRunning(f"a daemon already listens on {path}{_pid_of(path)}")
         os.unlink(path)  # nobody listens: a stale socket from a crash (ours to remove: we hold the lock)
 
 
