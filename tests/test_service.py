@@ -763,6 +763,7 @@ def test_a_refused_install_puts_the_files_back(
     err = capsys.readouterr().err
     assert not service.exists() and not sock.exists()  # a first install leaves nothing behind
     assert f"rolled back: removed {service}" in err and "Traceback" not in err
+    assert not (home / ".config").exists()  # nor the folders it made for its files (found in review)
     monkeypatch.setattr(install, "run_command", FakeRunner())
     assert cli.main(["service", "install", "--manager", "systemd", "--cap", "2GiB"]) == 0
     before = service.read_text()
@@ -775,7 +776,7 @@ def test_a_refused_install_puts_the_files_back(
     assert failing.calls[-1] == ["systemctl", "--user", "start", "spilld.socket", "spilld.service"]
     monkeypatch.setattr(install, "run_command", FakeRunner(codes={"bootstrap": [1]}))
     assert cli.main(["service", "install", "--manager", "launchd"]) == cli.EXIT_SERVICE
-    assert not install.plist_path(home).exists()
+    assert not install.plist_path(home).exists() and not (home / "Library").exists()  # its folders too
     monkeypatch.setattr(install, "run_command", FakeRunner())
     assert cli.main(["service", "install", "--manager", "launchd", "--cap", "2GiB"]) == 0
     failing = FakeRunner(codes={"bootstrap": [1]})

@@ -332,6 +332,7 @@ def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None
     if plan.refuse:
         return False
     saved = _saved_files(plan)  # before any command: a file that cannot be read stops nothing half done
+    made = _new_folders(plan)  # a rollback removes them too (found in review: they were left behind)
     for folder in plan.folders:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # one made meanwhile by someone else keeps its mode
     if not _run_steps(plan.before, plan, runner, err, sleep):
@@ -342,8 +343,21 @@ def apply(plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None
         path.unlink(missing_ok=True)
     if _run_steps(plan.after, plan, runner, err, sleep):
         return True
-    _roll_back(saved, plan, runner, err, sleep)
+    _roll_back(saved, plan, runner, err, sleep, made)
     return False
+
+
+def _new_folders(plan: Plan) -> list[Path]:
+    """The folders carrying out ``plan`` will make (each missing one up the chain of its folders and of its files'),
+    the deepest first."""
+    out: list[Path] = []
+    for start in [*plan.folders, *(p.parent for p in plan.write)]:
+        for d in [start, *start.parents]:
+            if d.exists():
+                break
+            if d not in out:
+                out.append(d)
+    return sorted(out, key=lambda d: len(d.parts), reverse=True)
 
 
 def _saved_files(plan: Plan) -> dict[Path, bytes | None]:
@@ -359,10 +373,15 @@ def _saved_files(plan: Plan) -> dict[Path, bytes | None]:
 
 
 def _roll_back(
-    saved: dict[Path, bytes | None], plan: Plan, runner: Runner, err: TextIO, sleep: Callable[[float], None]
+    saved: dict[Path, bytes | None],
+    plan: Plan,
+    runner: Runner,
+    err: TextIO,
+    sleep: Callable[[float], None],
+    made: Sequence[Path] = (),
 ) -> None:
-    """Put every file back as it was before the plan (the manager refused a command), and say so; a file that
-    cannot be put back is named with how to remove it."""
+    """Put every file back as it was before the plan (the manager refused a command), and remove the folders it
+    made (``made``, left empty), and say so; a file that cannot be put back is named with how to remove it."""
     removed, restored, left = [], [], []
     for path, data in saved.items():
         try:
@@ -375,6 +394,12 @@ def _roll_back(
                 restored.append(path)
         except OSError:
             left.append(path)
+    for folder in made:  # the deepest first; one that is not empty (someone put a file there meanwhile) stays
+        try:
+            folder.rmdir()
+            removed.append(folder)
+        except OSError:
+            pass
     _run_steps(plan.undo, plan, runner, err, sleep)
     if removed or restored:
         done = [*(f"removed {p}" for p in removed), *(f"restored {p}" for p in restored)]
