@@ -59,9 +59,11 @@ class Control:
         *,
         timeout: float | None = CONNECT_TIMEOUT_S,
         on_note: Callable[[P.Message], None] | None = None,
+        silence: float | None = None,
     ) -> Any:
         """Send one request and wait for its answer (``timeout`` None: as long as it takes); notifications that
-        arrive meanwhile go to ``on_note``."""
+        arrive meanwhile go to ``on_note``. ``silence``: the longest the daemon may say nothing (no answer, no
+        notification) before the call gives up (``Timeout``): a long request that reports progress."""
         self._ids += 1
         msgid = self._ids
         try:
@@ -70,7 +72,8 @@ class Control:
             raise P.ConnectionLost(f"the daemon went away: {exc.strerror or exc}") from None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            msg = self._next(deadline, method)
+            quiet = None if silence is None else time.monotonic() + silence
+            msg = self._next(quiet if deadline is None else deadline if quiet is None else min(deadline, quiet), method)
             if msg.kind == P.RESPONSE and msg.msgid == msgid:
                 P.raise_for(msg.error)
                 return msg.result

@@ -628,3 +628,23 @@ def test_spilld_drain_keeps_to_its_timeout_when_the_daemon_stops_answering() -> 
             os.kill(d.proc.pid, signal.SIGCONT)
         assert proc.returncode == 3 and "timeout" in out, out
         assert time.monotonic() - t0 < 2 + ANSWER_GRACE_S + 10
+
+
+def test_a_long_call_gives_up_when_the_daemon_says_nothing_for_its_silence_bound() -> None:
+    """Found in review: `spilld evict` through the daemon waited for its answer without a bound; it now gives up
+    when the daemon says nothing (no answer, no progress) for EVICT_SILENCE_S (here the same bound, 1 s)."""
+    from spilld import errors
+    from spilld.control import Control
+
+    with serving("--cap", "64MiB") as d:
+        assert d.proc is not None
+        c = Control(d.socket, "silence")
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(errors.Timeout):
+                c.call("status", {}, timeout=None, silence=1.0)
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+            c.close()

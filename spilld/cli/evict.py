@@ -13,6 +13,8 @@ from ..config import format_size
 from .common import EXIT_OK, Progress, UsageError, ask, control, folder_arg, plural, socket_path
 from .files import quarantine_files
 
+EVICT_SILENCE_S = 120.0  # an evict through the daemon gives up when it says nothing this long (it reports progress)
+
 
 def _remove_files(rows: list[dict[str, Any]], label: str, quiet: bool) -> tuple[int, int]:
     """Unlink each row's path, with progress: (files removed, their bytes)."""
@@ -104,7 +106,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
                     progress.show(int(note.params["pending_items"]), int(note.params["pending_bytes"]), force=True)
 
             try:
-                r = ask(args, "evict", params, timeout=None, on_note=show)
+                # as long as it takes, while the daemon reports progress (found in review: a hung one held it for ever)
+                r = ask(args, "evict", params, timeout=None, on_note=show, silence=EVICT_SILENCE_S)
             finally:
                 progress.done()
             out["evicted"], out["bytes"] = int(r["evicted"]), int(r["bytes"])
