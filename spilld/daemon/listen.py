@@ -10,6 +10,7 @@ import stat
 from typing import Any
 
 from .. import errors
+from .. import protocol as P
 from ..lockfile import SOCKET_LOCK_SUFFIX, FileLock
 from ..peer import peer_uid
 
@@ -35,17 +36,26 @@ def is_served(path: str, timeout: float = 1.0) -> bool:
         probe.close()
 
 
-def _pid_of(path: str) -> str:
+def _pid_of(path: str, timeout: float = 1.0) -> str:
     """' (pid N)' of the daemon answering on ``path``, asked in a hello (one a service manager started on a socket it
     made holds no lock file to name it: found in review), or '' if it does not say."""
-    from ..control import Control
-
-    try:
-        with Control(path, "spilld (a second start)", timeout=1.0) as c:
-            pid = c.server.get("pid")
-    except Exception:  # anything but a daemon that answers: no pid to name
-        return ""
-    return f" (pid {pid})" if type(pid) is int else ""
+    hello = {"version": P.PROTOCOL_VERSION, "client": "spilld (a second start)", "pid": os.getpid()}
+    decoder = P.FrameDecoder()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.settimeout(timeout)
+            s.connect(path)
+            s.sendall(b"".join(bytes(b) for b in P.request(1, "hello", hello)))
+            for _ in range(16):  # its answer is the first message, a few KiB at most
+                data = s.recv(1 << 16)
+                if not data:
+                    return ""
+                for m in decoder.feed(data):
+                    pid = m.result.get("pid") if m.kind == P.RESPONSE and isinstance(m.result, dict) else None
+                    return f" (pid {pid})" if type(pid) is int else ""
+        except (OSError, P.ProtocolError):  # anything but a daemon that answers: no pid to name
+            return ""
+    return ""
 
 
 def socket_folder(path: str) -> list[str]:
