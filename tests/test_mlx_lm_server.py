@@ -703,7 +703,8 @@ def test_entries_inserted_while_the_daemon_was_away_are_spilled_at_exit(tmp_path
         tier.close(30)
         assert "stored 1," in d.cli("status", "--socket", d.socket).stdout
     finally:
-        cleanup(d)
+        d.kill()
+        cleanup(d.root)
 
 
 def test_a_process_that_exits_after_its_tier_closed_from_a_callback_loses_no_spill(tmp_path: Any) -> None:
