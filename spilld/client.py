@@ -55,7 +55,6 @@ ANSWER_GRACE_S = 1.0  # a drain waits this long past its deadline for the daemon
 ABORT_SEND_S = 1.0  # a spill that failed while shipping tells the daemon to drop it, if that takes no longer
 CLOSE_FLUSH_S = 1.0  # a closing connection's unsent bytes get this long to leave, then the socket is dropped
 POOL_MADE_WAIT_S = 2.0  # how long close waits for a segment pool still being made, to close it (else it is kept)
-DRAIN_FOREVER_S = 3600.0  # the daemon's drain timeout when the caller gave none
 # An engine waits on these two (its first request, and each prompt's lookup), so a hung daemon must cost it
 # little: a healthy one answers both in milliseconds.
 CONNECT_TIMEOUT_S = 5.0  # connecting and the hello's answer
@@ -712,7 +711,7 @@ class AsyncClient:
         unanswered = await self._wait_commits(deadline.left())
         ours = self._not_stored - before  # ours the daemon answered as not stored meanwhile
         left = deadline.left()
-        params = {"timeout": DRAIN_FOREVER_S if left is None else min(left, MAX_DURATION_S)}  # (inf: the longest)
+        params = {"timeout": P.DRAIN_DEFAULT_S if left is None else min(left, MAX_DURATION_S)}  # (inf: the longest)
         wait = None if left is None else left + ANSWER_GRACE_S  # the daemon answers at its deadline
         try:
             r = await self.call("drain", params, timeout=wait, progress=lambda _: None)
@@ -730,7 +729,7 @@ class AsyncClient:
 def _refused() -> concurrent.futures.Future[Settled]:
     """What a closed ``Client`` answers a spill with, as the asynchronous client's closed queue says it."""
     done: concurrent.futures.Future[Settled] = concurrent.futures.Future()
-    done.set_result(Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
+    done.set_result(Settled.closed())
     return done
 
 

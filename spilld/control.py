@@ -71,9 +71,9 @@ class Control:
         except OSError as exc:
             raise P.ConnectionLost(f"the daemon went away: {exc.strerror or exc}") from None
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        while True:  # the nearer of the call's deadline and the end of the silence allowed from now
             quiet = None if silence is None else time.monotonic() + silence
-            msg = self._next(quiet if deadline is None else deadline if quiet is None else min(deadline, quiet), method)
+            msg = self._next(min((t for t in (deadline, quiet) if t is not None), default=None), method)
             if msg.kind == P.RESPONSE and msg.msgid == msgid:
                 P.raise_for(msg.error)
                 return msg.result

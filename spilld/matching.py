@@ -128,9 +128,6 @@ class Query:
             best = found.best
             # as many tokens: the one that restores more with them (its attachments: a draft model's KV), then the
             # most recently used
-            if best is None or (usable, e.attachments, e.last_used) > (
-                best.matched,
-                best.entry.attachments,
-                best.entry.last_used,
-            ):
+            rank = (usable, e.attachments, e.last_used)
+            if best is None or rank > (best.matched, best.entry.attachments, best.entry.last_used):
                 found.best = Hit(e, usable)

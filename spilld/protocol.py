@@ -36,6 +36,7 @@ MAX_NESTING = 32  # msgpack container depth
 MAX_METHOD_LEN = 64
 MAX_INFLIGHT_REQUESTS = 64  # requests of one connection being served at once
 MAX_ERROR_MESSAGE = 1024  # error text sent back (it may echo what a client sent)
+DRAIN_DEFAULT_S = 3600.0  # a drain's timeout when its request names none
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 

@@ -53,6 +53,11 @@ class Settled:
     def stored(self) -> bool:
         return self.outcome is Outcome.STORED
 
+    @classmethod
+    def closed(cls) -> Settled:
+        """What a closed queue (or a client closed, or closing) answers an item with."""
+        return cls(Outcome.CANCELLED, error=RuntimeError("queue is closed"))
+
 
 @dataclass(eq=False)
 class SpillItem:
@@ -216,7 +221,7 @@ class SpillQueue:
         fut: asyncio.Future[Settled] = loop.create_future()
         rec = _Rec(item, fut, loop.create_future())
         if self._closed:
-            self._finish(rec, Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
+            self._finish(rec, Settled.closed())
             return fut
         item.seq = next(self._seq)
         if item.is_barrier:

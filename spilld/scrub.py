@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from . import blocks, errors
+from . import errors
 from .config import DEFAULT_SCRUB_INTERVAL_S, DEFAULT_SCRUB_RATE
 from .lease import Pace, off_loop
 from .loader import verify_file, verify_steps
@@ -40,14 +39,6 @@ class ScrubStats:
     bad: int = 0  # files found bad and quarantined, all passes
     unreadable: int = 0  # files still stored that could not be read (EIO, a hung disk), all passes
     paused: bool = False  # waiting for the daemon to be idle
-
-
-def check_one(path: str, has_blocks: bool) -> None:
-    """Check one stored file whole; a manifest without its blocks (they are checked as files of their own)."""
-    if not has_blocks:
-        verify_file(path)  # a block, or an entry without blocks: streamed in chunks
-        return
-    check_manifest(path)
 
 
 def check_manifest(path: str) -> None:
@@ -109,7 +100,7 @@ class Scrub:
                 if await self.store.found_bad_async(path, exc):
                     st.bad += 1
             except (errors.SpillError, OSError) as exc:  # gone (evicted, superseded), or unreadable now
-                if not self._held(path):  # not the store's any more: listed, and nothing read
+                if not self.store.holds(path):  # not the store's any more: listed, and nothing read
                     st.files += 1
                     continue
                 st.unreadable += 1  # an unreadable sector is what a scrub is for: said (found in review: hidden)
@@ -130,13 +121,6 @@ class Scrub:
         finally:
             await off_loop(steps.close, background=True)  # its file closed on a worker: never on the loop
         await pace.took(max(0, nbytes - read))  # its header and padding, read too
-
-    def _held(self, path: str) -> bool:
-        """``path`` is still one of the store's files (an entry's, or the block its name says)."""
-        if self.store.entry_at(path) is not None:
-            return True
-        key = blocks.key_of_name(os.path.basename(path))
-        return key is not None and self.store.block_path(key) == path
 
     def _paused(self, paused: bool) -> None:
         self.stats.paused = paused

@@ -18,7 +18,7 @@ from typing import Any
 from . import format as fmt
 from .codecs import CodecProvider
 from .entries import check_namespace, checkpoint_namespace
-from .queue import Outcome, Settled, SpillItem, held_bytes
+from .queue import Settled, SpillItem, held_bytes
 from .saver import (
     AnySource,
     Attachment,
@@ -158,5 +158,5 @@ def threadsafe(
     try:
         loop.call_soon_threadsafe(run)
     except RuntimeError:  # the loop closed meanwhile (a close won the race): cancelled, as a closed queue says
-        out.set_result(Settled(Outcome.CANCELLED, error=RuntimeError("queue is closed")))
+        out.set_result(Settled.closed())
     return out

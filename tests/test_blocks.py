@@ -586,7 +586,7 @@ async def test_a_hostile_manifest_layout_is_refused_by_every_reader(
     bad = copy_to(pa, os.path.dirname(pa), entry_name())  # a second bad one, for the scrub and the restart's scan
     assert _refused(s, IDENT, [*a, 1], pa) == code
     with pytest.raises(errors.FileFormatError) as exc:
-        scrub.check_one(bad, True)
+        scrub.check_manifest(bad)
     assert exc.value.code == code
     assert [r["path"] for r in list_entries(str(tmp_path))] == [pb]
     again = rescanned(tmp_path)  # the scan goes on past it: the bad one quarantined, the good one served

@@ -219,8 +219,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         total = format_size(sum(r["bytes"] for r in qrows))
         print(f"{plural(len(qrows), 'quarantined file')}, {total} in {root}")
         return EXIT_OK
-    rows = list_entries(root) if os.path.isdir(root) else []  # the default made by no daemon yet: nothing stored
-    for folder in unlistable_folders(root) if rows or os.path.isdir(root) else []:  # left out: said, on stderr
+    rows = list_entries(root)  # none under a root no daemon has made yet (the default)
+    for folder in unlistable_folders(root) if os.path.isdir(root) else []:  # left out: said, on stderr
         print(f"spilld: {folder}: cannot be listed (permission denied); its entries are left out", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -10,9 +10,9 @@ from typing import Any
 
 from .. import errors
 from ..config import format_size
+from ..protocol import DRAIN_DEFAULT_S
 from .common import EXIT_BAD_FILE, EXIT_OK, EXIT_TIMEOUT, Progress, ask, plural, socket_path
 
-DRAIN_DEFAULT_S = 3600.0  # `spilld drain` without --timeout waits this long (the daemon's own default)
 ANSWER_GRACE_S = 5.0  # past the drain's timeout, how long the answer may take to come back
 
 

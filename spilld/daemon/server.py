@@ -439,7 +439,7 @@ class Daemon:
         return {"quarantined": True}
 
     async def _drain(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        deadline = time.monotonic() + p.get("timeout", 3600.0)
+        deadline = time.monotonic() + p.get("timeout", P.DRAIN_DEFAULT_S)
         # what was queued at the request, waited for in slices: never what comes after it (found in review: each
         # slice took the queue anew, so under steady load a drain never said done)
         before = self.queue.settling()

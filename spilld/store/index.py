@@ -53,8 +53,9 @@ class Index:
     def total_bytes(self) -> int:
         return self.entry_bytes + self.block_bytes
 
-    def add(self, path: str, header: fmt.Header, last_used: float) -> Entry:
-        """Index the file at ``path`` (its header read and checked); every block it names must be indexed."""
+    def add(self, path: str, header: fmt.Header, last_used: float, *, owned: bool = True) -> Entry:
+        """Index the file at ``path`` (its header read and checked); every block it names must be indexed.
+        ``owned``: see ``Entry.owned``."""
         b = header.blocks
         held = header.restorable_tokens
         e = Entry(
@@ -73,6 +74,7 @@ class Index:
             whole=blocks.whole(header),
             attachments=bool(header.attachments),
             restorable=held if held < len(header.tokens) else None,
+            owned=owned,
         )
         if b is not None:
             for k in b.keys:

@@ -248,9 +248,8 @@ class Store:
             self._drop_block(b)
         if reap:
             self.counters.blocks_reclaimed += len(found.orphans)
-        else:  # another spilld owns the folder: its files are not ours to remove
+        else:  # another spilld owns the folder: its blocks are not ours to remove
             self._doomed.forget_where(lambda p: p.endswith(BLOCK_EXT))
-            self.disown_files()
 
     def disown_files(self) -> None:
         """Every file indexed now is another writer's too (one may have scanned the folder alone): none is
@@ -406,6 +405,16 @@ class Store:
         self._take_out_block(rec)
         return rec.path
 
+    def holds(self, path: str) -> bool:
+        """``path`` is one of the store's files now: an entry's, or the block its name says."""
+        return path in self.index.by_path or self._block_at(path) is not None
+
+    def _block_at(self, path: str) -> Block | None:
+        """The block indexed under the key ``path``'s name says, if ``path`` is its file."""
+        key = blocks.key_of_name(os.path.basename(path))
+        rec = self.index.blocks.get(key) if key is not None else None
+        return rec if rec is not None and rec.path == path else None
+
     def _take_out_block(self, rec: Block) -> None:
         """A bad block out of the index, with every entry naming it (the file is the caller's to move aside)."""
         self.index.drop_block(rec)  # out first: it is moved aside, never unlinked with the manifests' own
@@ -414,9 +423,7 @@ class Store:
     async def found_bad_async(self, path: str, exc: errors.FileFormatError) -> bool:
         """A file found bad outside a read (the scrub): moved aside; a bad block takes every entry naming it out
         of the index. False if the store no longer holds that file (evicted meanwhile)."""
-        name = os.path.basename(path)
-        rec = self.index.blocks.get(key) if (key := blocks.key_of_name(name)) is not None else None
-        if rec is not None and rec.path == path:
+        if (rec := self._block_at(path)) is not None:
             self._take_out_block(rec)
         elif path not in self.index.by_path:
             return False
@@ -446,9 +453,7 @@ class Store:
             self.counters.hits += 1
             return outcome
         if isinstance(outcome, errors.FileFormatError):
-            if (
-                self.index.by_path.get(e.path) is not e
-            ):  # evicted (or found bad) while it was read: not its files' fault
+            if self.index.by_path.get(e.path) is not e:  # evicted (or found bad) while read: not its files' fault
                 return self._miss(MissReason.EVICTED)
             await self.bad_read_async(e, outcome)
             return self._miss(MissReason.CORRUPT)
