@@ -41,7 +41,7 @@ from .peer import refuse_foreign
 from .queue import DEFAULT_QUEUE_CAP, DrainReport, Outcome, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes, token_list
 from .shm import ShmPool
-from .snapshot import item_bytes, new_item, on_loop, planned, snapshot_of, threadsafe
+from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned, settle_closed, snapshot_of, threadsafe
 
 log = logging.getLogger("spilld.client")
 T = TypeVar("T")
@@ -729,7 +729,7 @@ class AsyncClient:
 def _refused() -> concurrent.futures.Future[Settled]:
     """What a closed ``Client`` answers a spill with, as the asynchronous client's closed queue says it."""
     done: concurrent.futures.Future[Settled] = concurrent.futures.Future()
-    done.set_result(Settled.closed())
+    settle_closed(done)
     return done
 
 
@@ -828,6 +828,8 @@ class Client:
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
         self._closed: DrainReport | None = None  # close's report, once it ran
+        self._handoffs = Handoffs()  # spills handed to the loop: settled as refused if it stops before them
+        self._lt.on_close(self._handoffs.abandon)
 
     def __enter__(self) -> Client:
         return self
@@ -863,14 +865,14 @@ class Client:
         """Clone now, on the calling (engine's) thread; a future of the daemon's outcome."""
         if self._closed is not None:
             return _refused()
-        return self._async.spill_threadsafe(
+        return self._handoffs.track(self._async.spill_threadsafe(
             tokens, caches, meta, namespace=namespace, key=key, droppable=droppable, attachments=attachments,
             checkpoint=checkpoint, live=live, pin=pin,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> concurrent.futures.Future[Settled]:
         """Queue on the client's loop (``enqueue`` runs there) from any thread: a future of the outcome."""
-        return _refused() if self._closed is not None else threadsafe(self._lt.loop, enqueue)
+        return _refused() if self._closed is not None else self._handoffs.track(threadsafe(self._lt.loop, enqueue))
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
         return self._run(self._async.lookup(tokens, namespace))

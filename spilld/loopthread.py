@@ -64,6 +64,7 @@ class LoopThread:
         self._stopping = False
         self._pending: set[concurrent.futures.Future[Any]] = set()  # calls waited on from other threads
         self._self_stopped = False  # stopped from its own thread: the thread closes the loop when it ends
+        self._on_close: list[Callable[[], None]] = []
         self._thread = mlxthreads.start_thread(self._serve, name, daemon=True)
         # A caller that exits without ``stop`` must not leave a thread that ran mlx work alive at interpreter
         # shutdown (mlx aborts the process: 'terminate called without an active exception').
@@ -98,6 +99,10 @@ class LoopThread:
         if self._self_stopped:  # nobody waits to close it: this thread does, last
             self._close()
             atexit.unregister(self.stop)
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once the loop is closed (on the thread that closes it): for what it will never run."""
+        self._on_close.append(hook)
 
     @property
     def on_own_thread(self) -> bool:
@@ -158,6 +163,8 @@ class LoopThread:
         for fut in left:
             fut.cancel()
         self.loop.close()
+        for hook in self._on_close:
+            hook()
 
     @classmethod
     def start_with(cls, name: str, setup: Callable[[LoopThread], T]) -> tuple[LoopThread, T]:

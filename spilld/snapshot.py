@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,5 +159,47 @@ def threadsafe(
     try:
         loop.call_soon_threadsafe(run)
     except RuntimeError:  # the loop closed meanwhile (a close won the race): cancelled, as a closed queue says
-        out.set_result(Settled.closed())
+        settle_closed(out)
     return out
+
+
+def settle_closed(fut: concurrent.futures.Future[Settled]) -> None:
+    """Settle ``fut`` as a closed queue's item, unless it is settled or its caller cancelled it."""
+    if not fut.done() and fut.set_running_or_notify_cancel():
+        fut.set_result(Settled.closed())
+
+
+class Handoffs:
+    """The futures of spills handed to a loop from other threads (``threadsafe``) and not settled yet.
+
+    A loop that stops before it runs a hand-off (a close racing the spill: it passed the closed check, then the
+    loop stopped) never settles it; once that loop is closed, ``abandon`` settles each as a closed queue's item,
+    and any tracked after, at once. Its caller is never left waiting.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[concurrent.futures.Future[Settled]] = set()
+        self._abandoned = False
+
+    def track(self, fut: concurrent.futures.Future[Settled]) -> concurrent.futures.Future[Settled]:
+        with self._lock:
+            tracked = not self._abandoned
+            if tracked:
+                self._open.add(fut)
+        if tracked:  # (outside the lock: a settled future runs the callback here, and it takes the lock)
+            fut.add_done_callback(self._forget)
+        else:
+            settle_closed(fut)
+        return fut
+
+    def _forget(self, fut: concurrent.futures.Future[Settled]) -> None:
+        with self._lock:
+            self._open.discard(fut)
+
+    def abandon(self) -> None:
+        """The loop is closed: settle what it never will (settled outside the lock: their callbacks take it)."""
+        with self._lock:
+            left, self._open, self._abandoned = list(self._open), set(), True
+        for fut in left:
+            settle_closed(fut)

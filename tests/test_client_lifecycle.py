@@ -6,10 +6,12 @@ asynchronous client connected again; a pool still being made at close stayed in 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from mlx_lm.models import cache as C
@@ -17,7 +19,7 @@ from mlx_lm.models import cache as C
 import spilld
 from spilld import errors
 from spilld.client import AsyncClient, Client
-from spilld.queue import Outcome
+from spilld.queue import Outcome, Settled
 from tests.caches import fill
 from tests.daemons import Daemon, serving
 
@@ -200,3 +202,74 @@ def test_a_spill_handed_to_a_loop_closed_meanwhile_is_cancelled_not_raised() -> 
     loop.close()
     settled = threadsafe(loop, lambda: pytest.fail("never run")).result(1)  # type: ignore[arg-type,return-value]
     assert settled.outcome is Outcome.CANCELLED
+
+
+def test_a_spill_that_reaches_the_loop_after_it_stopped_settles_as_refused(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a spill that passed the closed check while another thread closed the client reached the
+    loop after it had stopped: the loop never ran its hand-off, and the engine waiting on its future waited for
+    ever. Here the engine's clone is held until the loop has stopped (and not yet closed)."""
+    import spilld.client as client_module
+
+    c = Client(daemon.socket, identity=IDENT, timeout=5.0)
+    stopped, handed = threading.Event(), threading.Event()
+    real_item, real_close = client_module.new_item, c._lt._close
+
+    def slow_item(*a: Any, **kw: Any) -> Any:  # the clone, on the engine's thread, outlasts the close
+        assert stopped.wait(10)
+        return real_item(*a, **kw)
+
+    def close_loop() -> None:  # the loop thread has ended: the engine's spill is handed to the loop now
+        stopped.set()
+        assert handed.wait(10)
+        real_close()
+
+    monkeypatch.setattr(client_module, "new_item", slow_item)
+    monkeypatch.setattr(c._lt, "_close", close_loop)
+    futs: list[concurrent.futures.Future[Settled]] = []
+
+    def engine() -> None:
+        futs.append(c.spill(list(range(8)), [fill(C.KVCache(), 8)]))
+        handed.set()
+
+    t = threading.Thread(target=engine)
+    t.start()
+    time.sleep(0.1)  # the engine is past the closed check, in its clone
+    c.close(5)
+    t.join(10)
+    settled = futs[0].result(5)  # (it never settled)
+    assert settled.outcome is Outcome.CANCELLED and not settled.stored
+
+
+def test_handoffs_settle_what_the_closed_loop_never_will_and_leave_the_rest() -> None:
+    from spilld.snapshot import Handoffs
+
+    h = Handoffs()
+    done: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+    waiting: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+    given_up: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+    for f in (done, waiting, given_up):
+        h.track(f)
+    done.set_result(Settled(Outcome.STORED))
+    given_up.cancel()  # its caller's: left so
+    h.abandon()
+    late = h.track(concurrent.futures.Future())  # handed as the loop closed: settled at once
+    assert done.result().stored and given_up.cancelled()
+    assert waiting.result(0).outcome is Outcome.CANCELLED and late.result(0).outcome is Outcome.CANCELLED
+
+
+def test_a_spill_settled_before_it_is_tracked_is_let_go_at_once() -> None:
+    """Found by the exit test: a future settled before ``track`` ran its callback inside ``track``'s lock, which the
+    callback takes: the engine's thread deadlocked on its own spill."""
+    from spilld.snapshot import Handoffs
+
+    h = Handoffs()
+    ready: concurrent.futures.Future[Settled] = concurrent.futures.Future()
+    ready.set_result(Settled(Outcome.STORED))
+    t = threading.Thread(target=h.track, args=(ready,), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "track deadlocked"
+    h.abandon()
+    assert ready.result().stored  # left as it was
