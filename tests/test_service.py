@@ -636,6 +636,10 @@ def test_files_spilld_did_not_write_are_never_replaced_removed_or_stopped(
     assert runner.calls == [] and not (folder / "spilld.socket").exists()
     assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
     assert mine.exists() and runner.calls == []  # not stopped, not removed
+    capsys.readouterr()
+    cli.main(["service", "status", "--manager", "systemd"])  # found in review: listed as spilld's ("installed")
+    listed = capsys.readouterr().out
+    assert f"yours      {mine} (not written by spilld" in listed and f"missing    {folder / 'spilld.socket'}" in listed
     kept = home / "dotfiles" / "spilld.service"  # a link to a file spilld wrote, kept elsewhere: not spilld's either
     kept.parent.mkdir()
     kept.write_text(units.systemd_service(ServiceSpec()))
@@ -644,6 +648,9 @@ def test_files_spilld_did_not_write_are_never_replaced_removed_or_stopped(
     assert cli.main(["service", "install", "--manager", "systemd"]) == cli.EXIT_USAGE and mine.is_symlink()
     mine.unlink()
     assert cli.main(["service", "install", "--manager", "systemd"]) == 0  # ours now: with the marker
+    capsys.readouterr()
+    assert cli.main(["service", "status", "--manager", "systemd"]) == 0
+    assert f"installed  {mine}\n" in capsys.readouterr().out
     sock = folder / "spilld.socket"
     sock.write_text("[Socket]\nListenStream=/run/user/me/theirs.sock\n")  # replaced by the user by hand
     runner.calls.clear()

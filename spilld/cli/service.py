@@ -53,8 +53,9 @@ def _service_status(manager: Any, home: Path) -> int:
     from ..service import install as svc
 
     st = svc.status(manager, home, svc.run_command)
-    for path, present in st.files.items():
-        print(f"{'installed' if present else 'missing  '}  {path}")
+    for path, state in st.files.items():
+        mark = " (not written by spilld: install and uninstall leave it alone)" if state == "yours" else ""
+        print(f"{state:<9}  {path}{mark}")
     for line in st.detail:
         print(line)
     return EXIT_OK if st.installed and st.loaded else EXIT_NOT_INSTALLED

@@ -409,15 +409,25 @@ def _roll_back(
         print(f"spilld: left in place: {names} (remove with `rm {names}`, or `spilld service uninstall`)", file=err)
 
 
+FileState = Literal["installed", "yours", "missing"]  # written by spilld; a user's own of that name; absent
+
+
 @dataclass
 class Status:
-    files: dict[Path, bool]
+    files: dict[Path, FileState]
     loaded: bool
     detail: list[str]
 
     @property
     def installed(self) -> bool:
-        return any(self.files.values())
+        """A unit or plist of spilld's name is in place (ours, or one a user installed by hand)."""
+        return any(state != "missing" for state in self.files.values())
+
+
+def file_state(path: Path) -> FileState:
+    if not os.path.lexists(path):
+        return "missing"
+    return "installed" if written_by_spilld(path) else "yours"
 
 
 def _ask(runner: Runner, argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -430,7 +440,7 @@ def _ask(runner: Runner, argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 def status(manager: Manager, home: Path, runner: Runner) -> Status:
     """Which files are in place and whether the manager has the job loaded (asks, changes nothing)."""
-    files = {p: p.exists() for p in installed_files(manager, home)}
+    files = {p: file_state(p) for p in installed_files(manager, home)}
     if manager == "launchd":
         r = _ask(runner, ["launchctl", "print", f"{_domain()}/{units.LABEL}"])
         state = next((ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("state =")), "")
