@@ -828,7 +828,7 @@ class Client:
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
         self._closed: DrainReport | None = None  # close's report, once it ran
-        self._handoffs = Handoffs()  # spills handed to the loop: settled as refused if it stops before them
+        self._handoffs = Handoffs()  # spills handed to the loop: settled cancelled if it stops before them
         self._lt.on_close(self._handoffs.abandon)
 
     def __enter__(self) -> Client:
