@@ -92,8 +92,8 @@ class DirectWriter:
         self._check()
         if offset % BLOCK:
             raise ValueError("direct writes start at block-aligned offsets")
-        buf = POOL.take()
-        fill = 0
+        buf, fill = POOL.take(), 0
+        owned = True  # ``buf`` is this call's to give back; once queued, the writer thread gives it back
         try:
             for run in runs:
                 pos = 0
@@ -103,18 +103,19 @@ class DirectWriter:
                     fill += n
                     pos += n
                     if fill == CHUNK:
+                        owned = False
                         self._jobs.put((buf, CHUNK, offset))
                         offset += CHUNK
                         buf, fill = POOL.take(), 0
+                        owned = True
             if fill:
                 padded = -(-fill // BLOCK) * BLOCK  # zeros up to the block: alignment padding in the file
                 buf[fill:padded] = bytes(padded - fill)
+                owned = False
                 self._jobs.put((buf, padded, offset))
-                return
-        except BaseException:
-            POOL.give(buf)  # never lose a pooled buffer: the pool is process-wide and bounded
-            raise
-        POOL.give(buf)
+        finally:
+            if owned:  # never lose a pooled buffer (process-wide, bounded), nor give one back twice
+                POOL.give(buf)
 
     def flush(self) -> None:
         """Wait for every queued write; raise the first error of any of them."""

@@ -11,7 +11,7 @@ from mlx_lm.models import cache as C
 
 import spilld
 import spilld.saver
-from spilld import directio, errors
+from spilld import directio, errors, fileio
 from spilld import format as fmt
 from tests.caches import fill, live, same
 from tests.conftest import open_fds
@@ -103,3 +103,33 @@ def test_falls_back_to_buffered_where_o_direct_is_refused(tmp_path: Any) -> None
         for n in os.listdir(folder):
             os.unlink(os.path.join(folder, n))
         os.rmdir(folder)
+
+
+def test_a_buffer_queued_before_a_failed_take_goes_back_to_the_pool_once(tmp_path: Any, monkeypatch: Any) -> None:
+    """Found in review: a ``POOL.take`` that raised (mmap ENOMEM; Ctrl-C while the pool is exhausted) after a full
+    chunk was queued gave the queued buffer back, and the writer thread gave it back again: two saves could then
+    fill one buffer at once."""
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    writer = directio.DirectWriter(fd, path, fileio.DEFAULT_OPS)
+    real_take, takes = directio.POOL.take, [0]
+
+    def take() -> Any:
+        takes[0] += 1
+        if takes[0] == 2:  # the take after the first full chunk was queued
+            raise MemoryError("no memory for another buffer")
+        return real_take()
+
+    monkeypatch.setattr(directio.POOL, "take", take)
+    try:
+        with pytest.raises(MemoryError):
+            writer.write([memoryview(bytes(directio.CHUNK + 4096))], 0)
+    finally:
+        writer.close()
+        os.close(fd)
+    free = []
+    while not directio.POOL._free.empty():
+        free.append(directio.POOL._free.get_nowait())
+    for buf in dict.fromkeys(free):  # the pool as it was, each buffer once
+        directio.POOL._free.put(buf)
+    assert len(free) == len({id(b) for b in free}), "a buffer is in the pool twice"
