@@ -337,10 +337,12 @@ class AsyncClient:
             task.cancel()
         try:
             if writer is not None:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(CLOSE_FLUSH_S):
-                        await writer.wait_closed()
-                writer.transport.abort()  # what a daemon that stopped reading never took is dropped
+                try:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(CLOSE_FLUSH_S):
+                            await writer.wait_closed()
+                finally:  # cancelled too: what a daemon that stopped reading never took is dropped, with the socket
+                    writer.transport.abort()
         finally:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)

@@ -17,7 +17,7 @@ from mlx_lm.models import cache as C
 import spilld
 from spilld import errors
 from spilld import protocol as P
-from spilld.client import AsyncClient
+from spilld.client import CLOSE_FLUSH_S, AsyncClient
 from tests.caches import fill
 
 IDENT = spilld.Identity("cleanup")
@@ -88,3 +88,36 @@ async def test_a_cancelled_close_still_closes_the_socket_and_drops_the_pool(tmp_
         await asyncio.wait_for(ended[0].wait(), 5)
         assert client_tasks() == []
         assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+@pytest.mark.asyncio
+async def test_a_close_cancelled_while_unsent_bytes_wait_still_drops_the_socket(tmp_path: Path) -> None:
+    """Found in review: a close cancelled in its flush wait (a caller's own bound, shorter than ``CLOSE_FLUSH_S``)
+    skipped the transport's abort: against a daemon that stopped reading, the socket and its unsent bytes stayed
+    for as long as the daemon hung."""
+    path = str(tmp_path / "s.sock")
+    hung, done = asyncio.Event(), asyncio.Event()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:  # answers hello, then reads no more
+        dec = P.FrameDecoder()
+        while not hung.is_set() and (data := await r.read(1 << 16)):
+            for m in dec.feed(data):
+                if m.method == "hello":
+                    w.writelines(P.response(m.msgid, {"version": P.PROTOCOL_VERSION, "shm": False}))
+                    hung.set()
+        await done.wait()
+        w.close()
+
+    server = await asyncio.start_unix_server(serve, path)
+    try:
+        c = await AsyncClient.open(path, identity=IDENT)
+        assert c._writer is not None
+        sock = c._writer.get_extra_info("socket")
+        c._writer.write(bytes(64 << 20))  # a ship's frames the daemon never reads
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(c.close(timeout=0.1), CLOSE_FLUSH_S / 4)
+        await asyncio.sleep(0.1)
+        assert sock.fileno() == -1, "the socket is still open"
+    finally:
+        done.set()
+        server.close()
