@@ -642,3 +642,63 @@ async def test_a_hung_sweep_of_empty_folders_never_holds_the_loop_and_a_put_ther
     await sweep
     got = await put
     assert os.path.exists(got.path) and s.count == 1
+
+
+class HeldBlockRename(fileio.FileOps):
+    """The first block's rename (its publish) waits until ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.entered, self.go, self.first = threading.Event(), threading.Event(), True
+
+    def rename(self, src: str, dst: str) -> None:
+        if dst.endswith(BLOCK_EXT) and self.first:
+            self.first = False
+            self.entered.set()
+            assert self.go.wait(10)
+        super().rename(src, dst)
+
+
+async def cancelled_while_a_block_publishes(work: asyncio.Future[Any], ops: HeldBlockRename) -> None:
+    """Cancel ``work`` (a queue's close at its deadline, a link's close) while its first block's publish runs on a
+    thread; then let the publish end."""
+    while not ops.entered.is_set():
+        await asyncio.sleep(0.005)
+    work.cancel()
+    await asyncio.sleep(0.05)
+    ops.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await work
+
+
+def files_under(root: Path) -> list[str]:
+    return [n for _, _, names in os.walk(root) for n in names if not n.startswith(".")]
+
+
+@pytest.mark.asyncio
+async def test_a_put_cancelled_while_its_block_publishes_leaves_no_file_behind(tmp_path: Path) -> None:
+    """Found in review: the thread published the block and the put's cancel then skipped its record: a durable
+    block that nothing indexed, counted or removed until the next start's scan."""
+    ops = HeldBlockRename()
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, ops=ops)
+    put = asyncio.ensure_future(s.put(list(range(40)), caches(40), IDENT, run_step=spilld.NoLease()))
+    await cancelled_while_a_block_publishes(put, ops)
+    assert files_under(tmp_path) == [] and s.count == 0 and len(s.blocks) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_adopt_cancelled_while_its_blocks_publish_leaves_no_file_behind(tmp_path: Path) -> None:
+    """Found in review: a fill cancelled (its link closing) while a fetched batch was published left those blocks
+    on disk, never indexed: only a deadline passed doomed them, not a cancel."""
+    src = Store(tmp_path / "a", disk_cap=2**40, block_tokens=16)
+    stored = await src.put(list(range(40)), caches(40), IDENT)
+    manifest = Path(stored.path).read_bytes()
+    held = {rec.key: Path(rec.path).read_bytes() for rec in src.blocks}
+
+    async def fetched() -> AsyncIterator[dict[bytes, bytes]]:
+        yield held
+
+    ops = HeldBlockRename()
+    s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=16, ops=ops)
+    adopt = asyncio.ensure_future(s.adopt(IDENT, "", manifest, fetched()))
+    await cancelled_while_a_block_publishes(adopt, ops)
+    assert files_under(tmp_path / "b") == [] and s.count == 0 and len(s.blocks) == 0

@@ -623,7 +623,11 @@ class Store:
                 if rec is None or not rec.owned:
                     bpath = os.path.join(folder, blocks.block_name(key))
                     block = await ahead.take(i)  # and the next one's cut starts, to overlap this write
-                    result = await self._write(bpath, ident, block, room=room, sync_folder=False, **kw)
+                    try:
+                        result = await self._write(bpath, ident, block, room=room, sync_folder=False, **kw)
+                    except BaseException:  # cancelled after its thread published it: never indexed, so it goes
+                        self._doomed.add(bpath)  # (its name is this put's alone: a random suffix)
+                        raise
                     room -= each
                     rec = self._add_block(key, bpath, result.file_bytes)
                     written.append(rec)
@@ -1015,7 +1019,13 @@ class Store:
                 if path not in self.index.by_path:
                     self._doomed.add(path)
 
-        return await within(off_loop(fn, background=background), self.io_timeout, what, on_late=doom if late else None)
+        try:
+            return await within(
+                off_loop(fn, background=background), self.io_timeout, what, on_late=doom if late else None
+            )
+        except asyncio.CancelledError:  # raised once ``fn`` has ended (no cancel stops a thread): given up on too
+            doom()
+            raise
 
     def _set_pin(self, path: str, on: bool) -> bool:
         if path not in self.index.by_path:
