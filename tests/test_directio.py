@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -133,3 +135,69 @@ def test_a_buffer_queued_before_a_failed_take_goes_back_to_the_pool_once(tmp_pat
     for buf in dict.fromkeys(free):  # the pool as it was, each buffer once
         directio.POOL._free.put(buf)
     assert len(free) == len({id(b) for b in free}), "a buffer is in the pool twice"
+
+
+HANG_S = 1.5
+
+
+class HungDirectWrite(fileio.FileOps):
+    """The O_DIRECT writer thread's first write does not return for ``HANG_S`` (a disk that stopped answering)."""
+
+    def __init__(self) -> None:
+        self.hung = threading.Event()
+
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        if threading.current_thread().name == "spilld-direct-writer" and not self.hung.is_set():
+            self.hung.set()
+            time.sleep(HANG_S)
+        return super().pwritev(fd, bufs, offset)
+
+
+@pytest.mark.asyncio
+async def test_a_save_cancelled_while_its_writer_thread_hangs_never_stalls_the_loop(tmp_path: Any) -> None:
+    """Found in review: a save cancelled while it waited on the loop (for an engine's lock: a queue's close at its
+    deadline) closed its generator on the loop, and the O_DIRECT writer's close joined the thread the hung disk
+    held: the whole loop stood still until the disk answered."""
+    cache = fill(C.KVCache(), 4096, heads=8, dim=128)  # a full chunk a tensor: the first write hangs the writer
+    ops, engine_done = HungDirectWrite(), asyncio.Event()
+    gaps: list[float] = []
+    holds = 0
+
+    async def engine_lease(fn: Any) -> Any:  # the first hold is granted; then the engine keeps its lock
+        nonlocal holds
+        holds += 1
+        if holds > 1:
+            await engine_done.wait()
+        return fn()
+
+    async def heartbeat() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    beat = asyncio.ensure_future(heartbeat())
+    save = asyncio.ensure_future(
+        spilld.saver.save_async(
+            str(tmp_path / "x.spilld"), list(range(4096)), [cache], ops=ops, direct=True, run_step=engine_lease
+        )
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not (ops.hung.is_set() and holds > 1) and not save.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if not ops.hung.is_set():
+            pytest.skip("no O_DIRECT write on this file system")
+        gaps.clear()
+        save.cancel()  # it waits for the engine's lock; its writer thread waits for the disk
+        with pytest.raises(asyncio.CancelledError):
+            await save
+        await asyncio.sleep(0.05)  # the heartbeat's next beat records a stall that has just ended
+        assert max(gaps, default=0.0) < HANG_S / 3, f"the loop stood still for {max(gaps):.2f} s"
+        assert os.listdir(tmp_path) == []  # its temp file went once the disk answered
+    finally:
+        engine_done.set()
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)

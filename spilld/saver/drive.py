@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -13,7 +14,7 @@ from typing import Any, cast
 
 from .. import errors, mlxthreads
 from .. import format as fmt
-from ..lease import Begun, NoLease, RunStep, off_loop, within
+from ..lease import Begun, NoLease, RunStep, off_loop, outlast, within
 from .steps import PublishStep, SaveResult, SaveStep, TensorStep, save_steps
 from .tensorbytes import LIVE_CHUNK_BYTES, AnySource, BytesSource, byte_runs
 
@@ -215,5 +216,6 @@ async def save_async(
             pending = batch.next if batch is not None else None
             await asyncio.sleep(0)  # one step (or one batch) per loop turn
     finally:
-        if not late:
-            gen.close()
+        if not late and inspect.getgeneratorstate(gen) != inspect.GEN_CLOSED:
+            # its cleanup, off the loop: an O_DIRECT writer's close joins a thread that a hung disk may hold
+            await outlast(loop.run_in_executor(None, mlxthreads.releasing(gen.close)))
