@@ -360,6 +360,14 @@ class PeerRefused(SpillError, PermissionError):
     code = "peer_refused"
 
 
+class LeaseRefused(SpillError):
+    """A lease grantor answered the daemon's ``lease`` request with an error (its engine's lease failed). Its code
+    and message are only quoted: a client's word is never taken as the daemon's own error (a ``disk_full`` from a
+    client made the store evict everyone's entries)."""
+
+    code = "lease_refused"
+
+
 class ActivationError(SpillError):
     """A service manager handed us something that is not a listening Unix stream socket."""
 

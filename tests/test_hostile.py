@@ -202,6 +202,48 @@ def test_a_malformed_lease_answer_lets_its_step_run_unheld_at_once() -> None:
         other.close()
 
 
+def test_a_grantors_error_answer_is_quoted_never_taken_as_the_daemons_own_error() -> None:
+    """Found in review: a grantor's error answer was rebuilt as the error its code names: a ``disk_full`` made the
+    store evict other clients' entries to make room and retry (each hostile spill evicted one), and
+    ``not_admitted`` turned a failed non-droppable spill into a dropped one."""
+    from tests.hostile_memory import kv_header
+
+    with serving("--cap", "64MiB", "--block-tokens", "0") as d:
+
+        def spill(w: Wire, seed: int) -> int:
+            sid = w.call("spill", {"header": kv_header(16, seed=seed), "droppable": False}).result["spill"]
+            for i in range(2):
+                w.send(
+                    P.notification("put", {"spill": sid, "index": i, "offset": 0}, bytes([seed]) * (8 * 16 * 128 * 2))
+                )
+            w._ids += 1
+            w.send(P.request(w._ids, "commit", {"spill": sid}))
+            return w._ids
+
+        victim = Wire(d.socket, timeout=30)
+        victim.hello()
+        for seed in (1, 2, 3):
+            assert victim.response(spill(victim, seed)).result["outcome"] == "stored"
+        g = Wire(d.socket, timeout=30)
+        g.hello(lease_grantor=True)
+        for code in ("disk_full", "not_admitted"):
+            commit, refusals = spill(g, 9), 0
+            while (done := next((m for m in g.inbox if m.kind == P.RESPONSE and m.msgid == commit), None)) is None:
+                if (ask := next((m for m in g.inbox if m.kind == P.REQUEST and m.method == "lease"), None)) is None:
+                    assert g._read()
+                    continue
+                g.inbox.remove(ask)
+                g.send(P.frame([P.RESPONSE, ask.msgid, {"code": code, "message": "x" * 5000}, None]))
+                refusals += 1
+            assert done.result["outcome"] == "failed" and done.result["code"] == "lease_refused", done.result
+            assert code in done.result["message"] and len(done.result["message"]) <= P.MAX_ERROR_MESSAGE
+            assert refusals == 1  # no retry made room for it
+        st = victim.call("status", {}).result["store"]
+        assert st["entries"] == 3 and st["evicted"] == 0, st
+        victim.close()
+        g.close()
+
+
 def test_clients_connecting_in_a_loop_under_new_names_do_not_flood_the_log() -> None:
     """Found in review: each new client name was one line at info, unthrottled: a client connecting in a loop
     under new names (each process's default name is its pid) wrote a line a connection; and a newline in a name

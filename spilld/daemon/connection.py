@@ -429,7 +429,7 @@ class Connection(asyncio.BufferedProtocol):
         else:  # an answer to a request of ours (a lease grant)
             # parsed before its wait is taken: a malformed answer closes the connection, whose close then settles
             # that wait as a grantor gone (found in review: the writer waited out --request-timeout)
-            refused = None if msg.error is None else errors.error_from_code(msg.error["code"], msg.error["message"])
+            refused = None if msg.error is None else lease_refused(msg.error)
             fut = self.asked.pop(msg.msgid, None)
             if fut is not None and not fut.done():
                 fut.set_result(refused)
@@ -578,6 +578,14 @@ class Received:
         """Each tensor's received bytes as a source; positional ones start at ``held_rows``."""
         cut = blocks.after_held(self.header, self.held_rows)
         return [BytesSource(c, s.shape, start) for c, (s, start) in zip(self.chunks, cut, strict=True)]
+
+
+def lease_refused(error: dict[str, Any]) -> errors.LeaseRefused:
+    """A grantor's error answer, its code and message quoted (cut to ``P.MAX_ERROR_MESSAGE``), never rebuilt as
+    the error it names: a client's ``disk_full`` would make the store evict everyone's entries. A map without
+    them raises ``KeyError`` (a malformed answer: the connection closes)."""
+    code, message = error["code"], error["message"]
+    return errors.LeaseRefused(f"the engine's lease failed: {str(code)[:64]}: {message}"[: P.MAX_ERROR_MESSAGE])
 
 
 def received_bytes(item: SpillItem) -> int:
