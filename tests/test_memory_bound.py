@@ -316,3 +316,19 @@ def test_a_headers_free_text_counts_against_the_cap(small: Daemon) -> None:
             refused = error
             break
     assert refused is not None and refused["code"] == "busy" and i < 16, (i, refused)
+
+
+def test_a_headers_cache_entries_and_attachments_count_against_the_cap(small: Daemon) -> None:
+    """Found in review: entries and attachments without tensors (an empty cache has none) were counted as nothing:
+    50,000 empty entries in one open spill held 15.7 MiB counted as 0, for the idle timeout."""
+    from spilld.daemon.ingest import PARSED_BYTES_PER_ENTRY
+
+    w = Wire(small.socket)
+    w.hello()
+    empty = {"kind": "kv", "v": 1, "offset": 0, "min_reusable": 0, "trimmable": True, "fields": {}, "tensors": []}
+    header = kv_header(1, heads=1, dim=1, tokens=0)
+    header["caches"] = [dict(empty, children=[]) for _ in range(10_000)]
+    header["attachments"] = [{"schema": "s" * 32, "metadata": {}, "tensors": []} for _ in range(5_000)]
+    r = w.call("spill", {"header": header})
+    assert r.error is None, r.error
+    assert w.call("status", {}).result["ingest"]["receiving"] >= 15_000 * PARSED_BYTES_PER_ENTRY
