@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from . import format as fmt
 from .codecs.rules import Rows, rules_for
@@ -89,11 +90,12 @@ def root_key(identity: fmt.Identity, provider: str, size: int, layout: list[Any]
     return hashlib.sha256(blob).digest()
 
 
-def next_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.sha256(parent + fmt.encode_tokens(list(tokens))).digest()
+def next_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    ids = tokens.astype("<u4").tobytes() if isinstance(tokens, np.ndarray) else fmt.encode_tokens(list(tokens))
+    return hashlib.sha256(parent + ids).digest()
 
 
-def chain(root: bytes, tokens: Sequence[int], size: int, count: int) -> list[bytes]:
+def chain(root: bytes, tokens: Sequence[int] | np.ndarray, size: int, count: int) -> list[bytes]:
     """The keys of the first ``count`` full blocks of ``tokens``."""
     keys, key = [], root
     for i in range(count):

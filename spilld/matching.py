@@ -62,7 +62,7 @@ class Query:
             key, walked = root, list[Block]()
             while (len(walked) + 1) * size <= len(toks) - 1:  # one token must be left to compute
                 i = len(walked)
-                key = blocks.next_key(key, toks[i * size : (i + 1) * size].tolist())
+                key = blocks.next_key(key, toks[i * size : (i + 1) * size])
                 rec = self.blocks.get(key)
                 if rec is None:
                     break

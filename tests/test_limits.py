@@ -469,6 +469,50 @@ def test_a_lookups_tokens_are_held_as_4_bytes_each() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_lookup_waiting_on_the_shared_tier_holds_its_tokens_as_4_bytes_each() -> None:
+    """Found in review: with ``--remote`` the daemon handed a lookup's tokens to the fill as a list, held across
+    every wait on the shared tier (root, probe, manifest: each up to its timeout): 38 MiB a 4 MiB lookup, uncounted,
+    up to 64 in flight a connection. Here the shared tier's first answer is held back."""
+    import tracemalloc
+
+    lookups, release = 4, asyncio.Event()
+    async with in_process("filler", cap=4 * 2**30) as (daemon, _):  # room for 4 MiB messages (24 x each)
+        tier = RemoteTier(RemoteConfig("redis://127.0.0.1:1"), environ={})  # never started: nothing is reached
+        asked: list[int] = []
+
+        async def slow_fetch(*a: Any, **kw: Any) -> list[bytes | None]:
+            asked.append(1)
+            await release.wait()
+            return [None]
+
+        tier.fetch = slow_fetch  # type: ignore[method-assign]
+        daemon.remote = RemoteLink(tier, daemon.store)
+        raws = [fmt.encode_tokens([(7 * n + i) % 50_000 + 300 for i in range(1_000_000)]) for n in range(lookups)]
+        ident = {"model_id": "m", "config_fingerprint": "", "tokenizer_hash": ""}
+        wires = [await AsyncWire.open(daemon.cfg.socket, f"filler-{i}") for i in range(lookups)]  # one call each
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            calls = [
+                asyncio.ensure_future(w.call("lookup", {"identity": ident, "tokens": raw}))
+                for w, raw in zip(wires, raws, strict=True)
+            ]
+            for _ in range(200):
+                if len(asked) == lookups:
+                    break
+                await asyncio.sleep(0.05)
+            held = (tracemalloc.get_traced_memory()[0] - base) / lookups
+        finally:
+            tracemalloc.stop()
+            release.set()
+        got = [(await c)[0] for c in calls]
+        for w in wires:
+            w.close()
+        assert len(asked) == lookups and all(r["hit"] is False for r in got), got
+        assert held < 3 * len(raws[0]), f"{held / 2**20:.1f} MiB held a lookup of {len(raws[0]) / 2**20:.1f} MiB"
+
+
+@pytest.mark.asyncio
 async def test_a_drain_waits_for_what_was_queued_before_it_not_for_what_comes_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

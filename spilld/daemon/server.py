@@ -368,7 +368,7 @@ class Daemon:
         filled = (
             self.remote is not None
             and not self._served_here(hit, len(tokens))
-            and await self.remote.fill(ident, ns, tokens.tolist(), provider or self.store.provider_id)
+            and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id)
         )
         if filled:
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)  # held now
