@@ -572,3 +572,41 @@ async def test_a_lookup_in_the_checkpoint_namespace_is_refused() -> None:
         assert err is not None and err["code"] == "bad_params", err
         _, err = await wire.call("lookup", params | {"namespace": "ok"})
         assert err is None
+
+
+@pytest.mark.asyncio
+async def test_a_name_of_max_text_chars_is_taken_one_more_is_refused() -> None:
+    """Found in review: no name had a bound: with ``--remote`` each lookup's namespace (4 MiB each) was kept by the
+    shared tier's tag cache (1,024 of them) for the daemon's life. Lookups, identity fields and a spill's header."""
+    from spilld.daemon.params import MAX_TEXT_CHARS
+
+    async with in_process("names") as (_, wire):
+        lookup = {"identity": {"model_id": "m"}, "tokens": fmt.encode_tokens([1, 2, 3])}
+        for at, over in (
+            ({"namespace": "n" * MAX_TEXT_CHARS}, {"namespace": "n" * (MAX_TEXT_CHARS + 1)}),
+            ({"identity": {"model_id": "m" * MAX_TEXT_CHARS}}, {"identity": {"model_id": "m" * (MAX_TEXT_CHARS + 1)}}),
+        ):
+            _, err = await wire.call("lookup", lookup | at)
+            assert err is None, err
+            _, err = await wire.call("lookup", lookup | over)
+            assert err is not None and err["code"] == "bad_params" and str(MAX_TEXT_CHARS) in err["message"], err
+        _, err = await wire.call("cancel", {"key": "k" * (MAX_TEXT_CHARS + 1)})
+        assert err is not None and err["code"] == "bad_params", err
+        for chars, code in ((MAX_TEXT_CHARS, None), (MAX_TEXT_CHARS + 1, "bad_params")):
+            header = kv_header(16)
+            header["identity"]["namespace"] = "n" * chars
+            r, err = await wire.call("spill", {"header": header})
+            assert (err and err["code"]) == code, (chars, err)
+            if r is not None:
+                await wire.call("abort", {"spill": r["spill"]})
+
+
+@pytest.mark.asyncio
+async def test_a_spill_of_a_newer_format_is_version_mismatch_whatever_its_newer_fields() -> None:
+    """Found in review: a header of a format above this build's with a `blocks`, `block` or `align` of another shape
+    was `header_malformed` or `field_invalid`, though its format is checked first (docs/format.md, spill checks)."""
+    async with in_process("newer") as (_, wire):
+        for extra in ({"blocks": 5}, {"align": 7}, {"block": "x"}):
+            header = kv_header(16) | {"format": max(fmt.SUPPORTED_VERSIONS) + 1} | extra
+            _, err = await wire.call("spill", {"header": header})
+            assert err is not None and err["code"] == "version_mismatch", (extra, err)

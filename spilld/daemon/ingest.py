@@ -20,6 +20,7 @@ from ..queue import Outcome, SpillItem, SpillQueue
 from ..unpack import MAX_EXPANSION
 from ..validate import validate_header
 from .connection import Connection, Incoming, Received
+from .params import check_text
 
 MAX_OPEN_SPILLS = 16  # spills being received on one connection
 MAX_OPEN_TOKENS = 2 * 1024 * 1024  # tokens declared by the spills open on one connection, together
@@ -85,9 +86,17 @@ def with_ignored_fields(wire: Any) -> Any:
 def accept_header(wire: Any) -> fmt.Header:
     """A spill's header as the daemon will write it, or a typed error: parsed, hashes and layout the daemon's own,
     then the readers' checks (``validate_header``), so a spill a loader would refuse is never stored. Pure."""
+    version = wire.get("format") if isinstance(wire, dict) else None
+    if type(version) is int and version > max(fmt.SUPPORTED_VERSIONS):  # before the fields a newer format may change
+        raise errors.VersionMismatch(f"format {version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
     header = fmt.header_from_wire(with_ignored_fields(wire))
     if header.version not in fmt.SUPPORTED_VERSIONS:
         raise errors.VersionMismatch(f"format {header.version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
+    for name, value in vars(header.identity).items():  # names the store and the shared tier keep
+        check_text("spill", f"header.identity.{name}", value)
+    if header.checkpoint is not None:
+        check_text("spill", "header.checkpoint.key", header.checkpoint.key)
+        check_text("spill", "header.checkpoint.cache_ns", header.checkpoint.cache_ns)
     if header.blocks is not None or header.block is not None:
         raise errors.BlockInvalid("a spill sends every row: the daemon cuts it into blocks itself")
     header.version = fmt.FORMAT_VERSION  # a v1 client's spill is written as this build's format

@@ -15,6 +15,9 @@ from ..config import MAX_DURATION_S, check_duration
 # The largest number of seconds a client may ask a wait to last (a drain's timeout, an eviction's age): the bound
 # of every duration spilld takes (a century; the CLI's too), which keeps the deadline arithmetic finite.
 MAX_SECONDS = float(MAX_DURATION_S)
+# The longest str param (a namespace, a key, an identity field, a path): a name, never a payload. What a client
+# names is kept beyond its request (the shared tier keeps a tag per namespace); found in review: 4 MiB namespaces.
+MAX_TEXT_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,14 @@ class Param:
                 raise P.BadParams(f"{method}: bad params: {name} must be an int >= 0")
         elif type(value) is not self.kind:
             raise P.BadParams(f"{method}: bad params: {name} must be {_WIRE_NAMES[self.kind]}")
+        elif isinstance(value, str):
+            check_text(method, name, value)
+
+
+def check_text(method: str, name: str, value: str) -> None:
+    """``bad_params`` for a name longer than ``MAX_TEXT_CHARS``."""
+    if len(value) > MAX_TEXT_CHARS:
+        raise P.BadParams(f"{method}: bad params: {name} is longer than {MAX_TEXT_CHARS} characters")
 
 
 _WIRE_NAMES = {str: "a str", bool: "a bool", bytes: "bin", dict: "a map"}
