@@ -602,11 +602,15 @@ async def test_a_name_of_max_text_chars_is_taken_one_more_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_spill_of_a_newer_format_is_version_mismatch_whatever_its_newer_fields() -> None:
-    """Found in review: a header of a format above this build's with a `blocks`, `block` or `align` of another shape
-    was `header_malformed` or `field_invalid`, though its format is checked first (docs/format.md, spill checks)."""
+async def test_a_spill_of_a_newer_format_is_parsed_first_then_refused_before_its_blocks() -> None:
+    """The order docs/format.md ("Spill checks") gives, the file readers' too (tests/test_hostile_headers.py holds
+    every reader to the same code): a malformed field is a parse error whatever the format; a well-formed header of
+    a newer format is ``version_mismatch``, before its ``blocks`` are refused."""
     async with in_process("newer") as (_, wire):
-        for extra in ({"blocks": 5}, {"align": 7}, {"block": "x"}):
-            header = kv_header(16) | {"format": max(fmt.SUPPORTED_VERSIONS) + 1} | extra
-            _, err = await wire.call("spill", {"header": header})
-            assert err is not None and err["code"] == "version_mismatch", (extra, err)
+        newer = {"format": max(fmt.SUPPORTED_VERSIONS) + 1}
+        for extra, code in (
+            ({"blocks": 5}, "header_malformed"),
+            ({"blocks": {"size": 16, "keys": [bytes(32)]}}, "version_mismatch"),
+        ):
+            _, err = await wire.call("spill", {"header": kv_header(16) | newer | extra})
+            assert err is not None and err["code"] == code, (extra, err)

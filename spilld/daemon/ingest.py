@@ -86,9 +86,6 @@ def with_ignored_fields(wire: Any) -> Any:
 def accept_header(wire: Any) -> fmt.Header:
     """A spill's header as the daemon will write it, or a typed error: parsed, hashes and layout the daemon's own,
     then the readers' checks (``validate_header``), so a spill a loader would refuse is never stored. Pure."""
-    version = wire.get("format") if isinstance(wire, dict) else None
-    if type(version) is int and version > max(fmt.SUPPORTED_VERSIONS):  # before the fields a newer format may change
-        raise errors.VersionMismatch(f"format {version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
     header = fmt.header_from_wire(with_ignored_fields(wire))
     if header.version not in fmt.SUPPORTED_VERSIONS:
         raise errors.VersionMismatch(f"format {header.version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
