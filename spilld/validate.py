@@ -100,6 +100,10 @@ def _blocks(header: fmt.Header, table: Mapping[str, KindRule] | None) -> int:
     # the key's layout names each tensor's rows and last dimension: checked here, before the codec rules run
     if any(len(s.shape) < 2 for e, _ in leaves for s in e.tensors):
         raise errors.TensorRankMismatch("a positional tensor of a manifest has fewer than 2 dimensions (rows, width)")
+    # what its blocks hold is sized by its own tail's shapes (a tail of 0 rows names blocks of any width): bounded
+    # as a file's tensors are, before anything is planned or fetched from it (found in review: blocks of 64 GiB)
+    if (whole := blocks.cache_bytes(header)) > fmt.MAX_TOTAL_BYTES:
+        raise errors.TotalSizeTooLarge(f"a manifest's cache of {whole} bytes exceeds {fmt.MAX_TOTAL_BYTES}")
     # its keys are the chain of its own tokens: a manifest cannot name blocks of another prefix (SHA-256 a block)
     if blocks.chain(blocks.header_root(header, b.size), header.tokens, b.size, len(b.keys)) != b.keys:
         raise errors.BlockKeyMismatch("the manifest's block keys are not the chain of its tokens and layout")

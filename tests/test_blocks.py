@@ -10,6 +10,7 @@ random-weight models (tests/models.py), each comparison with a negative control 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -997,3 +998,23 @@ async def test_a_branch_inside_an_untrimmable_turn_is_served_by_the_turn_before_
     branch = [*second[:56], *toks(20, start=9000)]  # diverges inside the newer turn's 4th block
     hit = await s.lookup_async(IDENT, "", branch)
     assert isinstance(hit, Hit) and hit.entry.path == a.path and hit.matched == 40
+
+
+def test_a_manifest_whose_blocks_would_pass_max_total_bytes_is_refused() -> None:
+    """Found in review: a manifest's tail of 0 rows and huge widths passed every check and named blocks of 64 GiB
+    each (the remote tier's fill took that as its read bound). What a manifest's blocks hold is bounded as a file's
+    tensors are: at ``MAX_TOTAL_BYTES`` taken, one byte over ``total_size_too_large``."""
+    size = 16
+
+    def manifest(width: int) -> bytes:
+        slot = fmt.Slot(0, 0, (1, 1024, 0, width), "float16", fmt.xxh3(b""))  # no rows: its blocks' sized by it
+        entry = fmt.CacheEntry("kv", 1, size, 0, True, {}, [slot, dataclasses.replace(slot)])
+        h = fmt.Header(fmt.FORMAT_VERSION, 0, "spilld/mlx-lm/1", fmt.Identity("m"), list(range(size)), [entry])
+        h.blocks = fmt.BlockList(size, blocks.chain(blocks.header_root(h, size), h.tokens, size, 1))
+        fmt.plan_layout(h)
+        return fmt.encode_prefix(fmt.pack_header(h), align=h.align)[0]
+
+    at = fmt.MAX_TOTAL_BYTES // (2 * 1024 * size * 2)  # two tensors, `size` rows of f16 a head: MAX_TOTAL_BYTES
+    assert blocks.cache_bytes(header_from_bytes(manifest(at), len(manifest(at)))) == fmt.MAX_TOTAL_BYTES
+    with pytest.raises(errors.TotalSizeTooLarge):
+        header_from_bytes(data := manifest(at + 1), len(data))

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -1646,3 +1647,51 @@ async def test_a_lookup_that_fills_counts_once_for_the_write_gate(tmp_path: Any)
             r, err = await wire.call("commit", {"spill": r["spill"]})
             assert r["outcome"] == "dropped" and daemon.store.counters.dropped_admit == 1, (r, err)  # asked once
         await link.close(1)
+
+
+def block_reads(tier: RemoteTier) -> list[int]:
+    """How many keys each of ``tier``'s block fetches asks for, from now on."""
+    asked: list[int] = []
+    real = tier.fetch
+
+    async def counted(ns: str, ks: Any, kind: Any = Kind.BLOCK, *a: Any) -> Any:
+        if kind is Kind.BLOCK:
+            asked.append(len(ks))
+        return await real(ns, ks, kind, *a)
+
+    tier.fetch = counted  # type: ignore[method-assign]
+    return asked
+
+
+@pytest.mark.asyncio
+async def test_fill_limits_on_blocks_and_their_size_each_at_and_one_over(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MAX_FILL_BLOCKS`` and ``MAX_FILL_BLOCK_BYTES`` (found in review: the bound a fetched manifest set for its
+    blocks' reads was capped by nothing, 64 GiB a block from a hostile tail of no rows; and batches of large blocks
+    now hold about ``FILL_BATCH_BYTES``). Each at the limit fills; one over misses, counted by its reason."""
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)  # 3 blocks and a tail
+    (entry,) = store_a.entries
+    _, bound = link_module._named_blocks(Path(entry.path).read_bytes())
+    prompt = [*range(16 * 3 + 3), 999]
+    cases = [
+        ("MAX_FILL_BLOCKS", 2, "too_many_blocks"), ("MAX_FILL_BLOCKS", 3, None),
+        ("MAX_FILL_BLOCK_BYTES", bound - 1, "block_too_large"), ("MAX_FILL_BLOCK_BYTES", bound, None),
+    ]  # fmt: skip
+    monkeypatch.setattr(link_module, "FILL_BATCH_BYTES", bound)  # one block a batch
+    try:
+        for i, (name, value, missed) in enumerate(cases):
+            with monkeypatch.context() as m:
+                m.setattr(link_module, name, value)
+                store = Store(str(tmp_path / f"b{i}"), disk_cap=2**30, block_tokens=16)
+                tier = await started(relaxed(server.url))
+                link = RemoteLink(tier, store, push="none")
+                asked = block_reads(tier)
+                try:
+                    got = await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+                    assert got is (missed is None) and dict(link.fill_misses) == ({missed: 1} if missed else {})
+                    assert asked == ([] if missed else [1, 1, 1]), asked  # nothing read when missed
+                finally:
+                    await link.close(1)
+    finally:
+        await tier_a.close()

@@ -55,6 +55,10 @@ MAX_FILL_BLOCKS = 4096  # blocks one fill fetches at most (a manifest naming mor
 # Blocks a fill fetches per batch: the store checks and writes one batch while the next is fetched, so a fill holds
 # two batches in memory, not the whole prefix (8B-shaped blocks of 64 tokens are 8 MiB: 128 MiB)
 FILL_BATCH_KEYS = 8
+FILL_BATCH_BYTES = 64 * 1024**2  # ... and fewer when its blocks are larger: a batch holds about this many bytes
+# The largest block a fill fetches (a 70B-shaped block of 256 tokens is 80 MiB); the bound a manifest implies for
+# its blocks is its own shapes', which a hostile value sets (found in review: 64 GiB a block): larger is a miss
+MAX_FILL_BLOCK_BYTES = 256 * 1024**2
 # Fetches and adopts under way at once (each holds up to two batches and a manifest); a lookup that finds none free
 # is a miss ("busy"), never a wait. Lookups of one prompt at once share one fill, and fills that reach the same last
 # block share its fetch (found in review: N lookups of a new prompt fetched and adopted N copies)
@@ -64,7 +68,7 @@ NEWER_WRITER = (errors.UnsupportedVersion, errors.CodecVersionUnsupported, error
 ROOT_KEPT_S = 300.0  # a root fetched from the remote tier is used this long, then read again
 MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
 # A manifest's header (at most 64 MiB) and its tail (rows under one block, and any non-positional state): a value
-# larger than this is refused unread. A block's bound comes from its manifest (``_block_bound``).
+# larger than this is refused unread. A block's bound comes from its manifest (``_named_blocks``).
 MAX_MANIFEST_VALUE_BYTES = 256 * 1024 * 1024
 BLOCK_HEADER_SLACK = 4096  # a block's header beside block 0's as planned: its own key, time and hashes
 _SPACE_DOMAIN = "spilld-remote-roots/1"
@@ -412,6 +416,8 @@ class RemoteLink:
         want = list(dict.fromkeys(k for k in keys if not self.store.has_block(k)))
         if len(want) > MAX_FILL_BLOCKS:
             return self._missed("too_many_blocks")
+        if bound > MAX_FILL_BLOCK_BYTES:
+            return self._missed("block_too_large")
 
         def bad(key: bytes | None, exc: errors.FileFormatError) -> None:  # a fetched file, bad in itself
             remove = not isinstance(exc, NEWER_WRITER)
@@ -436,9 +442,11 @@ class RemoteLink:
         return True
 
     async def _fetched(self, namespace: str, want: list[bytes], bound: int) -> AsyncGenerator[dict[bytes, bytes], None]:
-        """``want``'s values in batches of ``FILL_BATCH_KEYS``, the next batch fetched while the store checks and
+        """``want``'s values in batches of ``FILL_BATCH_KEYS`` (fewer, of ``bound`` bytes each, past
+        ``FILL_BATCH_BYTES``), the next batch fetched while the store checks and
         writes this one (at most two batches in memory); ``_Absent`` once one is missing."""
-        parts = [want[lo : lo + FILL_BATCH_KEYS] for lo in range(0, len(want), FILL_BATCH_KEYS)]
+        per = max(1, min(FILL_BATCH_KEYS, FILL_BATCH_BYTES // max(bound, 1)))
+        parts = [want[lo : lo + per] for lo in range(0, len(want), per)]
         ahead: asyncio.Future[list[bytes | None]] | None = None
         try:
             for i, part in enumerate(parts):
