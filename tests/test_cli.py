@@ -153,6 +153,33 @@ def test_inspect_says_a_file_is_packed() -> None:
     assert "packed" not in spilld("inspect", str(DATA / "kv.spilld")).stdout  # v1: 16 KiB pages
 
 
+def test_inspect_shows_what_verify_passes_never_an_internal_error(tmp_path: Any) -> None:
+    """Found in review: files ``spilld verify`` passes made ``spilld inspect`` fail with "internal error" (exit 70):
+    a creation time past the calendar's range, and a msgpack extension in a field of a codec this build does not
+    know (with ``--json``)."""
+    import msgpack
+
+    from spilld import format as fmt
+
+    def write(name: str, h: fmt.Header) -> str:
+        fmt.plan_layout(h)
+        path = str(tmp_path / name)
+        Path(path).write_bytes(fmt.encode_prefix(fmt.pack_header(h), align=h.align)[0])
+        return path
+
+    future = write("future.spilld", fmt.Header(3, 2**63, "spilld/mlx-lm/1", fmt.Identity("m"), [], []))
+    entry = fmt.CacheEntry("custom", 1, None, 0, False, {"x": msgpack.ExtType(5, b"\x01")}, [])
+    ext = write("ext.spilld", fmt.Header(3, 0, "someone/else/1", fmt.Identity("m"), [], [entry]))
+    for path in (future, ext):
+        assert spilld("verify", path).returncode == 0
+        r = spilld("inspect", path)
+        assert r.returncode == 0 and "format       v3" in r.stdout, r.stderr
+        r = spilld("inspect", "--json", path)
+        assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stderr
+    assert str(2**63) in spilld("inspect", future).stdout
+    assert json.loads(spilld("inspect", "--json", ext).stdout)["header"]["caches"][0]["fields"] == {"x": [5, "01"]}
+
+
 def test_inspect_and_verify_refuse_a_corrupt_file(tmp_path: Any) -> None:
     bad = tmp_path / "bad.spilld"
     shutil.copy(DATA / "kv.spilld", bad)

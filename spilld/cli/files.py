@@ -44,24 +44,34 @@ def header_json(h: fmt.Header) -> dict[str, Any]:
 
 
 def _jsonable(o: Any) -> Any:
-    """``o`` with every bytes value as hex."""
+    """``o`` with every bytes value as hex, tuples as lists (a msgpack extension in a field of a codec this build
+    does not know: [type, data]), and anything else JSON has no type for as its ``repr``."""
     if isinstance(o, bytes):
         return o.hex()
     if isinstance(o, dict):
-        return {k: _jsonable(v) for k, v in o.items()}
-    if isinstance(o, list):
+        return {str(k) if not isinstance(k, str) else k: _jsonable(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
         return [_jsonable(v) for v in o]
-    return o
+    if o is None or isinstance(o, str | int | float | bool):
+        return o
+    return repr(o)
+
+
+def _created(ms: int) -> str:
+    """A header's creation time as UTC, or its raw number where no calendar reaches (a hostile file's)."""
+    try:
+        return f"{datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC):%Y-%m-%d %H:%M:%S} UTC"
+    except (ValueError, OverflowError, OSError):
+        return f"at {ms} ms since 1970 (out of the calendar's range)"
 
 
 def _print_header(h: fmt.Header, path: str) -> None:
-    when = datetime.datetime.fromtimestamp(h.created_at_ms / 1000, tz=datetime.UTC)
     ident = h.identity
     print(f"file         {path}")
     packed = ", packed (64-byte alignment)" if h.align == fmt.COMPACT_ALIGN else ""
     print(
         f"format       v{h.version}, {h.file_size} bytes, data at {h.data_start}{packed}, "
-        f"created {when:%Y-%m-%d %H:%M:%S} UTC"
+        f"created {_created(h.created_at_ms)}"
     )
     print(f"codecs       {h.codec_provider}")
     print(
