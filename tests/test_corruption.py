@@ -128,7 +128,8 @@ def test_absurd_lengths_are_refused_before_allocating(tmp_path: Any, sample: tup
     _, data = sample
     for field_off, value, err in [
         (12, 2**32 - 1, errors.HeaderTooLarge),
-        (12, fmt.MAX_HEADER_BYTES, errors.TruncatedFile),
+        (12, fmt.MAX_HEADER_BYTES + 1, errors.HeaderTooLarge),  # one over the limit
+        (12, fmt.MAX_HEADER_BYTES, errors.TruncatedFile),  # at it: taken, then found longer than the file
         (16, 2**63, errors.LayoutError),
     ]:
         b = bytearray(data)

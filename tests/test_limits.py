@@ -614,3 +614,82 @@ async def test_a_spill_of_a_newer_format_is_parsed_first_then_refused_before_its
         ):
             _, err = await wire.call("spill", {"header": kv_header(16) | newer | extra})
             assert err is not None and err["code"] == code, (extra, err)
+
+
+# --- each limit at its value and one over (found in review: several were tested only far past the limit) ----------
+
+
+def slots_of(*shapes: tuple[int, ...], dtype: str = "uint8") -> list[fmt.Slot]:
+    return [fmt.Slot(0, 0, shape, dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize(
+    ("at", "over", "error"),
+    [
+        (slots_of(*[(1,)] * fmt.MAX_TENSORS), slots_of(*[(1,)] * (fmt.MAX_TENSORS + 1)), errors.TooManyTensors),
+        (slots_of((1,) * fmt.MAX_RANK), slots_of((1,) * (fmt.MAX_RANK + 1)), errors.RankTooLarge),
+        (slots_of((fmt.MAX_DIM,)), slots_of((fmt.MAX_DIM + 1,)), errors.DimensionTooLarge),
+        (slots_of((2**20, 2**20)), slots_of((2**20, 2**20), (1,)), errors.TotalSizeTooLarge),  # 2**40 bytes, + 1
+    ],
+    ids=["MAX_TENSORS", "MAX_RANK", "MAX_DIM", "MAX_TOTAL_BYTES"],
+)
+def test_a_files_tensor_limits_at_and_one_over(at: list[fmt.Slot], over: list[fmt.Slot], error: type) -> None:
+    fmt.check_limits(at)
+    with pytest.raises(error):
+        fmt.check_limits(over)
+
+
+def test_max_tokens_at_and_one_over() -> None:
+    wire = kv_header(1)
+    for n, refused in ((fmt.MAX_TOKENS, False), (fmt.MAX_TOKENS + 1, True)):
+        try:
+            fmt.header_from_wire(wire | {"tokens": bytes(4 * n)})
+            said = None
+        except errors.SpillError as exc:
+            said = exc
+        assert isinstance(said, errors.TooManyTokens) is refused, said
+
+
+def test_message_limits_at_and_one_over() -> None:
+    """``MAX_NESTING`` (a value inside that many containers, the message's own array and params map included),
+    ``MAX_METHOD_LEN`` and ``MAX_PENDING_FRAMES``."""
+
+    def nested(containers: int) -> Any:
+        value: Any = 1
+        for _ in range(containers - 2):  # the message array and its params map are two
+            value = [value]
+        return P.request(1, "m", {"a": value})
+
+    def fed(*parts: list[bytes | memoryview]) -> int:
+        return len(P.FrameDecoder().feed(b"".join(bytes(b) for p in parts for b in p)))
+
+    assert fed(nested(P.MAX_NESTING)) == 1
+    with pytest.raises(P.ProtocolError, match="nested"):
+        fed(nested(P.MAX_NESTING + 1))
+    assert fed(P.request(1, "m" * P.MAX_METHOD_LEN, {})) == 1
+    with pytest.raises(P.ProtocolError):
+        fed(P.request(1, "m" * (P.MAX_METHOD_LEN + 1), {}))
+    one = P.notification("put", {})
+    assert fed(*[one] * P.MAX_PENDING_FRAMES) == P.MAX_PENDING_FRAMES
+    with pytest.raises(P.ProtocolError, match="unread"):
+        fed(*[one] * (P.MAX_PENDING_FRAMES + 1))
+
+
+@pytest.mark.asyncio
+async def test_max_expired_kept_at_and_one_over() -> None:
+    """The commit of one of the last ``MAX_EXPIRED_KEPT`` spills the daemon aborted says why (``timeout``); of one
+    before them, that there is no such spill (``bad_params``): what a connection keeps of them is bounded."""
+    from spilld.daemon.connection import MAX_EXPIRED_KEPT
+
+    async with in_process("expired") as (daemon, wire):
+        (conn,) = daemon.connections
+        sids = []
+        for seed in range(MAX_EXPIRED_KEPT + 1):
+            r, err = await wire.call("spill", {"header": kv_header(4, seed=seed)})
+            assert err is None, err
+            conn.expire(r["spill"], P.Timeout("aborted by the test"))
+            sids.append(r["spill"])
+        _, err = await wire.call("commit", {"spill": sids[1]})  # the oldest of the last MAX_EXPIRED_KEPT
+        assert err is not None and err["code"] == "timeout", err
+        _, err = await wire.call("commit", {"spill": sids[0]})  # one over: forgotten
+        assert err is not None and err["code"] == "bad_params", err
