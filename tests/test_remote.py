@@ -1167,6 +1167,40 @@ async def test_an_evicted_entrys_files_go_as_its_push_reads_them(server: RedisSe
         await link.close(1)
 
 
+@pytest.mark.asyncio
+async def test_an_evicted_push_cancelled_before_its_first_step_lets_its_files_go(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: an evicted entry's push task cancelled before it ran (the link closing in that turn) never
+    ran its ``finally``: the files it kept from their unlink stayed kept, on disk for good."""
+    n = 16 * 3 + 3
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store, push="evicted")
+    real = link.evicted
+
+    def evicted_then_cancelled(entry: Any, named: Any) -> None:
+        before = set(link._evicting)
+        real(entry, named)
+        for task in link._evicting - before:
+            task.cancel()  # before its first step
+
+    link.evicted = evicted_then_cancelled  # type: ignore[method-assign]
+    try:
+        await store.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        (entry,) = store.entries
+        files = [entry.path, *(str(store.block_path(k)) for k in entry.blocks)]
+        store.disk_cap = store.total_bytes + 1024  # the next entry evicts this one
+        other = [fill(C.KVCache(), n, heads=2, dim=8, seed=7 + s) for s in range(2)]
+        await store.put([5000 + t for t in range(n)], other, FILL_IDENT)
+        await asyncio.gather(*link._evicting, return_exceptions=True)  # its cancel lands
+        assert store.count == 1 and not link._evicting
+        await store.delete_doomed_async()
+        assert [p for p in files if os.path.exists(p)] == []
+    finally:
+        await link.close(1)
+
+
 def test_the_push_queue_knows_what_it_has_not_finished() -> None:
     """A push queued, or taken and not yet done, is not asked of the tier again (found in review: the next entry
     found the blocks of the one before still queued, read them from disk again and queued them twice)."""

@@ -166,15 +166,23 @@ class RemoteLink:
         if len(self._evicting) >= EVICTED_IN_FLIGHT or not self.tier.taking_pushes:
             self.evicted_skipped += 1
             return
-        paths = [entry.path, *(rec.path for rec in named)]
-        for p in paths:
+        kept = {entry.path, *(rec.path for rec in named)}
+        for p in kept:
             self.store.keep_file(p)
-        self._spawn(self._push_evicted(entry, named, paths), self._evicting)
+        task = self._spawn(self._push_evicted(entry, named, kept), self._evicting)
+        # a task cancelled before its first step (the link closing) never runs its ``finally``: what it kept goes
+        task.add_done_callback(lambda _: self._let_go_all(kept))
 
-    def _spawn(self, work: Any, into: set[asyncio.Task[Any]]) -> None:
+    def _let_go_all(self, kept: set[str]) -> None:
+        for p in list(kept):
+            kept.discard(p)
+            self.store.release_file(p)
+
+    def _spawn(self, work: Any, into: set[asyncio.Task[Any]]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work)
         into.add(task)
         task.add_done_callback(into.discard)
+        return task
 
     async def _stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
         if written:  # what this host holds now, whatever becomes of the push (and before a later eviction's event)
@@ -182,9 +190,7 @@ class RemoteLink:
         if self.push == "all":
             await self._push(entry, self.store.named_blocks(entry), root)
 
-    async def _push_evicted(self, entry: Entry, named: list[Block], paths: list[str]) -> None:
-        kept = set(paths)
-
+    async def _push_evicted(self, entry: Entry, named: list[Block], kept: set[str]) -> None:
         def let_go(path: str) -> bool:  # read, or not needed: its unlink need not wait for the rest of the push
             if path not in kept:
                 return False
@@ -201,8 +207,7 @@ class RemoteLink:
         except (OSError, errors.SpillError) as exc:  # not readable: nothing of it is pushed
             log.debug("evicted entry %s not pushed: %s", entry.path, exc)
         finally:
-            for p in list(kept):
-                let_go(p)
+            self._let_go_all(kept)
             await self.store.delete_doomed_async()
 
     async def _let_go_now(self, let_go: Callable[[str], bool], path: str) -> None:
