@@ -165,29 +165,28 @@ def test_a_silent_client_that_never_reads_its_answers_is_let_go_at_its_idle_time
         stuck.close()
 
 
+def sent_spill(w: Wire, seed: int) -> int:
+    """A non-droppable spill of 16 rows sent whole, then its commit; the commit's msgid (its answer not read)."""
+    from tests.hostile_memory import kv_header
+
+    sid = w.call("spill", {"header": kv_header(16, seed=seed), "droppable": False}).result["spill"]
+    for i in range(2):
+        w.send(P.notification("put", {"spill": sid, "index": i, "offset": 0}, bytes([seed]) * (8 * 16 * 128 * 2)))
+    w._ids += 1
+    w.send(P.request(w._ids, "commit", {"spill": sid}))
+    return w._ids
+
+
 def test_a_malformed_lease_answer_lets_its_step_run_unheld_at_once() -> None:
     """Found in review: a grantor's answer to a lease request whose error map had no code closed its connection,
     but the wait for that grant had been taken out first: the daemon's one writer waited out --request-timeout,
     then failed the item, and every other client's commit waited behind it. A grantor gone runs its steps free."""
     import msgpack
 
-    from tests.hostile_memory import kv_header
-
     with serving("--cap", "64MiB", "--request-timeout", "20", "--block-tokens", "0") as d:
-
-        def spill(w: Wire, seed: int) -> int:
-            sid = w.call("spill", {"header": kv_header(16, seed=seed), "droppable": False}).result["spill"]
-            for i in range(2):
-                w.send(
-                    P.notification("put", {"spill": sid, "index": i, "offset": 0}, bytes([seed]) * (8 * 16 * 128 * 2))
-                )
-            w._ids += 1
-            w.send(P.request(w._ids, "commit", {"spill": sid}))
-            return w._ids
-
         g = Wire(d.socket, timeout=30)
         g.hello(lease_grantor=True)
-        spill(g, 1)
+        sent_spill(g, 1)
         while (ask := next((m for m in g.inbox if m.kind == P.REQUEST and m.method == "lease"), None)) is None:
             assert g._read()
         t0 = time.monotonic()
@@ -195,7 +194,7 @@ def test_a_malformed_lease_answer_lets_its_step_run_unheld_at_once() -> None:
         g.sock.sendall(len(body).to_bytes(4, "little") + (0).to_bytes(4, "little") + body)
         other = Wire(d.socket, timeout=30)
         other.hello()
-        assert other.response(spill(other, 2)).result["outcome"] == "stored"
+        assert other.response(sent_spill(other, 2)).result["outcome"] == "stored"
         assert time.monotonic() - t0 < 10  # not the 20 s request timeout
         st = other.call("status", {}).result
         assert st["queue"]["stored"] == 2 and st["queue"]["failed"] == 0, st["queue"]
@@ -206,28 +205,16 @@ def test_a_grantors_error_answer_is_quoted_never_taken_as_the_daemons_own_error(
     """Found in review: a grantor's error answer was rebuilt as the error its code names: a ``disk_full`` made the
     store evict other clients' entries to make room and retry (each hostile spill evicted one), and
     ``not_admitted`` turned a failed non-droppable spill into a dropped one."""
-    from tests.hostile_memory import kv_header
 
     with serving("--cap", "64MiB", "--block-tokens", "0") as d:
-
-        def spill(w: Wire, seed: int) -> int:
-            sid = w.call("spill", {"header": kv_header(16, seed=seed), "droppable": False}).result["spill"]
-            for i in range(2):
-                w.send(
-                    P.notification("put", {"spill": sid, "index": i, "offset": 0}, bytes([seed]) * (8 * 16 * 128 * 2))
-                )
-            w._ids += 1
-            w.send(P.request(w._ids, "commit", {"spill": sid}))
-            return w._ids
-
         victim = Wire(d.socket, timeout=30)
         victim.hello()
         for seed in (1, 2, 3):
-            assert victim.response(spill(victim, seed)).result["outcome"] == "stored"
+            assert victim.response(sent_spill(victim, seed)).result["outcome"] == "stored"
         g = Wire(d.socket, timeout=30)
         g.hello(lease_grantor=True)
         for code in ("disk_full", "not_admitted"):
-            commit, refusals = spill(g, 9), 0
+            commit, refusals = sent_spill(g, 9), 0
             while (done := next((m for m in g.inbox if m.kind == P.RESPONSE and m.msgid == commit), None)) is None:
                 if (ask := next((m for m in g.inbox if m.kind == P.REQUEST and m.method == "lease"), None)) is None:
                     assert g._read()

@@ -580,18 +580,24 @@ class SlowManifestRename(fileio.FileOps):
         super().rename(src, dst)
 
 
-@pytest.mark.asyncio
-async def test_a_fills_manifest_published_after_its_deadline_is_removed(tmp_path: Path) -> None:
-    """Found in review: a fill (``Store.adopt``) whose manifest write passed the I/O deadline failed and let its
-    blocks go, then the late rename published a manifest that no index knew, naming blocks that were gone."""
-    src = Store(tmp_path / "a", disk_cap=2**40, block_tokens=16)
-    put = await src.put(list(range(40)), caches(40), IDENT)
-    manifest = Path(put.path).read_bytes()
+async def fetched_from_a_put(root: Path) -> tuple[bytes, Callable[[], AsyncIterator[dict[bytes, bytes]]]]:
+    """What a fill of another store's entry (40 tokens, blocks of 16) hands ``Store.adopt``: its manifest, and
+    the generator of its blocks."""
+    src = Store(root, disk_cap=2**40, block_tokens=16)
+    stored = await src.put(list(range(40)), caches(40), IDENT)
     held = {rec.key: Path(rec.path).read_bytes() for rec in src.blocks}
 
     async def fetched() -> AsyncIterator[dict[bytes, bytes]]:
         yield held
 
+    return Path(stored.path).read_bytes(), fetched
+
+
+@pytest.mark.asyncio
+async def test_a_fills_manifest_published_after_its_deadline_is_removed(tmp_path: Path) -> None:
+    """Found in review: a fill (``Store.adopt``) whose manifest write passed the I/O deadline failed and let its
+    blocks go, then the late rename published a manifest that no index knew, naming blocks that were gone."""
+    manifest, fetched = await fetched_from_a_put(tmp_path / "a")
     s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=16, io_timeout=0.3, ops=SlowManifestRename())
     with pytest.raises(errors.StorageTimeout):
         await s.adopt(IDENT, "", manifest, fetched())
@@ -689,14 +695,7 @@ async def test_a_put_cancelled_while_its_block_publishes_leaves_no_file_behind(t
 async def test_an_adopt_cancelled_while_its_blocks_publish_leaves_no_file_behind(tmp_path: Path) -> None:
     """Found in review: a fill cancelled (its link closing) while a fetched batch was published left those blocks
     on disk, never indexed: only a deadline passed doomed them, not a cancel."""
-    src = Store(tmp_path / "a", disk_cap=2**40, block_tokens=16)
-    stored = await src.put(list(range(40)), caches(40), IDENT)
-    manifest = Path(stored.path).read_bytes()
-    held = {rec.key: Path(rec.path).read_bytes() for rec in src.blocks}
-
-    async def fetched() -> AsyncIterator[dict[bytes, bytes]]:
-        yield held
-
+    manifest, fetched = await fetched_from_a_put(tmp_path / "a")
     ops = HeldBlockRename()
     s = Store(tmp_path / "b", disk_cap=2**40, block_tokens=16, ops=ops)
     adopt = asyncio.ensure_future(s.adopt(IDENT, "", manifest, fetched()))
