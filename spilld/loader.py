@@ -16,7 +16,7 @@ import xxhash
 from . import assemble, buffers, errors, fileio, mlxthreads
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
-from .codecs.rules import CAPACITY_STEP
+from .codecs.rules import CAPACITY_STEP, cut_floor
 from .fileio import DEFAULT_OPS, FileOps
 from .lru import LRU
 from .saver import Attachment, evaluated
@@ -505,10 +505,8 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str, prov: Code
         return
     if not header.trimmable:
         raise errors.NotReusable("entry is not trimmable (rotated ring, recurrent state or attachments)", path=path)
-    if upto < header.min_reusable_offset:
-        raise errors.NotReusable(
-            f"cannot cut below the minimum reusable offset {header.min_reusable_offset}", path=path
-        )
+    if upto < (floor := cut_floor(header)):
+        raise errors.NotReusable(f"cannot cut below the minimum reusable offset {floor}", path=path)
     for c, e in zip(caches, header.caches, strict=True):
         _cut_to(prov, c, e, upto, path)
 

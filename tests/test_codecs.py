@@ -220,15 +220,20 @@ def test_trimmability_from_header_alone(tmp_path: Any, name: str, trimmable: boo
     assert spilld.loader.read_header(tmp_path / "f").trimmable is trimmable
 
 
-def test_chunked_min_reusable_is_start_position(tmp_path: Any) -> None:
+def test_chunked_min_reusable_is_start_position_and_a_cut_ends_past_a_chunk_boundary(tmp_path: Any) -> None:
+    """The stored ``min_reusable`` is ``start_position``; a cut may end no earlier than the chunk boundary at or
+    after it (tests/test_models.py checks the logits of every cut of a real model's chunked cache)."""
     cache = chunked(14)
-    assert cache.start_position > 0
+    start, size = cache.start_position, cache.chunk_size
+    assert start % size
     h = spilld.save(tmp_path / "f", list(range(14)), [cache]).header
-    assert h.min_reusable_offset == cache.start_position
-    with pytest.raises(errors.NotReusable):
-        spilld.load(tmp_path / "f", upto=cache.start_position - 1)
-    got = spilld.load(tmp_path / "f", upto=cache.start_position + 1)
-    assert got.caches[0].offset == cache.start_position + 1
+    assert h.min_reusable_offset == start
+    boundary = -(-start // size) * size
+    for upto in range(start - 1, boundary):
+        with pytest.raises(errors.NotReusable):
+            spilld.load(tmp_path / "f", upto=upto)
+    got = spilld.load(tmp_path / "f", upto=boundary)
+    assert got.caches[0].offset == boundary and got.caches[0].start_position == start
 
 
 def test_unknown_class_is_refused(tmp_path: Any) -> None:

@@ -104,6 +104,52 @@ def test_rotated_ring_cannot_be_cut(tmp_path: Any) -> None:
     assert mx.array_equal(next_logits(model, got.caches, 9), next_logits(model, cache, 9)).item()
 
 
+def test_a_chunked_cache_is_cut_only_at_or_past_the_chunk_boundary_after_its_start(tmp_path: Any) -> None:
+    """Found in review: a Llama 4 chunked cache whose front was trimmed (``start_position`` > 0) could be cut to any
+    length from ``start_position`` on, but a token attends from the start of its chunk: a cut short of the next
+    chunk boundary lacked rows, and was served with wrong logits. Every cut allowed now answers as a fresh
+    prefill does; the ones short of the boundary are refused."""
+    model = MODELS["llama4"]()  # chunks of 16
+    tokens = random_tokens(41, seed=3)
+    cache, _ = prefill(model, tokens[:4])
+    for t in tokens[4:40]:
+        next_logits(model, cache, t)  # decoding trims the chunked layers' front
+    start, chunk = cache[0].start_position, cache[0].chunk_size
+    assert start % chunk, "the test needs a start inside a chunk"
+    spilld.save(tmp_path / "f", tokens[:40], cache)
+    boundary = -(-start // chunk) * chunk
+    for upto in range(start, 40):
+        if upto < boundary:
+            with pytest.raises(errors.NotReusable):
+                spilld.load(tmp_path / "f", upto=upto)
+            continue
+        got = spilld.load(tmp_path / "f", upto=upto)
+        fresh, _ = prefill(model, tokens[:upto])
+        diff = mx.abs(next_logits(model, got.caches, tokens[upto]) - next_logits(model, fresh, tokens[upto]))
+        assert float(diff.max()) < 1e-4, upto
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_never_prefers_a_chunked_entry_it_cannot_cut_to(tmp_path: Any) -> None:
+    """Found in review: a later turn's chunked entry, usable for as many tokens as the turn before it by
+    ``min_reusable`` alone, was chosen over that correct entry (newer), and served wrong logits."""
+    model = MODELS["llama4"]()
+    tokens = random_tokens(30, seed=1)
+    turn1, _ = prefill(model, tokens[:15])
+    turn2, _ = prefill(model, tokens[:10])
+    for t in tokens[10:]:
+        next_logits(model, turn2, t)  # on to 30: its front trimmed past 15's chunk start
+    assert 0 < turn2[0].start_position < 16
+    prompt = [*tokens[:15], 7, 8, 9]
+    async with spilld.Spiller(str(tmp_path), identity=spilld.Identity("llama4")) as sp:
+        assert (await sp.spill(tokens[:15], turn1, droppable=False)).stored
+        assert (await sp.spill(tokens, turn2, droppable=False)).stored
+        got = await sp.load(prompt)
+    assert got is not None and len(got.tokens) == 15
+    fresh, _ = prefill(model, prompt[:15])
+    assert mx.array_equal(next_logits(model, got.caches, prompt[15]), next_logits(model, fresh, prompt[15])).item()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_cache_from_a_real_model(tmp_path: Any, bits: int) -> None:
     model = tiny_llama(hidden=128)  # head_dim 32: the smallest quantization group

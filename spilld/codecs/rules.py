@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .. import format as fmt
+
 MLX_LM_PROVIDER_ID = "spilld/mlx-lm/1"
 
 # mlx-lm's KVCache.step (and that of every cache class that grows): the rows a
@@ -92,6 +94,9 @@ class KindRule:
     children: bool = False
     batch: bool = False  # every tensor's axis 0 is the batch size
     step: int | None = None  # capacity step on load (None: loaded at its stored size)
+    # a field whose multiples a cut may end on at or above ``min_reusable`` (chunked attention: a token attends from
+    # the start of its chunk, so a cut below the chunk boundary past ``start_position`` lacks rows it needs)
+    cut_step: str | None = None
 
 
 def _kv(role: str, flag: str | None = None) -> Tensor:
@@ -128,6 +133,7 @@ MLX_LM_RULES: Mapping[str, KindRule] = {
             Trim.ALWAYS,
             MinReusable.START,
             step=CAPACITY_STEP,
+            cut_step="chunk_size",
         ),
         KindRule(
             "rotating",
@@ -220,6 +226,23 @@ PROVIDER_RULES: dict[str, Mapping[str, KindRule]] = {MLX_LM_PROVIDER_ID: MLX_LM_
 # kinds a provider registered without a rule (an engine's own cache classes): its codec checks them itself
 _UNRULED: dict[str, frozenset[str]] = {}
 _REGISTERING = threading.Lock()
+
+
+def cut_floor(header: fmt.Header) -> int:
+    """The fewest tokens ``header``'s caches may be cut back to: the largest ``min_reusable``, each rounded up to its
+    kind's ``cut_step`` (found in review: a Llama 4 chunked cache cut between its ``start_position`` and the next
+    chunk boundary was served, and its next logits were wrong). A provider unknown here: ``min_reusable`` alone."""
+    table = rules_for(header.codec_provider)
+    return max((_floor(e, table) for e in header.caches), default=0)
+
+
+def _floor(e: fmt.CacheEntry, table: Mapping[str, KindRule] | None) -> int:
+    rule = table.get(e.kind) if table is not None else None
+    floor = max([e.min_reusable, *(_floor(c, table) for c in e.children)])
+    step = e.fields.get(rule.cut_step) if rule is not None and rule.cut_step is not None else None
+    if type(step) is int and step > 0 and floor % step:
+        floor = min(-(-floor // step) * step, e.offset if e.offset is not None else floor)
+    return floor
 
 
 def rules_for(provider_id: str) -> Mapping[str, KindRule] | None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import blocks
 from .. import format as fmt
+from ..codecs.rules import cut_floor
 from ..entries import Block, Entry, identity_fingerprint
 from ..matching import start_key
 
@@ -65,7 +66,7 @@ class Index:
             tokens=np.asarray(header.tokens, dtype=np.uint32),
             nbytes=header.file_size,
             trimmable=header.trimmable,
-            min_reusable=header.min_reusable_offset,
+            min_reusable=cut_floor(header),
             last_used=last_used,
             checkpoint=header.checkpoint,
             codec_provider=header.codec_provider,
