@@ -648,3 +648,45 @@ def test_a_long_call_gives_up_when_the_daemon_says_nothing_for_its_silence_bound
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
             c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_whose_entry_went_while_the_shared_tier_was_asked_looks_again() -> None:
+    """Found in review: the entry a lookup found was answered after the fill from the shared tier failed, though a
+    put had superseded (and unlinked) it meanwhile: the client read a file that was gone, and prefilled everything."""
+    from mlx_lm.models import cache as C
+
+    from spilld import format as fmt
+    from tests.caches import fill
+    from tests.hostile_memory import in_process
+
+    ident = spilld.Identity("stale", "cfg", "tok", "")
+    tokens = list(range(1000, 1100))
+
+    class HeldFill:  # the shared tier, slow to answer, then nothing
+        def __init__(self) -> None:
+            self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+        async def fill(self, *a: Any) -> bool:
+            self.entered.set()
+            await self.go.wait()
+            return False
+
+        def counters(self) -> dict[str, Any]:
+            return {}
+
+        async def close(self, timeout_s: float) -> None:
+            pass
+
+    async with in_process("stale", block_tokens=16) as (daemon, wire):
+        store = daemon.store
+        await store.put(tokens[:40], [fill(C.KVCache(), 40, seed=s) for s in range(2)], ident)
+        daemon.remote = remote = HeldFill()
+        params = {"identity": ident.to_wire(), "tokens": fmt.encode_tokens(tokens)}
+        asked = asyncio.ensure_future(wire.call("lookup", params))
+        await asyncio.wait_for(remote.entered.wait(), 10)
+        await store.put(tokens[:60], [fill(C.KVCache(), 60, seed=s) for s in range(2)], ident)  # the next turn
+        remote.go.set()
+        answer, err = await asyncio.wait_for(asked, 10)
+        daemon.remote = None
+    assert err is None and answer["hit"] and answer["matched"] == 60, answer

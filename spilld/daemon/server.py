@@ -370,8 +370,9 @@ class Daemon:
             and not self._served_here(hit, len(tokens))
             and await self.remote.fill(ident, ns, tokens, provider or self.store.provider_id)
         )
-        if filled:
-            hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)  # held now
+        stale = isinstance(hit, Hit) and self.store.entry_at(hit.entry.path) is not hit.entry
+        if filled or stale:  # held now; or the entry found went while the fill ran (superseded, evicted: review)
+            hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)
         return self._answer_lookup(conn, hit, len(tokens))
 
     def _served_here(self, hit: Hit | Miss, ntokens: int) -> bool:
