@@ -81,7 +81,8 @@ class Query:
             found.asked = prefix_digests(scope, self.want, size, len(self.want) // size)
         limit = len(self.want) - 1
         chains = self.chains()
-        candidates = {e.path: e for e in self.by_start.values()}
+        # the loop's own dict, read on a worker: taken whole in one call (a put changing it mid-loop raised here)
+        candidates = {e.path: e for e in list(self.by_start.values())}
         for _, walked, _ in chains:
             candidates |= self._along(walked)
         self._compare(found, list(candidates.values()), limit)

@@ -1271,3 +1271,81 @@ async def test_a_supersede_never_removes_what_the_new_entry_cannot_serve(tmp_pat
     assert s.entry_at(first.path) is not None
     hit = s.lookup(IDENT, "", [*base[:20], 1])
     assert isinstance(hit, Hit) and hit.matched == 20
+
+
+def two_kv(n: int, seed: int = 0) -> list[Any]:
+    return [fill(C.KVCache(), n, seed=seed + i) for i in range(2)]
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_on_a_worker_survives_a_put_to_the_group_it_reads(tmp_path: Path) -> None:
+    """Found in review: the match ran on a worker over the loop's own dict of entries sharing a first token; a put
+    to that group while the worker walked it raised "dictionary changed size during iteration" into the engine.
+    The worker is held inside its walk (at an entry's path) while the put lands."""
+    from spilld.entries import Entry
+
+    at_path, go = threading.Event(), threading.Event()
+
+    class HeldEntry(Entry):
+        def __getattribute__(self, name: str) -> Any:
+            if name == "path" and threading.current_thread() is not threading.main_thread() and not go.is_set():
+                at_path.set()
+                go.wait(10)
+            return object.__getattribute__(self, name)
+
+    s = Store(tmp_path, block_tokens=0, disk_cap=1 << 40)
+    await s.put([7, *range(100, 130)], two_kv(31), IDENT)
+    await s.put([7, *range(200, 230)], two_kv(31), IDENT)
+    s.entries[0].__class__ = HeldEntry
+
+    async def put_meanwhile() -> None:
+        await asyncio.to_thread(at_path.wait, 10)
+        await s.put([7, *range(300, 330)], two_kv(31, 5), IDENT)  # the same namespace and first token
+        go.set()
+
+    meanwhile = asyncio.ensure_future(put_meanwhile())
+    try:
+        got = await s.lookup_async(IDENT, "", [7, *range(100, 140)])
+    finally:
+        go.set()
+        await meanwhile
+    assert isinstance(got, Hit) and got.matched == 31 and at_path.is_set()
+
+
+@pytest.mark.asyncio
+async def test_a_block_record_replaced_while_a_restore_reads_is_never_missing(tmp_path: Path) -> None:
+    """Found in review: taking another writer's block record out and putting ours in left a moment without the key;
+    a restore resolving block paths on a worker then read it as a lost block and quarantined a good manifest. The
+    loop is held right after the old record's bytes are counted out, while the worker asks for the path."""
+    worker_in, gap, read_done = threading.Event(), threading.Event(), threading.Event()
+    s = Store(tmp_path, block_tokens=16, disk_cap=1 << 40)
+    tokens = list(range(500, 540))
+    await s.put(tokens, two_kv(40), IDENT)
+    (entry,) = s.entries
+    first = entry.blocks[0]
+    s.disown_files()  # a Spiller that could not hold the folder alone: the files are shared
+    real_path, real_count = s.block_path, s.index._count
+
+    def block_path(key: bytes) -> Any:
+        if key == first and not read_done.is_set():
+            worker_in.set()
+            gap.wait(10)
+            try:
+                return real_path(key)
+            finally:
+                read_done.set()
+        return real_path(key)
+
+    def count(path: str, nbytes: int, *, block: bool) -> None:
+        real_count(path, nbytes, block=block)
+        if block and nbytes < 0 and threading.current_thread() is threading.main_thread() and not read_done.is_set():
+            gap.set()
+            read_done.wait(10)
+
+    s.block_path = block_path  # type: ignore[method-assign]
+    s.index._count = count  # type: ignore[method-assign]
+    restore = asyncio.ensure_future(s.restore_async(Hit(entry, 39), IDENT))
+    await asyncio.to_thread(worker_in.wait, 10)
+    await s.put(tokens[:16] + list(range(900, 924)), two_kv(40, 7), IDENT)  # writes its own copy of block 0
+    got = await restore
+    assert isinstance(got, spilld.Loaded) and s.entry_at(entry.path) is entry and s.counters.quarantined == 0

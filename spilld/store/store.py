@@ -265,12 +265,8 @@ class Store:
         if rec is not None and rec.owned:  # another put published the same block meanwhile: ours is a spare
             self._doomed.add(path)
             return rec
-        if rec is None:
-            new = self.index.add_block(key, path, nbytes)
-        else:  # another writer's file of this block: ours takes its place here (theirs is left alone)
-            self.index.drop_block(rec)
-            new = self.index.add_block(key, path, nbytes)
-            new.refs, new.pins, new.namespace, new.named = rec.refs, rec.pins, rec.namespace, rec.named
+        # another writer's file of this block: ours takes its place here (theirs is left alone)
+        new = self.index.add_block(key, path, nbytes) if rec is None else self.index.replace_block(rec, path, nbytes)
         new.synced = False
         return new
 
