@@ -1349,3 +1349,29 @@ async def test_a_block_record_replaced_while_a_restore_reads_is_never_missing(tm
     await s.put(tokens[:16] + list(range(900, 924)), two_kv(40, 7), IDENT)  # writes its own copy of block 0
     got = await restore
     assert isinstance(got, spilld.Loaded) and s.entry_at(entry.path) is entry and s.counters.quarantined == 0
+
+
+@pytest.mark.asyncio
+async def test_a_put_cancelled_while_it_stops_its_cut_ahead_leaves_no_block_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a cancel that landed in the wait for the cut started ahead (after every block was written
+    and pinned) skipped the put's unpin: its blocks stayed pinned, never reclaimed until a restart."""
+    from spilld.store import store as store_module
+
+    closing = asyncio.Event()
+
+    async def slow_close(self: Any) -> None:
+        closing.set()
+        await asyncio.sleep(5)
+
+    monkeypatch.setattr(store_module._Ahead, "close", slow_close)
+    s = Store(tmp_path, block_tokens=16, disk_cap=1 << 40)
+    put = asyncio.ensure_future(s.put(list(range(40)), two_kv(40), IDENT))
+    await asyncio.wait_for(closing.wait(), 10)
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    await s.delete_doomed_async()
+    assert s.count == 0 and len(s.blocks) == 0  # nothing names them: reclaimed
+    assert [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".spilld-block")] == []

@@ -641,7 +641,11 @@ class Store:
             self._unpin(pinned)
             raise
         finally:
-            await ahead.close()
+            try:
+                await ahead.close()
+            except BaseException:  # cancelled here, after its blocks were pinned: the put fails, its pins go
+                self._unpin(pinned)
+                raise
         return pinned
 
     # --- files from another tier ------------------------------------------------------------------
