@@ -830,8 +830,7 @@ class Client:
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
         self._closed: DrainReport | None = None  # close's report, once it ran
-        self._handoffs = Handoffs()  # spills handed to the loop: settled cancelled if it stops before them
-        self._lt.on_close(self._handoffs.abandon)
+        self._handoffs = Handoffs.of(self._lt)  # spills handed to the loop: settled cancelled if it stops first
 
     def __enter__(self) -> Client:
         return self

@@ -19,6 +19,7 @@ from typing import Any
 from . import format as fmt
 from .codecs import CodecProvider
 from .entries import check_namespace, checkpoint_namespace
+from .loopthread import LoopThread
 from .queue import Settled, SpillItem, held_bytes
 from .saver import (
     AnySource,
@@ -181,6 +182,13 @@ class Handoffs:
         self._lock = threading.Lock()
         self._open: set[concurrent.futures.Future[Settled]] = set()
         self._abandoned = False
+
+    @classmethod
+    def of(cls, lt: LoopThread) -> Handoffs:
+        """The hand-offs to ``lt``'s loop, abandoned once it closes."""
+        out = cls()
+        lt.on_close(out.abandon)
+        return out
 
     def track(self, fut: concurrent.futures.Future[Settled]) -> concurrent.futures.Future[Settled]:
         with self._lock:

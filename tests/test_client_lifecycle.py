@@ -10,7 +10,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -204,17 +204,13 @@ def test_a_spill_handed_to_a_loop_closed_meanwhile_is_cancelled_not_raised() -> 
     assert settled.outcome is Outcome.CANCELLED
 
 
-def test_a_spill_that_reaches_the_loop_after_it_stopped_settles_as_refused(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Found in review: a spill that passed the closed check while another thread closed the client reached the
-    loop after it had stopped: the loop never ran its hand-off, and the engine waiting on its future waited for
-    ever. Here the engine's clone is held until the loop has stopped (and not yet closed)."""
-    import spilld.client as client_module
-
-    c = Client(daemon.socket, identity=IDENT, timeout=5.0)
+def spill_handed_after_the_loop_stopped(
+    sync: Any, module: Any, close: Callable[[], Any], monkeypatch: pytest.MonkeyPatch
+) -> concurrent.futures.Future[Settled]:
+    """A spill of ``sync`` (a ``Client`` or an ``EmbeddedTier``) that passed its closed check while another thread
+    ran ``close``: its clone (``module.new_item``) is held until the loop has stopped and not yet closed."""
     stopped, handed = threading.Event(), threading.Event()
-    real_item, real_close = client_module.new_item, c._lt._close
+    real_item, real_close = module.new_item, sync._lt._close
 
     def slow_item(*a: Any, **kw: Any) -> Any:  # the clone, on the engine's thread, outlasts the close
         assert stopped.wait(10)
@@ -225,20 +221,44 @@ def test_a_spill_that_reaches_the_loop_after_it_stopped_settles_as_refused(
         assert handed.wait(10)
         real_close()
 
-    monkeypatch.setattr(client_module, "new_item", slow_item)
-    monkeypatch.setattr(c._lt, "_close", close_loop)
+    monkeypatch.setattr(module, "new_item", slow_item)
+    monkeypatch.setattr(sync._lt, "_close", close_loop)
     futs: list[concurrent.futures.Future[Settled]] = []
 
     def engine() -> None:
-        futs.append(c.spill(list(range(8)), [fill(C.KVCache(), 8)]))
+        futs.append(sync.spill(list(range(8)), [fill(C.KVCache(), 8)]))
         handed.set()
 
     t = threading.Thread(target=engine)
     t.start()
     time.sleep(0.1)  # the engine is past the closed check, in its clone
-    c.close(5)
+    close()
     t.join(10)
-    settled = futs[0].result(5)  # (it never settled)
+    return futs[0]
+
+
+def test_a_spill_that_reaches_the_loop_after_it_stopped_settles_as_refused(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a spill that passed the closed check while another thread closed the client reached the
+    loop after it had stopped: the loop never ran its hand-off, and the engine waiting on its future waited for
+    ever."""
+    import spilld.client as client_module
+
+    c = Client(daemon.socket, identity=IDENT, timeout=5.0)
+    settled = spill_handed_after_the_loop_stopped(c, client_module, lambda: c.close(5), monkeypatch).result(5)
+    assert settled.outcome is Outcome.CANCELLED and not settled.stored
+
+
+def test_an_embedded_tiers_spill_that_reaches_the_loop_after_it_stopped_settles_as_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race for the engine's in-process tier (found in review of the fix above: it was left out)."""
+    import spilld.spiller as spiller_module
+    from spilld.integrations.tier import EmbeddedTier
+
+    tier = EmbeddedTier(str(tmp_path), IDENT)
+    settled = spill_handed_after_the_loop_stopped(tier, spiller_module, lambda: tier.close(5), monkeypatch).result(5)
     assert settled.outcome is Outcome.CANCELLED and not settled.stored
 
 

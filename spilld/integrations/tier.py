@@ -22,6 +22,7 @@ from ..lease import RunStep
 from ..loader import Loaded
 from ..loopthread import LoopThread
 from ..queue import Outcome, Settled
+from ..snapshot import Handoffs
 from ..spiller import Spiller
 
 log = logging.getLogger("spilld.tier")
@@ -115,6 +116,7 @@ class EmbeddedTier:
             "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=identity, lease=lease, **kwargs))
         )
         self._backoff = Backoff()
+        self._handoffs = Handoffs.of(self._lt)  # spills handed to the loop: settled cancelled if it stops first
 
     def _run(self, coro: Any) -> Any:
         return self._lt.run(coro)
@@ -122,7 +124,9 @@ class EmbeddedTier:
     def spill(
         self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
     ) -> concurrent.futures.Future[Settled]:
-        return guarded_spill(lambda: self.spiller.spill_threadsafe(tokens, caches, droppable=droppable), tokens)
+        return guarded_spill(
+            lambda: self._handoffs.track(self.spiller.spill_threadsafe(tokens, caches, droppable=droppable)), tokens
+        )
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
         return self._backoff.load(lambda: self._run(self.spiller.load(tokens, longer_than=longer_than)), tokens)
