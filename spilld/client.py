@@ -830,7 +830,9 @@ class Client:
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
         self._closed: DrainReport | None = None  # close's report, once it ran
-        self._handoffs = Handoffs.of(self._lt)  # spills handed to the loop: settled cancelled if it stops first
+        self._handoffs = Handoffs.closed_by(
+            self._lt.on_close
+        )  # spills handed to the loop: settled cancelled if it stops first
 
     def __enter__(self) -> Client:
         return self

@@ -19,7 +19,6 @@ from typing import Any
 from . import format as fmt
 from .codecs import CodecProvider
 from .entries import check_namespace, checkpoint_namespace
-from .loopthread import LoopThread
 from .queue import Settled, SpillItem, held_bytes
 from .saver import (
     AnySource,
@@ -184,10 +183,11 @@ class Handoffs:
         self._abandoned = False
 
     @classmethod
-    def of(cls, lt: LoopThread) -> Handoffs:
-        """The hand-offs to ``lt``'s loop, abandoned once it closes."""
+    def closed_by(cls, on_close: Callable[[Callable[[], None]], None]) -> Handoffs:
+        """The hand-offs to a loop whose closing calls the hooks ``on_close`` registers (``LoopThread.on_close``):
+        abandoned then."""
         out = cls()
-        lt.on_close(out.abandon)
+        on_close(out.abandon)
         return out
 
     def track(self, fut: concurrent.futures.Future[Settled]) -> concurrent.futures.Future[Settled]:

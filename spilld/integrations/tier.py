@@ -116,7 +116,9 @@ class EmbeddedTier:
             "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=identity, lease=lease, **kwargs))
         )
         self._backoff = Backoff()
-        self._handoffs = Handoffs.of(self._lt)  # spills handed to the loop: settled cancelled if it stops first
+        self._handoffs = Handoffs.closed_by(
+            self._lt.on_close
+        )  # spills handed to the loop: settled cancelled if it stops first
 
     def _run(self, coro: Any) -> Any:
         return self._lt.run(coro)
