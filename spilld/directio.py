@@ -103,16 +103,16 @@ class DirectWriter:
                     fill += n
                     pos += n
                     if fill == CHUNK:
+                        self._jobs.put((buf, CHUNK, offset))  # (blocks while the disk is behind: may raise unqueued)
                         owned = False
-                        self._jobs.put((buf, CHUNK, offset))
                         offset += CHUNK
                         buf, fill = POOL.take(), 0
                         owned = True
             if fill:
                 padded = -(-fill // BLOCK) * BLOCK  # zeros up to the block: alignment padding in the file
                 buf[fill:padded] = bytes(padded - fill)
-                owned = False
                 self._jobs.put((buf, padded, offset))
+                owned = False
         finally:
             if owned:  # never lose a pooled buffer (process-wide, bounded), nor give one back twice
                 POOL.give(buf)

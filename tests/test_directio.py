@@ -137,6 +137,29 @@ def test_a_buffer_queued_before_a_failed_take_goes_back_to_the_pool_once(tmp_pat
     assert len(free) == len({id(b) for b in free}), "a buffer is in the pool twice"
 
 
+def test_a_buffer_whose_queueing_was_interrupted_goes_back_to_the_pool(tmp_path: Any, monkeypatch: Any) -> None:
+    """Found in review of the fix above: the buffer was marked queued before the (blocking) put, so a put
+    interrupted while the disk was behind (Ctrl-C) left it out of the pool for good: after a few, every O_DIRECT
+    save in the process waited for a buffer for ever."""
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    writer = directio.DirectWriter(fd, path, fileio.DEFAULT_OPS)
+    before = directio.POOL._free.qsize() + (2 * directio.DEPTH - directio.POOL._made)  # buffers free or not made
+
+    def interrupted(item: Any, *a: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt  # while blocked on the full queue: nothing was queued
+
+    monkeypatch.setattr(writer._jobs, "put", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.write([memoryview(bytes(directio.CHUNK))], 0)
+    finally:
+        monkeypatch.undo()
+        writer.close()
+        os.close(fd)
+    assert directio.POOL._free.qsize() + (2 * directio.DEPTH - directio.POOL._made) == before
+
+
 HANG_S = 1.5
 
 
