@@ -227,6 +227,7 @@ def test_a_grantors_error_answer_is_quoted_never_taken_as_the_daemons_own_error(
             assert refusals == 1  # no retry made room for it
         st = victim.call("status", {}).result["store"]
         assert st["entries"] == 3 and st["evicted"] == 0, st
+        assert st["store_errors"] == 0 and not st["errors"], st  # a client's refusal is no failed write of the disk
         victim.close()
         g.close()
 

@@ -836,7 +836,7 @@ class Store:
                 await self.delete_doomed_async()
                 unpin(exc)  # dropped here: its frames must not keep this attempt's bytes (or a cycle) alive
                 log.warning("disk full: evicted old entries, retrying the write")
-            except errors.Timeout:  # an engine's lease not granted in time: not a failed write of the disk's
+            except (errors.Timeout, errors.LeaseRefused):  # an engine's lease not granted (in time): not the disk's
                 raise
             except Exception as exc:
                 self._count_error(exc)
