@@ -1729,3 +1729,27 @@ async def test_fill_limits_on_blocks_and_their_size_each_at_and_one_over(
                     await link.close(1)
     finally:
         await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_an_entry_with_a_block_no_fill_would_read_is_not_pushed(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: with a --block-tokens that makes blocks larger than ``MAX_FILL_BLOCK_BYTES``, every host's
+    fill missed them (``block_too_large``) while pushes kept uploading them, and nothing said so."""
+    store, tier, link = await pushing(tmp_path / "a", server.url)
+    try:
+        caches = [fill(C.KVCache(), 35, heads=2, dim=8, seed=s) for s in range(2)]
+        await store.put(list(range(35)), caches, FILL_IDENT)
+        assert await link.drain(10)
+        block = max(rec.nbytes for rec in store.blocks)
+        monkeypatch.setattr(link_module, "MAX_FILL_BLOCK_BYTES", block - 1)
+        pushed = tier.counters()["pushed"]
+        with caplog.at_level(logging.WARNING, logger="spilld.remote"):
+            for first in (1000, 2000):
+                await store.put(list(range(first, first + 35)), caches, FILL_IDENT)
+            assert await link.drain(10)
+        assert tier.counters()["pushed"] == pushed and link.counters()["pushes_too_large"] == 2
+        assert sum("larger than a fill reads" in r.getMessage() for r in caplog.records) == 1  # said once
+    finally:
+        await link.close(1)

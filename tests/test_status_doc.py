@@ -84,7 +84,7 @@ def linked(tmp_path: Path) -> tuple[Store, RemoteLink]:
     tier.queue.dropped, tier.queue.refused = 201, 202
     tier.breaker.entered[State.OPEN] = 203
     link = RemoteLink(tier, store)
-    link.fills, link.fills_shared, link.evicted_skipped = 301, 302, 303
+    link.fills, link.fills_shared, link.evicted_skipped, link.pushes_too_large = 301, 302, 303, 304
     for j, why in enumerate(sorted(fill_reasons())):
         link.fill_misses[why] = 400 + j
     return store, link

@@ -142,6 +142,7 @@ class RemoteLink:
         self._evicting: set[asyncio.Task[Any]] = set()  # evicted entries being read and queued
         self._turns = Turns(PUSHES_WAITING)  # one entry's pushes queued at a time, in the order they were stored
         self.evicted_skipped = 0  # evicted entries not pushed: too many in flight, or the tier not taking pushes
+        self.pushes_too_large = 0  # entries not pushed: a block larger than any host's fill reads (said once, logged)
         self.fills = 0  # manifests (and their blocks) kept from the remote tier
         self.fill_misses: Counter[str] = Counter()  # fills tried and not done, by why
         self.fills_shared = 0  # lookups that waited for a fill of the same prompt already under way
@@ -227,6 +228,14 @@ class RemoteLink:
         then the entry's manifest and its layout's root: False if a file could not be read (evicted or superseded
         meanwhile: what was not read is not pushed), the tier stopped taking pushes, or the push was skipped."""
         if not self.tier.taking_pushes:  # (down, disabled, or its breaker open): every offer would be refused
+            return False
+        if any(rec.nbytes > MAX_FILL_BLOCK_BYTES for rec in recs):  # no host would ever read it back
+            if not self.pushes_too_large:
+                log.warning(
+                    "not pushing to the remote tier: a block of %d bytes is larger than a fill reads (%d); "
+                    "use a smaller --block-tokens", max(rec.nbytes for rec in recs), MAX_FILL_BLOCK_BYTES,
+                )  # fmt: skip
+            self.pushes_too_large += 1
             return False
         if not await self._turns.take():
             return False  # skipped: newer entries waited behind it (theirs carry its blocks that they name)
@@ -488,6 +497,7 @@ class RemoteLink:
             "fill_misses": dict(self.fill_misses),
             "pushing": len(self._pushing) + len(self._evicting),
             "evicted_skipped": self.evicted_skipped,
+            "pushes_too_large": self.pushes_too_large,
             "pushes_skipped": self._turns.skipped,
             "fills_shared": self.fills_shared,
         }
