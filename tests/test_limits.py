@@ -693,3 +693,27 @@ async def test_max_expired_kept_at_and_one_over() -> None:
         assert err is not None and err["code"] == "timeout", err
         _, err = await wire.call("commit", {"spill": sids[0]})  # one over: forgotten
         assert err is not None and err["code"] == "bad_params", err
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_key_of_max_text_chars_is_taken_by_a_spill_as_by_resume() -> None:
+    """Found in review: a checkpoint's namespace is the reserved prefix + its key, and was held to
+    ``MAX_TEXT_CHARS`` too, so a key of up to 12 characters less than the limit that ``resume`` takes was refused
+    on spill. The key is held to the limit; the namespace made from it is not checked again."""
+    from mlx_lm.models import cache as C
+
+    import spilld
+    from spilld.client import AsyncClient
+    from spilld.daemon.params import MAX_TEXT_CHARS
+    from tests.caches import fill
+
+    async with (
+        in_process("ckpt-key") as (daemon, _),
+        AsyncClient(daemon.cfg.socket, identity=spilld.Identity("m")) as c,
+    ):
+        cache = fill(C.KVCache(), 8)
+        for chars, stored in ((MAX_TEXT_CHARS, True), (MAX_TEXT_CHARS + 1, False)):
+            ck = spilld.GenerationCheckpoint("k" * chars, "", 8, 0, 1, 0, False)
+            settled = await c.checkpoint(list(range(8)), [cache], ck)
+            assert settled.stored is stored, (chars, settled)
+        assert await c.resume("k" * MAX_TEXT_CHARS) is not None

@@ -90,7 +90,8 @@ def accept_header(wire: Any) -> fmt.Header:
     if header.version not in fmt.SUPPORTED_VERSIONS:
         raise errors.VersionMismatch(f"format {header.version} (this daemon takes {sorted(fmt.SUPPORTED_VERSIONS)})")
     for name, value in vars(header.identity).items():  # names the store and the shared tier keep
-        check_text("spill", f"header.identity.{name}", value)
+        if name != "namespace" or header.checkpoint is None:  # (a checkpoint's is made from its key, checked below)
+            check_text("spill", f"header.identity.{name}", value)
     if header.checkpoint is not None:
         check_text("spill", "header.checkpoint.key", header.checkpoint.key)
         check_text("spill", "header.checkpoint.cache_ns", header.checkpoint.cache_ns)
