@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -17,6 +18,8 @@ from .. import format as fmt
 from ..lease import Begun, NoLease, RunStep, off_loop, outlast, within
 from .steps import PublishStep, SaveResult, SaveStep, TensorStep, save_steps
 from .tensorbytes import LIVE_CHUNK_BYTES, AnySource, BytesSource, byte_runs
+
+log = logging.getLogger("spilld.saver")
 
 
 def _marking(begun: Begun, fn: Callable[[], None]) -> Callable[[], None]:
@@ -217,5 +220,18 @@ async def save_async(
             await asyncio.sleep(0)  # one step (or one batch) per loop turn
     finally:
         if not late and inspect.getgeneratorstate(gen) != inspect.GEN_CLOSED:
-            # its cleanup, off the loop: an O_DIRECT writer's close joins a thread that a hung disk may hold
-            await outlast(loop.run_in_executor(None, mlxthreads.releasing(gen.close)))
+            await _close_off_loop(loop, gen)
+
+
+async def _close_off_loop(loop: asyncio.AbstractEventLoop, gen: Generator[Any, None, Any]) -> None:
+    """Close a save's generator (its file closed, its temp removed) on a worker thread and wait for it: an O_DIRECT
+    writer's close joins a thread that a hung disk may hold (found in review: the loop stood still). A failed
+    cleanup is logged, never raised over the save's own error."""
+    try:
+        fut = loop.run_in_executor(None, mlxthreads.releasing(gen.close))
+    except RuntimeError:  # no thread may start now (the interpreter is exiting): here, as a last resort
+        gen.close()
+        return
+    await outlast(fut)
+    if not fut.cancelled() and (exc := fut.exception()) is not None:
+        log.warning("a save's cleanup failed (its temp file may be left for the next scan): %s", exc)
