@@ -830,9 +830,8 @@ class Client:
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
         self._closed: DrainReport | None = None  # close's report, once it ran
-        self._handoffs = Handoffs.closed_by(
-            self._lt.on_close
-        )  # spills handed to the loop: settled cancelled if it stops first
+        # spills handed to the loop: settled cancelled if it stops before it runs them
+        self._handoffs = Handoffs.closed_by(self._lt.on_close)
 
     def __enter__(self) -> Client:
         return self

@@ -116,9 +116,8 @@ class EmbeddedTier:
             "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=identity, lease=lease, **kwargs))
         )
         self._backoff = Backoff()
-        self._handoffs = Handoffs.closed_by(
-            self._lt.on_close
-        )  # spills handed to the loop: settled cancelled if it stops first
+        # spills handed to the loop: settled cancelled if it stops before it runs them
+        self._handoffs = Handoffs.closed_by(self._lt.on_close)
 
     def _run(self, coro: Any) -> Any:
         return self._lt.run(coro)
