@@ -554,3 +554,59 @@ def test_ls_on_a_machine_where_no_daemon_ran_lists_nothing(tmp_path: Path) -> No
     r = subprocess.run([sys.executable, "-m", "spilld", "ls"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and "0 entries" in r.stdout, (r.stdout, r.stderr)
     assert os.listdir(tmp_path) == []
+
+
+# --- the exit codes no other test reaches (found in review: README promised them, nothing checked them) ----------
+
+
+def test_a_daemons_error_answer_exits_7_with_its_code() -> None:
+    """A path longer than the daemon takes (``MAX_TEXT_CHARS``): the daemon answers ``bad_params``."""
+    d = Daemon(new_root(), ["--cap", "16MiB"]).start()
+    try:
+        r = spilld("pin", "--socket", d.socket, "/" + "p" * 5000)
+        assert r.returncode == cli.EXIT_DAEMON_ERROR == 7 and "[bad_params]" in r.stderr, r.stderr
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_ctrl_c_exits_130_and_a_closed_pipe_141(tmp_path: Any) -> None:
+    import socket
+
+    silent = socket.socket(socket.AF_UNIX)  # takes the connection, never answers: the command waits
+    silent.bind(str(tmp_path / "s.sock"))
+    silent.listen(1)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spilld", "status", "--socket", str(tmp_path / "s.sock")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        conn, _ = silent.accept()  # it has connected, and waits for the hello's answer
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        conn.close()
+        assert proc.returncode == cli.EXIT_INTERRUPTED == 130 and "interrupted" in err, err
+    finally:
+        silent.close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spilld", "inspect", "--json", str(DATA / "kv.spilld")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader went away before a byte was written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE == 141 and b"Traceback" not in err, err
+
+
+def test_an_internal_error_exits_70_and_shows_its_traceback_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spilld.cli import parser as parser_module
+
+    def broken(args: argparse.Namespace) -> int:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(parser_module, "cmd_inspect", broken)
+    monkeypatch.delenv("SPILLD_DEBUG", raising=False)
+    assert cli.main(["inspect", str(DATA / "kv.spilld")]) == cli.EXIT_INTERNAL == 70
+    monkeypatch.setenv("SPILLD_DEBUG", "1")
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(["inspect", str(DATA / "kv.spilld")])

@@ -777,3 +777,32 @@ def test_a_close_after_one_begun_on_the_loop_thread_keeps_to_its_own_timeout(tmp
     lock.release()  # the engine's step ends: the first close can finish
     assert took and took[0] < 10, took
     tier._lt._thread.join(30)
+
+
+def test_the_quiet_time_after_timeouts_doubles_up_to_max_quiet_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/design.md: each timeout in a row doubles the time lookups are skipped, up to ``MAX_QUIET_S``; a load
+    that answers in time starts again from ``RECONNECT_INTERVAL_S`` (found in review: the cap was untested)."""
+    from spilld import errors
+    from spilld.integrations import tier as tier_module
+
+    now = [1000.0]
+    monkeypatch.setattr(tier_module.time, "monotonic", lambda: now[0])
+    backoff, asked = tier_module.Backoff(), [0]
+
+    def hung() -> None:
+        asked[0] += 1
+        raise errors.Timeout("no answer")
+
+    quiet = []
+    for _ in range(10):
+        assert backoff.load(hung, [1, 2, 3]) is None
+        start = now[0]
+        while backoff.load(hung, [1, 2, 3]) is None and asked[0] == len(quiet) + 1:  # skipped: not asked
+            now[0] += 1.0
+            if now[0] - start > 2 * tier_module.MAX_QUIET_S:
+                break
+        quiet.append(now[0] - start)
+    want = [min(tier_module.RECONNECT_INTERVAL_S * 2**i, tier_module.MAX_QUIET_S) for i in range(10)]
+    assert quiet == want, quiet
+    now[0] += tier_module.MAX_QUIET_S
+    assert backoff.load(lambda: None, [1, 2, 3]) is None and backoff._quiet_s == tier_module.RECONNECT_INTERVAL_S
