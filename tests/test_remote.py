@@ -503,6 +503,8 @@ async def test_ttl_set_on_push_and_refreshed_on_fetch(server: RedisServer) -> No
             c.expire(name, 5)  # (and left: a block's bound is its reader's guess, which a newer writer may pass)
             assert not await tier.push(NS, ks[0], b"hot")  # a push of what is there is a use too
             assert c.ttl(name) > 990
+            c.expire(name, 5)  # an entry's push asks which blocks the tier lacks: naming them is a use (review)
+            assert await tier.absent(NS, ks) == ks[1:] and c.ttl(name) > 990
     finally:
         await tier.close()
     untimed = await started(relaxed(server.url))
@@ -1753,3 +1755,52 @@ async def test_an_entry_with_a_block_no_fill_would_read_is_not_pushed(
         assert sum("larger than a fill reads" in r.getMessage() for r in caplog.records) == 1  # said once
     finally:
         await link.close(1)
+
+
+@pytest.mark.asyncio
+async def test_a_primary_turned_replica_is_left_for_new_connections(server: RedisServer) -> None:
+    """Found in review: a server demoted to a replica (a failover behind the same address) kept our connections
+    and refused every write (READONLY) as an answer, so the breaker stayed closed and no new connection was ever
+    made: pushes failed for good. Now the breaker opens, and the health loop's trial reconnects."""
+    with redis_server() as primary:
+        tier = await started(relaxed(server.url, breaker_cooldown_s=0.2))
+        try:
+            k = chain(2)
+            assert await tier.push(NS, k[0], b"first")
+            with server.client() as c:
+                c.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))
+            await eventually(lambda: tier.push(NS, k[1], b"second"), False)
+            assert tier.breaker.state is not State.CLOSED and tier.counters()["breaker_opened"] >= 1
+            with server.client() as c:
+                c.execute_command("REPLICAOF", "NO", "ONE")  # (as a new primary would answer behind the address)
+            await eventually(lambda: tier.push(NS, chain(1, b"third")[0], b"third"), True)
+        finally:
+            await tier.close()
+            with server.client() as c:
+                c.execute_command("REPLICAOF", "NO", "ONE")  # the module's server, a primary for the next test
+
+
+@pytest.mark.asyncio
+async def test_a_bound_the_loop_overran_is_no_verdict_on_the_server(server: RedisServer) -> None:
+    """Found in review: a large reply parsed on the loop held it past other calls' short bounds (a probe's 50 ms);
+    those timeouts counted as the server failing, and the breaker opened for everyone on a healthy server."""
+    tier = await started(relaxed(server.url))
+    loop = asyncio.get_running_loop()
+
+    async def answered_in_time(client: Any, after_s: float = 0.02) -> Any:  # on its way when the loop is held
+        await asyncio.sleep(after_s)
+        return await client.ping()
+
+    async def slow(client: Any) -> Any:
+        return await answered_in_time(client, 1.0)
+
+    try:
+        for _ in range(2 * tier.breaker.threshold):
+            loop.call_later(0.005, time.sleep, 0.3)  # the loop held past the bound (a large reply parsed on it)
+            assert isinstance(await tier._call(answered_in_time, 0.05), tier_module._Failed)
+        assert tier.breaker.state is State.CLOSED and tier.counters()["breaker_opened"] == 0
+        for _ in range(tier.breaker.threshold):  # a server slow with the loop free: a verdict, as before
+            assert isinstance(await tier._call(slow, 0.2), tier_module._Failed)
+        assert tier.breaker.state is State.OPEN
+    finally:
+        await tier.close()

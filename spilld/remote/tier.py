@@ -49,6 +49,11 @@ FETCH_IN_FLIGHT = 2
 # 63-85 ms, past the probe's bound; each batch of a long chain has the whole bound
 PROBE_BATCH_KEYS = 256
 MAX_EVENT_KEYS = 1024  # block keys per stream entry (64 hex digits each); a longer list takes several entries
+# A server that is no longer the primary (a failover behind the same address): it keeps our connections and
+# refuses every write; new connections may find the new primary (found in review: pushes failed for good)
+NOT_PRIMARY = (rx.ReadOnlyError, rx.MasterDownError)
+# A call's bound that fired this late (a share of the bound) was overrun by the loop, not the server: no verdict
+LATE_LOOP_SHARE = 0.5
 
 
 class EventKind(StrEnum):
@@ -290,13 +295,17 @@ class RemoteTier:
     async def absent(self, namespace: str, keys: Sequence[bytes]) -> list[bytes] | None:
         """Which of the blocks ``keys`` the tier neither holds nor has a push of under way (pipelined EXISTS,
         ``PROBE_BATCH_KEYS`` a round trip, each bounded by ``push_timeout_s``); None if the tier could not say
-        (those keys counted in ``push_failed``). Those it holds count in ``push_present``."""
+        (those keys counted in ``push_failed``). Those it holds count in ``push_present``. With a TTL, EXPIRE
+        asks instead, and renews those it holds: an entry that names them is a use of them (found in review:
+        shared leading blocks, never pushed again, expired before the manifests that name them)."""
         asked = [k for k in keys if not self.queue.pending(namespace, k)]
+        ttl = self.config.ttl_s
         out: list[bytes] = []
         for lo in range(0, len(asked), PROBE_BATCH_KEYS):
             batch = asked[lo : lo + PROBE_BATCH_KEYS]
+            names = [rkeys.block_key(namespace, k, self.key_tag) for k in batch]
             r = await self._call(
-                _pipeline([_cmd("exists", rkeys.block_key(namespace, k, self.key_tag)) for k in batch]),
+                _pipeline([_cmd("exists", n) if ttl is None else _cmd("expire", n, ttl) for n in names]),
                 self.config.push_timeout_s,
             )
             failed = (
@@ -412,11 +421,12 @@ class RemoteTier:
         if self._disabled or client is None or not self.breaker.allow():
             return _Failed(Reason.DOWN)
         asked = False  # the call reached the server (not only waited for a connection)
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):  # a connection of the pool, within the bound: no verdict if not
                 await self._slots.acquire()
             try:
-                asked = True
+                asked, due = True, loop.time() + timeout_s
                 async with asyncio.timeout(timeout_s):  # the call's own bound, from when it has its connection
                     result = await op(client)
             finally:
@@ -428,13 +438,19 @@ class RemoteTier:
             self._disable(self._auth_problem(e))
             return _Failed(Reason.DOWN)
         except (TimeoutError, rx.TimeoutError, rx.MaxConnectionsError) as e:
-            if asked and not isinstance(e, rx.MaxConnectionsError):
+            # every connection busy, or a bound the loop itself overran (a large reply parsed on it held it past
+            # the deadline: the server may have answered in time; found in review), is no verdict on the server
+            late = asked and loop.time() - due > timeout_s * LATE_LOOP_SHARE
+            if asked and not late and not isinstance(e, rx.MaxConnectionsError):
                 self.breaker.failure()
-            else:  # every connection busy: no verdict on the server
+            else:
                 self.breaker.abandon()
             return _Failed(Reason.TIMEOUT)
         except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, OSError):
             self.breaker.failure()
+            return _Failed(Reason.DOWN)
+        except NOT_PRIMARY:
+            self._not_primary()
             return _Failed(Reason.DOWN)
         except rx.ResponseError as e:  # the server answered: it is up, it said no
             self.breaker.success()
@@ -443,8 +459,18 @@ class RemoteTier:
             log.exception("remote tier: unexpected failure")
             self.breaker.failure()
             return _Failed(Reason.DOWN)
-        self.breaker.success()
+        if isinstance(result, list) and any(isinstance(r, NOT_PRIMARY) for r in result):  # inside a pipeline
+            self._not_primary()
+        else:
+            self.breaker.success()
         return result
+
+    def _not_primary(self) -> None:
+        """The server refused a write as a replica: open the breaker, so that the health loop's next trial runs
+        on new connections (which may reach the new primary), and every call misses at once meanwhile."""
+        if self.breaker.state is not State.OPEN:
+            log.warning("remote tier %s is not a primary (read-only); reconnecting", self._where())
+        self.breaker.trip()
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -557,7 +583,7 @@ def _leading_ones(results: Sequence[Any]) -> int:
 def _reason_of(e: BaseException) -> Reason:
     if isinstance(e, rx.OutOfMemoryError) or str(e).startswith("OOM"):
         return Reason.OOM
-    if isinstance(e, (rx.ConnectionError, rx.ClusterError)):
+    if isinstance(e, (rx.ConnectionError, rx.ClusterError, *NOT_PRIMARY)):
         return Reason.DOWN
     if isinstance(e, (TimeoutError, rx.TimeoutError)):
         return Reason.TIMEOUT
