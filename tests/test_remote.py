@@ -1804,3 +1804,43 @@ async def test_a_bound_the_loop_overran_is_no_verdict_on_the_server(server: Redi
         assert tier.breaker.state is State.OPEN
     finally:
         await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_a_password_rotated_in_its_file_is_taken_when_the_server_refuses_the_old_one(tmp_path: Any) -> None:
+    """Found in review: a rotation (the file rewritten to the new password, then the old one removed from the
+    server, then a connection dropped) disabled the tier until a restart. The file is read again then; a refusal
+    with the same password in it still disables the tier."""
+    import redis
+
+    pw = tmp_path / "pw"
+
+    def write(password: str) -> None:
+        pw.write_text(password + "\n")
+        pw.chmod(0o600)
+
+    with redis_server() as s:
+        with s.client() as c:
+            c.execute_command("ACL", "SETUSER", "default", "on", "resetpass", ">old", ">new")
+        write("old")
+        tier = await started(relaxed(s.url, password_file=str(pw)))
+        try:
+            ks = chain(3)
+            assert await tier.push(NS, ks[0], b"x")
+            write("new")
+            with redis.Redis(port=s.port, password="new") as c:
+                c.execute_command("ACL", "SETUSER", "default", "<old")
+                c.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")  # a connection dropped
+            await eventually(lambda: tier.push(NS, ks[1], b"y"), True)
+            assert tier.state == "closed"
+            with redis.Redis(port=s.port, password="new") as c:
+                c.execute_command("ACL", "SETUSER", "default", "<new", ">newer")  # refused, and the file unchanged
+                c.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+
+            async def state_after_a_push() -> str:
+                await tier.push(NS, ks[2], b"z")
+                return tier.state
+
+            await eventually(state_after_a_push, "disabled")
+        finally:
+            await tier.close()

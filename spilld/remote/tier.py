@@ -30,7 +30,7 @@ from .breaker import Breaker, State
 from .client import Client, close_client, make_client, tls_context
 from .config import RemoteConfig
 from .crypto import SEALED_OVERHEAD, Sealer
-from .errors import DecryptError
+from .errors import DecryptError, RemoteConfigError
 from .keys import Kind
 from .pushqueue import Push, PushQueue
 from .stats import Reason, Stats
@@ -435,7 +435,8 @@ class RemoteTier:
             self.breaker.abandon()
             raise
         except rx.AuthenticationError as e:
-            self._disable(self._auth_problem(e))
+            if not await self._password_rotated():
+                self._disable(self._auth_problem(e))
             return _Failed(Reason.DOWN)
         except (TimeoutError, rx.TimeoutError, rx.MaxConnectionsError) as e:
             # every connection busy, or a bound the loop itself overran (a large reply parsed on it held it past
@@ -486,13 +487,37 @@ class RemoteTier:
             await asyncio.sleep(self.config.health_interval_s)
             if not self.breaker.trial_free:  # closed, still open, or a call has the trial: its client stays
                 continue
-            old, self._client = self._client, make_client(self.config, self._password, self._tls)
-            if old is not None:  # closed aside: a socket to a hung server may take its timeout to close
-                task = asyncio.create_task(_close_quietly(old))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+            self._renew_client()
             if not isinstance(await self._call(_ping, self.config.trial_bound_s), _Failed):
                 log.info("remote tier %s answers again", self._where())
+
+    async def _password_rotated(self) -> bool:
+        """The server refused our password: a password file that now holds another one (a rotation: the file
+        rewritten, then the old password removed) is taken, on new connections. False: none to take (found in
+        review: a rotation disabled the tier until a restart)."""
+        path = self.config.password_file
+        if path is None:
+            return False
+        try:
+            new = await off_loop(lambda: credentials.password(path, {}))
+        except RemoteConfigError as exc:  # gone, or no longer private: the refusal stands
+            log.warning("remote tier: the password file could not be read again: %s", exc)
+            return False
+        if new == self._password:
+            return False
+        log.warning("remote tier %s refused the password; taking the new one in %s", self._where(), path)
+        self._password = new
+        self._renew_client()
+        return True
+
+    def _renew_client(self) -> None:
+        """New connections from now on; the old client closed aside (a socket to a hung server may take its
+        timeout to close)."""
+        old, self._client = self._client, make_client(self.config, self._password, self._tls)
+        if old is not None:
+            task = asyncio.create_task(_close_quietly(old))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _auth_problem(self, e: Exception) -> str:
         if self._password is None:
