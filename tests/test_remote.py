@@ -1844,3 +1844,20 @@ async def test_a_password_rotated_in_its_file_is_taken_when_the_server_refuses_t
             await eventually(state_after_a_push, "disabled")
         finally:
             await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_a_reply_longer_than_the_socket_timeout_is_bounded_by_its_call(server: RedisServer) -> None:
+    """Found in review: redis-py bounds a whole reply by the socket timeout, not each read, so a block that took
+    longer than 0.5 s to arrive (64 MiB over a 110 MB/s link) was never fetched, and each try counted as the server
+    failing. The socket now gets the longest call bound; each call keeps its own."""
+    k = chain(1, seed=b"long-reply")[0]
+    value = os.urandom(8 * 1024**2)
+    tier = await started(replace(relaxed(server.url), socket_timeout_s=0.001))  # far less than the reply takes
+    try:
+        assert await tier.push(NS, k, value)
+        assert await tier.fetch(NS, [k]) == [value] and tier.breaker.state is State.CLOSED
+    finally:
+        await tier.close()
+        with server.client() as r:
+            r.delete(keys.block_key(NS, k))

@@ -20,7 +20,7 @@ def make_client(config: RemoteConfig, password: str | None, tls: ssl.SSLContext 
     ``tls_context(config, password)``: every connection then shares that one context."""
     common: dict[str, Any] = {
         "password": password,
-        "socket_timeout": config.socket_timeout_s,
+        "socket_timeout": config.read_bound_s,
         "socket_connect_timeout": config.connect_bound_s,
         "retry": Retry(NoBackoff(), 0),  # a failure is a miss at once; a retry would hold the caller
         "max_connections": config.max_connections,

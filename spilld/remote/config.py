@@ -12,7 +12,9 @@ from .pushqueue import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS
 CONNECT_TIMEOUT_S = 0.1  # a LAN connect takes well under a millisecond; longer means the host is gone
 # a TLS connect adds a handshake: 19-51 ms of Python and RSA on an idle 2-core VM with the context built once
 TLS_CONNECT_TIMEOUT_S = 0.5
-SOCKET_TIMEOUT_S = 0.5  # one read that waits longer is a stalled server (a transfer keeps reading)
+# The least bound of a socket's reads. redis-py bounds a whole reply by it, not each read (found in review: a 64 MiB
+# block over a 110 MB/s link never came): a socket gets the longest call bound, and each call its own (``read_bound_s``)
+SOCKET_TIMEOUT_S = 0.5
 PROBE_TIMEOUT_S = 0.05  # a probe of a chain: one pipelined round trip; a miss beats a stalled lookup
 FETCH_TIMEOUT_S = 2.0  # pipelined GETs of a whole prefix (hundreds of megabytes at LAN speed)
 PUSH_TIMEOUT_S = 2.0  # one batch of the push worker, and one event
@@ -73,6 +75,12 @@ class RemoteConfig:
     def connect_bound_s(self) -> float:
         """How long a new connection may take: the TCP connect, and the handshake over TLS."""
         return self.tls_connect_timeout_s if self.tls else self.connect_timeout_s
+
+    @property
+    def read_bound_s(self) -> float:
+        """The socket timeout: the longest bound of a call (every call is bounded by its own as well), so that a
+        reply as large as a fetch or a push may take is never cut short by the socket's."""
+        return max(self.socket_timeout_s, self.fetch_timeout_s, self.push_timeout_s, self.trial_timeout_s)
 
     @property
     def trial_bound_s(self) -> float:
