@@ -1847,6 +1847,34 @@ async def test_a_password_rotated_in_its_file_is_taken_when_the_server_refuses_t
 
 
 @pytest.mark.asyncio
+async def test_a_half_open_trial_refused_for_a_rotated_password_gives_the_trial_back(tmp_path: Any) -> None:
+    """The trial call that finds the password rotated takes the new one and gives no verdict: the trial is given
+    back (else the breaker stayed half-open with its trial out, and no call was ever let through again)."""
+    import redis
+
+    pw = tmp_path / "pw"
+    pw.write_text("old\n")
+    pw.chmod(0o600)
+    now = [0.0]
+    with redis_server() as s:
+        with s.client() as c:
+            c.execute_command("ACL", "SETUSER", "default", "on", "resetpass", ">old", ">new")
+        tier = await started(relaxed(s.url, password_file=str(pw), breaker_cooldown_s=10), clock=lambda: now[0])
+        try:
+            assert await tier.push(NS, chain(1)[0], b"x")
+            pw.write_text("new\n")
+            with redis.Redis(port=s.port, password="new") as c:
+                c.execute_command("ACL", "SETUSER", "default", "<old")
+                c.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            tier.breaker.trip()
+            now[0] = 10.0  # half-open: the health loop's PING is the trial, on the old password first
+            await wait_for(lambda: tier.breaker.state is State.CLOSED)
+            assert tier.state == "closed"
+        finally:
+            await tier.close()
+
+
+@pytest.mark.asyncio
 async def test_a_reply_longer_than_the_socket_timeout_is_bounded_by_its_call(server: RedisServer) -> None:
     """Found in review: redis-py bounds a whole reply by the socket timeout, not each read, so a block that took
     longer than 0.5 s to arrive (64 MiB over a 110 MB/s link) was never fetched, and each try counted as the server

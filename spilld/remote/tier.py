@@ -435,7 +435,9 @@ class RemoteTier:
             self.breaker.abandon()
             raise
         except rx.AuthenticationError as e:
-            if not await self._password_rotated():
+            if await self._password_rotated():
+                self.breaker.abandon()  # no verdict (a half-open trial is given back): the next call tries it
+            else:
                 self._disable(self._auth_problem(e))
             return _Failed(Reason.DOWN)
         except (TimeoutError, rx.TimeoutError, rx.MaxConnectionsError) as e:
