@@ -1831,6 +1831,8 @@ async def test_a_password_rotated_in_its_file_is_taken_when_the_server_refuses_t
             with redis.Redis(port=s.port, password="new") as c:
                 c.execute_command("ACL", "SETUSER", "default", "<old")
                 c.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")  # a connection dropped
+            await asyncio.gather(*(tier.probe_chain(NS, ks) for _ in range(8)))  # refused together: one rotation
+            assert tier.state != "disabled", tier.counters()["disabled_reason"]
             await eventually(lambda: tier.push(NS, ks[1], b"y"), True)
             assert tier.state == "closed"
             with redis.Redis(port=s.port, password="new") as c:

@@ -421,7 +421,7 @@ class RemoteTier:
         if self._disabled or client is None or not self.breaker.allow():
             return _Failed(Reason.DOWN)
         asked = False  # the call reached the server (not only waited for a connection)
-        loop = asyncio.get_running_loop()
+        loop, password = asyncio.get_running_loop(), self._password
         try:
             async with asyncio.timeout(timeout_s):  # a connection of the pool, within the bound: no verdict if not
                 await self._slots.acquire()
@@ -435,7 +435,7 @@ class RemoteTier:
             self.breaker.abandon()
             raise
         except rx.AuthenticationError as e:
-            if await self._password_rotated():
+            if await self._password_rotated(password):
                 self.breaker.abandon()  # no verdict (a half-open trial is given back): the next call tries it
             else:
                 self._disable(self._auth_problem(e))
@@ -493,19 +493,23 @@ class RemoteTier:
             if not isinstance(await self._call(_ping, self.config.trial_bound_s), _Failed):
                 log.info("remote tier %s answers again", self._where())
 
-    async def _password_rotated(self) -> bool:
-        """The server refused our password: a password file that now holds another one (a rotation: the file
-        rewritten, then the old password removed) is taken, on new connections. False: none to take (found in
-        review: a rotation disabled the tier until a restart)."""
+    async def _password_rotated(self, refused: str | None) -> bool:
+        """The server refused password ``refused``: a password file that now holds another one (a rotation: the
+        file rewritten, then the old password removed) is taken, on new connections; True too when another call
+        took it meanwhile. False: none to take (found in review: a rotation disabled the tier until a restart)."""
         path = self.config.password_file
         if path is None:
             return False
+        if self._password != refused:  # another call found the rotation first (calls fail together)
+            return True
         try:
             new = await off_loop(lambda: credentials.password(path, {}))
         except RemoteConfigError as exc:  # gone, or no longer private: the refusal stands
             log.warning("remote tier: the password file could not be read again: %s", exc)
             return False
-        if new == self._password:
+        if self._password != refused:
+            return True
+        if new == refused:
             return False
         log.warning("remote tier %s refused the password; taking the new one in %s", self._where(), path)
         self._password = new
