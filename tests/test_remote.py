@@ -1892,3 +1892,45 @@ async def test_a_reply_longer_than_the_socket_timeout_is_bounded_by_its_call(ser
         await tier.close()
         with server.client() as r:
             r.delete(keys.block_key(NS, k))
+
+
+@pytest.mark.asyncio
+async def test_a_reply_declared_longer_than_its_read_allows_is_refused_before_it_is_buffered() -> None:
+    """Found in review: a hostile server answered a 64-byte read (a root) with a bulk string of 1.5 GiB, and
+    redis-py read all of it into memory before our length check (612 MiB peak RSS). The declared length is refused
+    now, before a byte of it is buffered: here the server declares 1 GiB and sends none of it."""
+    from spilld.remote.client import MAX_REPLY_ITEMS
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:  # a RESP server that lies
+        try:
+            while line := await r.readline():
+                words = []
+                for _ in range(int(line[1:])):
+                    size = int((await r.readline())[1:])
+                    words.append((await r.readexactly(size + 2))[:-2].upper())
+                if words[0] == b"HELLO":  # RESP3, as Redis 6 and later answer
+                    w.write(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                elif words[0] == b"GETRANGE":
+                    w.write(b"$%d\r\n" % 2**30)  # ... and never a byte of it
+                elif words[0] == b"EXISTS":
+                    w.write(b"*%d\r\n" % (MAX_REPLY_ITEMS + 1))
+                else:
+                    w.write(b"+PONG\r\n" if words[0] == b"PING" else b"+OK\r\n")
+                await w.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tier = await started(replace(relaxed(f"redis://127.0.0.1:{port}/0"), fetch_timeout_s=5, probe_timeout_s=5))
+    try:
+        assert tier.state == "closed"  # it answered the handshake and the PING
+        t0 = time.monotonic()
+        assert await tier.fetch(NS, chain(1), Kind.ROOT, 64) == [None]
+        assert time.monotonic() - t0 < 2.5 and tier.counters()["misses"]["down"] == 1  # refused, not waited out
+        assert await tier.probe_chain(NS, chain(2)) == 0
+    finally:
+        await tier.close()
+        server.close()

@@ -27,7 +27,7 @@ from ..lease import off_loop
 from . import credentials
 from . import keys as rkeys
 from .breaker import Breaker, State
-from .client import Client, close_client, make_client, tls_context
+from .client import MAX_VALUE_BYTES, Client, close_client, make_client, replies_up_to, tls_context
 from .config import RemoteConfig
 from .crypto import SEALED_OVERHEAD, Sealer
 from .errors import DecryptError, RemoteConfigError
@@ -217,7 +217,8 @@ class RemoteTier:
                 r = await self._call(_pipeline(cmds[lo : lo + per]), self.config.fetch_timeout_s)
             return [r] * (min(per, len(cmds) - lo) // stride) if isinstance(r, _Failed) else r[::stride]
 
-        got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
+        with replies_up_to(MAX_VALUE_BYTES if limit is None else limit + 1):  # (GETRANGE: one byte past)
+            got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
         r = [v for part in got for v in part]
         values = [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None for v in r]
         if kind in (Kind.ROOT, Kind.REF):  # of a fixed size: longer is bad bytes, whoever reads them
@@ -449,8 +450,8 @@ class RemoteTier:
             else:
                 self.breaker.abandon()
             return _Failed(Reason.TIMEOUT)
-        except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, OSError):
-            self.breaker.failure()
+        except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, rx.InvalidResponse, OSError):
+            self.breaker.failure()  # (InvalidResponse: a reply declared longer than allowed: its connection went)
             return _Failed(Reason.DOWN)
         except NOT_PRIMARY:
             self._not_primary()
