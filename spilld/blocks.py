@@ -91,8 +91,14 @@ def root_key(identity: fmt.Identity, provider: str, size: int, layout: list[Any]
 
 
 def next_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
-    ids = tokens.astype("<u4").tobytes() if isinstance(tokens, np.ndarray) else fmt.encode_tokens(list(tokens))
-    return hashlib.sha256(parent + ids).digest()
+    h = hashlib.sha256(parent)  # an array's ids hashed in place: no copy of them, nor of the two joined
+    h.update(token_bytes(tokens) if isinstance(tokens, np.ndarray) else fmt.encode_tokens(list(tokens)))
+    return h.digest()
+
+
+def token_bytes(tokens: np.ndarray) -> memoryview:
+    """``tokens`` as the u32 little-endian buffer ``format.encode_tokens`` writes (no copy of a token array)."""
+    return np.ascontiguousarray(tokens, dtype="<u4").data
 
 
 def chain(root: bytes, tokens: Sequence[int] | np.ndarray, size: int, count: int) -> list[bytes]:

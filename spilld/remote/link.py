@@ -324,7 +324,7 @@ class RemoteLink:
         fill is under way waits for that one."""
         if not isinstance(tokens, np.ndarray):  # held as 4 bytes a token while the fill waits on the remote tier
             tokens = token_array(fmt.encode_tokens(list(tokens)))  # (a list: 36; found in review, 38 MiB a lookup)
-        digest = hashlib.sha256(tokens.astype("<u4", copy=False).tobytes()).digest()
+        digest = hashlib.sha256(blocks.token_bytes(tokens)).digest()
         sig = (identity_fingerprint(ident), namespace, provider, digest)
         if (task := self._filling.get(sig)) is not None:
             self.fills_shared += 1

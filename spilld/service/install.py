@@ -127,7 +127,7 @@ def written_by_spilld(path: Path) -> bool:
 
 
 def _foreign(paths: Sequence[Path]) -> list[Path]:
-    return [p for p in paths if os.path.lexists(p) and not written_by_spilld(p)]
+    return [p for p in paths if file_state(p) == "yours"]
 
 
 def installed_files(manager: Manager, home: Path) -> list[Path]:
