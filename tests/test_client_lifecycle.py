@@ -22,6 +22,7 @@ from spilld.client import AsyncClient, Client
 from spilld.queue import Outcome, Settled
 from tests.caches import fill
 from tests.daemons import Daemon, serving
+from tests.loops import on_loop
 
 IDENT = spilld.Identity("lifecycle")
 
@@ -104,7 +105,7 @@ def test_a_blocking_call_from_a_spill_futures_callback_is_refused_not_a_deadlock
                 seen.append(exc)
             done.set()
 
-        c.spill(list(range(8)), [fill(C.KVCache(), 8)]).add_done_callback(callback)
+        on_loop(c, c.spill(list(range(8)), [fill(C.KVCache(), 8)]), callback)
         assert done.wait(10)
         assert isinstance(seen[0], RuntimeError) and "own loop thread" in str(seen[0])
         assert isinstance(c.lookup([1, 2, 3]), spilld.Miss)  # and the client goes on
@@ -184,7 +185,7 @@ def test_a_close_from_a_spill_futures_callback_closes_the_client_once_the_callba
         assert not report.done  # it could not be waited for
         done.set()
 
-    c.spill(list(range(8)), [fill(C.KVCache(), 8)]).add_done_callback(callback)
+    on_loop(c, c.spill(list(range(8)), [fill(C.KVCache(), 8)]), callback)
     assert done.wait(30) and took[0] < 1.0
     deadline = time.monotonic() + 10
     while not c._lt.loop.is_closed() and time.monotonic() < deadline:

@@ -30,6 +30,7 @@ from spilld.integrations.tier import EmbeddedTier, settled_now
 from spilld.queue import Outcome
 from spilld.tinymodel import TinySpec, write_tiny_model
 from tests.daemons import Daemon, cleanup, new_root
+from tests.loops import on_loop
 
 SPEC = TinySpec(hidden=64, layers=2, intermediate=128)
 PROMPT = "The cold tier keeps long prompts warm across restarts. " * 12
@@ -659,7 +660,7 @@ def test_an_embedded_tier_closed_from_a_spill_futures_callback_closes_once_it_re
         took.append(time.monotonic() - t0)
         done.set()
 
-    tier.spill(list(range(8)), [fill(C.KVCache(), 8)], droppable=False).add_done_callback(callback)
+    on_loop(tier, tier.spill(list(range(8)), [fill(C.KVCache(), 8)], droppable=False), callback)
     assert done.wait(30) and took[0] < 1.0
     deadline = time.monotonic() + 10
     while not tier._lt.loop.is_closed() and time.monotonic() < deadline:
@@ -716,8 +717,13 @@ from mlx_lm.models import cache as C
 from tests.caches import fill
 from spilld.integrations.tier import EmbeddedTier
 from spilld.identity import model_identity
+from spilld.lease import FairLock, ThreadLockLease
 
-tier = EmbeddedTier({str(tmp_path)!r}, model_identity(None, model_id="exit-close"))
+# The engine's lock is held until the callback is registered: no spill can settle before, so the callback runs on
+# the loop thread (a spill settled first would run it here, and the test would prove nothing).
+lock = FairLock()
+lock.acquire()
+tier = EmbeddedTier({str(tmp_path)!r}, model_identity(None, model_id="exit-close"), lease=ThreadLockLease(lock))
 done = threading.Event()
 futs = [
     tier.spill(list(range(i, i + 2048)), [fill(C.KVCache(), 2048) for _ in range(4)], droppable=False)
@@ -725,10 +731,12 @@ futs = [
 ]
 on_loop = []
 def callback(_):
-    on_loop.append(threading.current_thread() is not threading.main_thread())  # else the test proves nothing
+    on_loop.append(threading.current_thread() is not threading.main_thread())
     tier.close(60)
     done.set()
 futs[0].add_done_callback(callback)
+assert not futs[0].done()
+lock.release()
 assert done.wait(60) and on_loop == [True], on_loop
 """
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
