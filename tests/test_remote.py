@@ -1895,10 +1895,12 @@ async def test_a_reply_longer_than_the_socket_timeout_is_bounded_by_its_call(ser
 
 
 @pytest.mark.asyncio
-async def test_a_reply_declared_longer_than_its_read_allows_is_refused_before_it_is_buffered() -> None:
+@pytest.mark.parametrize("resp3", [True, False], ids=["resp3", "hello-refused"])
+async def test_a_reply_declared_longer_than_its_read_allows_is_refused_before_it_is_buffered(resp3: bool) -> None:
     """Found in review: a hostile server answered a 64-byte read (a root) with a bulk string of 1.5 GiB, and
     redis-py read all of it into memory before our length check (612 MiB peak RSS). The declared length is refused
-    now, before a byte of it is buffered: here the server declares 1 GiB and sends none of it."""
+    now, before a byte of it is buffered: here the server declares 1 GiB and sends none of it. Also when it refuses
+    HELLO, so that redis-py falls back to RESP2 with a parser of its own choosing (found in a later review)."""
     from spilld.remote.client import MAX_REPLY_ITEMS
 
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:  # a RESP server that lies
@@ -1908,8 +1910,8 @@ async def test_a_reply_declared_longer_than_its_read_allows_is_refused_before_it
                 for _ in range(int(line[1:])):
                     size = int((await r.readline())[1:])
                     words.append((await r.readexactly(size + 2))[:-2].upper())
-                if words[0] == b"HELLO":  # RESP3, as Redis 6 and later answer
-                    w.write(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                if words[0] == b"HELLO":  # RESP3, as Redis 6 and later answer, or as Redis 5 does
+                    w.write(b"%1\r\n$5\r\nproto\r\n:3\r\n" if resp3 else b"-ERR unknown command 'HELLO'\r\n")
                 elif words[0] == b"GETRANGE":
                     w.write(b"$%d\r\n" % 2**30)  # ... and never a byte of it
                 elif words[0] == b"EXISTS":

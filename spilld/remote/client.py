@@ -8,6 +8,7 @@ import ssl
 from collections.abc import Iterator
 from typing import Any, TypeAlias
 
+from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import DefaultParser, SSLConnection
 from redis.asyncio.retry import Retry
@@ -50,14 +51,29 @@ def _refused_length(line: bytes) -> str | None:
     return f"a reply declares {n} (at most {limit} here)" if n > limit else None
 
 
-class BoundedParser(DefaultParser):  # type: ignore[misc,valid-type]
-    """redis-py's parser, refusing a reply whose declared length passes the bound before it buffers it."""
+class _BoundedReads:
+    """Mixed into redis-py's pure-Python parsers: a reply whose declared length passes the bound is refused before
+    it is buffered."""
 
     async def _readline(self) -> bytes:
-        line: bytes = await super()._readline()
+        line: bytes = await super()._readline()  # type: ignore[misc]
         if (why := _refused_length(line)) is not None:
             raise InvalidResponse(why)
         return line
+
+
+# Each pure-Python parser and its bounded kind. redis-py picks the parser by protocol, and swaps RESP3's for RESP2's
+# when a server refuses HELLO: a hostile server could do that to be read unbounded (found in review).
+_BOUNDED: dict[type, type] = {
+    base: type(f"Bounded{base.__name__}", (_BoundedReads, base), {}) for base in (_AsyncRESP2Parser, _AsyncRESP3Parser)
+}
+
+
+class _BoundedParsers:
+    """Mixed into a connection class: whichever pure-Python parser redis-py sets, the bounded kind is used."""
+
+    def set_parser(self, parser_class: type) -> None:
+        super().set_parser(_BOUNDED.get(parser_class, parser_class))  # type: ignore[misc]
 
 
 def make_client(config: RemoteConfig, password: str | None, tls: ssl.SSLContext | None = None) -> Client:
@@ -121,15 +137,18 @@ def tls_context(config: RemoteConfig, password: str | None) -> ssl.SSLContext | 
 
 
 def _bound_replies(client: Client) -> None:
-    """Every connection of ``client`` parses with ``BoundedParser`` (the pure-Python parser only: hiredis's reads
-    whole replies in C, and is left as it is; a server without RESP3 (before Redis 6), to which redis-py falls back
-    with a parser of its own, is not bounded either)."""
-    if not hasattr(DefaultParser, "_readline"):
+    """Every connection of ``client`` parses with a bounded parser (the pure-Python ones only: hiredis's reads
+    whole replies in C, and is left as it is)."""
+    if DefaultParser not in _BOUNDED:
         return
     for maker in _makers(client):
-        maker.connection_kwargs["parser_class"] = BoundedParser
-    if isinstance(client, RedisCluster):
-        client.connection_kwargs["parser_class"] = BoundedParser  # the nodes the cluster's slot map names later
+        maker.connection_class = _bounded(maker.connection_class)
+    if isinstance(client, RedisCluster):  # the nodes the cluster's slot map names later
+        client.connection_kwargs["connection_class"] = _bounded(client.connection_kwargs["connection_class"])
+
+
+def _bounded(cls: type) -> type:
+    return cls if issubclass(cls, _BoundedParsers) else type(f"Bounded{cls.__name__}", (_BoundedParsers, cls), {})
 
 
 def _share_context(client: Client, context: ssl.SSLContext) -> None:
