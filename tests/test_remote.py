@@ -1894,6 +1894,23 @@ async def test_a_reply_longer_than_the_socket_timeout_is_bounded_by_its_call(ser
             r.delete(keys.block_key(NS, k))
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_connection_made_for_hiredis_parses_with_a_bounded_parser_of_its_protocol(protocol: int) -> None:
+    """Where hiredis is installed it is redis-py's default parser, and it reads whole replies in C: the tier's
+    connections use the bounded pure-Python parser of their protocol instead (found in review)."""
+    from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser, _AsyncRESP3Parser
+    from redis.asyncio import Redis
+
+    from spilld.remote.client import make_client
+
+    client = make_client(RemoteConfig(f"redis://127.0.0.1:1/0?protocol={protocol}"), None)
+    assert isinstance(client, Redis)
+    maker = client.connection_pool
+    conn = maker.connection_class(**{**maker.connection_kwargs, "parser_class": _AsyncHiredisParser})
+    assert isinstance(conn._parser, _AsyncRESP2Parser if protocol == 2 else _AsyncRESP3Parser)
+    assert type(conn._parser)._readline.__module__ == "spilld.remote.client"  # the bounded kind
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("resp3", [True, False], ids=["resp3", "hello-refused"])
 async def test_a_reply_declared_longer_than_its_read_allows_is_refused_before_it_is_buffered(resp3: bool) -> None:

@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 
 from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.connection import DefaultParser, SSLConnection
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import InvalidResponse
@@ -65,15 +65,21 @@ class _BoundedReads:
 # Each pure-Python parser and its bounded kind. redis-py picks the parser by protocol, and swaps RESP3's for RESP2's
 # when a server refuses HELLO: a hostile server could do that to be read unbounded (found in review).
 _BOUNDED: dict[type, type] = {
-    base: type(f"Bounded{base.__name__}", (_BoundedReads, base), {}) for base in (_AsyncRESP2Parser, _AsyncRESP3Parser)
+    base: type(f"Bounded{base.__name__}", (_BoundedReads, base), {"__module__": __name__})
+    for base in (_AsyncRESP2Parser, _AsyncRESP3Parser)
 }
 
 
 class _BoundedParsers:
-    """Mixed into a connection class: whichever pure-Python parser redis-py sets, the bounded kind is used."""
+    """Mixed into a connection class: whichever parser redis-py sets, a bounded pure-Python one is used (hiredis's,
+    the default where it is installed, reads whole replies in C: it is replaced by the one of the same protocol)."""
+
+    protocol: int
 
     def set_parser(self, parser_class: type) -> None:
-        super().set_parser(_BOUNDED.get(parser_class, parser_class))  # type: ignore[misc]
+        if parser_class not in _BOUNDED:
+            parser_class = _AsyncRESP2Parser if getattr(self, "protocol", 3) == 2 else _AsyncRESP3Parser
+        super().set_parser(_BOUNDED[parser_class])  # type: ignore[misc]
 
 
 def make_client(config: RemoteConfig, password: str | None, tls: ssl.SSLContext | None = None) -> Client:
@@ -137,10 +143,7 @@ def tls_context(config: RemoteConfig, password: str | None) -> ssl.SSLContext | 
 
 
 def _bound_replies(client: Client) -> None:
-    """Every connection of ``client`` parses with a bounded parser (the pure-Python ones only: hiredis's reads
-    whole replies in C, and is left as it is)."""
-    if DefaultParser not in _BOUNDED:
-        return
+    """Every connection of ``client`` parses with a bounded parser."""
     for maker in _makers(client):
         maker.connection_class = _bounded(maker.connection_class)
     if isinstance(client, RedisCluster):  # the nodes the cluster's slot map names later
@@ -148,7 +151,11 @@ def _bound_replies(client: Client) -> None:
 
 
 def _bounded(cls: type) -> type:
-    return cls if issubclass(cls, _BoundedParsers) else type(f"Bounded{cls.__name__}", (_BoundedParsers, cls), {})
+    return (
+        cls
+        if issubclass(cls, _BoundedParsers)
+        else type(f"Bounded{cls.__name__}", (_BoundedParsers, cls), {"__module__": __name__})
+    )
 
 
 def _share_context(client: Client, context: ssl.SSLContext) -> None:
