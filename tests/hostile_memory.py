@@ -16,9 +16,9 @@ from spilld import format as fmt
 from spilld import protocol as P
 
 GIANT_ROWS = 4500  # x 64 heads x 256 dims x 2 tensors, float16: 281 MiB declared
-# a 1 MB message (counted at unpack.MAX_EXPANSION = 24x while received: 24 MB, within --cap 64MiB / 2 beside
-# other spills) that parses into ~12 MB; at 500,000 tokens its 48 MB count no longer fit beside anything
-HUGE_HEADER_TOKENS = 250_000
+# a 0.5 MB message (counted at unpack.MAX_EXPANSION = 48x while received: 24 MB, within --cap 64MiB / 2 beside
+# other spills) that parses into ~6 MB; at 250,000 tokens its 48 MB count no longer fit beside anything
+HUGE_HEADER_TOKENS = 125_000
 LORIS_ROWS = 2048  # x 8 heads x 128 dims x 2 tensors, float16: 8 MiB declared, 4 KiB sent
 
 

@@ -476,7 +476,7 @@ async def test_a_lookup_waiting_on_the_shared_tier_holds_its_tokens_as_4_bytes_e
     import tracemalloc
 
     lookups, release = 4, asyncio.Event()
-    async with in_process("filler", cap=4 * 2**30) as (daemon, _):  # room for 4 MiB messages (24 x each)
+    async with in_process("filler", cap=4 * 2**30) as (daemon, _):  # room for 4 MiB messages (48 x each)
         tier = RemoteTier(RemoteConfig("redis://127.0.0.1:1"), environ={})  # never started: nothing is reached
         asked: list[int] = []
 

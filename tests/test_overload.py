@@ -10,7 +10,7 @@ stored entries are on disk whole and a sample of them loads back exactly.
 
 Alongside, clients that try to make the daemon hold memory (``tests/hostile_memory.py``): a giant declared spill
 (refused ``busy`` at once, every time), a slow-loris spill (aborted after the idle timeout, again and again) and
-spills whose headers hold a quarter of a million tokens each (counted against the cap while open). The RSS bound then
+spills whose headers hold 125,000 tokens each (counted against the cap while open). The RSS bound then
 counts the largest thing the daemon admitted (such a header's parsed form) as the largest item.
 """
 

@@ -177,6 +177,24 @@ def test_a_message_of_empty_containers_is_refused_before_it_expands(empty: bytes
     assert peak < MAX_EXPANSION * len(body), (peak, len(body))
 
 
+@pytest.mark.parametrize(
+    "item",
+    [b"\xf6", b"\xd0\x80", b"\xa2\xc4\x80", b"\xa2ab", b"\xd4\x01\x01", b"\xcd\x01\x01", b"\xc0"],
+    ids=["negative-fixint", "int8", "ucs2-char", "two-chars", "fixext1", "uint16", "nil"],
+)
+def test_a_message_of_small_scalars_stays_within_max_expansion(item: bytes) -> None:
+    """Found in review: CPython caches the ints -5..256 only, so each negative fixint (-32..-6, one byte) became
+    a new int and a list slot: 40.8x its size, against the 24x the daemon counted a message. Every scalar msgpack
+    has, packed as densely as it goes, stays within MAX_EXPANSION x."""
+    from spilld.unpack import MAX_EXPANSION
+
+    n = (P.MAX_MSG_BYTES - 32) // len(item)
+    body = b"\x94\x02\xa4note\xdd" + struct.pack(">I", n) + item * n
+    dec = P.FrameDecoder()
+    peak = _traced_peak(lambda: dec.feed(P.FRAME_HEAD.pack(len(body), 0) + body))
+    assert peak < MAX_EXPANSION * len(body), (peak / len(body), len(body))
+
+
 def test_the_largest_headers_spilld_writes_are_within_the_container_limit() -> None:
     """The bound refuses nothing spilld makes: every golden header, and a spill header of MAX_OPEN_TENSORS kv
     tensors (one container per ~30 bytes: a tensor's map and its shape), decode through the bounded decoder."""
