@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -610,3 +611,23 @@ def test_an_internal_error_exits_70_and_shows_its_traceback_only_when_asked(monk
     monkeypatch.setenv("SPILLD_DEBUG", "1")
     with pytest.raises(ValueError, match="a bug"):
         cli.main(["inspect", str(DATA / "kv.spilld")])
+
+
+def test_ls_prints_a_file_time_past_the_calendar_as_its_number(tmp_path: Path) -> None:
+    """Found in review: ``ls`` (and ``ls --quarantine``) failed with an internal error on a file whose time was
+    past the year 9999 (tmpfs allows it); such a time is printed as its raw number."""
+    from spilld.cli import files
+
+    assert files._local_minute(99_999_999_999_999) == "@99999999999999"
+    assert files._local_minute(0).startswith(("1970-01-01", "1969-12-31"))
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):  # where the kernel keeps such a time: the command as a whole
+        root = Path(tempfile.mkdtemp(dir=shm))
+        try:
+            place(root, 1)
+            for p in root.rglob("*.spilld"):
+                os.utime(p, (99_999_999_999_999, 99_999_999_999_999))
+            r = spilld("ls", "--dir", str(root))
+            assert r.returncode == 0 and "1 entry," in r.stdout, r.stdout + r.stderr
+        finally:
+            shutil.rmtree(root)

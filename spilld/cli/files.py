@@ -65,6 +65,15 @@ def _created(ms: int) -> str:
         return f"at {ms} ms since 1970 (out of the calendar's range)"
 
 
+def _local_minute(t: float) -> str:
+    """A file's time (seconds since 1970) in local time, or its raw number where no calendar reaches (a file
+    touched to a time past the year 9999: found in review, ``ls`` failed with an internal error)."""
+    try:
+        return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")
+    except (ValueError, OverflowError, OSError):
+        return f"@{t:.0f}"
+
+
 def _print_header(h: fmt.Header, path: str) -> None:
     ident = h.identity
     print(f"file         {path}")
@@ -224,7 +233,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(json.dumps(qrows, indent=2))
             return EXIT_OK
         for r in qrows:
-            when = datetime.datetime.fromtimestamp(r["moved"]).strftime("%Y-%m-%d %H:%M")
+            when = _local_minute(r["moved"])
             print(f"{when}  {format_size(r['bytes']):>10}  {r['path']}")
         total = format_size(sum(r["bytes"] for r in qrows))
         print(f"{plural(len(qrows), 'quarantined file')}, {total} in {root}")
@@ -236,7 +245,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     for r in rows:  # an entry's size: its file and the blocks it names (a block shared by entries: in each)
-        when = datetime.datetime.fromtimestamp(r["last_used"]).strftime("%Y-%m-%d %H:%M")
+        when = _local_minute(r["last_used"])
         size = format_size(r["bytes"] + r["block_bytes"])
         print(
             f"{when}  {r['tokens']:>7} tok  {size:>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  {r['path']}"
