@@ -540,6 +540,9 @@ class FakeRunner:
         return 0, "", ""
 
 
+REAL_RUN = install.run_command  # before any test replaces it
+
+
 @pytest.fixture
 def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, FakeRunner]:
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -982,3 +985,35 @@ def test_install_refuses_a_dir_or_socket_serve_would_refuse(tmp_path: Path, bad:
         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
+
+
+def test_a_drain_deadline_of_weeks_caps_each_commands_wait_where_a_real_command_can_wait(
+    fake_home: tuple[Path, FakeRunner],
+) -> None:
+    """Found in review: ``--drain-deadline 25d`` made a command's wait pass poll()'s 2**31 ms: an internal error
+    halfway through the install (its files written, no reload), and every later uninstall or install failed the
+    same way. Each command now waits at most MAX_COMMAND_WAIT_S, a wait a real command takes."""
+    _, runner = fake_home
+    assert cli.main(["service", "install", "--manager", "systemd", "--drain-deadline", "30d"]) == 0
+    assert set(runner.timeouts) == {install.MAX_COMMAND_WAIT_S}
+    assert REAL_RUN(["true"], max(runner.timeouts)).returncode == 0  # the real runner waits that long
+    runner.timeouts.clear()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
+    assert set(runner.timeouts) == {install.MAX_COMMAND_WAIT_S}
+
+
+def test_uninstall_keeps_the_files_when_systemd_refuses_to_stop_the_service(
+    fake_home: tuple[Path, FakeRunner], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: with the user manager's bus out of reach (sudo, ssh), ``disable --now`` failed, and
+    uninstall removed the unit files anyway and said "uninstalled", the daemon still running. Now it fails with
+    exit 6 and the files stay, so that a later uninstall can stop it."""
+    home, _ = fake_home
+    assert cli.main(["service", "install", "--manager", "systemd"]) == 0
+    folder = home / ".config" / "systemd" / "user"
+    before = sorted(p.name for p in folder.iterdir())
+    monkeypatch.setattr(install, "run_command", FakeRunner(codes={"disable": [1]}))
+    capsys.readouterr()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == cli.EXIT_SERVICE
+    assert "disable --now" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == before

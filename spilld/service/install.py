@@ -37,6 +37,9 @@ Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess[str]]
 # which ends at READY=1, after the index scan (TimeoutStartSec= is 90 s by default).
 COMMAND_MARGIN_S = 90
 QUERY_TIMEOUT_S = 30  # `launchctl print`, `systemctl is-active`: nothing to wait for
+# The longest wait for one command: poll() takes at most 2**31 ms (found in review: a 25-day drain deadline made
+# the wait overflow, an internal error halfway through an install, and every later uninstall failed the same way)
+MAX_COMMAND_WAIT_S = 24 * 86_400
 POLL_S = 0.5  # between looks at a job that is still unloading
 RETRIES = 4  # more tries of a step whose exit code says "not yet" (bootstrap's 5 while the old job unloads)
 RETRY_PAUSE_S = 1.0
@@ -87,7 +90,7 @@ class Plan:
 
     @property
     def command_timeout_s(self) -> float:
-        return self.stop_s + COMMAND_MARGIN_S
+        return min(self.stop_s + COMMAND_MARGIN_S, MAX_COMMAND_WAIT_S)
 
 
 def config_home(home: Path) -> Path:
@@ -235,7 +238,9 @@ def uninstall_plan(manager: Manager, home: Path) -> Plan:
     return Plan(
         remove=files,
         foreign=foreign,
-        before=[Step(["systemctl", "--user", "disable", "--now", *names], may_fail=True)],
+        # must succeed: our unit files are there, so only an unreachable manager refuses, and removing the files
+        # then would leave the daemon running with nothing to stop it by (found in review: reported uninstalled)
+        before=[Step(["systemctl", "--user", "disable", "--now", *names])],
         after=[Step(["systemctl", "--user", "daemon-reload"], may_fail=True)],
         stop_s=stop_s,
     )
