@@ -55,7 +55,7 @@ from .eviction import evict_order
 from .folders import FolderClaims, remove_empty_folders
 from .index import Index, ns_dir
 from .listing import EXT
-from .pins import read_pins, write_pins
+from .pins import read_pins, update_pins
 from .quarantine import QUARANTINE_MAX_BYTES, move_aside
 from .scan import Scanned, scan_root
 from .unlinks import Unlinks, unlink_all
@@ -120,7 +120,10 @@ class Store:
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
         self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
-        self._pins_written = asyncio.Lock()  # one pins file written at a time, each with the set as it is then
+        # pins the file names that the index lacks (another writer's, or skipped by the scan): never judged here
+        self._unjudged: set[str] = set()
+        self._pin_changes: dict[str, bool] = {}  # this process's pins and unpins the file does not have yet
+        self._pins_written = asyncio.Lock()  # one pins file written at a time, each with the changes as they are then
         self._provider = provider  # built on first use: the daemon only moves bytes and never needs codecs
         self.verify = verify
         self.counters = StoreCounters()
@@ -219,7 +222,9 @@ class Store:
         took = reap and not held
         try:  # a lock taken for the scan is held until its last removal: another spilld may take it at once after
             self._take_scan(scan_root(self.root, self.ops, reap), reap)
-            self._pins = {p for p in read_pins(self.root) if p in self.index.by_path}
+            named = set(read_pins(self.root))
+            self._pins = {p for p in named if p in self.index.by_path}
+            self._unjudged = named - self._pins
             log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
             if reap:  # another owner's files are never evicted to this store's cap
                 self.evict_to_cap()
@@ -576,7 +581,7 @@ class Store:
         entry = self.index.add(path, result.header, time.time())  # no await between the save's end and this
         self._unpin(pinned)
         if pin:
-            self._pins.add(path)
+            self._mark_pin(path, True)
         self.counters.stored += 1
         self._wrote(result.file_bytes)
         self._ok()
@@ -993,7 +998,7 @@ class Store:
         path is not an entry here. Writes the pins file (blocking: ``pin_async`` on a loop)."""
         if not self._set_pin(path, on):
             return False
-        write_pins(self.root, sorted(self._pins), self.ops, self.durability)
+        self._write_pins()
         return True
 
     async def pin_async(self, path: str, on: bool = True) -> bool:
@@ -1003,11 +1008,31 @@ class Store:
         return True
 
     async def _save_pins(self) -> None:
-        """Write the pins file with the set as it is once this write's turn comes (found in review: two writes at
-        once could rename the older set last, and a pin was lost at the next start)."""
+        """Write the pins file with the changes as they are once this write's turn comes (found in review: two
+        writes at once could rename the older set last, and a pin was lost at the next start)."""
         async with self._pins_written:
-            pins = sorted(self._pins)
-            await self._io(lambda: write_pins(self.root, pins, self.ops, self.durability), "the pins file")
+            changes, known = dict(self._pin_changes), self._pins | self._unjudged
+            await self._io(lambda: update_pins(self.root, changes, known, self.ops, self.durability), "the pins file")
+            self._pins_saved(changes)
+
+    def _write_pins(self) -> None:
+        """``_save_pins``, blocking."""
+        changes = dict(self._pin_changes)
+        update_pins(self.root, changes, self._pins | self._unjudged, self.ops, self.durability)
+        self._pins_saved(changes)
+
+    def _pins_saved(self, changes: dict[str, bool]) -> None:
+        """``changes`` are in the file: pending no more (one changed again meanwhile still is). The file is merged,
+        never rewritten from this index alone (found in review: a pin the scan could not judge, or another
+        writer's, was dropped)."""
+        for p, on in changes.items():
+            if self._pin_changes.get(p) is on:
+                del self._pin_changes[p]
+
+    def _mark_pin(self, path: str, on: bool) -> None:
+        """This process pins or unpins ``path``: the next pins file write applies it."""
+        (self._pins.add if on else self._pins.discard)(path)
+        self._pin_changes[path] = on
 
     async def _io(self, fn: Callable[[], T], what: str, background: bool = False, late: Sequence[str] = ()) -> T:
         """``fn`` (blocking file work) on a worker thread within the I/O deadline (``StorageTimeout`` past it).
@@ -1030,7 +1055,7 @@ class Store:
     def _set_pin(self, path: str, on: bool) -> bool:
         if path not in self.index.by_path:
             return False
-        (self._pins.add if on else self._pins.discard)(path)
+        self._mark_pin(path, on)
         return True
 
     def namespace_bytes(self, namespace: str) -> int:
@@ -1065,9 +1090,20 @@ class Store:
     def _forget(self, e: Entry) -> None:
         """Out of the index (its file stays); its blocks that no manifest names (or put pins) any more go."""
         if self.index.by_path.get(e.path) is e:
-            self._pins.discard(e.path)
+            self._drop_pin(e)
             for rec in self.index.remove(e):
                 self._reclaim_if_unused(rec)
+
+    def _drop_pin(self, e: Entry) -> None:
+        """``e`` leaves the index: a pin of a file of ours goes with it (the next pins file write drops it); another
+        writer's file stays, and its pin is that writer's to judge."""
+        if e.path not in self._pins:
+            return
+        if e.owned:
+            self._mark_pin(e.path, False)
+        else:
+            self._pins.discard(e.path)
+            self._unjudged.add(e.path)
 
     def _remove(self, e: Entry) -> None:
         """Out of the index now; the file joins those to delete, if it is ours (``Entry.owned``)."""
