@@ -114,19 +114,21 @@ def default_socket() -> str:
 
 
 # sun_path is 108 bytes on Linux and 104 on macOS, its terminating NUL included
-SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+MACOS_SOCKET_PATH_MAX = 103
+SOCKET_PATH_MAX = MACOS_SOCKET_PATH_MAX if sys.platform == "darwin" else 107
 
 
-def check_socket_path(path: str) -> str:
-    """An absolute socket path that fits ``sun_path`` (a relative one is taken from the current folder)."""
+def check_socket_path(path: str, limit: int = SOCKET_PATH_MAX) -> str:
+    """An absolute socket path that fits ``sun_path``, ``limit`` bytes (a relative one is taken from the current
+    folder)."""
     if not path:
         raise ValueError("the socket path is empty")
     if "\0" in path:
         raise ValueError(f"{path!r}: a socket path cannot hold a NUL byte")
     full = os.path.abspath(os.path.expanduser(path))
     n = len(os.fsencode(full))
-    if n > SOCKET_PATH_MAX:
-        raise ValueError(f"socket path {full!r} is {n} bytes; a Unix socket path holds at most {SOCKET_PATH_MAX}")
+    if n > limit:
+        raise ValueError(f"socket path {full!r} is {n} bytes; a Unix socket path holds at most {limit}")
     return full
 
 

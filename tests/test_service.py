@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -459,7 +460,8 @@ def test_a_wrong_inherited_socket_is_a_configuration_error(
 # --- spilld service install / uninstall / status ----------------------------------------------
 
 
-def test_install_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
+def test_install_dry_run_prints_and_writes_nothing(short_home: Path) -> None:
+    tmp_path = short_home
     env = {k: v for k, v in os.environ.items() if k != "XDG_CONFIG_HOME"} | {"HOME": str(tmp_path)}
     for manager, want in (
         ("systemd", ["ExecStart=", "ListenStream=", "$ systemctl --user daemon-reload", "enable --now spilld.socket"]),
@@ -544,12 +546,20 @@ REAL_RUN = install.run_command  # before any test replaces it
 
 
 @pytest.fixture
-def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, FakeRunner]:
-    monkeypatch.setenv("HOME", str(tmp_path))
+def short_home() -> Iterator[Path]:
+    """A home whose LaunchAgent socket fits macOS's 103 bytes (pytest's own folders are too long for it)."""
+    home = Path(tempfile.mkdtemp(prefix="spilld-home-", dir="/tmp"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def fake_home(short_home: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, FakeRunner]:
+    monkeypatch.setenv("HOME", str(short_home))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
     runner = FakeRunner()
     monkeypatch.setattr(install, "run_command", runner)
-    return tmp_path, runner
+    return short_home, runner
 
 
 def test_systemd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]) -> None:
@@ -1017,3 +1027,27 @@ def test_uninstall_keeps_the_files_when_systemd_refuses_to_stop_the_service(
     assert cli.main(["service", "uninstall", "--manager", "systemd"]) == cli.EXIT_SERVICE
     assert "disable --now" in capsys.readouterr().err
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_launchd_refuses_a_default_socket_path_macos_cannot_bind(
+    short_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: the LaunchAgent's default socket (under ~/Library/Application Support) was not checked:
+    under a long home it passed macOS's 103 bytes, launchd could not bind it and the daemon was relaunched every
+    30 s. It is refused at install (exit 2), as an explicit ``--socket`` of that length is, by macOS's limit
+    wherever the plist is made."""
+    from spilld.config import MACOS_SOCKET_PATH_MAX
+
+    tail = "/Library/Application Support/spilld/spilld.sock"
+    home = short_home / ("h" * (MACOS_SOCKET_PATH_MAX + 1 - len(str(short_home)) - 1 - len(tail)))
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(install, "run_command", FakeRunner())
+    assert len(str(home) + tail) == MACOS_SOCKET_PATH_MAX + 1
+    assert cli.main(["service", "install", "--manager", "launchd", "--dry-run"]) == cli.EXIT_USAGE
+    assert f"holds at most {MACOS_SOCKET_PATH_MAX}" in capsys.readouterr().err
+    assert cli.main(["service", "install", "--manager", "launchd", "--dry-run", "--socket", str(home) + tail]) == 2
+    shorter = home.with_name(home.name[:-1])
+    shorter.mkdir()
+    monkeypatch.setenv("HOME", str(shorter))
+    assert cli.main(["service", "install", "--manager", "launchd", "--dry-run"]) == 0  # 103 bytes: taken

@@ -12,26 +12,35 @@ from ..config import default_dir
 from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, EXIT_USAGE, UsageError, folder_arg
 
 
-def _service_spec(args: argparse.Namespace) -> Any:
-    from ..service.units import ServiceSpec
+def _service_spec(args: argparse.Namespace, manager: str, home: Path) -> Any:
+    from ..service.units import ServiceSpec, launchd_socket
 
     given = {k: v for k in ("cap", "drain_deadline", "socket_activation") if (v := getattr(args, k)) is not None}
     folder = folder_arg(args.dir, default_dir, must_exist=False) if args.dir else None  # refused now, not at start
-    return ServiceSpec(dir=folder, socket=_service_socket(args.socket), **given)  # the rest: its defaults
+    spec = ServiceSpec(dir=folder, socket=_service_socket(args.socket, manager), **given)  # the rest: its defaults
+    if manager == "launchd" and args.socket is None:  # the default under a long home (found in review: unchecked)
+        _checked_path(launchd_socket(spec, home), manager)
+    return spec
 
 
-def _service_socket(path: str | None) -> str | None:
+def _checked_path(path: str, manager: str) -> str:
+    """``path`` made absolute, if it fits a socket address where ``manager`` runs (launchd: macOS's 103 bytes)."""
+    from ..config import MACOS_SOCKET_PATH_MAX, SOCKET_PATH_MAX, check_socket_path
+
+    try:
+        return check_socket_path(path, MACOS_SOCKET_PATH_MAX if manager == "launchd" else SOCKET_PATH_MAX)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _service_socket(path: str | None, manager: str) -> str | None:
     """``--socket`` as ``serve`` would take it, checked now (a folder other users can write is refused: under
     socket activation the manager binds it, and ``serve``'s own check would never run)."""
     if path is None:
         return None
-    from ..config import check_socket_path
     from ..daemon.listen import check_socket_folder
 
-    try:
-        full = check_socket_path(os.path.abspath(os.path.expanduser(path)))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    full = _checked_path(os.path.abspath(os.path.expanduser(path)), manager)
     if os.path.isdir(folder := os.path.dirname(full)):  # one that is missing is made, ours alone
         check_socket_folder(folder)
     return full
@@ -73,7 +82,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     if args.action == "status":
         return _service_status(manager, home)
     if args.action == "install":
-        plan = svc.install_plan(manager, _service_spec(args), home)
+        plan = svc.install_plan(manager, _service_spec(args, manager, home), home)
     else:
         plan = svc.uninstall_plan(manager, home)
     if args.dry_run:
