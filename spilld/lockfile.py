@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import weakref
 
 from . import errors
@@ -58,11 +59,12 @@ class FileLock:
         with io_errors("lock file", self.path):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
+            _check_ours(fd, self.path)
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
-        except OSError:
+        except (OSError, errors.UnusableFolder):
             os.close(fd)
             raise
         self.fd, self.shared = fd, shared  # ours from here, released by ``release`` (or when this object goes)
@@ -97,6 +99,15 @@ class FileLock:
             fd, self.fd = self.fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _check_ours(fd: int, path: str) -> None:
+    """Refuse a file at the lock's name that no spilld wrote (not a regular file, or neither empty nor a pid):
+    taking it would overwrite it with our pid (found in review: a user's own file at ``<socket>.lock`` was)."""
+    st = os.fstat(fd)
+    head = os.pread(fd, PID_BYTES + 1, 0) if stat.S_ISREG(st.st_mode) else b"x"
+    if head and (len(head) > PID_BYTES or not head.rstrip(b"\n").isdigit()):
+        raise errors.UnusableFolder(f"{path} exists and is not a spilld lock file: refusing to use it")
 
 
 def _close_quietly(fd: int) -> None:

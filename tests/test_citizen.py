@@ -126,6 +126,29 @@ def test_something_that_is_not_a_socket_at_the_path_is_never_replaced(root: str)
     assert Path(d.socket).read_text() == "a user's file"
 
 
+@pytest.mark.parametrize("at", ["socket", "folder"])
+def test_a_file_at_a_lock_name_that_no_spilld_wrote_is_never_overwritten(root: str, at: str) -> None:
+    """Found in review: a user's own file at ``<socket>.lock`` was emptied and given the daemon's pid. A file at a
+    lock's name that is neither empty nor a pid is refused (exit 2) and left as it was."""
+    from spilld.lockfile import LOCK_NAME, SOCKET_LOCK_SUFFIX
+
+    d = Daemon(root)
+    if at == "socket":
+        os.makedirs(os.path.dirname(d.socket), mode=0o700)
+        lock = Path(d.socket + SOCKET_LOCK_SUFFIX)
+    else:
+        os.makedirs(d.dir, mode=0o700)
+        lock = Path(d.dir) / LOCK_NAME
+    lock.write_text("my own notes, not spilld's\n")
+    line = refused(d, 2)
+    assert "not a spilld lock file" in line, line
+    assert lock.read_text() == "my own notes, not spilld's\n"
+    lock.write_text("12345\n")  # one a spilld left (its pid): taken
+    d.start()
+    d.stop()
+    assert lock.read_text().strip().isdigit()
+
+
 SYSTEM_PYTHON = "/usr/bin/python3"  # one another user may run (the test's own may sit in root's home)
 
 
