@@ -37,7 +37,7 @@ class Control:
         try:
             refuse_foreign(self.sock, path)
             self.server: dict[str, Any] = self.call(
-                "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}
+                "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}, timeout=timeout
             )
         except BaseException:  # a foreign daemon, or a hello refused or unanswered: the socket goes with it
             self.sock.close()

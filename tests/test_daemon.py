@@ -630,6 +630,31 @@ def test_spilld_drain_keeps_to_its_timeout_when_the_daemon_stops_answering() -> 
         assert time.monotonic() - t0 < 2 + ANSWER_GRACE_S + 10
 
 
+def test_drain_keeps_to_its_timeout_when_the_daemon_hangs_before_its_hello() -> None:
+    """Found in review: the connection's hello waited CONNECT_TIMEOUT_S (10 s) whatever ``--timeout`` said, and
+    the message named a time that was not waited (``did not answer within 6 s`` after 10.2 s). The timeout now
+    bounds the whole exchange, and the message says how long it waited."""
+    import subprocess
+    import sys
+
+    from spilld.cli.running import ANSWER_GRACE_S
+    from spilld.control import CONNECT_TIMEOUT_S
+
+    with serving("--cap", "64MiB") as d:
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)  # it accepts (the kernel does), and answers nothing
+        try:
+            t0 = time.monotonic()
+            cmd = [sys.executable, "-m", "spilld", "drain", "--socket", d.socket, "--timeout", "0.5"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+    assert r.returncode == 3 and "did not answer within" in r.stdout, r.stdout + r.stderr
+    said = float(r.stdout.split("within ")[1].split(" s")[0])
+    assert 0.5 + ANSWER_GRACE_S - 0.5 <= said <= took and took < CONNECT_TIMEOUT_S, (said, took)
+
+
 def test_a_long_call_gives_up_when_the_daemon_says_nothing_for_its_silence_bound() -> None:
     """Found in review: `spilld evict` through the daemon waited for its answer without a bound; it now gives up
     when the daemon says nothing (no answer, no progress) for EVICT_SILENCE_S (here the same bound, 1 s)."""

@@ -153,12 +153,23 @@ def socket_path(args: argparse.Namespace) -> str:
 # --- talking to the daemon ------------------------------------------------------------------------------
 
 
-def control(args: argparse.Namespace) -> Any:
-    from ..control import Control
+def control(args: argparse.Namespace, timeout: float | None = None) -> Any:
+    """A connection to the daemon; ``timeout`` bounds the connect and the hello (else ``CONNECT_TIMEOUT_S``)."""
+    from ..control import CONNECT_TIMEOUT_S, Control
 
-    return Control(socket_path(args), name=f"spilld {args.command}")
+    return Control(
+        socket_path(args), name=f"spilld {args.command}", timeout=CONNECT_TIMEOUT_S if timeout is None else timeout
+    )
 
 
 def ask(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, **kw: Any) -> Any:
-    with control(args) as c:
+    """Send one request and return its answer. A ``timeout`` given bounds the whole exchange, the connect and the
+    hello included (found in review: ``drain --timeout 1`` waited 10 s for a hung daemon's hello)."""
+    from ..control import CONNECT_TIMEOUT_S
+
+    timeout = kw.get("timeout")
+    end = None if timeout is None else time.monotonic() + timeout
+    with control(args, None if timeout is None else min(timeout, CONNECT_TIMEOUT_S)) as c:
+        if end is not None:
+            kw["timeout"] = max(0.0, end - time.monotonic())
         return c.call(method, params or {}, **kw)

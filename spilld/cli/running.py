@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from .. import errors
@@ -24,10 +25,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
             progress.show(int(note.params["pending_items"]), int(note.params["pending_bytes"]), force=True)
 
     wait = DRAIN_DEFAULT_S if args.timeout is None else args.timeout
+    t0 = time.monotonic()
     try:  # bounded here too: a daemon that stopped answering (hung, SIGSTOP) must not hold a shutdown script
         r = ask(args, "drain", {"timeout": wait}, timeout=wait + ANSWER_GRACE_S, on_note=show)
     except errors.Timeout:
-        print(f"timeout: the daemon did not answer within {wait + ANSWER_GRACE_S:g} s")
+        print(f"timeout: the daemon did not answer within {time.monotonic() - t0:.1f} s")
         return EXIT_TIMEOUT
     finally:
         progress.done()
