@@ -616,6 +616,23 @@ async def test_a_spill_of_a_newer_format_is_parsed_first_then_refused_before_its
             assert err is not None and err["code"] == code, (extra, err)
 
 
+@pytest.mark.asyncio
+async def test_a_spills_align_is_checked_as_a_files_is() -> None:
+    """docs/format.md ("Spill checks"): a format-3 spill's given ``align`` is checked as §3 says (another integer
+    ``field_invalid``, nil, a bool or another type ``header_malformed``); a format-2 spill's is ignored (found in
+    review: the doc said ``field_invalid`` for every value)."""
+    async with in_process("align") as (_, wire):
+        for fmt_, align, code in (
+            (3, 64, None), (3, 16384, None), (3, 4096, "field_invalid"), (3, 0, "field_invalid"),
+            (3, "x", "header_malformed"), (3, None, "header_malformed"), (3, True, "header_malformed"),
+            (2, "x", None),
+        ):  # fmt: skip
+            r, err = await wire.call("spill", {"header": kv_header(16) | {"format": fmt_, "align": align}})
+            assert (err and err["code"]) == code, (fmt_, align, err)
+            if r is not None:
+                await wire.call("abort", {"spill": r["spill"]})
+
+
 # --- each limit at its value and one over (found in review: several were tested only far past the limit) ----------
 
 
