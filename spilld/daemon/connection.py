@@ -59,7 +59,7 @@ class Incoming:
         self.held_rows = held_rows  # rows of its positional caches the daemon holds as blocks: not sent
         self.expect = [s.nbytes for s, _ in blocks.after_held(header, held_rows)]  # the bytes each tensor is sent
         self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
-        self.last = asyncio.get_running_loop().time()  # when it last received something
+        self.last = self.opened = asyncio.get_running_loop().time()  # when it last received something, and began
         self.released = False  # its bytes were handed back to the daemon's count
         self.filling = False  # a put's payload is being read into a buffer counted as this spill's
         self.forget_when_filled = False  # it ended meanwhile: its count goes once that payload is read
@@ -147,6 +147,10 @@ class Connection(asyncio.BufferedProtocol):
         self._grant_missed: str | None = None  # why this client's engine is asked for no more grants
         self._filling: Incoming | None = None  # the spill whose put payload is being read now
         self._ask_ids = itertools.count(1)
+        # Deadlines that a trickle of bytes does not push back (found in review: one byte every few seconds kept a
+        # connection without a hello, or a big message holding the receiving budget, open for as long as it liked)
+        self._hello_by = asyncio.get_running_loop().time() + daemon.cfg.hello_timeout
+        self._msg_by: float | None = None  # the big message being received must be whole by then
 
     # --- asyncio protocol -------------------------------------------------------------------
 
@@ -263,13 +267,14 @@ class Connection(asyncio.BufferedProtocol):
             self._timer = None
         if self._closing or ((self.tasks or self.asked) and not self.decoder.buffered):
             return  # the client waits on us (a long commit or drain): silence is not idleness
-        cfg = self.daemon.cfg
+        cfg, now = self.daemon.cfg, asyncio.get_running_loop().time()
         timeout = cfg.request_timeout if self.decoder.buffered else cfg.idle_timeout
-        if not self.hello:
-            timeout = min(timeout, cfg.hello_timeout)
-        self._timer = asyncio.get_running_loop().call_later(
-            timeout, self._fail, P.Timeout(f"client silent for {timeout:.0f} s")
-        )
+        why = f"client silent for {timeout:g} s"
+        if not self.hello and self._hello_by - now < timeout:
+            timeout, why = self._hello_by - now, f"no hello within {cfg.hello_timeout:g} s"
+        if self._held_msg and self._msg_by is not None and self._msg_by - now < timeout:
+            timeout, why = self._msg_by - now, f"a message of this size not received within {cfg.request_timeout:g} s"
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, timeout), self._fail, P.Timeout(why))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
@@ -357,7 +362,13 @@ class Connection(asyncio.BufferedProtocol):
             del self.expired[next(iter(self.expired))]
 
     def _admit_msg(self, size: int) -> None:
-        self._held_msg = self.daemon.ingest.hold_message(size)
+        held = self.daemon.ingest.hold_message(size)
+        if held and not self.hello:  # a hello is small: nothing is held for a client not yet known
+            self.daemon.ingest.release(held)
+            raise P.ProtocolError(f"a message of {size} bytes before the hello")
+        self._held_msg = held
+        if held:  # counted against the budget: it must arrive whole within the request timeout
+            self._msg_by = asyncio.get_running_loop().time() + self.daemon.cfg.request_timeout
 
     def _admit_payload(self, raw: Any, size: int) -> bool:
         """Only a ``put`` for an open spill of this connection, at the next offset of one of its tensors and

@@ -29,6 +29,9 @@ MAX_OPEN_TENSORS = 16_384  # tensors (slots) declared by the spills open on one 
 # the queue holds its own --cap (plus the one item over it that an empty queue takes).
 RECEIVING_SHARE = 2
 MAX_SPILL_CAPS = 2  # one spill may be up to this x --cap (taken alone, when nothing else is received); larger: never
+# An open spill must arrive at this pace on average, beyond its first --idle-timeout: its room is held meanwhile, and
+# a byte now and then kept one of twice the cap open, every other spill refused busy (found in review)
+MIN_SPILL_BYTES_PER_S = 8 * 1024**2
 # The parsed form of a header, as measured (tracemalloc, CPython 3.11): ~40 bytes a token (a list of ints),
 # ~1 KiB a tensor (its slot, shape and entry objects); a message being received or decoded, at most
 # unpack.MAX_EXPANSION x its size (the decoder refuses more maps and arrays than that allows).
@@ -243,14 +246,23 @@ class Ingest:
             self.reserved -= sp.nbytes
 
     def expire(self, connections: Iterable[Connection], now: float) -> None:
-        """Abort the open spills that received nothing for ``--idle-timeout``: their room goes back now."""
+        """Abort the open spills that received nothing for ``--idle-timeout``, or that are not whole by
+        ``--idle-timeout`` plus their bytes at ``MIN_SPILL_BYTES_PER_S``: their room goes back now."""
         timeout = self.cfg.idle_timeout
         for conn in connections:
             for sid, sp in list(conn.spills.items()):
-                if now - sp.last >= timeout and not sp.reads:
-                    conn.expire(sid, P.Timeout(f"spill {sid} received nothing for {timeout:g} s; aborted"))
-                    self.forget(sp)
-                    self.expired += 1
+                if sp.reads:
+                    continue
+                if now - sp.last >= timeout:
+                    why = f"spill {sid} received nothing for {timeout:g} s; aborted"
+                elif now - sp.opened >= (allowed := timeout + sp.nbytes / MIN_SPILL_BYTES_PER_S):
+                    pace = format_size(MIN_SPILL_BYTES_PER_S)
+                    why = f"spill {sid} not whole within {allowed:.0f} s (its bytes at {pace}/s); aborted"
+                else:
+                    continue
+                conn.expire(sid, P.Timeout(why))
+                self.forget(sp)
+                self.expired += 1
 
     async def commit(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         sp = conn.take_spill(p["spill"])
