@@ -91,6 +91,27 @@ async def test_a_namespace_quota_evicts_only_that_namespace(tmp_path: Path) -> N
     assert s.namespace_bytes("tenant") + s.namespace_bytes("other") == s.total_bytes
 
 
+@pytest.mark.asyncio
+async def test_past_the_disk_cap_a_tenant_within_its_quota_evicts_its_own_entries_first(tmp_path: Path) -> None:
+    """Found in review: with quotas that sum past the disk cap, a tenant within its quota evicted another tenant's
+    entries at the cap. Its own unpinned entries go first; another's only when it has none left."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    other = spilld.Identity("wear", namespace="other")
+    kept = await s.put(list(range(1000, 1040)), caches(40), other)
+    tenant = spilld.Identity("wear", namespace="tenant")
+    first = await s.put(list(range(40)), caches(40, seed=1), tenant)
+    per_entry = s.namespace_bytes("tenant")
+    s.disk_cap = s.total_bytes + per_entry // 2  # room for one more tenant entry's half: the cap binds
+    s.namespace_quota = 3 * per_entry  # both tenants well within their quotas
+    second = await s.put([100, *range(39)], caches(40, seed=2), tenant)
+    assert s.total_bytes <= s.disk_cap and s.counters.quota_evicted == 0
+    assert kept.path in s.index.by_path and second.path in s.index.by_path  # the other tenant's entry stays
+    assert first.path not in s.index.by_path  # the writer's own older entry went instead
+    s.disk_cap = per_entry // 2  # now it has nothing of its own left but the new entry: the other's goes
+    third = await s.put([200, *range(39)], caches(40, seed=3), tenant)
+    assert third.path in s.index.by_path and kept.path not in s.index.by_path
+
+
 def entry_bytes(s: Store) -> int:
     return s.total_bytes // max(1, s.count)
 

@@ -748,6 +748,7 @@ class Store:
         tokens an entry it superseded held."""
         held = self._supersede(entry, has_attachments=bool(header.attachments))
         self._evict_to_quota(entry)
+        self._evict_own_to_cap(entry)
         self.evict_to_cap(keep=entry)
         return held
 
@@ -1072,6 +1073,16 @@ class Store:
         n = self._evict_until(mine, lambda: self.index.namespace_bytes(ns) <= quota, new)
         self.counters.quota_evicted += n
         return n
+
+    def _evict_own_to_cap(self, new: Entry) -> int:
+        """With quotas set, a put that passes the disk cap evicts its own namespace's unpinned entries first;
+        another tenant's go only when it has none left (quotas that sum past the cap). Found in review: a tenant
+        within its quota evicted another's entries."""
+        if self.namespace_quota is None or self.total_bytes <= self.disk_cap:
+            return 0
+        ns = ns_dir(new.path)
+        mine = [e for e in self.index.by_path.values() if ns_dir(e.path) == ns and e.path not in self._pins]
+        return self._evict_until(mine, lambda: self.total_bytes <= self.disk_cap, new)
 
     def make_room(self, nbytes: int) -> bool:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
