@@ -399,6 +399,54 @@ def test_a_cut_grown_back_before_the_write_fails_it(tmp_path: Any) -> None:
     assert not any(f.endswith(".spilld") for _, _, fs in os.walk(tmp_path) for f in fs)
 
 
+def test_a_shallow_copy_trims_itself_and_its_cuts_count_for_the_original(tmp_path: Any) -> None:
+    """Found in review: the watch was installed as the cache's own ``trim``, which ``copy.copy`` copies, so the
+    copy's trim cut the original (the copy kept 30 rows, the original 20). The class's ``trim`` counts cuts now. A
+    shallow copy shares the original's arrays (mlx-lm writes rows into the same array object), so its cuts count
+    for the original too: a live snapshot of the original pending meanwhile fails, never stores the copy's rows."""
+    import copy
+
+    cache = fill(C.KVCache(), 30)
+    watch = base.CutWatch.of(cache)
+    fork = copy.copy(cache)
+    fork.trim(10)
+    assert (fork.offset, cache.offset) == (20, 30) and watch.cuts == 1
+    own = base.CutWatch.of(fork)  # the copy watched on its own (a snapshot of it): still counted for both
+    fork.trim(5)
+    assert fork.offset == 15 and (own.cuts, watch.cuts) == (1, 2)
+
+    class Sub(C.KVCache):
+        def trim(self, n: int) -> int:
+            return int(super().trim(n))
+
+    sub = fill(Sub(), 12)
+    sub_watch = base.CutWatch.of(sub)
+    sub.trim(2)
+    assert sub.offset == 10 and sub_watch.cuts == 1  # its trim and its base's: one cut
+    plain = fill(C.KVCache(), 8)  # never watched: its class's trim counts nothing, cuts as before
+    plain.trim(3)
+    assert plain.offset == 5 and getattr(plain, base.CutWatch.ATTR, None) is None
+
+    cache = fill(C.KVCache(), 30)
+    lock, gate = threading.Lock(), Gate()
+    lt = LoopThread("spiller")
+    try:
+        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
+        fut = sp.spill_threadsafe(list(range(30)), [cache], live=True)
+        fork = copy.copy(cache)
+        fork.trim(10)  # the copy reused for another prompt: its rows 20.. are the original's array's too
+        for i in range(15):
+            fork.update_and_fetch(*kv(1, seed=300 + i))
+        mx.eval(fork.keys, fork.values)
+        assert cache.offset == 30
+        gate.open.set()
+        settled: Settled = fut.result(timeout=60)
+        lt.run(sp.close())
+    finally:
+        lt.stop()
+    assert settled.outcome is Outcome.FAILED and isinstance(settled.error, spilld.errors.PlanDrift)
+
+
 def test_an_engine_that_never_evaluates_fails_the_live_write(tmp_path: Any, monkeypatch: Any) -> None:
     monkeypatch.setattr(saver.tensorbytes, "LIVE_LAZY_TIMEOUT_S", 0.3)  # where it is read
     cache = fill(C.KVCache(), 30)

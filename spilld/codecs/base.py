@@ -8,6 +8,7 @@ change our files.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import deque
@@ -89,19 +90,20 @@ MAX_CUTS_REMEMBERED = 64  # cuts a cache's watch keeps; a snapshot older than al
 class CutWatch:
     """Records the cuts (``trim`` calls that lowered the offset) of one cache.
 
-    Installed once per cache object as its ``trim`` (mlx-lm's ``trim_prompt_cache``
-    and ``CacheList.trim`` call that): a cut followed by regrowth past a live
-    snapshot's length rewrites rows the snapshot has yet to read, which the
-    offset alone cannot show. A snapshot keeps the count of cuts at its call
+    Installed once per cache object, its class's ``trim`` made to count them (mlx-lm's ``trim_prompt_cache`` and
+    ``CacheList.trim`` call that): a cut followed by regrowth past a live snapshot's length rewrites rows the
+    snapshot has yet to read, which the offset alone cannot show. A snapshot keeps the count of cuts at its call
     (``mark``) and asks for the lowest offset cut to since (``low_since``).
     """
 
     ATTR = "_spilld_cut_watch"
 
-    def __init__(self, cache: Any) -> None:
-        # weak: the cache holds its watch (and its trim, a method of it), so a strong reference back was a cycle
-        # that kept a dropped cache's buffers until a full collection (found in review)
+    def __init__(self, cache: Any, also: CutWatch | None = None) -> None:
+        # weak: the cache holds its watch, so a strong reference back was a cycle that kept a dropped cache's
+        # buffers until a full collection (found in review)
         self._cache = weakref.ref(cache)
+        self._also = also  # the watch of the cache this one is a shallow copy of: they may share their arrays
+        self._trimming = False  # a subclass's trim calling its base's counts one cut, not two
         self.cuts = 0
         self._recent: deque[tuple[int, int]] = deque(maxlen=MAX_CUTS_REMEMBERED)  # (cut number, offset after)
 
@@ -110,6 +112,7 @@ class CutWatch:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._cache = weakref.ref(state["cache"])
+        self._also, self._trimming = None, False
         self.cuts = state["cuts"]
         self._recent = deque(state["recent"], maxlen=MAX_CUTS_REMEMBERED)
 
@@ -122,12 +125,12 @@ class CutWatch:
 
     @classmethod
     def of(cls, cache: Any) -> CutWatch:
-        """The cache's watch, installed on first use."""
+        """The cache's watch, installed on first use (a shallow copy's counts its cuts for the original too)."""
         watch: CutWatch | None = getattr(cache, cls.ATTR, None)
         if watch is None or watch._cache() is not cache:
-            watch = cls(cache)
+            watch = cls(cache, also=watch)
             setattr(cache, cls.ATTR, watch)
-            cache.trim = watch.trim
+            _count_cuts(type(cache))
         return watch
 
     def mark(self) -> int:
@@ -139,14 +142,43 @@ class CutWatch:
             return -1
         return min((off for k, off in self._recent if k > mark), default=None)
 
-    def trim(self, n: int) -> Any:
-        cache: Any = self._cache()  # alive: this is its trim, called through it
-        before = cache.offset
-        out = type(cache).trim(cache, n)
-        if cache.offset < before:
-            self.cuts += 1
-            self._recent.append((self.cuts, cache.offset))
+    def record(self, offset: int) -> None:
+        """A cut down to ``offset``."""
+        self.cuts += 1
+        self._recent.append((self.cuts, offset))
+        if self._also is not None:
+            self._also.record(offset)
+
+
+_COUNTS_CUTS = "_spilld_counts_cuts"
+
+
+def _count_cuts(cls: type) -> None:
+    """Make ``cls.trim`` count the cuts of each object that carries a watch (any other calls it unchanged). On the
+    class, not the object: an object's own ``trim`` was copied by ``copy.copy``, and the copy's trim then cut the
+    original (found in review)."""
+    here = cls.__dict__.get("trim")
+    if here is not None and getattr(here, _COUNTS_CUTS, False):
+        return
+    inner = cls.trim  # type: ignore[attr-defined]
+    inner = inner.__wrapped__ if getattr(inner, _COUNTS_CUTS, False) else inner  # a base class's, counted there
+
+    @functools.wraps(inner)
+    def trim(self: Any, n: int) -> Any:
+        watch: CutWatch | None = getattr(self, CutWatch.ATTR, None)
+        if watch is None or watch._trimming:
+            return inner(self, n)
+        before, watch._trimming = self.offset, True
+        try:
+            out = inner(self, n)
+        finally:
+            watch._trimming = False
+        if self.offset < before:
+            watch.record(self.offset)
         return out
+
+    setattr(trim, _COUNTS_CUTS, True)
+    cls.trim = trim  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
