@@ -80,6 +80,9 @@ def new_item(
     write time, inside the lease; without one (``leased=False``) nothing keeps
     the engine out while they are read, so the caches are cloned instead.
     """
+    # as it is now: a checkpoint is mutable, and an engine moves its next token on (found in review: the file held
+    # the values at the write, or failed as inconsistent)
+    checkpoint = dataclasses.replace(checkpoint) if checkpoint else None
     ns = checkpoint_namespace(checkpoint.key) if checkpoint else check_namespace(namespace)
     ident = dataclasses.replace(identity, namespace=ns)
     meta = dict(meta) if meta else None  # the caller's dict as it is now: the header is built later

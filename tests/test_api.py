@@ -262,6 +262,30 @@ async def test_a_generation_checkpoint_resumes_through_each_way_in_alike(tmp_pat
 
 
 @pytest.mark.asyncio
+async def test_a_checkpoint_is_stored_as_it_was_at_the_call(tmp_path: Any) -> None:
+    """Found in review: the checkpoint object was kept by reference until the write, so an engine that moved its
+    next token on after the call had the new values stored (or the spill failed as inconsistent)."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+    from tests.daemons import serving
+
+    async def stored_as_called(way: Any) -> None:
+        ck = spilld.GenerationCheckpoint("gen-1", "", 10, 2, 111, 7, True)
+        fut = way.checkpoint(list(range(12)), [fill(C.KVCache(), 12)], ck)
+        ck.pending_token, ck.seed, ck.generated_tokens = 222, 8, 3  # the engine goes on before the write
+        assert (await fut).stored
+        got = await way.resume("gen-1")
+        assert got is not None and got.checkpoint == spilld.GenerationCheckpoint("gen-1", "", 10, 2, 111, 7, True)
+
+    async with spilld.Spiller(tmp_path, identity=spilld.Identity("m")) as sp:
+        await stored_as_called(sp)
+    with serving("--cap", "64MiB") as d:
+        async with AsyncClient(d.socket, identity=spilld.Identity("m")) as c:
+            await stored_as_called(c)
+
+
+@pytest.mark.asyncio
 async def test_resume_finds_the_latest_checkpoint_this_codec_provider_can_read(tmp_path: Any) -> None:
     """Found in review: resume took the longest checkpoint of the key whatever its codec provider, so another
     provider's hid the one this engine could read (a miss)."""
