@@ -16,10 +16,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from . import errors
+from . import errors, fileio
 from .config import DEFAULT_SCRUB_INTERVAL_S, DEFAULT_SCRUB_RATE
 from .lease import Pace, off_loop
-from .loader import verify_file, verify_steps
+from .loader import verify_steps
 from .store import Store
 from .validate import check_file_bytes
 
@@ -41,14 +41,15 @@ class ScrubStats:
     paused: bool = False  # waiting for the daemon to be idle
 
 
-def check_manifest(path: str) -> None:
-    """A manifest without its blocks (they are checked as files of their own)."""
-    with open(path, "rb") as f:
+def check_manifest(path: str) -> bool:
+    """A manifest of at most ``IN_MEMORY_MAX`` bytes read whole and checked in memory, without its blocks (they are
+    checked as files of their own); False, nothing checked, if it is larger (then it is checked in paced steps)."""
+    with open(fileio.open_regular(path), "rb") as f:  # never blocks on a FIFO named like a file (found in review)
         data = f.read(IN_MEMORY_MAX + 1)  # (never more than the bound, whatever the file's size says meanwhile)
     if len(data) > IN_MEMORY_MAX:
-        verify_file(path)  # its blocks checked again with it: rare (a manifest's tail is under one block)
-        return
+        return False
     check_file_bytes(data, path)
+    return True
 
 
 class Scrub:
@@ -91,11 +92,12 @@ class Scrub:
         pace = Pace(self.rate, self.busy, self.clock, self.sleep, BUSY_POLL_S, self._paused)
         for path, nbytes, has_blocks in files:
             await pace.wait_idle()
+            whole = False  # checked in one call (a manifest's tail: small), paced on its size after
             try:
-                if has_blocks:  # a manifest's tail: small
-                    await off_loop(functools.partial(check_manifest, path), background=True)
-                else:  # a chunk a worker call, paced and yielding to serving between two (found in review: a
-                    await self._check_in_steps(path, nbytes, pace)  # whole file at disk speed, busy or not)
+                if has_blocks and nbytes <= IN_MEMORY_MAX:
+                    whole = await off_loop(functools.partial(check_manifest, path), background=True)
+                if not whole:  # a chunk a worker call, paced and yielding to serving between two (found in review:
+                    await self._check_in_steps(path, nbytes, pace)  # a whole file at disk speed, busy or not)
             except errors.FileFormatError as exc:
                 if await self.store.found_bad_async(path, exc):
                     st.bad += 1
@@ -107,7 +109,7 @@ class Scrub:
                 log.warning("scrub: %s could not be read: %s", path, exc)
             st.files += 1
             st.bytes += nbytes
-            if has_blocks:
+            if whole:
                 await pace.took(nbytes)  # paced on the pass's total, less its pauses (a file in steps: each step)
         st.passes += 1
 

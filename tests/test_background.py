@@ -285,3 +285,74 @@ async def test_a_scrub_lists_the_store_off_the_loop(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(scrub, "targets", targets)
     await scrub.scrub_pass()
     assert where and where[0] is not threading.current_thread() and scrub.stats.files == scrub.stats.planned_files
+
+
+def _fifo_in_place_of(path: str) -> None:
+    os.unlink(path)
+    os.mkfifo(path)
+
+
+@pytest.mark.asyncio
+async def test_a_fifo_named_like_a_stored_file_is_refused_by_the_scrub_and_the_warm_start(tmp_path: Path) -> None:
+    """Found in review: the scrub and the warm start opened store files in blocking mode, so a FIFO put in place of
+    a manifest hung a background thread (and a daemon's stop, which waited for it). Both now refuse it at once."""
+    import asyncio
+
+    s, _ = await three_conversations(tmp_path)
+    manifest = s.entries[0].path
+    _fifo_in_place_of(manifest)
+    t = FakeTime()
+    scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
+    await asyncio.wait_for(scrub.scrub_pass(), 10)
+    assert scrub.stats.unreadable == 1 and scrub.stats.files == scrub.stats.planned_files
+    files = [(manifest, 4096), *((p, n) for p, n, _ in scrub.targets() if p != manifest)]
+    ra = ReadAhead(files, 2**40, lambda: False, clock=t.clock, sleep=t.sleep)
+    await asyncio.wait_for(ra.run(), 10)
+    assert ra.stats.done and ra.stats.files == len(files) - 1  # the FIFO passed over, every other file read
+
+
+@pytest.mark.asyncio
+async def test_a_manifest_larger_than_the_in_memory_bound_is_scrubbed_in_paced_steps_without_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a manifest over IN_MEMORY_MAX (a sliding-window model's, stored whole in it) was checked in
+    one worker call with every block it names, unpaced: 137.9 MiB read for a 65.8 MiB manifest, the pace told
+    65.8. It is checked in steps now, as any file, and its blocks only as files of their own."""
+    from spilld import scrub as scrub_module
+
+    s, _ = await three_conversations(tmp_path)
+    monkeypatch.setattr(scrub_module, "IN_MEMORY_MAX", 64)  # every manifest is "large" here
+    stepped: list[str] = []
+    real = scrub_module.verify_steps
+
+    def steps(path: str, ops: Any = None) -> Any:
+        stepped.append(path)
+        return real(path)
+
+    monkeypatch.setattr(scrub_module, "verify_steps", steps)
+    t = FakeTime()
+    rate = 1024 * 1024
+    scrub = Scrub(s, rate, clock=t.clock, sleep=t.sleep)
+    await scrub.scrub_pass()
+    listed = scrub.targets()
+    assert sorted(stepped) == sorted(p for p, _, _ in listed)  # each file once: no block read again with a manifest
+    assert scrub.stats.bytes == sum(n for _, n, _ in listed) and scrub.stats.bad == 0
+    assert t.now == pytest.approx(scrub.stats.bytes / rate)  # paced on what it read, once
+
+
+@pytest.mark.asyncio
+async def test_the_scan_never_indexes_a_fifo_named_like_a_block(tmp_path: Path) -> None:
+    """Found in review: a FIFO named like a block was indexed by its name and size; its prefix was then never
+    served again (every restore an io_error, nothing quarantined, and a new put reused it instead of writing it)."""
+    s, _ = await three_conversations(tmp_path)
+    e = s.entries[0]
+    block = s.block_path(e.blocks[2])  # its own block (0 and 1 are shared)
+    assert block is not None
+    _fifo_in_place_of(block)
+    tokens = [int(t) for t in e.tokens]
+    again = Store(tmp_path, disk_cap=2**40, block_tokens=16)  # a restart: the index rebuilt from the files
+    assert again.scan() == 2 and e.blocks[2] not in {b.key for b in again.blocks}  # (its manifest names a gap)
+    await again.put(tokens, caches(len(tokens), seed=9), IDENT)  # the block is written anew, beside the FIFO
+    assert again.block_path(e.blocks[2]) not in (None, block)
+    got = again.restore(again.lookup(IDENT, "", [*tokens, 1]), IDENT)  # type: ignore[arg-type]
+    assert isinstance(got, spilld.Loaded) and got.tokens == tokens

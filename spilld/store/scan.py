@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 
 from .. import blocks, errors, fileio
@@ -103,11 +104,15 @@ def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap:
     if key is None:
         return
     try:
-        size = os.stat(path).st_size
+        st = os.lstat(path)
     except OSError as exc:
         log.warning("skipped %s: %s", path, exc)
         found.unsure.add(os.path.dirname(path))
         return
+    if not stat.S_ISREG(st.st_mode):  # never ours (found in review: a FIFO indexed as a block poisoned its prefix)
+        log.warning("skipped %s: not a regular file", path)
+        return
+    size = st.st_size
     if key in index.blocks:  # two puts wrote the same block: keep one
         if reap:
             fileio.remove_quietly(ops, path)
