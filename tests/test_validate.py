@@ -236,6 +236,22 @@ def test_capacity_step_is_the_most_a_load_grows() -> None:
         alloc_shape(fmt.Slot(0, 0, (1, 64, 0, 16384), "float16"), CAPACITY_STEP, "f")
 
 
+def test_a_capacity_step_adds_at_most_the_tensors_bytes_or_growth_max_bytes() -> None:
+    """Found in review: a hostile file of one row of [1, 8192, 1, 8192] float32 (sparse: 16 KiB on disk) was
+    allocated at 257 rows, 64 GiB, before any hash was read. Such a step is not taken: the stored rows are."""
+    from spilld.loader import GROWTH_MAX_BYTES
+
+    wide = fmt.Slot(0, 8192 * 8192 * 4, (1, 8192, 1, 8192), "float32")
+    assert alloc_shape(wide, 1 + CAPACITY_STEP, "f") == [1, 8192, 1, 8192]
+    row = GROWTH_MAX_BYTES // CAPACITY_STEP  # a step of rows of this size adds GROWTH_MAX_BYTES exactly
+    at = fmt.Slot(0, row, (1, 1, 1, row), "uint8")
+    assert alloc_shape(at, 1 + CAPACITY_STEP, "f")[2] == 1 + CAPACITY_STEP
+    over = fmt.Slot(0, row + 1, (1, 1, 1, row + 1), "uint8")
+    assert alloc_shape(over, 1 + CAPACITY_STEP, "f")[2] == 1
+    big = fmt.Slot(0, 300 * (row + 1), (1, 1, 300, row + 1), "uint8")  # a step under its own bytes: taken
+    assert alloc_shape(big, 300 + CAPACITY_STEP - 44, "f")[2] == 512
+
+
 def test_max_array_slots(sample: bytes) -> None:
     wire, _ = split(sample)
     arrays = {
