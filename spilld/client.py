@@ -830,6 +830,7 @@ class Client:
             "spilld-client", lambda lt: lt.run(AsyncClient.open(socket_path, **kwargs))
         )
         self._closed: DrainReport | None = None  # close's report, once it ran
+        self._closing = threading.Lock()  # closes from other threads than the loop's, one at a time
         # spills handed to the loop: settled cancelled if it stops before it runs them
         self._handoffs = Handoffs.closed_by(self._lt.on_close)
 
@@ -915,13 +916,17 @@ class Client:
 
         From the client's own loop thread (a spill future's callback) the close cannot be waited for: it runs once
         the callback returns, and this returns at once a report that is not ``done``."""
-        if self._closed is not None:
-            if not self._lt.on_own_thread:  # one begun on the loop's own thread may still run: wait for its end,
-                self._lt.stop(wait=timeout)  # as long as this close may take
-            return self._closed
         if self._lt.on_own_thread:
-            self._closed = DrainReport(False, 0, 0, 0)
-            self._lt.stop(first=self._async.close(timeout))
+            if self._closed is None:
+                self._closed = DrainReport(False, 0, 0, 0)
+                self._lt.stop(first=self._async.close(timeout))
+            return self._closed
+        with self._closing:  # one close at a time from other threads: the others get its report (found in review)
+            return self._close_here(timeout)
+
+    def _close_here(self, timeout: float | None) -> DrainReport:
+        if self._closed is not None:  # one begun on the loop's own thread may still run: wait for its end, as long
+            self._lt.stop(wait=timeout)  # as this close may take
             return self._closed
         try:
             self._closed = self._lt.run(self._async.close(timeout))

@@ -64,6 +64,7 @@ class LoopThread:
         self._stopping = False
         self._pending: set[concurrent.futures.Future[Any]] = set()  # calls waited on from other threads
         self._self_stopped = False  # stopped from its own thread: the thread closes the loop when it ends
+        self._closed = threading.Event()  # the loop is closed: a stop begun by another thread is over
         self._on_close: list[Callable[[], None]] = []
         self._thread = mlxthreads.start_thread(self._serve, name, daemon=True)
         # A caller that exits without ``stop`` must not leave a thread that ran mlx work alive at interpreter
@@ -122,11 +123,14 @@ class LoopThread:
             self_stopped = self._self_stopped
             if not again and self.on_own_thread:
                 self._self_stopped = True
-        if self.loop.is_closed() or (again and (self_stopped or self.on_own_thread)):
+        if again or self.loop.is_closed():
             if asyncio.iscoroutine(first):
                 first.close()
             if self_stopped and not self.on_own_thread:  # it stops itself: wait for that (review: an exit that
                 self._thread.join(wait)  # did not wait lost the spills its close was still draining)
+            elif not self.on_own_thread and not self.loop.is_closed():  # another thread's stop is under way: wait
+                # for its end, never repeat it (found in review: two closes at once closed the loop twice, and raised)
+                self._closed.wait(wait)
             return
         if self.on_own_thread:
             self.loop.create_task(self._stop_here(first))
@@ -163,8 +167,11 @@ class LoopThread:
         for fut in left:
             fut.cancel()
         self.loop.close()
-        for hook in self._on_close:
-            hook()
+        try:
+            for hook in self._on_close:
+                hook()
+        finally:
+            self._closed.set()
 
     @classmethod
     def start_with(cls, name: str, setup: Callable[[LoopThread], T]) -> tuple[LoopThread, T]:
