@@ -167,3 +167,8 @@ class Deadline:
         if self._end is None:
             return None
         return max(0.0, self._end - asyncio.get_running_loop().time())
+
+    def within(self, most: float) -> float:
+        """``most`` seconds, or what is left if less: a wait of its own that the call's timeout still bounds."""
+        left = self.left()
+        return most if left is None else min(most, left)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import errors
+from .api import Deadline
 from .entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 
 if TYPE_CHECKING:
@@ -366,7 +367,9 @@ class SpillQueue:
         return DrainReport(not left, self.pending_items, self.pending_bytes, lost)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
-        """Refuse new items, drain, then stop the writer; what is left at the timeout is cancelled."""
+        """Refuse new items, drain, then stop the writer; what is left at the timeout is cancelled. ``timeout``
+        bounds the whole call."""
+        deadline = Deadline(timeout)
         self._closed = True
         report = await self.drain(timeout)
         self.cancel_where(lambda _: True, barriers=True)
@@ -379,5 +382,5 @@ class SpillQueue:
                 self._worker.cancel()
                 # a step stuck in a thread (a hung disk, an engine's lock held) cannot be stopped: it is left to end
                 # on its own (its item then settles cancelled), and close keeps to its timeout
-                await asyncio.wait([self._worker], timeout=CLOSE_STOP_S)
+                await asyncio.wait([self._worker], timeout=deadline.within(CLOSE_STOP_S))
         return report

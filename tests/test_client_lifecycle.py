@@ -333,3 +333,33 @@ def test_two_threads_closing_one_client_at_once_both_get_its_report(daemon: Daem
         a, b = _close_from_two_threads_at_once(lambda: tier.close(5))  # noqa: B023
         assert a is None and b is None, (trial, a, b)
         assert tier._lt.loop.is_closed()
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm"])
+def test_close_keeps_to_its_timeout_when_the_daemon_stops_mid_ship(shm: bool) -> None:
+    """Found in review: ``close(2.0)`` took 4.0 s with a daemon stopped (SIGSTOP) while a spill was being shipped:
+    the writer's stop, the connection's flush and the pool's wait each took their own second past the deadline.
+    Each now gets what is left of it."""
+    import signal
+
+    from tests.caches import kv
+
+    with serving("--cap", "1GiB") as d:
+        assert d.proc is not None
+        c = Client(d.socket, identity=IDENT, timeout=5.0, shm=shm)
+        caches = []
+        for i in range(4):  # 4 x 2 x 16 MiB: shipped over a good part of a second on a busy machine
+            cache = C.KVCache()
+            cache.update_and_fetch(*kv(8192, heads=8, dim=128, seed=i))
+            caches.append(cache)
+        fut = c.spill(list(range(8192)), caches)
+        time.sleep(0.05)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            report = c.close(1.0)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert took < 1.0 + 0.6, (took, report)
+        assert fut.result(10).outcome is not Outcome.STORED or report.done
