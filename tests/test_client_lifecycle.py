@@ -363,3 +363,32 @@ def test_close_keeps_to_its_timeout_when_the_daemon_stops_mid_ship(shm: bool) ->
             os.kill(d.proc.pid, signal.SIGCONT)
         assert took < 1.0 + 0.6, (took, report)
         assert fut.result(10).outcome is not Outcome.STORED or report.done
+
+
+def test_a_load_through_a_daemon_that_is_down_or_stopped_raises_a_spill_error(tmp_path: Any) -> None:
+    """README: through a daemon, ``load`` raises ``ConnectionLost`` or ``Timeout`` (both ``SpillError``s, which its
+    engine snippet takes for a miss) when the daemon is down or does not answer; never another exception, never a
+    wait past the lookup's bound (found in review: the README's snippet did not say so, and let them through)."""
+    import signal
+
+    from spilld.client import LOOKUP_TIMEOUT_S
+
+    with serving("--cap", "64MiB") as d:
+        assert d.proc is not None
+        c = Client(d.socket, identity=IDENT, timeout=5.0)
+        try:
+            assert c.load(list(range(8))) is None  # up: a miss
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(spilld.SpillError) as stopped:
+                    c.load(list(range(8)))
+                assert isinstance(stopped.value, errors.Timeout) and time.monotonic() - t0 < LOOKUP_TIMEOUT_S + 2
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            d.kill()
+            with pytest.raises(spilld.SpillError) as down:
+                c.load(list(range(8)))
+            assert isinstance(down.value, (errors.ConnectionLost, errors.Timeout)), down.value
+        finally:
+            c.close(2)
