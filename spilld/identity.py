@@ -174,8 +174,13 @@ def config_fingerprint(
     kv_group_size: int | None = None,
     weights: str | os.PathLike[str] | None = None,
     adapter: str | os.PathLike[str] | None = None,
+    max_kv_size: int | None = None,
+    quantized_kv_start: int | None = None,
 ) -> str:
-    """First 16 hex digits of sha256 over the model's class, arguments, dtype, KV quantization and weights."""
+    """First 16 hex digits of sha256 over the model's class, arguments, dtype, KV quantization, the engine's cache
+    settings (a window, and where quantization starts: found in review, an engine without a window was served
+    another's 64-token window) and weights. A setting left None is not hashed: identities made before it existed
+    keep their value."""
     args = getattr(model, "args", None)
     if args is None:  # some families keep it as ``config`` (youtu_llm, plamo2/3): its RoPE settings are in no weight,
         args = getattr(model, "config", None)  # so without it two configs read alike (found in review)
@@ -187,6 +192,10 @@ def config_fingerprint(
         "kv_group_size": kv_group_size if kv_bits else None,
         "weights": weights_fingerprint(model, weights=weights, adapter=adapter),
     }
+    if max_kv_size is not None:
+        payload["max_kv_size"] = max_kv_size
+    if quantized_kv_start is not None and kv_bits:
+        payload["quantized_kv_start"] = quantized_kv_start
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -209,17 +218,28 @@ def model_identity(
     kv_group_size: int | None = None,
     weights: str | os.PathLike[str] | None = None,
     adapter: str | os.PathLike[str] | None = None,
+    max_kv_size: int | None = None,
+    quantized_kv_start: int | None = None,
 ) -> Identity:
     """The identity of an mlx-lm model (and tokenizer, when given), weights and adapter included.
 
     ``weights`` (a model folder or a .safetensors file) fingerprints the weights from their files, once per
     file version; without it the parameters in memory are sampled. ``adapter`` (an adapter folder or file) is
-    added to either. Call it on the engine's thread: a lazily loaded model's parameters are evaluated here.
+    added to either. Pass the engine's cache settings as it makes its caches: ``max_kv_size`` (mlx-lm's
+    ``make_prompt_cache(model, max_kv_size)``: a window) and ``quantized_kv_start`` (with ``kv_bits``), so that an
+    engine set otherwise is never served these caches. Call it on the engine's thread: a lazily loaded model's
+    parameters are evaluated here.
     """
     return Identity(
         model_id=model_id,
         config_fingerprint=config_fingerprint(
-            model, kv_bits=kv_bits, kv_group_size=kv_group_size, weights=weights, adapter=adapter
+            model,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            weights=weights,
+            adapter=adapter,
+            max_kv_size=max_kv_size,
+            quantized_kv_start=quantized_kv_start,
         ),
         tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else "",
         namespace=namespace,

@@ -141,3 +141,30 @@ def test_a_model_that_keeps_its_config_as_config_has_it_in_its_fingerprint() -> 
     mx.eval(a.parameters(), b.parameters())
     assert not hasattr(a, "args")
     assert model_identity(a, model_id="m").config_fingerprint != model_identity(b, model_id="m").config_fingerprint
+
+
+def test_the_engines_cache_settings_are_in_the_identity(two_models: Any) -> None:
+    """Found in review: an engine that makes its caches with a window (``max_kv_size``), or quantizes them from
+    another token (``quantized_kv_start``, with ``kv_bits``), had the identity of one that does not: it was served
+    a 64-token window for a 200-token prompt (next-step logits 1.75 off). Each setting is hashed when given; left
+    out, the identity is the one made before it existed."""
+    from types import SimpleNamespace
+
+    from spilld.integrations.mlx_lm import ServerTiers
+
+    (_, model, tok), _ = two_models
+    fp = lambda **kw: spilld.model_identity(model, tok, model_id="m", **kw).config_fingerprint  # noqa: E731
+    plain = fp()
+    assert fp(max_kv_size=64) != plain and fp(max_kv_size=64) != fp(max_kv_size=128)
+    assert fp(quantized_kv_start=0) == plain  # no KV quantization: where it would start is no difference
+    assert fp(kv_bits=4, quantized_kv_start=0) != fp(kv_bits=4, quantized_kv_start=5000)
+    assert fp(kv_bits=4) != plain
+    unchanged = ident_mod.config_fingerprint(model)  # the payload as before: nothing new hashed when not given
+    assert spilld.model_identity(model, tok, model_id="m").config_fingerprint == unchanged
+
+    def server(start: int) -> Any:
+        args = SimpleNamespace(kv_bits=4, kv_group_size=64, quantized_kv_start=start)
+        return SimpleNamespace(model_key=("m",), model=model, tokenizer=tok, cli_args=args)
+
+    ids = [ServerTiers(server(s), socket=None, folder=None).identity(("m",)) for s in (0, 5000)]
+    assert ids[0].config_fingerprint != ids[1].config_fingerprint  # the server's own --quantized-kv-start

@@ -259,8 +259,9 @@ class ServerTiers:
         model_id = "|".join(str(k) for k in model_key if k)
         kv_bits = getattr(args, "kv_bits", None)
         return model_identity(
-            p.model, p.tokenizer, model_id=model_id, kv_bits=kv_bits, kv_group_size=args.kv_group_size
-        )
+            p.model, p.tokenizer, model_id=model_id, kv_bits=kv_bits, kv_group_size=args.kv_group_size,
+            quantized_kv_start=getattr(args, "quantized_kv_start", None),  # (quantized from there on, if kv_bits)
+        )  # fmt: skip
 
     def _make(self, model_key: Any) -> ColdTier | None:
         try:
