@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spilld.queue")
 
-# How long close waits, past its timeout, for the writer it cancelled: a step stuck in a thread is left behind
+# How long close waits for the writer it cancelled, within its timeout (a step stuck in a thread is left behind),
+# and at least a few loop turns, past it: a writer that is not stuck unwinds before close returns
 CLOSE_STOP_S = 1.0
+CLOSE_STOP_MIN_S = 0.05
 DEFAULT_QUEUE_CAP = 2 * 1024**3  # a caller's queue of spills not yet written (Spiller) or shipped (the clients)
 
 
@@ -382,5 +384,5 @@ class SpillQueue:
                 self._worker.cancel()
                 # a step stuck in a thread (a hung disk, an engine's lock held) cannot be stopped: it is left to end
                 # on its own (its item then settles cancelled), and close keeps to its timeout
-                await asyncio.wait([self._worker], timeout=deadline.within(CLOSE_STOP_S))
+                await asyncio.wait([self._worker], timeout=max(CLOSE_STOP_MIN_S, deadline.within(CLOSE_STOP_S)))
         return report
