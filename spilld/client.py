@@ -54,7 +54,6 @@ CLOSE_REASON_WAIT_S = 1.0  # a failed write waits this long for the daemon's rea
 ANSWER_GRACE_S = 1.0  # a drain waits this long past its deadline for the daemon's answer to travel back
 ABORT_SEND_S = 1.0  # a spill that failed while shipping tells the daemon to drop it, if that takes no longer
 CLOSE_FLUSH_S = 1.0  # a closing connection's unsent bytes get this long to leave, then the socket is dropped
-POOL_MADE_WAIT_S = 2.0  # how long close waits for a segment pool still being made, to close it (else it is kept)
 # An engine waits on these two (its first request, and each prompt's lookup), so a hung daemon must cost it
 # little: a healthy one answers both in milliseconds.
 CONNECT_TIMEOUT_S = 5.0  # connecting and the hello's answer
@@ -103,6 +102,7 @@ class AsyncClient:
         self.use_shm = shm
         self._pool: ShmPool | None = None
         self._pool_made: asyncio.Future[ShmPool] | None = None  # the pool being made, off the loop
+        self._pool_maker: _PoolMaker | None = None  # what makes it (and closes it, if dropped before it is made)
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
         self._not_stored = 0  # this client's items the daemon answered as not stored (dropped, cancelled, failed)
@@ -321,10 +321,7 @@ class AsyncClient:
             lost = local.not_stored + self._not_stored - before  # ours answered as not stored (before the close)
         finally:  # cancelled too: the shared-memory pool, the socket and the reader go
             self._closed = True
-            made = self._pool_made
-            self._drop_pool()
-            if made is not None and not made.done():  # its segments are closed once made: while this loop runs
-                await asyncio.wait([made], timeout=deadline.within(POOL_MADE_WAIT_S))
+            self._drop_pool()  # (one still being made is closed by the thread making it)
             await self._disconnect(deadline.within(CLOSE_FLUSH_S))  # (found in review: 2 s past the timeout)
         return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes, lost)
 
@@ -521,7 +518,8 @@ class AsyncClient:
         engine's loop must not wait for); None, and inline from then on, when it cannot be made."""
         if self._pool is None:
             if self._pool_made is None:
-                self._pool_made = asyncio.ensure_future(off_loop(_made_pool, background=True))
+                self._pool_maker = _PoolMaker()
+                self._pool_made = asyncio.ensure_future(off_loop(self._pool_maker.make, background=True))
             made = self._pool_made
             try:
                 pool = await asyncio.shield(made)
@@ -535,12 +533,13 @@ class AsyncClient:
         return self._pool
 
     def _drop_pool(self) -> None:
-        """Close the segment pool, and one still being made once it is."""
-        made, pool, self._pool_made, self._pool = self._pool_made, self._pool, None, None
+        """Close the segment pool, and one still being made once it is (by the thread making it: this loop may be
+        closed by then)."""
+        maker, pool, self._pool_maker, self._pool_made, self._pool = self._pool_maker, self._pool, None, None, None
         if pool is not None:
             pool.close()
-        if made is not None:
-            made.add_done_callback(_close_made)
+        if maker is not None:
+            maker.drop()
 
     async def _send_inline(self, sid: int, index: int, offset: int, run: memoryview) -> None:
         pos = 0
@@ -782,15 +781,30 @@ def write_each(writer: asyncio.StreamWriter, bufs: list[bytes | memoryview]) -> 
         writer.write(buf)
 
 
-def _close_made(fut: asyncio.Future[ShmPool]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().close()  # closing twice is harmless: a pool adopted was closed already
+class _PoolMaker:
+    """Makes a segment pool on a worker thread; one dropped before it is made is closed by that thread once made
+    (found in review: a close that waited for it passed its own timeout, and one that did not leaked it)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dropped = False
+        self._pool: ShmPool | None = None
 
-def _made_pool() -> ShmPool:
-    pool = ShmPool()
-    pool.make()
-    return pool
+    def make(self) -> ShmPool:
+        pool = ShmPool()
+        pool.make()
+        with self._lock:
+            if not self._dropped:
+                self._pool = pool
+                return pool
+        pool.close()  # dropped meanwhile: nobody will adopt it
+        return pool
+
+    def drop(self) -> None:
+        with self._lock:
+            self._dropped, pool = True, self._pool
+        if pool is not None:
+            pool.close()  # closing twice is harmless: a pool adopted was closed already
 
 
 def _unheld(header: fmt.Header, sources: list[AnySource], held: Any) -> list[tuple[fmt.Slot, AnySource]]:

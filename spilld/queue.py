@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import errors
-from .api import Deadline
 from .entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 
 if TYPE_CHECKING:
@@ -371,7 +370,8 @@ class SpillQueue:
     async def close(self, timeout: float | None = None) -> DrainReport:
         """Refuse new items, drain, then stop the writer; what is left at the timeout is cancelled. ``timeout``
         bounds the whole call."""
-        deadline = Deadline(timeout)
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + max(0.0, timeout)
         self._closed = True
         report = await self.drain(timeout)
         self.cancel_where(lambda _: True, barriers=True)
@@ -384,5 +384,6 @@ class SpillQueue:
                 self._worker.cancel()
                 # a step stuck in a thread (a hung disk, an engine's lock held) cannot be stopped: it is left to end
                 # on its own (its item then settles cancelled), and close keeps to its timeout
-                await asyncio.wait([self._worker], timeout=max(CLOSE_STOP_MIN_S, deadline.within(CLOSE_STOP_S)))
+                left = CLOSE_STOP_S if end is None else min(CLOSE_STOP_S, end - loop.time())
+                await asyncio.wait([self._worker], timeout=max(CLOSE_STOP_MIN_S, left))
         return report
