@@ -216,6 +216,16 @@ async def test_the_gate_writes_a_droppable_prefix_once_it_was_asked_for_n_times(
 
 
 @pytest.mark.asyncio
+async def test_the_gate_never_sheds_a_generation_checkpoint(tmp_path: Path) -> None:
+    """Found in review: a checkpoint is never asked for by a lookup (``resume`` finds it), so with ``--admit-after``
+    every checkpoint of a block or more was shed and ``resume`` never worked."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, admit_after=1)
+    ck = spilld.GenerationCheckpoint("gen", "", 298, 2, 5, 0, False)
+    await s.put(list(range(300)), caches(300), IDENT, droppable=True, checkpoint=ck)
+    assert s.counters.dropped_admit == 0 and s.count == 1
+
+
+@pytest.mark.asyncio
 async def test_without_a_gate_no_asks_are_counted(tmp_path: Path) -> None:
     s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
     assert s.admission is None

@@ -547,7 +547,8 @@ class Store:
             planned, batch_bytes = (planned[0], await take_all(planned[1], run_step)), WRITE_BATCH_BYTES
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
         held = self._check_held(cut, held_rows)
-        if droppable and self.admission is not None:
+        # a checkpoint is never asked for by a lookup (resume finds it): the gate would shed every one (review)
+        if droppable and self.admission is not None and planned[0].checkpoint is None:
             self._admit(planned[0], held)
         logical = planned[0].data_bytes
         path = self.new_path(ident, ident.namespace)
