@@ -93,6 +93,10 @@ async def test_a_stop_keeps_its_drain_deadline_while_a_write_waits_for_a_grant()
         assert code == 3 and time.monotonic() - t0 < 2 + 4  # the deadline, not the grant's 30 s
         text = d.read_log()
         assert all(line.startswith("{") for line in text.splitlines() if line.strip()), text
+        # the loss said at warning, with what was lost (found in review: one info line whose counts read 0)
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        lost = [ln for ln in lines if ln.get("level") == "warning" and "work left" in ln.get("msg", "")]
+        assert len(lost) == 1 and lost[0]["items_lost"] == 1 and lost[0]["bytes_lost"] > 0, text
         hold.set()
         await client.close(timeout=1)
     finally:

@@ -479,9 +479,9 @@ class RemoteLink:
         self.fill_misses[why] += 1
         return False
 
-    async def close(self, timeout_s: float) -> None:
-        """Push what is queued within ``timeout_s``, then stop the tier."""
-        await self.drain(timeout_s)
+    async def close(self, timeout_s: float) -> bool:
+        """Push what is queued within ``timeout_s``, then stop the tier; whether every push went."""
+        pushed = await self.drain(timeout_s)
         tasks = [*self._pushing, *self._evicting, *self._filling.values()]
         for t in tasks:
             t.cancel()
@@ -489,6 +489,7 @@ class RemoteLink:
             *tasks, return_exceptions=True
         )  # their cleanups (kept files let go) run before the tier goes
         await self.tier.close()
+        return pushed
 
     def counters(self) -> dict[str, Any]:
         return self.tier.counters() | {
