@@ -185,7 +185,8 @@ def sync_dir(ops: FileOps, folder: str, durability: Durability) -> None:
     try:
         sync(ops, fd, durability, folder)
     finally:
-        ops.close(fd)
+        with io_errors("close folder", folder):
+            ops.close(fd)
 
 
 def make_dirs(ops: FileOps, folder: str, durability: Durability) -> list[str]:
@@ -288,7 +289,8 @@ def _sync_and_close(ops: FileOps, path: str, fd: int, durability: Durability) ->
     try:
         sync(ops, fd, durability, path)
     finally:
-        ops.close(fd)
+        with io_errors("close", path):  # NFS and FUSE report a deferred write error here (found in review: raw)
+            ops.close(fd)
 
 
 _SYNC_FILE_RANGE_WRITE = 2

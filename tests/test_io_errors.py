@@ -459,3 +459,29 @@ def test_fault_at_every_call_of_a_save(path: str, op: str, loop: str, ingest: st
     assert open_fds() == fds, "an fd leaked across the whole sweep (client, daemon and loop closed)"
     print(f"io-errors {path}/{op}/{loop}/{ingest}: {n} cases")
     assert n >= 6
+
+
+@pytest.mark.parametrize("durability", [fileio.Durability.FSYNC, fileio.Durability.NONE], ids=["fsync", "none"])
+def test_an_error_at_close_is_a_typed_error_and_publishes_nothing(tmp_path: Path, durability: Any) -> None:
+    """Found in review: NFS and FUSE report a deferred write error at close(), and ``publish_all`` (a remote
+    fill's writes) let it out raw, an OSError the callers that catch ``SpillError`` did not take: the daemon answered
+    that lookup with an internal error."""
+
+    class CloseFails(fileio.FileOps):
+        def __init__(self) -> None:
+            self.armed = True
+
+        def close(self, fd: int) -> None:
+            super().close(fd)
+            if self.armed:
+                self.armed = False
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    files = [(str(tmp_path / f"f{i}"), bytes(4096)) for i in range(3)]
+    with pytest.raises(errors.DiskFull):
+        fileio.publish_all(CloseFails(), files, durability)
+    assert os.listdir(tmp_path) == []  # all or nothing
+    ops = CloseFails()
+    if durability is fileio.Durability.FSYNC:
+        with pytest.raises(errors.DiskFull):
+            fileio.sync_dir(ops, str(tmp_path), durability)
