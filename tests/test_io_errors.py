@@ -462,7 +462,7 @@ def test_fault_at_every_call_of_a_save(path: str, op: str, loop: str, ingest: st
 
 
 @pytest.mark.parametrize("durability", [fileio.Durability.FSYNC, fileio.Durability.NONE], ids=["fsync", "none"])
-def test_an_error_at_close_is_a_typed_error_and_publishes_nothing(tmp_path: Path, durability: Any) -> None:
+def test_an_error_at_close_is_a_typed_error_and_publishes_nothing(tmp_path: Any, durability: Any) -> None:
     """Found in review: NFS and FUSE report a deferred write error at close(), and ``publish_all`` (a remote
     fill's writes) let it out raw, an OSError the callers that catch ``SpillError`` did not take: the daemon answered
     that lookup with an internal error."""
