@@ -85,6 +85,7 @@ def families(st: dict[str, Any]) -> list[Metric]:
             "outcome",
             {k: q.get(k, 0) for k in ("stored", "dropped", "cancelled", "failed")},
         ),
+        _counter("queue_barriers", "barriers settled (counted apart: they store nothing)", q.get("barriers", 0)),
         _counter(
             "written_bytes",
             "bytes of the entry files (manifests, or whole entries) the queue's items wrote durably; blocks: "

@@ -192,6 +192,7 @@ class SpillQueue:
         self.dropped = 0
         self.cancelled = 0
         self.failed = 0
+        self.barriers = 0  # settled, whatever their outcome: never among the items' outcomes above
         self.release_errors = 0
         self.bytes_written = 0
         self.peak_bytes = 0
@@ -211,6 +212,7 @@ class SpillQueue:
             "dropped": self.dropped,
             "cancelled": self.cancelled,
             "failed": self.failed,
+            "barriers": self.barriers,
             "release_errors": self.release_errors,
             "bytes_written": self.bytes_written,
         }
@@ -317,7 +319,10 @@ class SpillQueue:
         if rec.released:
             return
         rec.released = True
-        self._count(result.outcome)
+        if rec.item.is_barrier:  # a barrier stores nothing (found in review: "stored" counted them)
+            self.barriers += 1
+        else:
+            self._count(result.outcome)
         if rec.item.seq:
             self.pending_bytes -= rec.item.nbytes
         try:

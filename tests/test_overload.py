@@ -236,7 +236,7 @@ def soak(seconds: float) -> dict[str, Any]:
         assert len(run.barriers) >= PRODUCERS * int(seconds / BARRIER_PERIOD_S - 2)
         st = json.loads(d.cli("status", "--socket", d.socket, "--json").stdout)
         q, store = st["queue"], st["store"]
-        assert q["stored"] == len(stored) + len(run.barriers)
+        assert q["stored"] == len(stored) and q["barriers"] == len(run.barriers)
         assert q["dropped"] == len(dropped)
         assert (q["failed"], q["cancelled"], q["pending_items"], q["pending_bytes"]) == (0, 0, 0, 0)
 
