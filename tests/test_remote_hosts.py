@@ -127,6 +127,7 @@ async def test_a_chat_spilled_on_one_host_is_restored_exactly_on_another(
         assert not equal(next_logits(model, other, 3), want)  # the negative control
         st = await cb.status()
         assert st["remote"]["fills"] == 1 and st["store"]["blocks_fetched"] == 5 and st["store"]["adopted"] == 1
+        assert sum(st["store"]["misses"].values()) == 0  # one lookup, served: no miss (found in review: one counted)
         assert len(blocks_on_disk(b.dir)) == 5 and len(manifests_on_disk(b.dir)) == 1
         again = await cb.load([*conv, 3])  # now local: no second fill
         assert again is not None and (await cb.status())["remote"]["fills"] == 1

@@ -381,6 +381,8 @@ class Daemon:
         )
         stale = isinstance(hit, Hit) and self.store.entry_at(hit.entry.path) is not hit.entry
         if filled or stale:  # held now; or the entry found went while the fill ran (superseded, evicted: review)
+            if isinstance(hit, Miss):  # one lookup, one answer counted: the next one's (found in review: a filled
+                self.store.uncount_miss(hit)  # lookup read as a miss and a hit)
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)
         return self._answer_lookup(conn, hit, len(tokens))
 

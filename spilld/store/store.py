@@ -363,6 +363,10 @@ class Store:
         self.counters.misses[reason.value] += 1
         return Miss(reason)
 
+    def uncount_miss(self, miss: Miss) -> None:
+        """Take back a miss a lookup counted: the caller looks again (after a fill) and that answer is the one."""
+        self.counters.misses[miss.reason.value] -= 1
+
     def restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
         """Load a hit, cut back to its matched length; a file that fails is quarantined (a miss)."""
         try:
