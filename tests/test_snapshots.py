@@ -376,25 +376,38 @@ def test_live_snapshot_of_a_cache_left_lazy(tmp_path: Any) -> None:
 # --- what a live snapshot cannot read fails, typed, and leaves nothing -------------------------------------------------
 
 
-def test_a_cut_grown_back_before_the_write_fails_it(tmp_path: Any) -> None:
-    from mlx_lm.models.cache import trim_prompt_cache
-
+def _live_spill_while(tmp_path: Any, engine: Callable[[Any], None]) -> Settled:
+    """A live spill of a 30-row cache whose write waits until ``engine(cache)`` has run: how it settled."""
     cache = fill(C.KVCache(), 30)
     lock, gate = threading.Lock(), Gate()
     lt = LoopThread("spiller")
     try:
         sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
         fut = sp.spill_threadsafe(list(range(30)), [cache], live=True)
-        trim_prompt_cache([cache], 10)  # the engine reuses the cache for another prompt: rows 20.. rewritten
-        for i in range(15):
-            cache.update_and_fetch(*kv(1, seed=300 + i))
-        mx.eval(cache.keys, cache.values)
-        assert cache.offset > 30
+        engine(cache)
         gate.open.set()
         settled: Settled = fut.result(timeout=60)
         lt.run(sp.close())
     finally:
         lt.stop()
+    return settled
+
+
+def _regrow(cache: Any) -> None:
+    for i in range(15):
+        cache.update_and_fetch(*kv(1, seed=300 + i))
+    mx.eval(cache.keys, cache.values)
+
+
+def test_a_cut_grown_back_before_the_write_fails_it(tmp_path: Any) -> None:
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    def engine(cache: Any) -> None:
+        trim_prompt_cache([cache], 10)  # the engine reuses the cache for another prompt: rows 20.. rewritten
+        _regrow(cache)
+        assert cache.offset > 30
+
+    settled = _live_spill_while(tmp_path, engine)
     assert settled.outcome is Outcome.FAILED and isinstance(settled.error, spilld.errors.PlanDrift)
     assert not any(f.endswith(".spilld") for _, _, fs in os.walk(tmp_path) for f in fs)
 
@@ -427,23 +440,13 @@ def test_a_shallow_copy_trims_itself_and_its_cuts_count_for_the_original(tmp_pat
     plain.trim(3)
     assert plain.offset == 5 and getattr(plain, base.CutWatch.ATTR, None) is None
 
-    cache = fill(C.KVCache(), 30)
-    lock, gate = threading.Lock(), Gate()
-    lt = LoopThread("spiller")
-    try:
-        sp = lt.run(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=GatedLease(lock, gate)))
-        fut = sp.spill_threadsafe(list(range(30)), [cache], live=True)
+    def engine(cache: Any) -> None:
         fork = copy.copy(cache)
         fork.trim(10)  # the copy reused for another prompt: its rows 20.. are the original's array's too
-        for i in range(15):
-            fork.update_and_fetch(*kv(1, seed=300 + i))
-        mx.eval(fork.keys, fork.values)
+        _regrow(fork)
         assert cache.offset == 30
-        gate.open.set()
-        settled: Settled = fut.result(timeout=60)
-        lt.run(sp.close())
-    finally:
-        lt.stop()
+
+    settled = _live_spill_while(tmp_path, engine)
     assert settled.outcome is Outcome.FAILED and isinstance(settled.error, spilld.errors.PlanDrift)
 
 
