@@ -112,6 +112,10 @@ def families(st: dict[str, Any]) -> list[Metric]:
         out += _blocks_and_wear(d)
     if "remote" in st:
         out += _remote(st["remote"])
+    if "ingest" in st:
+        out += _ingest(st["ingest"])
+    if "scrub" in st or "warm" in st:
+        out += _background(st.get("scrub"), st.get("warm"))
     if "restore_seconds" in st:
         out.append(
             _histogram("restore_seconds", "seconds from a client's lookup to its loaded caches", st["restore_seconds"])
@@ -132,6 +136,8 @@ def _blocks_and_wear(d: dict[str, Any]) -> list[Metric]:
         _counter("store_written_bytes", "bytes of every file the store published, blocks included", d["bytes_written"]),
         _counter("unique_added_bytes", "cache bytes of tokens the store did not hold before", d.get("unique_added", 0)),
         _gauge("written_day_bytes", "bytes written in the last 24 hours", d.get("written_day", 0)),
+        _gauge("written_week_bytes", "bytes written in the last 7 days", d.get("written_week", 0)),
+        _gauge("write_budget_bytes", "the write budget a day (--write-budget; 0: none)", d.get("write_budget") or 0),
         _labelled(
             "shed",
             "droppable spills the store declined, by why",
@@ -139,6 +145,37 @@ def _blocks_and_wear(d: dict[str, Any]) -> list[Metric]:
             {"write_budget": d.get("dropped_budget", 0), "admit_after": d.get("dropped_admit", 0)},
         ),
     ]
+
+
+def _ingest(i: dict[str, Any]) -> list[Metric]:
+    """Spills being received over the socket, as ``status`` shows them (found in review: not in the metrics)."""
+    return [
+        _gauge("ingest_open_spills", "spills being received", i.get("open_spills", 0)),
+        _gauge("ingest_receiving_bytes", "bytes held for spills being received", i.get("receiving", 0)),
+        _gauge("ingest_buffer_bytes", "bytes held for big messages being received", i.get("buffers", 0)),
+        _gauge(
+            "ingest_held_bytes", "bytes clients did not send: the daemon holds them as blocks", i.get("held_bytes", 0)
+        ),
+        _counter("ingest_expired", "open spills aborted for silence or a pace too slow", i.get("expired", 0)),
+    ]
+
+
+def _background(scrub: dict[str, Any] | None, warm: dict[str, Any] | None) -> list[Metric]:
+    """The scrub's and the warm start's progress and findings, as ``status`` shows them."""
+    out: list[Metric] = []
+    if scrub is not None:
+        out += [
+            _counter("scrub_passes", "scrub passes finished", scrub.get("passes", 0)),
+            _gauge("scrub_pass_files", "files checked in the current pass", scrub.get("files", 0)),
+            _counter("scrub_bad_files", "files the scrub found bad and quarantined", scrub.get("bad", 0)),
+            _counter("scrub_unreadable_files", "stored files the scrub could not read", scrub.get("unreadable", 0)),
+        ]
+    if warm is not None:
+        out += [
+            _gauge("warm_read_bytes", "bytes the warm start read ahead since the start", warm.get("read_bytes", 0)),
+            _gauge("warm_done", "1 once the warm start is done", 1 if warm.get("done") else 0),
+        ]
+    return out
 
 
 def _remote(r: dict[str, Any]) -> list[Metric]:

@@ -76,6 +76,10 @@ def test_metrics_file_status_prometheus_and_debug_logs(daemon: Daemon) -> None:
     assert got[("spilld_restore_seconds_count", ())] == 1 and got[("spilld_restore_seconds_sum", ())] > 0
     assert got[("spilld_store_written_bytes_total", ())] > 0 and ("spilld_blocks", ()) in got
     assert got[("spilld_shed_total", (("reason", "admit_after"),))] == 0
+    # what status shows is in the metrics too (found in review: the week's writes, the budget, ingest were not)
+    assert got[("spilld_written_week_bytes", ())] >= got[("spilld_written_day_bytes", ())] > 0
+    assert got[("spilld_write_budget_bytes", ())] == 0 and got[("spilld_ingest_open_spills", ())] == 0
+    assert got[("spilld_ingest_expired_total", ())] == 0 and ("spilld_ingest_held_bytes", ()) in got
     # the textfile catches up within a few seconds, and is never seen half written
     prom = os.path.join(daemon.root, "spilld.prom")
     deadline = time.monotonic() + 3 * METRICS_EVERY_S
@@ -120,3 +124,29 @@ def test_a_metrics_file_in_a_missing_folder_is_refused(tmp_path: Any) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_scrub_and_the_warm_start_are_in_the_metrics_when_status_has_them() -> None:
+    """Found in review: ``status`` showed the scrub's and the warm start's progress, the metrics did not."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import Collector, CollectorRegistry
+
+    from spilld.metrics import families
+
+    st = {
+        "queue": {"pending_items": 0, "pending_bytes": 0},
+        "store": {"entries": 0, "bytes": 0, "disk_cap": 1, "hits": 0, "misses": {}},
+        "scrub": {"passes": 2, "files": 5, "bytes": 10, "planned_files": 9, "bad": 1, "unreadable": 3, "paused": False},
+        "warm": {"planned_bytes": 100, "read_bytes": 60, "files": 2, "done": False},
+    }
+
+    class Once(Collector):
+        def collect(self) -> Any:
+            return families(st)
+
+    reg = CollectorRegistry()
+    reg.register(Once())
+    got = samples(generate_latest(reg).decode())
+    assert got[("spilld_scrub_passes_total", ())] == 2 and got[("spilld_scrub_bad_files_total", ())] == 1
+    assert got[("spilld_scrub_unreadable_files_total", ())] == 3 and got[("spilld_scrub_pass_files", ())] == 5
+    assert got[("spilld_warm_read_bytes", ())] == 60 and got[("spilld_warm_done", ())] == 0
