@@ -115,7 +115,7 @@ class Query:
             # one naming block `depth` but not the next shares fewer than (depth + 1) * size tokens, or holds fewer
             if found.best is not None and found.best.matched >= (depth + 1) * size:
                 return
-            left = set(list(walked[depth - 1].refs)).difference(list(walked[depth].refs))
+            left = walked[depth - 1].refs - walked[depth].refs  # (one C call: the loop cannot change them meanwhile)
             self._compare(found, [e for p in left if p not in seen and (e := self.by_path.get(p)) is not None], limit)
 
     def _blocks_only(self, found: Found, size: int, walked: list[Block]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
 from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
@@ -144,10 +144,7 @@ def tls_context(config: RemoteConfig, password: str | None) -> ssl.SSLContext | 
 
 def _bound_replies(client: Client) -> None:
     """Every connection of ``client`` parses with a bounded parser."""
-    for maker in _makers(client):
-        maker.connection_class = _bounded(maker.connection_class)
-    if isinstance(client, RedisCluster):  # the nodes the cluster's slot map names later
-        client.connection_kwargs["connection_class"] = _bounded(client.connection_kwargs["connection_class"])
+    _wrap_connections(client, _bounded)
 
 
 def _bounded(cls: type) -> type:
@@ -160,7 +157,13 @@ def _bounded(cls: type) -> type:
 
 def _share_context(client: Client, context: ssl.SSLContext) -> None:
     cls = type("TierTLS", (SharedContextTLS,), {"context": context})
+    _wrap_connections(client, lambda _: cls)
+
+
+def _wrap_connections(client: Client, wrap: Callable[[type], type]) -> None:
+    """Each class ``client`` makes its connections of becomes ``wrap`` of it (a cluster's too: for the nodes its
+    slot map names later)."""
     for maker in _makers(client):
-        maker.connection_class = cls
+        maker.connection_class = wrap(maker.connection_class)
     if isinstance(client, RedisCluster):
-        client.connection_kwargs["connection_class"] = cls  # the nodes the cluster's slot map names later
+        client.connection_kwargs["connection_class"] = wrap(client.connection_kwargs["connection_class"])

@@ -1074,8 +1074,7 @@ class Store:
         quota, ns = self.namespace_quota, ns_dir(new.path)
         if quota is None or self.index.namespace_bytes(ns) <= quota:
             return 0
-        mine = [e for e in self.index.by_path.values() if ns_dir(e.path) == ns]
-        n = self._evict_until(mine, lambda: self.index.namespace_bytes(ns) <= quota, new)
+        n = self._evict_until(self._entries_in(ns), lambda: self.index.namespace_bytes(ns) <= quota, new)
         self.counters.quota_evicted += n
         return n
 
@@ -1085,9 +1084,12 @@ class Store:
         within its quota evicted another's entries."""
         if self.namespace_quota is None or self.total_bytes <= self.disk_cap:
             return 0
-        ns = ns_dir(new.path)
-        mine = [e for e in self.index.by_path.values() if ns_dir(e.path) == ns and e.path not in self._pins]
+        mine = [e for e in self._entries_in(ns_dir(new.path)) if e.path not in self._pins]
         return self._evict_until(mine, lambda: self.total_bytes <= self.disk_cap, new)
+
+    def _entries_in(self, ns: str) -> list[Entry]:
+        """The entries of the namespace folder ``ns``."""
+        return [e for e in self.index.by_path.values() if ns_dir(e.path) == ns]
 
     def make_room(self, nbytes: int) -> bool:
         """After ENOSPC: evict least recently used entries worth ``nbytes`` (at least one); False if none."""
