@@ -500,15 +500,21 @@ def test_evict_through_the_daemon_shows_progress_on_a_terminal(daemon: Daemon) -
 def test_status_text_shows_the_stores_misses_beside_the_shared_tiers(
     daemon: Daemon, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Found in review: with --remote, the lookups line printed the shared tier's misses as the store's."""
+    """Found in review: with --remote, the lookups line printed the shared tier's misses as the store's; and a
+    reason named in both of the shared tier's counts (bad_bytes) showed only the fills' count."""
     from spilld.cli.running import _print_status
 
     st = json.loads(spilld("status", "--json", "--socket", daemon.socket).stdout)
     st["store"]["misses"] = {"no_entry": 3}
-    st["remote"] = {"state": "open", "push": "all", "misses": {"down": 2}, "fill_misses": {"no_root": 1}}
+    st["remote"] = {
+        "state": "open", "push": "all",
+        "misses": {"down": 2, "bad_bytes": 5}, "fill_misses": {"no_root": 1, "bad_bytes": 1},
+    }  # fmt: skip
     _print_status(st)
     out = capsys.readouterr().out
-    assert "misses: no_entry 3" in out and "misses: down 2, no_root 1" in out, out
+    assert (
+        "misses: no_entry 3" in out and "misses: down 2, bad_bytes 5; fills not done: no_root 1, bad_bytes 1" in out
+    ), out
 
 
 def test_evict_without_a_daemon_from_a_folder_it_cannot_lock_is_a_usage_error(tmp_path: Path) -> None:

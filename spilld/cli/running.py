@@ -106,14 +106,14 @@ def _print_status(st: dict[str, Any]) -> None:
         )
     if "remote" in st:
         r = st["remote"]
-        remote_misses = ", ".join(
-            f"{k} {v}" for k, v in {**r.get("misses", {}), **r.get("fill_misses", {})}.items() if v
-        )
+        # two counts apart that share some names (bad_bytes): each shown under its own label
+        remote_misses = ", ".join(f"{k} {v}" for k, v in r.get("misses", {}).items() if v)
+        not_filled = ", ".join(f"{k} {v}" for k, v in r.get("fill_misses", {}).items() if v)
         print(
             f"remote  {r.get('state')}, push {r.get('push')}: fills {r.get('fills')}, hits {r.get('hits')}, "
             f"fetched {format_size(int(r.get('bytes_fetched', 0)))}, pushed {format_size(int(r.get('bytes_pushed', 0)))}"
             f", queue {r.get('queue', {}).get('len', 0)}, bad values removed {r.get('bad_removed', 0)}"
-            f"; misses: {remote_misses or 'none'}"
+            f"; misses: {remote_misses or 'none'}; fills not done: {not_filled or 'none'}"
         )
     lookups = f"{st['lookups']}, " if "lookups" in st else ""
     print(f"lookups {lookups}hits {d['hits']} (restores the clients kept); misses: {misses}")
