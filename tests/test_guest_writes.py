@@ -154,3 +154,13 @@ def test_an_evict_without_a_daemon_leaves_the_blocks_a_guest_may_name(tmp_path: 
     guest.close()
     r = evict()
     assert r.returncode == 0 and block_files(root) == set(), r
+
+
+def test_a_file_at_the_guests_lock_name_that_is_not_ours_is_refused_and_no_lock_kept(tmp_path: Path) -> None:
+    """A file no spilld wrote at ``.spilld.guests.lock`` is left as it is and the scan refuses the folder
+    (``UnusableFolder``), letting go of the folder's lock it took for the scan."""
+    (tmp_path / GUESTS_LOCK_NAME).write_text("a user's notes\n")
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=B)
+    with pytest.raises(errors.UnusableFolder):
+        s.scan()
+    assert not s.lock.held and s.lock.fd is None and (tmp_path / GUESTS_LOCK_NAME).read_text() == "a user's notes\n"

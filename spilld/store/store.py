@@ -235,8 +235,9 @@ class Store:
         held = self.lock.held
         own = held or self._try_lock()
         took = own and not held
-        alone = own and self._guests_away()
+        alone = False
         try:  # a lock taken for the scan is held until its last removal: another spilld may take it at once after
+            alone = own and self._guests_away()
             self._take_scan(scan_root(self.root, self.ops, own, alone), own)
             named = set(read_pins(self.root))
             self._pins = {p for p in named if p in self.index.by_path}
