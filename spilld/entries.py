@@ -104,8 +104,8 @@ class Entry:
     whole: bool = False  # every cache positional: its blocks alone restore a prefix (attachments aside)
     attachments: bool = False  # it carries attachments (a draft model's KV, ...): an entry without them serves less
     restorable: int | None = None  # tokens its caches hold (``Header.restorable_tokens``), when fewer than its tokens
-    # Ours to unlink: written by this store, or found by a scan made alone. Another writer's (a guest's scan of a
-    # daemon's folder) leaves this index when evicted or superseded, and its file stays: it is not ours.
+    # Ours to unlink: written by this store, or found by a scan made alone. Another writer's (found by a Spiller
+    # that shares the folder's lock) leaves this index when evicted or superseded, and its file stays: it is not ours.
     owned: bool = True
 
     @property

@@ -17,9 +17,6 @@ from . import errors
 from .fileio import io_errors
 
 LOCK_NAME = ".spilld.lock"  # in the store's folder (the scan skips names that start with a dot)
-# Beside it: held shared by each writer that holds the folder's lock in neither way (a guest of a daemon), and
-# exclusively by a scan that reaps, which a guest's put under way would otherwise lose its new blocks to.
-GUESTS_LOCK_NAME = ".spilld.guests.lock"
 SOCKET_LOCK_SUFFIX = ".lock"  # beside the socket: <socket>.lock
 PID_BYTES = 32  # the most of a lock file read back for the holder's pid
 

@@ -24,7 +24,7 @@ from .codecs import CodecProvider, default_provider
 from .entries import Hit, Miss, MissReason, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
-from .lockfile import FileLock
+from .lockfile import FileLock, holder_pid
 from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import Attachment, Staging, token_list
 from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
@@ -33,7 +33,7 @@ from .store import Store
 log = logging.getLogger("spilld.spiller")
 
 # A Spiller opened while another scans the folder (holding its lock alone) waits this long for a shared hold
-SHARE_WAIT_S = 60.0
+SHARE_WAIT_S = 60.0  # the longest a Spiller waits for another's scan made alone (a daemon holds the lock for life)
 SHARE_RETRY_S = 0.05
 
 
@@ -82,8 +82,8 @@ class Spiller:
 
         Until ``close`` the folder's lock is held shared, with any other Spillers writing there: no daemon starts on
         it and no other scan reaps it (the blocks of a put still under way would look like orphans). Only a Spiller
-        that found the lock free scans with it held alone, so that its scan may reap; in a daemon's folder a
-        Spiller writes as a guest, reaping nothing."""
+        that found the lock free scans with it held alone, so that its scan may reap. A folder a daemon serves is
+        refused (``AlreadyRunning``): one owner per folder, whose files no other writer may count as its own."""
         lock, alone = self.store.lock, False
         try:
             alone = lock.try_acquire()
@@ -98,18 +98,28 @@ class Spiller:
             raise
         if alone and not lock.share():  # flock converts by letting go, then taking: another may come between
             self.store.disown_files()  # and may have scanned alone meanwhile: the files found are theirs too
-            await self._share(lock)
+            try:
+                await self._share(lock)
+            except BaseException:
+                self.store.close()
+                raise
         self._loop = asyncio.get_running_loop()
         return self
 
     async def _share(self, lock: FileLock) -> None:
         """Hold ``lock`` shared. Another Spiller holds it alone while it scans (then shares it): wait for that, up to
-        ``SHARE_WAIT_S``. A daemon holds it alone for its life: then write as its guest, reaping nothing."""
+        ``SHARE_WAIT_S``. Held alone longer, by a daemon for its life: ``AlreadyRunning``. Found in review: a
+        Spiller wrote there as the daemon's guest, and after the daemon's restart both counted the guest's files
+        as their own: one unlinked blocks the other's entries named, and spills reported stored were lost."""
         deadline = asyncio.get_running_loop().time() + SHARE_WAIT_S
         while not lock.try_acquire(shared=True):
             if asyncio.get_running_loop().time() >= deadline:
-                log.warning("%s: its lock stays taken (a daemon serves it?): writing there without it", self.store.root)
-                return
+                pid = holder_pid(lock.path)
+                raise errors.AlreadyRunning(
+                    f"{self.store.root} is in use by another spilld (pid {pid if pid is not None else 'unknown'}): "
+                    "spill through that daemon's socket (spilld.Client, spilld.AsyncClient), or give this Spiller "
+                    "a folder of its own"
+                )
             await asyncio.sleep(SHARE_RETRY_S)
 
     # --- writing --------------------------------------------------------------------

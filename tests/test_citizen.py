@@ -283,6 +283,33 @@ def test_the_scan_reaps_temp_files_only_under_the_folder_lock(tmp_path: Path) ->
 
 
 @pytest.mark.asyncio
+async def test_a_spiller_refuses_a_folder_a_daemon_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: a Spiller that could not share the folder's lock (a daemon holds it for its life) wrote there
+    as the daemon's guest; after the daemon's restart both counted the guest's files as their own, one unlinked
+    blocks the other's entries named, and spills reported stored were lost. Such a Spiller is refused now, having
+    written nothing, and one opened once the daemon is gone writes there."""
+    import spilld.spiller
+
+    monkeypatch.setattr(spilld.spiller, "SHARE_WAIT_S", 0.2)
+    daemon = Store(tmp_path)
+    daemon.acquire()  # what a daemon's start does
+    before = sorted(os.listdir(tmp_path))
+    try:
+        with pytest.raises(errors.AlreadyRunning, match=f"pid {os.getpid()}.*spilld.Client"):
+            await spilld.Spiller.open(tmp_path, identity=IDENT)
+        with pytest.raises(errors.AlreadyRunning):
+            async with spilld.Spiller(tmp_path, identity=IDENT):
+                pass
+        assert sorted(os.listdir(tmp_path)) == before
+    finally:
+        daemon.close()
+    async with spilld.Spiller(tmp_path, identity=IDENT) as sp:
+        assert sp.store.lock.fd is not None  # the folder's lock, shared: a writer of the folder again
+        settled = await sp.spill(list(range(8)), [fill(C.KVCache(), 8)])
+        assert settled.outcome is spilld.Outcome.STORED
+
+
+@pytest.mark.asyncio
 async def test_an_open_spiller_keeps_its_folder_from_other_scans_and_daemons(tmp_path: Path) -> None:
     """A Spiller writes without a daemon: while it is open, another spilld's scan must not reap what its puts are
     writing, nor a daemon start there (found in review: a second store's scan took the blocks of a put still under

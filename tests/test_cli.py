@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from spilld import cli
-from spilld.lockfile import GUESTS_LOCK_NAME, LOCK_NAME
+from spilld.lockfile import LOCK_NAME
 from tests.daemons import Daemon, cleanup, new_root
 
 DATA = Path(__file__).parent / "data" / "v1"
@@ -369,9 +369,7 @@ def test_evict_from_a_folder_without_a_daemon(tmp_path: Path) -> None:
     r = spilld("evict", "--all", "--json", "--socket", sock, "--dir", str(tmp_path / "store"))
     out = json.loads(r.stdout)
     assert out["evicted"] == 1 and not out["through_daemon"] and out["dir"] == str(tmp_path / "store")
-    assert not files[0].exists() and sorted(os.listdir(tmp_path / "store")) == sorted(
-        [LOCK_NAME, GUESTS_LOCK_NAME]
-    )  # emptied model folders go too
+    assert not files[0].exists() and os.listdir(tmp_path / "store") == [LOCK_NAME]  # emptied model folders go too
 
 
 def test_tinymodel_module_writes_the_model_and_prints_its_path(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import spilld
 from spilld import mlxthreads
 from spilld import protocol as P
 from spilld.client import AsyncClient
-from spilld.lockfile import GUESTS_LOCK_NAME, LOCK_NAME
+from spilld.lockfile import LOCK_NAME
 from tests.daemons import Daemon, cleanup, new_root, quiet_config, serving
 from tests.models import MODELS, next_logits, prefill, random_tokens, tiny_llama
 
@@ -99,7 +99,7 @@ def test_cli_drain_status_ls_evict(daemon: Daemon) -> None:
     assert r.returncode == 0 and "evicted 0" in r.stdout
     r = daemon.cli("evict", "--socket", daemon.socket, "--fingerprint", rows[0]["fingerprint"])
     assert r.returncode == 0 and "evicted 3" in r.stdout
-    assert set(os.listdir(daemon.dir)) <= {".quarantine", LOCK_NAME, GUESTS_LOCK_NAME}  # model folder cleared
+    assert set(os.listdir(daemon.dir)) <= {".quarantine", LOCK_NAME}  # model folder cleared
     assert daemon.cli("drain", "--socket", "/tmp/no-such-spilld.sock").returncode == 4
 
 

@@ -34,7 +34,7 @@ from spilld.client import AsyncClient
 from spilld.config import Config
 from spilld.daemon import Daemon
 from spilld.entries import MissReason
-from spilld.lockfile import GUESTS_LOCK_NAME, LOCK_NAME
+from spilld.lockfile import LOCK_NAME
 from spilld.queue import Outcome, Settled
 from tests.caches import chunked, fill, live, same
 from tests.conftest import LONG, open_fds
@@ -256,7 +256,7 @@ def check_folder(d: Daemon) -> None:
         for n in names:
             if fileio.is_temp_name(n):
                 temps.append(os.path.join(dirpath, n))
-            elif n not in (LOCK_NAME, GUESTS_LOCK_NAME):  # the folder's lock files (the daemon's)
+            elif n != LOCK_NAME:  # the folder's lock file (held by the daemon)
                 files.add(os.path.join(dirpath, n))
     assert temps == [], f"temp files left: {temps}"
     indexed = {e.path for e in d.store.entries} | {b.path for b in d.store.blocks}

@@ -230,7 +230,7 @@ def test_the_scan_reports_bad_files_and_reaps_only_when_it_may(tmp_path: Path) -
     (folder / f".x{fileio.TEMP_SUFFIX}").write_bytes(b"t")
     (folder / "bad.spilld").write_bytes(b"not a header")
     for reap in (False, True):
-        found = scan_root(str(tmp_path), fileio.DEFAULT_OPS, reap, reap)
+        found = scan_root(str(tmp_path), fileio.DEFAULT_OPS, reap)
         assert list(found.index.blocks) == [key] and found.index.block_bytes == 100
         assert [(os.path.basename(p), type(e).__name__) for p, e in found.bad] == [("bad.spilld", "BadMagic")]
         assert found.orphans == list(found.index.blocks.values())  # no manifest names it
@@ -249,4 +249,4 @@ def test_a_folder_that_goes_while_a_store_is_walked_is_skipped(tmp_path: Path, r
     gone.mkdir(parents=True)
     refuse_listing(gone, FileNotFoundError(2, "No such file or directory", str(gone)))
     assert store_files(str(tmp_path)) == [] and list_entries(str(tmp_path)) == []
-    assert scan_root(str(tmp_path), fileio.DEFAULT_OPS, True, True).index.blocks == {}
+    assert scan_root(str(tmp_path), fileio.DEFAULT_OPS, True).index.blocks == {}

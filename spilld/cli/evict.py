@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
     """Evict from a folder no daemon answers for, under the folder's lock: a daemon serving it on another socket
     holds it (AlreadyRunning names its pid), and none can start on it meanwhile."""
     from ..fileio import DEFAULT_OPS
-    from ..lockfile import GUESTS_LOCK_NAME, LOCK_NAME, FileLock
+    from ..lockfile import LOCK_NAME, FileLock
     from ..store import list_entries, remove_empty_folders
     from ..store.scan import scan_root
 
@@ -57,18 +56,9 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
             and (cutoff is None or r["last_used"] < cutoff)
         ]
         n, nbytes = _remove_files(rows, f"evicting from {root}", args.json)
-        # the blocks no entry names any more go too, as a daemon's scan would take them (the lock is ours), unless
-        # a guest writes there: its put under way may be about to name one
-        guests = FileLock(os.path.join(root, GUESTS_LOCK_NAME), f"the guests of {root}")
-        try:
-            alone = guests.try_acquire()
-            found = scan_root(root, DEFAULT_OPS, own=True, reap=alone)
-            orphans = [{"path": b.path, "bytes": b.nbytes} for b in found.orphans if b.owned]
-            nbytes += _remove_files(orphans, f"removing the blocks they named from {root}", args.json)[1]
-        finally:
-            guests.release()
-        if not alone and not args.json:
-            print(f"a Spiller writes in {root}: the blocks no entry names are left for a later evict", file=sys.stderr)
+        # the blocks no entry names any more go too, as a daemon's scan would take them (the lock is ours)
+        orphans = [{"path": b.path, "bytes": b.nbytes} for b in scan_root(root, DEFAULT_OPS, reap=True).orphans]
+        nbytes += _remove_files(orphans, f"removing the blocks they named from {root}", args.json)[1]
         remove_empty_folders(root)
     finally:
         lock.release()

@@ -2,7 +2,7 @@
 
 ``<root>/.spilld-pins`` lists the pinned entries' paths relative to the root, one a line; it is replaced
 atomically and durably. A name that would lead outside the root is ignored. Each rewrite merges: the file's
-current names with one writer's own changes, so two writers of a folder (a daemon and a Spiller guest) and a
+current names with one writer's own changes, so two writers of a folder (Spillers sharing it) and a
 scan that could not read an entry never drop another's pin.
 """
 

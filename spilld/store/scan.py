@@ -1,6 +1,6 @@
 """The scan at a start: a store's index rebuilt from the files under its root (manifests by their headers, blocks
 by their names), with what it found wrong. Temp files are reaped here when the caller may (it holds the folder's
-lock, and no guest writes there); bad files are only reported: the store moves them aside."""
+lock); bad files are only reported: the store moves them aside."""
 
 from __future__ import annotations
 
@@ -33,12 +33,9 @@ class Scanned:
     unsure: set[str] = field(default_factory=set)  # folders with a file it could not read now (left alone)
 
 
-def scan_root(root: str, ops: fileio.FileOps, own: bool, reap: bool) -> Scanned:
-    """Index every file under ``root``, as the caller's (``own``: it holds the folder's lock) or another writer's
-    too. With ``reap``, remove temp files and duplicate blocks, and list the blocks no manifest names as orphans to
-    remove (only a caller that holds the folder's lock and the guests' alone may: nobody else is writing there);
-    without, such a block is left out of the index, unowned, for a guest's put under way may be about to name it.
-    Blocking: runs before the store serves."""
+def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
+    """Index every file under ``root``; with ``reap``, remove temp files and duplicate blocks (only a caller that
+    holds the folder's lock may: no other spilld is writing there). Blocking: runs before the store serves."""
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
     for name in os.listdir(root) if reap else []:  # the root's own temp files: a pins file or a probe cut short
@@ -47,7 +44,7 @@ def scan_root(root: str, ops: fileio.FileOps, own: bool, reap: bool) -> Scanned:
             found.reaped_temp += 1
     for folder, fp, ns in namespace_folders(root):
         for name in folder_names(folder):
-            if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, own, reap)) is not None:
+            if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
                 manifests.append(got)
     for path, header, mtime in manifests:  # once every block is known
         missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in found.index.blocks]
@@ -56,7 +53,7 @@ def scan_root(root: str, ops: fileio.FileOps, own: bool, reap: bool) -> Scanned:
         elif missing:
             found.bad.append((path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path)))
         else:
-            found.index.add(path, header, mtime, owned=own)  # found alone: ours; else another writer's too
+            found.index.add(path, header, mtime, owned=reap)  # found alone: ours; else another writer's too
     # A block no manifest names is an orphan, unless a manifest beside it could not be read: it may name it. Such a
     # folder's blocks are not ours to unlink this run (a readable entry's eviction must not take them either).
     for b in [b for b in found.index.blocks.values() if os.path.dirname(b.path) in found.unsure]:
@@ -64,24 +61,22 @@ def scan_root(root: str, ops: fileio.FileOps, own: bool, reap: bool) -> Scanned:
         if not b.refs:  # neither indexed nor removed: the next scan decides
             found.index.drop_block(b)
     found.orphans = [b for b in found.index.blocks.values() if not b.refs]
-    for b in [] if reap else found.orphans:  # a guest's put may name it once its manifest is published
-        b.owned = False
     return found
 
 
 def _scan_file(
-    found: Scanned, path: str, fp: str, ns: str, ops: fileio.FileOps, own: bool, reap: bool
+    found: Scanned, path: str, fp: str, ns: str, ops: fileio.FileOps, reap: bool
 ) -> tuple[str, fmt.Header, float] | None:
     """A block is indexed at once; a manifest is returned (indexed once every block is known); the rest is
     reaped, reported bad, or left alone."""
     name = os.path.basename(path)
     if fileio.is_temp_name(name):
-        if reap:  # under the folder's lock and the guests': no other spilld is writing it
+        if reap:  # under the folder's lock: no other spilld is writing it
             fileio.remove_quietly(ops, path)
             found.reaped_temp += 1
         return None
     if name.endswith(BLOCK_EXT):
-        _scan_block(found, path, name, ops, own, reap)
+        _scan_block(found, path, name, ops, reap)
         return None
     if not name.endswith(EXT):
         return None
@@ -102,7 +97,7 @@ def _scan_file(
     return path, header, mtime
 
 
-def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, own: bool, reap: bool) -> None:
+def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap: bool) -> None:
     """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
     index = found.index
     key = blocks.key_of_name(name)
@@ -122,4 +117,4 @@ def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, own: 
         if reap:
             fileio.remove_quietly(ops, path)
         return
-    index.add_block(key, path, size, owned=own)  # found alone: ours; else another writer's too
+    index.add_block(key, path, size, owned=reap)  # found alone: ours; else another writer's too

@@ -46,7 +46,7 @@ from ..entries import (
 )
 from ..lease import RunStep, off_loop, within
 from ..loader import Loaded, load, read_header
-from ..lockfile import GUESTS_LOCK_NAME, LOCK_NAME, FileLock
+from ..lockfile import LOCK_NAME, FileLock
 from ..matching import Found, Query, common_prefix, start_key
 from ..queue import unpin
 from ..saver import WRITE_BATCH_BYTES, AnySource, Attachment, SaveResult, Staging, plan, save_async, take_all
@@ -70,8 +70,6 @@ EVICT_BATCH = 256  # entries an evict request takes out of the index per turn of
 STORE_ERROR_RUN_LOG = 100  # in a run of failed writes, one summary line every this many
 FOLDER_WAIT_S = 0.005  # how often a save polls while the sweep removes the folder it is about to write in
 LOOKUP_ATTEMPTS = 3  # comparisons a lookup makes when the entry it found was removed while it compared
-GUEST_WAIT_S = 60.0  # the longest a guest's write waits for another spilld's reaping scan to end
-GUEST_RETRY_S = 0.05  # how often it tries again meanwhile
 
 
 def default_disk_cap(root: str) -> int:
@@ -139,7 +137,6 @@ class Store:
         self._error_run = 0  # writes failed in a row
         self.quarantine_cap = QUARANTINE_MAX_BYTES
         self.lock = FileLock(os.path.join(self.root, LOCK_NAME), f"the folder {self.root}")
-        self.guests = FileLock(os.path.join(self.root, GUESTS_LOCK_NAME), f"the guests of {self.root}")
         self.listeners: list[StoreListener] = []  # told of each entry stored with blocks (the remote tier's push)
 
     @property
@@ -168,19 +165,7 @@ class Store:
         self.lock.acquire()
 
     def close(self) -> None:
-        self.guests.release()
         self.lock.release()
-
-    async def _join_writers(self) -> None:
-        """Before a write: a store that holds the folder's lock in neither way writes as a guest of its owner (a
-        Spiller in a daemon's folder) and holds the guests' lock shared until ``close``, so that no scan reaps the
-        files of its put under way: its blocks name no manifest until the last step. A scan that reaps holds that
-        lock alone; a guest waits for its end, up to ``GUEST_WAIT_S`` (then ``Busy``: nothing written)."""
-        deadline = time.monotonic() + GUEST_WAIT_S
-        while self.lock.fd is None and not self.guests.try_acquire(shared=True):
-            if time.monotonic() >= deadline:
-                raise errors.Busy(f"another spilld has been reaping {self.root} for {GUEST_WAIT_S:g} s: not written")
-            await asyncio.sleep(GUEST_RETRY_S)
 
     # --- paths ---------------------------------------------------------------------
 
@@ -233,37 +218,21 @@ class Store:
         or free), also reap temp orphans, quarantine bad files and evict to the cap; else the files are the owner's
         and nothing is removed or moved."""
         held = self.lock.held
-        own = held or self._try_lock()
-        took = own and not held
-        alone = False
+        reap = held or self._try_lock()
+        took = reap and not held
         try:  # a lock taken for the scan is held until its last removal: another spilld may take it at once after
-            alone = own and self._guests_away()
-            self._take_scan(scan_root(self.root, self.ops, own, alone), own)
+            self._take_scan(scan_root(self.root, self.ops, reap), reap)
             named = set(read_pins(self.root))
             self._pins = {p for p in named if p in self.index.by_path}
             self._unjudged = named - self._pins
             log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
-            if own:  # another owner's files are never evicted to this store's cap
+            if reap:  # another owner's files are never evicted to this store's cap
                 self.evict_to_cap()
                 self._delete_doomed()
         finally:
-            if alone:
-                self.guests.release()
             if took:
                 self.lock.release()
         return self.count
-
-    def _guests_away(self) -> bool:
-        """The guests' lock held alone for a scan (its own guest's hold given up first: the folder is ours now);
-        False while a guest writes here: then its temp files and the blocks no manifest names are left alone."""
-        self.guests.release()
-        try:
-            if self.guests.try_acquire():
-                return True
-        except errors.StorageError:
-            return False
-        log.info("%s: a guest writes there: temp files and unnamed blocks are left for a later scan", self.root)
-        return False
 
     def _try_lock(self) -> bool:
         try:
@@ -271,20 +240,20 @@ class Store:
         except errors.StorageError:  # a folder we may only read: nothing is reaped
             return False
 
-    def _take_scan(self, found: Scanned, own: bool) -> None:
-        """The scan's index becomes the store's; its bad files are moved aside, its orphan blocks removed (those
-        it owns: one a guest may be about to name is only left out)."""
+    def _take_scan(self, found: Scanned, reap: bool) -> None:
+        """The scan's index becomes the store's; its bad files are moved aside, its orphan blocks removed."""
         self.index = found.index
         self.counters.reaped_temp += found.reaped_temp
-        self.counters.blocks_reclaimed += sum(b.owned for b in found.orphans)
         for path, exc in found.bad:
-            if own:
+            if reap:
                 self.quarantine(path, exc)
             else:  # not indexed, left for the folder's owner to move aside
                 log.warning("not indexed (another spilld owns %s): %s", self.root, exc)
         for b in found.orphans:  # written before a crash took their manifest, or left by evicted ones
             self._drop_block(b)
-        if not own:  # another spilld owns the folder: its blocks are not ours to remove
+        if reap:
+            self.counters.blocks_reclaimed += len(found.orphans)
+        else:  # another spilld owns the folder: its blocks are not ours to remove
             self._doomed.forget_where(lambda p: p.endswith(BLOCK_EXT))
 
     def disown_files(self) -> None:
@@ -586,7 +555,6 @@ class Store:
         if droppable and self.admission is not None and planned[0].checkpoint is None:
             self._admit(planned[0], held)
         logical = planned[0].data_bytes
-        await self._join_writers()
         path = self.new_path(ident, ident.namespace)
         folder = os.path.dirname(path)
         kw: dict[str, Any] = {
@@ -713,7 +681,6 @@ class Store:
         m = await _check_fetched(manifest, scope, None, on_bad)
         if m.blocks is None:
             raise errors.BlockInvalid("a fetched manifest names no blocks")
-        await self._join_writers()
         folder = self.folder(ident, namespace)
         path = self.new_path(ident, namespace)
         pinned = [self.index.blocks[k] for k in m.blocks.keys if self.index.owns(k)]
