@@ -230,16 +230,17 @@ class SpillQueue:
         item.seq = next(self._seq)
         if item.is_barrier:
             item.droppable = False
-        elif item.is_checkpoint:  # the generation has moved on: its older checkpoints still queued are moot
-            self.cancel_where(lambda it: it.namespace == item.namespace)
         try:
             item.nbytes = self._bytes_of(item)
-        except Exception as exc:  # an item we cannot even size fails alone
+        except Exception as exc:  # an item we cannot even size fails alone (an older checkpoint is kept: review)
             self._finish(rec, Settled(Outcome.FAILED, error=exc))
             return fut
+        if item.is_checkpoint:  # the generation has moved on: its older checkpoints still queued are moot
+            self.cancel_where(lambda it: it.namespace == item.namespace)
         self._queue.append(rec)
         self.pending_bytes += item.nbytes
-        self._shed(keep=rec)
+        if item.nbytes:  # an item of no bytes (a barrier) puts nothing over the cap (found in review: a barrier
+            self._shed(keep=rec)  # shed the spill queued just before it, the one it was meant to wait for)
         self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
         self._kick(loop)
         return fut

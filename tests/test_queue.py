@@ -110,6 +110,22 @@ async def test_barriers_are_never_shed_and_run_after_earlier_items() -> None:
     assert {k: q.counters()[k] for k in ("stored", "dropped", "barriers")} == {"stored": 2, "dropped": 1, "barriers": 1}
 
 
+async def test_a_barrier_never_sheds_the_spill_it_waits_for() -> None:
+    """Found in review: a droppable spill over the soft cap is kept while it is the newest; a barrier (no bytes) or
+    a finish queued after it then shed it, the spill the barrier was meant to wait for."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=100)
+    a = q.enqueue(item("a", 60))
+    await rec.started.wait()
+    x = q.enqueue(item("x", 60))  # over the cap, but the newest: kept
+    bar = q.enqueue(SpillItem(key="bar", barrier=lambda: asyncio.sleep(0)))
+    assert not x.done()
+    rec.gate.set()
+    assert (await x).stored and (await a).stored and (await bar).outcome is Outcome.STORED
+    assert rec.order == ["a", "x"] and q.dropped == 0
+
+
 async def test_non_droppable_data_items_are_kept_over_cap() -> None:
     rec = Recorder()
     q = queue(rec, cap=10)
@@ -151,6 +167,28 @@ async def test_a_checkpoint_cancels_the_queued_older_ones_of_its_generation_only
     rec.gate.set()
     assert [(await f).outcome for f in (writing, theirs, plain, newer)] == [Outcome.STORED] * 4
     assert rec.order == ["g0", "h1", "g2", "g3"]
+
+
+async def test_a_checkpoint_that_cannot_be_sized_leaves_the_older_one_queued() -> None:
+    """Found in review: a newer checkpoint cancelled its generation's older ones before it was sized, so one whose
+    plan failed (a live checkpoint found inconsistent) left the generation with neither, and resume found none."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+
+    def size(it: SpillItem) -> int:
+        if it.key == "bad":
+            raise ValueError("cannot plan this checkpoint")
+        return 1
+
+    q = SpillQueue(1000, rec.store, release=rec.release, bytes_of=size)
+    gen = checkpoint_namespace("g")
+    busy = q.enqueue(item("other"))
+    await rec.started.wait()
+    good = q.enqueue(item("good", namespace=gen))
+    bad = q.enqueue(item("bad", namespace=gen))
+    assert bad.result().outcome is Outcome.FAILED and not good.done()
+    rec.gate.set()
+    assert (await good).stored and (await busy).stored and rec.order == ["other", "good"]
 
 
 async def test_what_finish_and_cancel_name() -> None:
