@@ -107,6 +107,7 @@ class AsyncClient:
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
         self._not_stored = 0  # this client's items the daemon answered as not stored (dropped, cancelled, failed)
         self._closed = False  # close has run: no call connects again
+        self._close_report: DrainReport | None = None  # the first close's, which a second one gives
 
     @classmethod
     async def open(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
@@ -312,7 +313,10 @@ class AsyncClient:
         return len(pending)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
-        """Ship what is queued and hear back about it, then close the connection; ``timeout`` bounds the call."""
+        """Ship what is queued and hear back about it, then close the connection; ``timeout`` bounds the call. A
+        second close gives the first one's report."""
+        if self._close_report is not None:
+            return self._close_report
         deadline = Deadline(timeout)
         before = self._not_stored
         try:
@@ -323,7 +327,10 @@ class AsyncClient:
             self._closed = True
             self._drop_pool()  # (one still being made is closed by the thread making it)
             await self._disconnect(deadline.within(CLOSE_FLUSH_S))  # (found in review: 2 s past the timeout)
-        return DrainReport(local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes, lost)
+        self._close_report = DrainReport(
+            local.done and not unanswered, local.pending_items + unanswered, local.pending_bytes, lost
+        )
+        return self._close_report
 
     async def _disconnect(self, flush_s: float = CLOSE_FLUSH_S) -> None:
         """Close the connection, its unsent bytes given ``flush_s`` to leave, and wait for its reader to end (it
@@ -444,25 +451,16 @@ class AsyncClient:
 
     def _settle(self, commit: asyncio.Future[Any], outcome: asyncio.Future[Settled], header: fmt.Header) -> None:
         self._commits.discard(commit)
-        if outcome.done():
-            return
-        if commit.cancelled() or commit.exception() is not None:  # unanswered: the connection went first
-            err = P.ConnectionLost("commit cancelled") if commit.cancelled() else commit.exception()
-            self._not_stored += 1  # settled FAILED for its caller: not stored as far as anyone here knows
-            outcome.set_result(Settled(Outcome.FAILED, error=err))
-            return
-        r = commit.result()
-        if r["outcome"] == "stored":
-            settled = Settled(Outcome.STORED, value=SaveResult(str(r["path"]), header, int(r["file_bytes"])))
-        elif r["outcome"] in ("dropped", "cancelled"):  # with the reason when there is one (a store's shed)
-            why = errors.error_from_code(str(r["code"]), str(r.get("message", ""))) if "code" in r else None
-            settled = Settled(Outcome(r["outcome"]), error=why)
-        else:
-            err = errors.error_from_code(str(r.get("code", "error")), str(r.get("message", r["outcome"])))
-            settled = Settled(Outcome.FAILED, error=err)
-        if not settled.stored:  # counted before anyone waiting on it wakes (a drain reads the count next)
+        self._settle_with(outcome, _commit_settled(commit, header))
+
+    def _settle_with(self, outcome: asyncio.Future[Settled], settled: Settled) -> None:
+        """The daemon's answer settles the caller's future. One not stored counts in ``not_stored`` before anyone
+        waiting on it wakes (a drain reads the count next), and even when its caller gave up waiting (cancelled its
+        future): found in review, a drain then said done with nothing lost while the daemon had dropped it."""
+        if not settled.stored:
             self._not_stored += 1
-        outcome.set_result(settled)
+        if not outcome.done():
+            outcome.set_result(settled)
 
     async def _start_call(self, method: str, params: dict[str, Any]) -> asyncio.Future[Any]:
         """Send a request; return the future of its answer (no timeout: the caller decides)."""
@@ -650,16 +648,12 @@ class AsyncClient:
         """The daemon's answer settles the caller's future: its value the checkpoints deleted (``finish``), else
         None, as a ``Spiller``'s; one not stored counts in ``not_stored``, as a ``Spiller``'s drain counts it."""
         self._commits.discard(answer)
-        if outcome.done():
-            return
         if answer.cancelled() or answer.exception() is not None:
             err = P.ConnectionLost("barrier cancelled") if answer.cancelled() else answer.exception()
             settled = Settled(Outcome.FAILED, error=err)
         else:
             settled = _barrier_settled(answer.result(), deleting)
-        if not settled.stored:  # counted before anyone waiting on it wakes (a drain reads the count next)
-            self._not_stored += 1
-        outcome.set_result(settled)
+        self._settle_with(outcome, settled)
 
     def checkpoint(
         self,
@@ -743,6 +737,22 @@ def _hit_of(r: dict[str, Any]) -> tuple[Hit | Miss, dict[str, str]]:
     named = r.get("blocks")
     paths = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
     return hit, {os.path.basename(p).split("-", 1)[0]: p for p in paths}
+
+
+def _commit_settled(commit: asyncio.Future[Any], header: fmt.Header) -> Settled:
+    """A ``commit`` answer (or its loss: the connection went first) as the ``Settled`` a ``Spiller``'s spill gives."""
+    if commit.cancelled() or commit.exception() is not None:  # not stored as far as anyone here knows
+        return Settled(
+            Outcome.FAILED, error=P.ConnectionLost("commit cancelled") if commit.cancelled() else commit.exception()
+        )
+    r = commit.result()
+    if r["outcome"] == "stored":
+        return Settled(Outcome.STORED, value=SaveResult(str(r["path"]), header, int(r["file_bytes"])))
+    if r["outcome"] in ("dropped", "cancelled"):  # with the reason when there is one (a store's shed)
+        why = errors.error_from_code(str(r["code"]), str(r.get("message", ""))) if "code" in r else None
+        return Settled(Outcome(r["outcome"]), error=why)
+    err = errors.error_from_code(str(r.get("code", "error")), str(r.get("message", r["outcome"])))
+    return Settled(Outcome.FAILED, error=err)
 
 
 def _barrier_settled(r: Any, deleting: bool) -> Settled:

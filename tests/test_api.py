@@ -474,6 +474,48 @@ async def test_drain_and_close_count_this_clients_items_the_daemon_did_not_store
             assert (await client.drain(timeout=20)).not_stored == 0
             assert (await client.spill(list(range(400, 408)), [fill(KVCache(), 8)])).outcome is spilld.Outcome.DROPPED
             assert (await client.close(timeout=20)).not_stored == 0
+        # a caller that gave up waiting (its future cancelled) gives up the answer, not the count (found in review:
+        # the drain said done with nothing lost while the daemon had dropped it)
+        async with spilld.AsyncClient(d.socket, identity=Identity(model_id="m")) as client:
+            client.spill(list(range(500, 508)), [fill(KVCache(), 8)]).cancel()
+            rep = await client.drain(timeout=20)
+            assert rep.done and rep.not_stored == 1, rep
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_a_second_close_gives_the_first_ones_report_on_every_way_in(tmp_path: Any) -> None:
+    """Found in review: the Client's second close gave its first one's report, as design.md says, but a Spiller's and
+    an AsyncClient's said done with nothing lost after the first had given up on a spill the engine's lock held."""
+    import threading
+
+    from mlx_lm.models.cache import KVCache
+
+    from tests.caches import fill
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    d = DaemonProcess(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        for name in ("Spiller", "AsyncClient", "Client"):
+            lock = threading.Lock()
+            lease = spilld.ThreadLockLease(lock)
+            ident = Identity(model_id="m")
+            if name == "Spiller":
+                way: Any = await spilld.Spiller.open(tmp_path, identity=ident, lease=lease)
+            elif name == "AsyncClient":
+                way = await AsyncClient.open(d.socket, identity=ident, lease=lease)
+            else:
+                way = spilld.Client(d.socket, identity=ident, lease=lease)
+            lock.acquire()  # the engine is mid-step: the spill cannot take its bytes before the close gives up
+            fut = way.spill(list(range(8)), [fill(KVCache(), 8)], droppable=False)
+            first = way.close(0.2) if name == "Client" else await way.close(0.2)
+            lock.release()
+            second = way.close(1) if name == "Client" else await way.close(1)
+            settled = fut.result(5) if name == "Client" else await fut
+            assert not first.done and second == first and not settled.stored, (name, first, second)
     finally:
         d.kill()
         cleanup(d.root)
