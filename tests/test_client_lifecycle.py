@@ -392,3 +392,37 @@ def test_a_load_through_a_daemon_that_is_down_or_stopped_raises_a_spill_error(tm
             assert isinstance(down.value, (errors.ConnectionLost, errors.Timeout)), down.value
         finally:
             c.close(2)
+
+
+@pytest.mark.asyncio
+async def test_a_drain_that_must_reconnect_keeps_to_its_timeout() -> None:
+    """Found in review: a drain reconnects first when its connection was lost, and that connect and hello were
+    bounded by the connect's own 5 s, not by what the drain had left: drain(0.2) against a new daemon that accepts
+    but never answers (stopped) took 5 s. The reconnection is within the call's timeout now."""
+    import signal
+
+    from tests.daemons import cleanup, new_root
+
+    root = new_root()
+    a = Daemon(root, ["--cap", "64MiB"]).start()
+    b = None
+    try:
+        client = await AsyncClient.open(a.socket, identity=spilld.Identity("m"))
+        a.kill()  # the connection is lost
+        await asyncio.sleep(0.3)  # and the client has seen it go
+        b = Daemon(root, ["--cap", "64MiB"]).start()  # a new daemon on the same socket...
+        assert b.proc is not None
+        os.kill(b.proc.pid, signal.SIGSTOP)  # ...that hangs (the kernel still accepts: the listen backlog)
+        t0 = time.monotonic()
+        report = await client.drain(0.2)
+        took = time.monotonic() - t0
+        assert not report.done and took < 0.2 + 1.0 + 0.5, (took, report)  # its timeout, the answer's grace (1 s)
+        os.kill(b.proc.pid, signal.SIGCONT)
+        await client.close(1)
+    finally:
+        if b is not None:
+            if b.proc is not None and b.proc.poll() is None:
+                os.kill(b.proc.pid, signal.SIGCONT)
+            b.kill()
+        a.kill()
+        cleanup(root)
