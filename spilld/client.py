@@ -36,9 +36,20 @@ from .config import DEFAULT_IO_TIMEOUT_S, MAX_DURATION_S, default_socket
 from .entries import Miss, MissReason, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop, within
 from .loader import Loaded, load
-from .loopthread import LoopThread
+from .loopthread import STOP_TASKS_TIMEOUT_S, LoopThread
 from .peer import refuse_foreign
-from .queue import DEFAULT_QUEUE_CAP, DrainReport, Outcome, Settled, SpillItem, SpillQueue, matching, of_generation
+from .queue import (
+    CLOSE_STOP_MIN_S,
+    CLOSE_STOP_S,
+    DEFAULT_QUEUE_CAP,
+    DrainReport,
+    Outcome,
+    Settled,
+    SpillItem,
+    SpillQueue,
+    matching,
+    of_generation,
+)
 from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes, token_list
 from .shm import ShmPool
 from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned, settle_closed, snapshot_of, threadsafe
@@ -963,6 +974,7 @@ class Client:
         if self._closed is not None:  # one begun on the loop's own thread may still run: wait for its end, as long
             self._lt.stop(wait=timeout)  # as this close may take
             return self._closed
+        end = None if timeout is None else time.monotonic() + timeout + CLOSE_STOP_S
         try:
             self._closed = self._lt.run(self._async.close(timeout))
         except concurrent.futures.CancelledError:
@@ -970,5 +982,8 @@ class Client:
         finally:
             if self._closed is None:
                 self._closed = DrainReport(False, 0, 0, 0)
-            self._lt.stop()
+            # a step waiting on the caller's own lock outlasts any wait: the timeout bounds this one too (found
+            # in review: 10 s, the tasks' and the executor's 5 s each, for a close of 0.2 s)
+            left = STOP_TASKS_TIMEOUT_S if end is None else max(CLOSE_STOP_MIN_S, end - time.monotonic())
+            self._lt.stop(unwind=min(STOP_TASKS_TIMEOUT_S, left))
         return self._closed

@@ -22,9 +22,10 @@ SELF_CLOSE_EXIT_S = 300.0  # the most the interpreter's exit waits for a close b
 
 async def _wind_down(timeout: float) -> None:
     """Cancel every other task on this loop and let them unwind (no 'Task was destroyed' at close), then let the
-    default executor's threads end; each wait at most ``timeout``. Run on the loop's own thread: the caller's may run
-    a loop of its own, where this one cannot run."""
+    default executor's threads end; both waits together at most ``timeout``. Run on the loop's own thread: the
+    caller's may run a loop of its own, where this one cannot run."""
     me = asyncio.current_task()
+    end = asyncio.get_running_loop().time() + timeout
     tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
     for t in tasks:
         t.cancel()
@@ -32,7 +33,7 @@ async def _wind_down(timeout: float) -> None:
         await asyncio.wait(tasks, timeout=timeout)
     # at interpreter exit no thread may be started for this; a worker stuck in a hung read is left behind
     with contextlib.suppress(RuntimeError, TimeoutError):
-        await _end_default_executor(timeout)
+        await _end_default_executor(max(0.0, end - asyncio.get_running_loop().time()))
 
 
 async def _end_default_executor(timeout: float) -> None:
@@ -110,9 +111,12 @@ class LoopThread:
         """The caller is the loop's own thread (a callback of a future the loop settles)."""
         return threading.current_thread() is self._thread
 
-    def stop(self, first: Awaitable[Any] | None = None, wait: float | None = None) -> None:
-        """Run ``first`` (if given), cancel what still runs on the loop (letting it unwind), end the thread, close
-        the loop. A call another thread waits on that the loop will never run is cancelled, never left waiting.
+    def stop(
+        self, first: Awaitable[Any] | None = None, wait: float | None = None, unwind: float = STOP_TASKS_TIMEOUT_S
+    ) -> None:
+        """Run ``first`` (if given), cancel what still runs on the loop (letting it unwind, for at most ``unwind``
+        seconds: a task waiting on a thread outlasts its cancel), end the thread, close the loop. A call another
+        thread waits on that the loop will never run is cancelled, never left waiting.
 
         From the loop's own thread (a future's callback) nothing can be waited for: the same happens after the
         callback returns, and the thread closes its loop as it ends; a later ``stop`` from another thread (a close,
@@ -142,18 +146,18 @@ class LoopThread:
             return
         atexit.unregister(self.stop)
         if self._thread.is_alive():
-            unwound = asyncio.run_coroutine_threadsafe(self._unwind(first), self.loop)
+            unwound = asyncio.run_coroutine_threadsafe(self._unwind(first, unwind), self.loop)
             with contextlib.suppress(Exception):
-                unwound.result(None if first is not None else 2 * STOP_TASKS_TIMEOUT_S + 1)
+                unwound.result(None if first is not None else unwind + 2)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
         self._close()
 
-    async def _unwind(self, first: Awaitable[Any] | None) -> None:
+    async def _unwind(self, first: Awaitable[Any] | None, unwind: float = STOP_TASKS_TIMEOUT_S) -> None:
         if first is not None:  # bounded by its own arguments (a client's close by its timeout)
             with contextlib.suppress(Exception):
                 await first
-        await _wind_down(STOP_TASKS_TIMEOUT_S)
+        await _wind_down(unwind)
 
     async def _stop_here(self, first: Awaitable[Any] | None) -> None:
         try:
