@@ -129,17 +129,21 @@ class Spiller:
         return item_bytes(item, self.provider)
 
     async def _write(self, item: SpillItem) -> Any:
-        return await self.store.put(
+        header, sources = planned(item)
+        result = await self.store.put(
             [],
             [],
             self.identity,
             run_step=self.lease,
             write_in_lease=self.write_in_lease,
-            planned=planned(item),
+            planned=(header, sources),
             staging=self._staging,
             droppable=item.droppable,
             pin=item.pin,
         )
+        # the entry as planned at the call, as a client's answer gives it (found in review: here the manifest's own
+        # header, its blocks and tail; the file's is what ``spilld.load`` and ``inspect`` read)
+        return dataclasses.replace(result, header=header)
 
     def spill(
         self,

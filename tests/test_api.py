@@ -563,3 +563,32 @@ async def test_a_restore_read_past_its_deadline_raises_storage_timeout_on_every_
             with pytest.raises(errors.StorageTimeout):
                 await c.load([*tokens, 1])
             await asyncio.sleep(0.6)
+
+
+@pytest.mark.asyncio
+async def test_a_stored_spills_result_is_alike_on_every_way_in(tmp_path: Any) -> None:
+    """Found in review: a Spiller's ``value.header`` was the stored manifest's (its blocks named, its tensors cut to
+    the tail), a client's the entry as planned at the call (whole tensors, no blocks). Both give the planned one."""
+    from mlx_lm.models.cache import KVCache
+
+    from tests.caches import fill
+    from tests.daemons import Daemon as DaemonProcess
+    from tests.daemons import cleanup, new_root
+
+    def summary(r: Any) -> dict[str, Any]:
+        h = r.header
+        shapes = [s.shape for e in h.caches for s in e.tensors]
+        return {"tokens": h.tokens, "blocks": h.blocks, "shapes": shapes, "size": h.file_size, "ident": h.identity}
+
+    tokens, ident = list(range(200)), Identity(model_id="m")
+    async with spilld.Spiller(tmp_path, identity=ident) as sp:
+        mine = (await sp.spill(tokens, [fill(KVCache(), 200)])).value
+    d = DaemonProcess(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        async with AsyncClient(d.socket, identity=ident) as client:
+            theirs = (await client.spill(tokens, [fill(KVCache(), 200)])).value
+    finally:
+        d.kill()
+        cleanup(d.root)
+    assert summary(mine) == summary(theirs) and mine.header.blocks is None
+    assert mine.header.caches[0].tensors[0].shape[-2] == 200 and mine.file_bytes == os.path.getsize(mine.path)
