@@ -701,3 +701,22 @@ async def test_an_adopt_cancelled_while_its_blocks_publish_leaves_no_file_behind
     adopt = asyncio.ensure_future(s.adopt(IDENT, "", manifest, fetched()))
     await cancelled_while_a_block_publishes(adopt, ops)
     assert files_under(tmp_path / "b") == [] and s.count == 0 and len(s.blocks) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_clients_cancel_drops_its_own_queued_spills_never_anothers() -> None:
+    """Found in review: the daemon's ``cancel`` matched every client's queued spills, so one engine's
+    ``cancel(namespace="")`` dropped another engine's work; a Spiller's drops only its own. Now the daemon's too."""
+    async with (
+        writer_held() as (socket, ops),
+        AsyncClient(socket, identity=IDENT, shm=False) as a,
+        AsyncClient(socket, identity=IDENT, shm=False) as b,
+    ):
+        blocker = await held_by(a, ops)
+        mine, theirs = a.spill(list(range(100, 132)), caches(32)), b.spill(list(range(200, 232)), caches(32))
+        await a.queue.drain()
+        await b.queue.drain()  # both shipped: queued at the daemon behind the hung write
+        assert await b.cancel(namespace="") == 1  # its own only
+        assert (await asyncio.wait_for(theirs, 30)).outcome is Outcome.CANCELLED and not mine.done()
+        ops.release.set()
+        assert (await blocker).stored and (await mine).stored

@@ -604,6 +604,11 @@ def received_bytes(item: SpillItem) -> int:
     return item.payload.nbytes if isinstance(item.payload, Received) else 0
 
 
+def sent_by(item: SpillItem, conn: Connection) -> bool:
+    """Whether ``item`` is a spill the client on ``conn`` sent."""
+    return isinstance(item.payload, Received) and item.payload.conn is conn
+
+
 def bad_params(method: str, exc: Exception) -> P.BadParams:
     """Params of the wrong shape, said in words (a missing key, a wrong type), never as a Python repr."""
     what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
