@@ -4,6 +4,7 @@ Redis Cluster, started by the tests on free localhost ports. No mock of Redis.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -1779,6 +1780,67 @@ async def test_a_primary_turned_replica_is_left_for_new_connections(server: Redi
             await tier.close()
             with server.client() as c:
                 c.execute_command("REPLICAOF", "NO", "ONE")  # the module's server, a primary for the next test
+
+
+class Forward:
+    """A TCP forwarder on the test's loop: each new connection goes to ``port`` as it is then; existing ones stay
+    where they were (a failover behind one address, as a load balancer or a floating IP does it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            w.close()
+
+        async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+            sr, sw = await asyncio.open_connection("127.0.0.1", self.port)
+            await asyncio.gather(pipe(cr, sw), pipe(sr, cw))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.asyncio
+async def test_after_a_failover_the_next_trial_runs_on_new_connections_whoever_takes_it() -> None:
+    """Found in review: on READONLY the breaker opened, but its client was renewed only when the health loop took
+    the half-open trial; a lookup's probe took it first, on the old connections, read from the demoted replica and
+    closed the breaker, and the next write failed again (pushes: 11 of 39 in 4 s, the breaker opened 15 times). The
+    client is renewed at the first READONLY now: one opening, and every push after it lands on the new primary."""
+    with redis_server() as old, redis_server() as new:
+        forward = Forward(old.port)
+        tier = await started(relaxed(await forward.start(), breaker_cooldown_s=0.2))
+        stop = asyncio.Event()
+
+        async def lookups() -> None:  # a probe every 10 ms: one of them takes the trial before the health loop
+            while not stop.is_set():
+                await tier.probe_chain(NS, chain(1))
+                await asyncio.sleep(0.01)
+
+        traffic = asyncio.create_task(lookups())
+        try:
+            assert await tier.push(NS, chain(1)[0], b"first")
+            with old.client() as c:
+                c.execute_command("REPLICAOF", "127.0.0.1", str(new.port))  # demoted; new connections reach `new`
+            forward.port = new.port
+            await eventually(lambda: tier.push(NS, chain(1, b"x")[0], b"x"), True)
+            keys = chain(10, b"after")
+            assert [await tier.push(NS, k, b"v") for k in keys] == [True] * 10
+            assert tier.counters()["breaker_opened"] == 1
+        finally:
+            stop.set()
+            await traffic
+            await tier.close()
+            forward.close()
 
 
 @pytest.mark.asyncio

@@ -454,7 +454,7 @@ class RemoteTier:
             self.breaker.failure()  # (InvalidResponse: a reply declared longer than allowed: its connection went)
             return _Failed(Reason.DOWN)
         except NOT_PRIMARY:
-            self._not_primary()
+            self._not_primary(client)
             return _Failed(Reason.DOWN)
         except rx.ResponseError as e:  # the server answered: it is up, it said no
             self.breaker.success()
@@ -464,17 +464,23 @@ class RemoteTier:
             self.breaker.failure()
             return _Failed(Reason.DOWN)
         if isinstance(result, list) and any(isinstance(r, NOT_PRIMARY) for r in result):  # inside a pipeline
-            self._not_primary()
+            self._not_primary(client)
         else:
             self.breaker.success()
         return result
 
-    def _not_primary(self) -> None:
-        """The server refused a write as a replica: open the breaker, so that the health loop's next trial runs
-        on new connections (which may reach the new primary), and every call misses at once meanwhile."""
+    def _not_primary(self, client: Client) -> None:
+        """The server refused a write as a replica: open the breaker (every call misses at once meanwhile) and
+        leave ``client``'s connections now, so that whichever call takes the next trial runs on new ones, which
+        may reach the new primary (found in review: a lookup's probe took the trial on the old connections, read
+        from the demoted replica, and closed the breaker; the next write failed again, and so on)."""
+        if client is not self._client:  # a reply on connections left already: no word on the new ones
+            self.breaker.abandon()
+            return
         if self.breaker.state is not State.OPEN:
             log.warning("remote tier %s is not a primary (read-only); reconnecting", self._where())
         self.breaker.trip()
+        self._renew_client()
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
