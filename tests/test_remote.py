@@ -1254,13 +1254,13 @@ async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it
     loop = asyncio.get_running_loop()
     written = [asyncio.Event() for _ in range(8)]  # set as each write starts (on a worker thread)
 
-    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None) -> Any:
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None, why: Any = None) -> Any:
         if kind is Kind.BLOCK:
             nth = sum(e == "fetch" for e, _ in events)
             events.append(("fetch", len(ks)))
             if nth:  # held until the batch before it is being written: only a fetch made ahead can wait for that
                 await asyncio.wait_for(written[nth - 1].wait(), 10)
-        return await real_fetch(ns, ks, kind, max_bytes)
+        return await real_fetch(ns, ks, kind, max_bytes, why=why)
 
     def publish(ops: Any, files: Any, durability: Any) -> None:
         loop.call_soon_threadsafe(written[sum(e == "write" for e, _ in events)].set)
@@ -1288,6 +1288,27 @@ async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it
 
 
 @pytest.mark.asyncio
+async def test_a_fills_block_read_that_fails_is_counted_by_why_not_as_absent(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: every block a fill could not fetch counted as ``blocks_absent`` (evicted), whatever the
+    cause: a read the server refused (a key of another type, an ACL) or that timed out said the block was gone."""
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    (entry,) = store_a.entries
+    with server.client() as c:  # there, but the server refuses its read
+        c.delete(keys.block_key("", entry.blocks[1]))
+        c.rpush(keys.block_key("", entry.blocks[1]), b"x")
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(server.url)), store, push="none")
+    try:
+        assert not await link.fill(FILL_IDENT, "", [*range(16 * 3 + 3), 9], store.provider_id)
+        assert dict(link.fill_misses) == {"blocks_refused": 1} and store.count == 0
+    finally:
+        await link.close(1)
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
 async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
     server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1301,13 +1322,13 @@ async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
     link = RemoteLink(tier, store)
     real_fetch, fetches = tier.fetch, []
 
-    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None) -> Any:
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None, why: Any = None) -> Any:
         if kind is Kind.BLOCK:
             if len(fetches) == 3:  # the batch after the broken one, fetched ahead
                 fetches.append("slow")
                 await asyncio.sleep(30)
             fetches.append(f"fetch {len(ks)}")
-        return await real_fetch(ns, ks, kind, max_bytes)
+        return await real_fetch(ns, ks, kind, max_bytes, why=why)
 
     monkeypatch.setattr(tier, "fetch", fetch)
     try:
@@ -1692,10 +1713,10 @@ def block_reads(tier: RemoteTier) -> list[int]:
     asked: list[int] = []
     real = tier.fetch
 
-    async def counted(ns: str, ks: Any, kind: Any = Kind.BLOCK, *a: Any) -> Any:
+    async def counted(ns: str, ks: Any, kind: Any = Kind.BLOCK, *a: Any, **kw: Any) -> Any:
         if kind is Kind.BLOCK:
             asked.append(len(ks))
-        return await real(ns, ks, kind, *a)
+        return await real(ns, ks, kind, *a, **kw)
 
     tier.fetch = counted  # type: ignore[method-assign]
     return asked

@@ -42,6 +42,7 @@ from ..unpack import unpack
 from ..validate import header_from_bytes
 from .config import RemoteConfig
 from .keys import BLOCK_KEY_BYTES, Kind
+from .stats import Reason
 from .tier import EventKind, RemoteTier
 
 log = logging.getLogger("spilld.remote")
@@ -124,7 +125,12 @@ class Turns:
 
 
 class _Absent(Exception):
-    """A block the manifest names is not on the remote tier (evicted, or lost) while a fill fetches it."""
+    """A block the manifest names could not be fetched while a fill fetched it: ``reason`` says why (absent: evicted
+    or lost; or a read that failed: timeout, down, refused, decrypt, bad_bytes)."""
+
+    def __init__(self, reason: Reason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
 
 
 class RemoteLink:
@@ -442,8 +448,8 @@ class RemoteLink:
         try:
             async with contextlib.aclosing(self._fetched(namespace, want, bound)) as batches:
                 await self.store.adopt(ident, namespace, manifest, batches, on_bad=bad)
-        except _Absent:
-            return self._missed("blocks_absent")
+        except _Absent as gone:  # counted by why (found in review: a read that timed out said "absent")
+            return self._missed(f"blocks_{gone.reason.value}")
         except errors.BlockMissing:  # a block held here went meanwhile (evicted): nothing of the remote's is wrong
             return self._missed("local_block_gone")
         except errors.FileFormatError as exc:  # (files that disagree, or one held here: nothing is removed)
@@ -458,19 +464,26 @@ class RemoteLink:
     async def _fetched(self, namespace: str, want: list[bytes], bound: int) -> AsyncGenerator[dict[bytes, bytes], None]:
         """``want``'s values in batches of ``FILL_BATCH_KEYS`` (fewer, of ``bound`` bytes each, past
         ``FILL_BATCH_BYTES``), the next batch fetched while the store checks and
-        writes this one (at most two batches in memory); ``_Absent`` once one is missing."""
+        writes this one (at most two batches in memory); ``_Absent`` once one could not be fetched."""
         per = max(1, min(FILL_BATCH_KEYS, FILL_BATCH_BYTES // max(bound, 1)))
         parts = [want[lo : lo + per] for lo in range(0, len(want), per)]
-        ahead: asyncio.Future[list[bytes | None]] | None = None
+
+        def fetch(part: list[bytes]) -> asyncio.Future[tuple[list[bytes | None], list[Reason | None]]]:
+            async def run() -> tuple[list[bytes | None], list[Reason | None]]:
+                why: list[Reason | None] = []
+                return await self.tier.fetch(namespace, part, Kind.BLOCK, bound, why=why), why
+
+            return asyncio.ensure_future(run())
+
+        ahead = fetch(parts[0]) if parts else None
         try:
             for i, part in enumerate(parts):
-                got = await (ahead or self.tier.fetch(namespace, part, Kind.BLOCK, bound))
-                nxt = parts[i + 1] if i + 1 < len(parts) else None
-                ahead = asyncio.ensure_future(self.tier.fetch(namespace, nxt, Kind.BLOCK, bound)) if nxt else None
-                values = [v for v in got if v is not None]
-                if len(values) < len(part):
-                    raise _Absent
-                yield dict(zip(part, values, strict=True))
+                assert ahead is not None
+                got, why = await ahead
+                ahead = fetch(parts[i + 1]) if i + 1 < len(parts) else None
+                if (reason := next((w for w in why if w is not None), None)) is not None:
+                    raise _Absent(reason)
+                yield dict(zip(part, [v for v in got if v is not None], strict=True))
         finally:
             if ahead is not None:  # the store gave up on this fill: the fetch is not wanted (it never raises)
                 ahead.cancel()

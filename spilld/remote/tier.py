@@ -198,12 +198,18 @@ class RemoteTier:
         return found
 
     async def fetch(
-        self, namespace: str, keys: Sequence[bytes], kind: Kind = Kind.BLOCK, max_bytes: int | None = None
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        kind: Kind = Kind.BLOCK,
+        max_bytes: int | None = None,
+        why: list[Reason | None] | None = None,
     ) -> list[bytes | None]:
         """The values of ``keys`` (None for each one absent, undecryptable, lost, or larger than ``max_bytes`` of
         plaintext), through pipelines of ``FETCH_BATCH_KEYS`` reads, ``FETCH_IN_FLIGHT`` at once, each bounded by
         ``fetch_timeout_s``; with a TTL, each one found has its TTL refreshed. With ``max_bytes`` a read takes at
-        most one byte more than that (GETRANGE): a value someone made larger is never read whole."""
+        most one byte more than that (GETRANGE): a value someone made larger is never read whole. ``why``, if
+        given, gets a reason per key: None for a value, else why there is none (absent, or a failed read)."""
         if not keys:
             return []
         names = [rkeys.value_key(namespace, k, kind, self.key_tag) for k in keys]
@@ -225,20 +231,19 @@ class RemoteTier:
             self._remove_later(
                 [n for n, v in zip(names, r, strict=True) if isinstance(v, bytes) and limit and len(v) > limit]
             )
-        for v in r:
-            if isinstance(v, _Failed):  # its whole pipeline failed
-                self.stats.misses[v.reason] += 1
-            elif isinstance(v, Exception):
-                self.stats.misses[_reason_of(v)] += 1
-            elif not v:  # (GETRANGE reads a missing key as empty: no value is)
-                self.stats.misses[Reason.ABSENT] += 1
-            elif limit is not None and isinstance(v, bytes) and len(v) > limit:
-                self.stats.misses[Reason.BAD_BYTES] += 1
+        reasons = [_read_failure(v, limit) for v in r]
+        for reason in reasons:
+            if reason is not None:
+                self.stats.misses[reason] += 1
         out = await self._open_all(namespace, keys, values, kind)
-        for v in out:
+        for i, v in enumerate(out):
             if v is not None:
                 self.stats.hits += 1
                 self.stats.bytes_fetched += len(v)
+            elif reasons[i] is None:  # read, then refused by the key (counted by ``_open_all``)
+                reasons[i] = Reason.DECRYPT
+        if why is not None:
+            why[:] = reasons
         return out
 
     def _reads(self, names: list[str], limit: int | None) -> tuple[list[_Cmd], int]:
@@ -575,6 +580,19 @@ class RemoteTier:
         self.stats.misses[Reason.DECRYPT] += len(bad)
         self._remove_later([rkeys.value_key(namespace, k, kind, self.key_tag) for k in bad])  # tampered with
         return [None if isinstance(v, DecryptError) else v for v in opened]
+
+
+def _read_failure(v: Any, limit: int | None) -> Reason | None:
+    """Why one read of ``fetch`` gave no value (None: it gave one)."""
+    if isinstance(v, _Failed):  # its whole pipeline failed
+        return v.reason
+    if isinstance(v, Exception):
+        return _reason_of(v)
+    if not v:  # (GETRANGE reads a missing key as empty: no value is)
+        return Reason.ABSENT
+    if limit is not None and isinstance(v, bytes) and len(v) > limit:
+        return Reason.BAD_BYTES
+    return None
 
 
 async def _maybe_thread(fn: Callable[[], T], nbytes: int) -> T:
