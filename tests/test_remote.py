@@ -1109,8 +1109,8 @@ async def test_only_so_many_entries_wait_to_push_the_oldest_waiting_is_skipped(
         assert not await link.drain(0.2)  # pushes still to come: not drained (it said so of an empty queue)
         link._turns.give()
         assert await link.drain(30)
-        # each entry pushed: its block, the block's reference and its manifest; the first one the layout's root
-        assert tier.counters()["pushed"] == 3 * link_module.PUSHES_WAITING + 1
+        # each entry pushed: its block, the block's reference, its manifest and its layout's root (the newest's)
+        assert tier.counters()["pushed"] == 4 * link_module.PUSHES_WAITING
     finally:
         await link.close(1)
 
@@ -1285,6 +1285,24 @@ async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it
     finally:
         await tier.close()
         await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_a_spaces_root_is_the_newest_layouts(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: a space (model, namespace, codecs, B) keeps one root, written only if absent and its TTL
+    renewed by every push: the first layout pushed kept it for good, and entries of any other layout (a newer codec
+    version's, another head size) were uploaded but never filled (``no_longer_chain``). The newest layout's root
+    is kept now: a host that pushes a new layout makes its entries reachable."""
+    n = 16 * 3 + 3
+    store_a, _, link_a = await pushing(tmp_path / "a", server.url)
+    first, second = list(range(n)), [10_000 + i for i in range(n)]
+    try:
+        for prompt, dim in ((first, 8), (second, 16)):
+            await store_a.put(prompt, [fill(C.KVCache(), n, heads=2, dim=dim, seed=s) for s in range(2)], FILL_IDENT)
+            assert await link_a.drain(10)
+        assert await fills_fresh(tmp_path / "b", server.url, [*second, 9])
+    finally:
+        await link_a.close(1)
 
 
 @pytest.mark.asyncio

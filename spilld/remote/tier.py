@@ -353,8 +353,10 @@ class RemoteTier:
             self.stats.push_failed[present.reason] += len(batch)
             return [False] * len(batch)
         # a block's reference names the newest manifest that names the block: written over the one there (which
-        # may name a manifest gone: found in review, prompts ending in a shared prefix then missed for good)
-        over = [p.kind is Kind.REF for p in batch]
+        # may name a manifest gone: found in review, prompts ending in a shared prefix then missed for good); a
+        # space's root is the newest layout's (found in review: the first one pushed, kept by every push after,
+        # left a layout of a newer codec version unreachable for good)
+        over = [p.kind in (Kind.REF, Kind.ROOT) for p in batch]
         todo = [i for i, r in enumerate(present) if r != 1 or over[i]]
         self.stats.push_present += len(batch) - len(todo)
         sealed = await self._seal_all([batch[i] for i in todo])
