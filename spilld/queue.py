@@ -309,6 +309,9 @@ class SpillQueue:
                 )
                 unpin(exc)
                 self._finish(rec, Settled(Outcome.FAILED, error=exc))
+            except BaseException as exc:  # (KeyboardInterrupt, SystemExit) the item fails, never left unsettled
+                self._finish(rec, Settled(Outcome.FAILED, error=exc))  # for a drain to wait on: the writer ends
+                raise
             else:
                 self.bytes_written += int(getattr(value, "file_bytes", 0) or 0)
                 self._finish(rec, Settled(self._done, value=value))
