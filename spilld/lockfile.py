@@ -69,6 +69,7 @@ class FileLock:
             raise
         self.fd, self.shared = fd, shared  # ours from here, released by ``release`` (or when this object goes)
         self._finalizer = weakref.finalize(self, _close_quietly, fd)
+        _HELD.add(self)
         if shared:
             return True
         # the pid only names the owner to others: on a full disk they read "has not written its pid yet"
@@ -92,6 +93,7 @@ class FileLock:
 
     def release(self) -> None:
         self.shared = False
+        _HELD.discard(self)
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
@@ -113,3 +115,25 @@ def _check_ours(fd: int, path: str) -> None:
 def _close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)  # closing the last descriptor drops the flock
+
+
+_HELD: weakref.WeakSet[FileLock] = weakref.WeakSet()  # the locks this process holds
+
+
+def _let_go_in_child() -> None:
+    """A forked child (a worker pool's process) holds none of its parent's locks: its copies of their descriptors
+    are closed (the parent's hold stays: a flock goes with the last descriptor), so that a child outliving its
+    parent never keeps the folder or the socket from their next owner (found in review: a daemon's start there
+    was refused while such a child lived)."""
+    for lock in list(_HELD):
+        fd, lock.fd, lock.shared = lock.fd, None, False
+        if lock._finalizer is not None:
+            lock._finalizer.detach()
+            lock._finalizer = None
+        if fd is not None:
+            _close_quietly(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_let_go_in_child)
