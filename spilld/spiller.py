@@ -32,8 +32,9 @@ from .store import Store
 
 log = logging.getLogger("spilld.spiller")
 
-# A Spiller opened while another scans the folder (holding its lock alone) waits this long for a shared hold
-SHARE_WAIT_S = 60.0  # the longest a Spiller waits for another's scan made alone (a daemon holds the lock for life)
+# A Spiller opened while another scans the folder (holding its lock alone) waits this long for a shared hold; held
+# alone longer, the folder is a daemon's (it holds the lock for its life)
+SHARE_WAIT_S = 60.0
 SHARE_RETRY_S = 0.05
 
 
