@@ -309,6 +309,8 @@ class SpillQueue:
                 )
                 unpin(exc)
                 self._finish(rec, Settled(Outcome.FAILED, error=exc))
+            except GeneratorExit:  # the loop closed under the writer (its coroutine closed): nothing can be settled
+                raise
             except BaseException as exc:  # (KeyboardInterrupt, SystemExit) the item fails, never left unsettled
                 self._finish(rec, Settled(Outcome.FAILED, error=exc))  # for a drain to wait on: the writer ends
                 raise

@@ -91,7 +91,9 @@ def linked(tmp_path: Path) -> tuple[Store, RemoteLink]:
 
 
 def fill_reasons() -> set[str]:
-    return set(re.findall(r'_missed\("([a-z_]+)"\)', inspect.getsource(link_module)))
+    return set(re.findall(r'_missed\("([a-z_]+)"\)', inspect.getsource(link_module))) | set(
+        link_module.UNFETCHED.values()
+    )
 
 
 def flat(counters: dict[str, Any], rows: dict[str, Row]) -> dict[str, Any]:

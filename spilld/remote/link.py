@@ -72,6 +72,8 @@ MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, 
 # larger than this is refused unread. A block's bound comes from its manifest (``_named_blocks``).
 MAX_MANIFEST_VALUE_BYTES = 256 * 1024 * 1024
 BLOCK_HEADER_SLACK = 4096  # a block's header beside block 0's as planned: its own key, time and hashes
+# A fill's block that could not be fetched, by the tier's reason: its fill miss (an absent block: evicted, or lost)
+UNFETCHED: dict[Reason, str] = {r: f"blocks_{r.value}" for r in Reason if r is not Reason.OOM}
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -449,7 +451,7 @@ class RemoteLink:
             async with contextlib.aclosing(self._fetched(namespace, want, bound)) as batches:
                 await self.store.adopt(ident, namespace, manifest, batches, on_bad=bad)
         except _Absent as gone:  # counted by why (found in review: a read that timed out said "absent")
-            return self._missed(f"blocks_{gone.reason.value}")
+            return self._missed(UNFETCHED.get(gone.reason, UNFETCHED[Reason.DOWN]))
         except errors.BlockMissing:  # a block held here went meanwhile (evicted): nothing of the remote's is wrong
             return self._missed("local_block_gone")
         except errors.FileFormatError as exc:  # (files that disagree, or one held here: nothing is removed)
