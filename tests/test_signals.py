@@ -122,3 +122,23 @@ def test_asyncios_own_log_lines_are_json_lines_too(capfd: pytest.CaptureFixture[
         for lg, (handlers, propagate, level) in zip(loggers, before, strict=True):
             lg.handlers[:], lg.propagate = handlers, propagate
             lg.setLevel(level)
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.02, 0.05, 0.3])
+def test_a_second_signal_with_nothing_left_exits_0(after_s: float) -> None:
+    """Found in review: any second signal exited 3 ("work was left"), an idle daemon's too, as `timeout` sends one
+    to the process and one to its group; and one that came as the loop closed killed the process (-15), which had
+    logged its exit 0. Exit 3 is for work left; with none, the stop's own 0, whenever the second signal comes."""
+    import time
+
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(after_s)
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0, d.read_log()
+    finally:
+        d.kill()
+        cleanup(d.root)

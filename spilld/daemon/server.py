@@ -230,12 +230,16 @@ class Daemon:
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
         if self._signals > 1:  # the operator insists: what is still queued is lost (never a partial file)
+            left = self.queue.pending_items
+            # exit 3 says work was left; with none left the stop's own 0 (found in review: a second signal on an
+            # idle daemon, as `timeout` sends to a process group, exited 3 with nothing lost)
+            code = SECOND_SIGNAL_EXIT if left else 0
             log.warning(
                 "second signal: exiting now",
-                extra={"signal": signal.Signals(sig).name, "items_lost": self.queue.pending_items,
-                       "bytes_lost": self.queue.pending_bytes, "exit": SECOND_SIGNAL_EXIT},
+                extra={"signal": signal.Signals(sig).name, "items_lost": left,
+                       "bytes_lost": self.queue.pending_bytes, "exit": code},
             )  # fmt: skip
-            os._exit(SECOND_SIGNAL_EXIT)
+            os._exit(code)
         log.info(
             "%s: stopping (finishing queued work within %.0f s)", signal.Signals(sig).name, self.cfg.drain_deadline
         )
@@ -545,7 +549,15 @@ def run(cfg: Config) -> int:
             raise
 
     async def main() -> int:
-        return await Daemon(cfg, listener, claimed=lock).serve()
+        code = await Daemon(cfg, listener, claimed=lock).serve()
+        # stopped: a signal now changes nothing (found in review: once the loop let its handlers go as it closed,
+        # a second signal killed the process, which had logged its exit 0)
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
+        return code
 
     try:
         return int(uvloop.run(main()))
