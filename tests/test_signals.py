@@ -142,3 +142,33 @@ def test_a_second_signal_with_nothing_left_exits_0(after_s: float) -> None:
     finally:
         d.kill()
         cleanup(d.root)
+
+
+@pytest.mark.asyncio
+async def test_a_drain_whose_daemon_goes_away_exits_3(daemon: Daemon) -> None:
+    """Found in review: README says `spilld drain` exits 3 when the daemon stops answering during the drain, but a
+    daemon that died mid-drain gave exit 4 ("cannot be reached"), as if there had been nothing to wait for."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    hold = asyncio.Event()
+
+    async def lease(fn: Any) -> Any:  # an engine that never has a free moment: the daemon's write waits
+        await hold.wait()
+        return await asyncio.to_thread(fn)
+
+    client = await AsyncClient.open(daemon.socket, identity=spilld.Identity("busy"), grant_lease=True, lease=lease)
+    client.lease = spilld.NoLease()
+    client.spill(list(range(8)), [fill(C.KVCache(), 8)])
+    await client.queue.drain()
+    client.lease = lease
+    loop = asyncio.get_running_loop()
+    drain = loop.run_in_executor(None, lambda: daemon.cli("drain", "--socket", daemon.socket, "--timeout", "60"))
+    await asyncio.sleep(1.5)  # the drain waits on the held write
+    assert daemon.proc is not None and not drain.done()
+    daemon.proc.kill()
+    r = await drain
+    assert r.returncode == 3 and "went away during the drain" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    hold.set()
+    await client.close(timeout=1)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .. import errors
 from ..config import check_socket_path, format_size, parse_duration, parse_size
 
 EXIT_OK = 0
@@ -162,9 +163,13 @@ def control(args: argparse.Namespace, timeout: float | None = None) -> Any:
     )
 
 
-def ask(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, **kw: Any) -> Any:
+def ask(
+    args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, lost_is_error: bool = True, **kw: Any
+) -> Any:
     """Send one request and return its answer. A ``timeout`` given bounds the whole exchange, the connect and the
-    hello included (found in review: ``drain --timeout 1`` waited 10 s for a hung daemon's hello)."""
+    hello included (found in review: ``drain --timeout 1`` waited 10 s for a hung daemon's hello). Without
+    ``lost_is_error``, a connection lost once the daemon answered the hello gives None (a daemon that could not be
+    reached still raises ``ConnectionLost``)."""
     from ..control import CONNECT_TIMEOUT_S
 
     timeout = kw.get("timeout")
@@ -172,4 +177,9 @@ def ask(args: argparse.Namespace, method: str, params: dict[str, Any] | None = N
     with control(args, None if timeout is None else min(timeout, CONNECT_TIMEOUT_S)) as c:
         if end is not None:
             kw["timeout"] = max(0.0, end - time.monotonic())
-        return c.call(method, params or {}, **kw)
+        try:
+            return c.call(method, params or {}, **kw)
+        except errors.ConnectionLost:
+            if lost_is_error:
+                raise
+            return None

@@ -27,12 +27,15 @@ def cmd_drain(args: argparse.Namespace) -> int:
     wait = DRAIN_DEFAULT_S if args.timeout is None else args.timeout
     t0 = time.monotonic()
     try:  # bounded here too: a daemon that stopped answering (hung, SIGSTOP) must not hold a shutdown script
-        r = ask(args, "drain", {"timeout": wait}, timeout=wait + ANSWER_GRACE_S, on_note=show)
+        r = ask(args, "drain", {"timeout": wait}, timeout=wait + ANSWER_GRACE_S, on_note=show, lost_is_error=False)
     except errors.Timeout:
         print(f"timeout: the daemon did not answer within {time.monotonic() - t0:.1f} s")
         return EXIT_TIMEOUT
     finally:
         progress.done()
+    if r is None:  # it answered the hello, then went away (found in review: exit 4, "cannot be reached")
+        print("the daemon went away during the drain: what it had queued may not be durable")
+        return EXIT_TIMEOUT
     lost = int(r.get("not_stored", 0))
     if r["done"] and lost:  # settled, but not durable: dropped by the cap, failed, or cancelled by a stop
         print(
