@@ -275,6 +275,8 @@ class SpillQueue:
             self._wakeup = asyncio.Event()
         self._wakeup.set()
         if self._worker is None or self._worker.done():
+            if self._worker is not None and not self._worker.cancelled():
+                self._worker.exception()  # (the one that ended it, settled in its item: retrieved, not logged)
             self._worker = loop.create_task(self._run(), name="spilld-queue-writer")
 
     async def _run(self) -> None:
@@ -311,8 +313,9 @@ class SpillQueue:
                 self._finish(rec, Settled(Outcome.FAILED, error=exc))
             except GeneratorExit:  # the loop closed under the writer (its coroutine closed): nothing can be settled
                 raise
-            except BaseException as exc:  # (KeyboardInterrupt, SystemExit) the item fails, never left unsettled
-                self._finish(rec, Settled(Outcome.FAILED, error=exc))  # for a drain to wait on: the writer ends
+            except BaseException as exc:  # (KeyboardInterrupt, SystemExit) the writer ends with it: its item fails
+                self._finish(rec, Settled(Outcome.FAILED, error=exc))  # and those queued behind it are cancelled,
+                self.cancel_where(lambda _: True, barriers=True)  # never left for a drain to wait on (review)
                 raise
             else:
                 self.bytes_written += int(getattr(value, "file_bytes", 0) or 0)

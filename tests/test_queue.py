@@ -215,7 +215,8 @@ async def test_a_failed_store_settles_failed_and_the_queue_keeps_going() -> None
 
 async def test_a_store_that_raises_a_base_exception_fails_its_item_and_the_next_enqueue_writes_again() -> None:
     """Found in review: only Exception and CancelledError were caught around a store, so a KeyboardInterrupt or
-    SystemExit raised there left the item in flight unsettled for ever (a drain of it never returned)."""
+    SystemExit raised there left the item in flight unsettled for ever (a drain of it never returned), and then the
+    items queued behind it (the writer had ended). The writer's item fails, those behind it are cancelled."""
 
     class Interrupted(BaseException):
         pass
@@ -229,11 +230,13 @@ async def test_a_store_that_raises_a_base_exception_fails_its_item_and_the_next_
         return await rec.store(it)
 
     q = SpillQueue(1000, store, release=lambda it: seen.append(it.key), bytes_of=lambda it: it.payload or 0)
-    a = q.enqueue(item("a"))
+    a, behind = q.enqueue(item("a")), q.enqueue(item("behind"))
     settled = await asyncio.wait_for(a, 5)
-    assert settled.outcome is Outcome.FAILED and isinstance(settled.error, Interrupted) and seen == ["a"]
+    assert settled.outcome is Outcome.FAILED and isinstance(settled.error, Interrupted)
+    assert (await asyncio.wait_for(behind, 5)).outcome is Outcome.CANCELLED and seen == ["a", "behind"]
     assert (await asyncio.wait_for(q.drain(5), 5)).done
     assert (await q.enqueue(item("b"))).stored  # a new writer takes the next one
+    assert (await asyncio.wait_for(q.close(), 5)).done
 
 
 async def test_a_release_that_raises_is_isolated_to_its_item() -> None:
