@@ -20,6 +20,7 @@ import functools
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -119,6 +120,7 @@ class AsyncClient:
         self._not_stored = 0  # this client's items the daemon answered as not stored (dropped, cancelled, failed)
         self._closed = False  # close has run: no call connects again
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
+        self._session = secrets.token_hex(16)  # names this client to the daemon across its reconnections
 
     @classmethod
     async def open(cls, socket_path: str | None = None, **kwargs: Any) -> AsyncClient:
@@ -154,7 +156,7 @@ class AsyncClient:
                 raise P.ConnectionLost(f"cannot reach spilld at {self.socket_path}: {exc}") from exc
             self._check_peer()  # before a single byte goes out
             self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
-            hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
+            hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid(), "session": self._session}
             try:
                 self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease}, timeout=limit)
             except BaseException:  # refused, timed out or cancelled: nothing of this connection is left open

@@ -706,7 +706,8 @@ async def test_an_adopt_cancelled_while_its_blocks_publish_leaves_no_file_behind
 @pytest.mark.asyncio
 async def test_a_clients_cancel_drops_its_own_queued_spills_never_anothers() -> None:
     """Found in review: the daemon's ``cancel`` matched every client's queued spills, so one engine's
-    ``cancel(namespace="")`` dropped another engine's work; a Spiller's drops only its own. Now the daemon's too."""
+    ``cancel(namespace="")`` dropped another engine's work; a Spiller's drops only its own. Now the daemon's too,
+    its own sent on earlier connections included (the hello's ``session``)."""
     async with (
         writer_held() as (socket, ops),
         AsyncClient(socket, identity=IDENT, shm=False) as a,
@@ -718,5 +719,15 @@ async def test_a_clients_cancel_drops_its_own_queued_spills_never_anothers() -> 
         await b.queue.drain()  # both shipped: queued at the daemon behind the hung write
         assert await b.cancel(namespace="") == 1  # its own only
         assert (await asyncio.wait_for(theirs, 30)).outcome is Outcome.CANCELLED and not mine.done()
+        # a client's own, sent on a connection it has lost since, are still its own (found in review: none)
+        also = a.spill(list(range(300, 332)), caches(32))
+        await a.queue.drain()
+        assert a._writer is not None
+        a._writer.transport.abort()  # the connection goes; the daemon keeps what it queued
+        assert (await asyncio.wait_for(also, 30)).outcome is Outcome.FAILED  # its answer went with the connection
+        assert await a.cancel(namespace="") == 2  # reconnected: `mine` and `also`, still queued there
         ops.release.set()
-        assert (await blocker).stored and (await mine).stored
+        assert not (await blocker).stored  # (its answer went with the connection too)
+        assert (await a.drain(30)).done
+        q = (await a.status())["queue"]
+        assert (q["stored"], q["cancelled"]) == (1, 3), q  # the blocker written; theirs, mine and also cancelled

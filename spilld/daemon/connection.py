@@ -142,6 +142,7 @@ class Connection(asyncio.BufferedProtocol):
         self._closing = False
         self.closed = asyncio.get_running_loop().create_future()
         self.lease_grantor = False
+        self.session = f"connection {self.id}"  # who sent a spill, for ``cancel`` (the hello may name the client's)
         self.asked: dict[int, asyncio.Future[errors.SpillError | None]] = {}  # our requests to the client, by msgid
         self._eof = False  # the client sent EOF: it reads our answers, but sends (and grants) nothing more
         self._grant_missed: str | None = None  # why this client's engine is asked for no more grants
@@ -498,6 +499,8 @@ class Connection(asyncio.BufferedProtocol):
         # printable only: a name goes into log lines, and a newline in it could forge a second one (found in review)
         self.client_name = "".join(c if c.isprintable() else "?" for c in params.get("client", "?")[:64])
         self.lease_grantor = params.get("lease_grantor", False)
+        # the client's across its reconnections (a cancel drops the spills it sent on any of them); else this one's
+        self.session = params.get("session") or f"connection {self.id}"
         known = self.daemon.client_names.get(self.client_name) is not None
         self.daemon.client_names.put(self.client_name, True)
         # a new name is said at info, at most CLIENT_ERROR_LOGS_PER_S a second: a client connecting in a loop under
@@ -605,8 +608,9 @@ def received_bytes(item: SpillItem) -> int:
 
 
 def sent_by(item: SpillItem, conn: Connection) -> bool:
-    """Whether ``item`` is a spill the client on ``conn`` sent."""
-    return isinstance(item.payload, Received) and item.payload.conn is conn
+    """Whether ``item`` is a spill the client on ``conn`` sent (on that connection, or on an earlier one of its
+    session: found in review, a cancel after a reconnection dropped none of the client's own)."""
+    return isinstance(item.payload, Received) and item.payload.conn.session == conn.session
 
 
 def bad_params(method: str, exc: Exception) -> P.BadParams:

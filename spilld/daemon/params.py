@@ -65,7 +65,7 @@ _CHUNK = {"spill": _SPILL_ID, "index": Param(int, required=True), "offset": Para
 # Every method's params. ``hello``'s ``version`` is checked by the handshake itself (a wrong one is
 # ``unsupported_protocol``, whatever its type).
 METHODS: dict[str, dict[str, Param]] = {
-    "hello": {"client": Param(str), "pid": Param(int), "lease_grantor": Param(bool)},
+    "hello": {"client": Param(str), "pid": Param(int), "lease_grantor": Param(bool), "session": Param(str)},
     "spill": {
         "header": Param(dict, required=True),
         "droppable": Param(bool),
