@@ -405,3 +405,33 @@ async def test_a_restore_runs_the_validator_on_its_manifest_not_on_blocks_this_b
     validated.clear()
     assert restored(s, tokens).tokens == tokens
     assert validated == [m.path for m in s.entries] + [first]
+
+
+@pytest.mark.asyncio
+async def test_an_empty_tail_before_a_state_cache_restores_however_many_heads_come_first(tmp_path: Path) -> None:
+    """Found in review: an entry of whole blocks (its positional tail has no rows) with a state cache after many KV
+    layers: each empty tail tensor became a view per head, 70 layers x 2 x 8 heads = 1,120 empty views first in one
+    vectored read, which read nothing and was taken for the file's end: the good manifest quarantined (corrupt)."""
+    size, n, layers = 16, 32, 70
+
+    def kv(seed: int) -> C.KVCache:
+        mx.random.seed(seed)
+        c = C.KVCache()
+        c.update_and_fetch(mx.random.normal((1, 8, n, 4)), mx.random.normal((1, 8, n, 4)))
+        return c
+
+    state = C.ArraysCache(2)
+    state.cache = [mx.random.normal((1, 3, 16)), mx.random.normal((1, 4, 8, 8))]
+    caches: list[Any] = [*(kv(i) for i in range(layers)), state]
+    mx.eval([x for c in caches for x in c.state])
+    tokens = list(range(100, 100 + n))  # two whole blocks: an empty tail
+    s = Store(tmp_path, block_tokens=size, durability="none", disk_cap=2**40)
+    await s.put(tokens, caches, IDENT)
+    hit = s.lookup(IDENT, "", [*tokens, 7])
+    assert isinstance(hit, Hit) and hit.matched == n
+    got = s.restore(hit, IDENT)
+    assert isinstance(got, spilld.Loaded), got
+    kvs = zip(caches[:-1], got.caches[:-1], strict=True)
+    assert all(mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item() for a, b in kvs)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(state.cache, got.caches[-1].cache, strict=True))
+    assert s.stats()["quarantined"] == 0
