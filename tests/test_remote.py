@@ -1883,6 +1883,47 @@ async def test_after_a_failover_the_next_trial_runs_on_new_connections_whoever_t
 
 
 @pytest.mark.asyncio
+async def test_a_late_refusal_on_connections_left_never_frees_a_trial_in_flight(server: RedisServer) -> None:
+    """Found in review: a READONLY that came back late on connections already left (a call let through while the
+    breaker was closed) gave the half-open trial back, though another call, on the new connections, still held it:
+    a second trial ran beside the first. Only the call that holds the trial gives it back."""
+    from redis import exceptions as rx
+
+    tier = await started(relaxed(server.url, breaker_cooldown_s=0.05, health_interval_s=3600))
+    late, trial_sent, trial_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def refused_late(client: Any) -> Any:  # in flight on the old connections
+        await late.wait()
+        raise rx.ReadOnlyError("READONLY You can't write against a read only replica.")
+
+    async def refused_now(client: Any) -> Any:
+        raise rx.ReadOnlyError("READONLY You can't write against a read only replica.")
+
+    async def held_trial(client: Any) -> Any:
+        trial_sent.set()
+        await trial_done.wait()
+        return await client.ping()
+
+    try:
+        slow = asyncio.ensure_future(tier._call(refused_late, 5))
+        await asyncio.sleep(0.01)
+        await tier._call(refused_now, 5)  # the first refusal: the breaker opens, its connections are left
+        await asyncio.sleep(0.1)  # past the cooldown: half-open
+        trial = asyncio.ensure_future(tier._call(held_trial, 5))  # the trial, on the new connections
+        await trial_sent.wait()
+        late.set()
+        await slow  # the late refusal, on the connections left
+        assert not tier.breaker.allow()  # the trial is still out: nobody else is let through
+        trial_done.set()
+        await trial
+        assert tier.breaker.state is State.CLOSED
+    finally:
+        late.set()
+        trial_done.set()
+        await tier.close()
+
+
+@pytest.mark.asyncio
 async def test_a_bound_the_loop_overran_is_no_verdict_on_the_server(server: RedisServer) -> None:
     """Found in review: a large reply parsed on the loop held it past other calls' short bounds (a probe's 50 ms);
     those timeouts counted as the server failing, and the breaker opened for everyone on a healthy server."""

@@ -426,8 +426,12 @@ class RemoteTier:
     async def _call(self, op: Callable[[Client], Awaitable[T]], timeout_s: float) -> T | _Failed:
         """Run ``op`` if the breaker lets it, within ``timeout_s``; every failure becomes a reason."""
         client = self._client
+        trial = self.breaker.trial_free  # this call takes the half-open trial if it is let through now
         if self._disabled or client is None or not self.breaker.allow():
             return _Failed(Reason.DOWN)
+        # no verdict: the trial given back if this call holds it, never another's (found in review: a late reply
+        # let a second trial through beside one still running)
+        no_verdict = self.breaker.abandon if trial else _nothing
         asked = False  # the call reached the server (not only waited for a connection)
         loop, password = asyncio.get_running_loop(), self._password
         try:
@@ -440,11 +444,11 @@ class RemoteTier:
             finally:
                 self._slots.release()
         except asyncio.CancelledError:  # (a fill gave up on the batch it fetched ahead)
-            self.breaker.abandon()
+            no_verdict()
             raise
         except rx.AuthenticationError as e:
             if await self._password_rotated(password):
-                self.breaker.abandon()  # no verdict (a half-open trial is given back): the next call tries it
+                no_verdict()  # the next call tries it
             else:
                 self._disable(self._auth_problem(e))
             return _Failed(Reason.DOWN)
@@ -455,13 +459,13 @@ class RemoteTier:
             if asked and not late and not isinstance(e, rx.MaxConnectionsError):
                 self.breaker.failure()
             else:
-                self.breaker.abandon()
+                no_verdict()
             return _Failed(Reason.TIMEOUT)
         except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, rx.InvalidResponse, OSError):
             self.breaker.failure()  # (InvalidResponse: a reply declared longer than allowed: its connection went)
             return _Failed(Reason.DOWN)
         except NOT_PRIMARY:
-            self._not_primary(client)
+            self._not_primary(client, no_verdict)
             return _Failed(Reason.DOWN)
         except rx.ResponseError as e:  # the server answered: it is up, it said no
             self.breaker.success()
@@ -471,18 +475,18 @@ class RemoteTier:
             self.breaker.failure()
             return _Failed(Reason.DOWN)
         if isinstance(result, list) and any(isinstance(r, NOT_PRIMARY) for r in result):  # inside a pipeline
-            self._not_primary(client)
+            self._not_primary(client, no_verdict)
         else:
             self.breaker.success()
         return result
 
-    def _not_primary(self, client: Client) -> None:
+    def _not_primary(self, client: Client, no_verdict: Callable[[], None]) -> None:
         """The server refused a write as a replica: open the breaker (every call misses at once meanwhile) and
         leave ``client``'s connections now, so that whichever call takes the next trial runs on new ones, which
         may reach the new primary (found in review: a lookup's probe took the trial on the old connections, read
         from the demoted replica, and closed the breaker; the next write failed again, and so on)."""
         if client is not self._client:  # a reply on connections left already: no word on the new ones
-            self.breaker.abandon()
+            no_verdict()
             return
         if self.breaker.state is not State.OPEN:
             log.warning("remote tier %s is not a primary (read-only); reconnecting", self._where())
@@ -599,6 +603,10 @@ def _read_failure(v: Any, limit: int | None) -> Reason | None:
 
 async def _maybe_thread(fn: Callable[[], T], nbytes: int) -> T:
     return await off_loop(fn, background=True) if nbytes > OFFLOAD_BYTES else fn()
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _ping(c: Client) -> Any:
