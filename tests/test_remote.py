@@ -1883,10 +1883,12 @@ async def test_after_a_failover_the_next_trial_runs_on_new_connections_whoever_t
 
 
 @pytest.mark.asyncio
-async def test_a_late_refusal_on_connections_left_never_frees_a_trial_in_flight(server: RedisServer) -> None:
+@pytest.mark.parametrize("lost", ["readonly", "connection"])
+async def test_a_late_failure_on_connections_left_never_frees_a_trial_in_flight(server: RedisServer, lost: str) -> None:
     """Found in review: a READONLY that came back late on connections already left (a call let through while the
     breaker was closed) gave the half-open trial back, though another call, on the new connections, still held it:
-    a second trial ran beside the first. Only the call that holds the trial gives it back."""
+    a second trial ran beside the first; and a connection error there (the renewal closes those connections)
+    reopened the breaker. Only the call that holds the trial gives it back; the connections left give no verdict."""
     from redis import exceptions as rx
 
     tier = await started(relaxed(server.url, breaker_cooldown_s=0.05, health_interval_s=3600))
@@ -1894,6 +1896,8 @@ async def test_a_late_refusal_on_connections_left_never_frees_a_trial_in_flight(
 
     async def refused_late(client: Any) -> Any:  # in flight on the old connections
         await late.wait()
+        if lost == "connection":
+            raise rx.ConnectionError("Connection closed by server.")
         raise rx.ReadOnlyError("READONLY You can't write against a read only replica.")
 
     async def refused_now(client: Any) -> Any:
@@ -1912,8 +1916,8 @@ async def test_a_late_refusal_on_connections_left_never_frees_a_trial_in_flight(
         trial = asyncio.ensure_future(tier._call(held_trial, 5))  # the trial, on the new connections
         await trial_sent.wait()
         late.set()
-        await slow  # the late refusal, on the connections left
-        assert not tier.breaker.allow()  # the trial is still out: nobody else is let through
+        await slow  # the late failure, on the connections left
+        assert tier.breaker.state is State.HALF_OPEN and not tier.breaker.allow()  # the trial is still out
         trial_done.set()
         await trial
         assert tier.breaker.state is State.CLOSED

@@ -462,7 +462,13 @@ class RemoteTier:
                 no_verdict()
             return _Failed(Reason.TIMEOUT)
         except (rx.ConnectionError, rx.ClusterError, rx.RedisClusterException, rx.InvalidResponse, OSError):
-            self.breaker.failure()  # (InvalidResponse: a reply declared longer than allowed: its connection went)
+            # (InvalidResponse: a reply declared longer than allowed: its connection went.) On connections left
+            # already (closed by the renewal itself) no verdict on the new ones (found in review: it reopened a
+            # half-open breaker, a cooldown more of misses)
+            if client is self._client:
+                self.breaker.failure()
+            else:
+                no_verdict()
             return _Failed(Reason.DOWN)
         except NOT_PRIMARY:
             self._not_primary(client, no_verdict)
