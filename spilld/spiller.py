@@ -118,9 +118,10 @@ class Spiller:
             if asyncio.get_running_loop().time() >= deadline:
                 pid = holder_pid(lock.path)
                 raise errors.AlreadyRunning(
-                    f"{self.store.root} is in use by another spilld (pid {pid if pid is not None else 'unknown'}): "
-                    "spill through that daemon's socket (spilld.Client, spilld.AsyncClient), or give this Spiller "
-                    "a folder of its own"
+                    f"{self.store.root} is in use by another spilld (pid {pid if pid is not None else 'unknown'}) "
+                    f"alone for over {SHARE_WAIT_S:g} s: a daemon serves it (spill through its socket: "
+                    "spilld.Client, spilld.AsyncClient), or another Spiller's scan of it is long; or give this "
+                    "Spiller a folder of its own"
                 )
             await asyncio.sleep(SHARE_RETRY_S)
 
