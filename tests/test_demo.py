@@ -53,3 +53,20 @@ def test_demo_uses_a_running_daemon_and_leaves_it_running() -> None:
     finally:
         assert d.stop() == 0
         cleanup(d.root)
+
+
+def test_demo_refuses_a_dir_the_running_daemon_does_not_serve() -> None:
+    """Found in review: README says a --dir given is never ignored, but `demo --dir D` with a daemon already on the
+    socket used that daemon's own folder without a word. It is refused (exit 2) unless that daemon serves D."""
+    d = Daemon(new_root(), ["--cap", "256MiB"]).start()
+    try:
+        other = f"{d.root}/elsewhere"
+        r = subprocess.run(
+            [sys.executable, "-m", "spilld", "demo", "--socket", d.socket, "--dir", other],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and f"serves {d.dir}, not {other}" in r.stderr, r.stderr
+        assert d.cli("status", "--socket", d.socket).returncode == 0  # left running, untouched
+    finally:
+        assert d.stop() == 0
+        cleanup(d.root)

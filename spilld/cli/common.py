@@ -163,6 +163,30 @@ def control(args: argparse.Namespace, timeout: float | None = None) -> Any:
     )
 
 
+def daemon_dir(args: argparse.Namespace) -> str | None:
+    """The folder of the daemon answering on the socket, or None when none answers."""
+    try:
+        with control(args) as c:
+            return str(c.server.get("dir") or "") or None
+    except errors.ConnectionLost:
+        return None
+
+
+def refuse_another_folder(args: argparse.Namespace, folder: str, served: str | None) -> None:
+    """``UsageError`` when the daemon on the socket serves another folder than ``folder`` (a ``--dir`` given to a
+    command that would go through that daemon is never ignored)."""
+    if served is None:
+        return
+    try:
+        same = os.path.samefile(folder, served)
+    except OSError:
+        same = os.path.realpath(folder) == os.path.realpath(served)
+    if not same:
+        raise UsageError(
+            f"the daemon on {socket_path(args)} serves {served}, not {folder}: stop it, or name its socket with --socket"
+        )
+
+
 def ask(
     args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, lost_is_error: bool = True, **kw: Any
 ) -> Any:

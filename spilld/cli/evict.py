@@ -10,7 +10,17 @@ from typing import Any
 
 from .. import errors
 from ..config import format_size
-from .common import EXIT_OK, Progress, UsageError, ask, control, folder_arg, plural, socket_path
+from .common import (
+    EXIT_OK,
+    Progress,
+    UsageError,
+    ask,
+    daemon_dir,
+    folder_arg,
+    plural,
+    refuse_another_folder,
+    socket_path,
+)
 from .files import quarantine_files
 
 EVICT_SILENCE_S = 120.0  # an evict through the daemon gives up when it says nothing this long (it reports progress)
@@ -65,36 +75,15 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
     return n, nbytes
 
 
-def _daemon_dir(args: argparse.Namespace) -> str | None:
-    """The folder of the daemon answering on the socket, or None when none answers."""
-    from ..protocol import ConnectionLost
-
-    try:
-        with control(args) as c:
-            return str(c.server.get("dir") or "") or None
-    except ConnectionLost:
-        return None
-
-
-def _same_folder(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
 def cmd_evict(args: argparse.Namespace) -> int:
     """Evict through the daemon that serves the folder, else from the folder itself; say which."""
     from ..config import default_dir
 
     if not (args.all or args.fingerprint or args.older_than is not None or args.quarantine):
         raise UsageError("evict needs --fingerprint, --older-than, --quarantine or --all (every entry)")
-    served = _daemon_dir(args)
+    served = daemon_dir(args)
     root = folder_arg(args.dir or served, default_dir, must_exist=True)
-    if served is not None and not _same_folder(root, served):
-        raise UsageError(
-            f"the daemon on {socket_path(args)} serves {served}, not {root}: stop it, or name its socket with --socket"
-        )
+    refuse_another_folder(args, root, served)
     out: dict[str, Any] = {"dir": root, "through_daemon": served is not None, "evicted": 0, "bytes": 0}
     if args.all or args.fingerprint or args.older_than is not None:
         params = {"fingerprint": args.fingerprint, "older_than_s": args.older_than}

@@ -10,7 +10,15 @@ import sys
 from .. import errors
 from ..config import Config
 from ..fileio import Durability
-from .common import EXIT_ALREADY_RUNNING, EXIT_OK, EXIT_UNREACHABLE, UsageError, folder_arg
+from .common import (
+    EXIT_ALREADY_RUNNING,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    UsageError,
+    daemon_dir,
+    folder_arg,
+    refuse_another_folder,
+)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -115,6 +123,8 @@ def _check_socket_target(path: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
+    if args.dir is not None:  # for a daemon the demo starts; one already answering must serve it (found in review:
+        refuse_another_folder(args, args.dir, daemon_dir(args))  # it was ignored without a word)
     try:
         run_demo(args.socket, args.dir, as_json=args.json)
     except errors.SpillError as exc:
