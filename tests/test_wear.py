@@ -36,6 +36,20 @@ async def test_a_spent_budget_sheds_droppable_puts_and_writes_the_others(tmp_pat
 
 
 @pytest.mark.asyncio
+async def test_a_spent_budget_never_sheds_a_checkpoint(tmp_path: Path) -> None:
+    """Found in review: a checkpoint (droppable, as its spill's default) was shed once the budget was spent, and
+    resume found none; design.md says checkpoints are written whatever the budget, as the write gate does."""
+    from spilld.entries import checkpoint_namespace
+
+    s = Store(tmp_path, disk_cap=2**40, write_budget=1)
+    await s.put(list(range(8)), caches(8), IDENT, droppable=True)  # spends the budget
+    ck = spilld.GenerationCheckpoint("gen", "", 6, 2, 5, 0, False)
+    ident = spilld.Identity("wear", namespace=checkpoint_namespace("gen"))
+    await s.put(list(range(100, 108)), caches(8, seed=5), ident, droppable=True, checkpoint=ck)
+    assert s.count == 2 and s.counters.dropped_budget == 0
+
+
+@pytest.mark.asyncio
 async def test_no_budget_sheds_nothing(tmp_path: Path) -> None:
     s = Store(tmp_path, disk_cap=2**40)
     for i in range(3):
@@ -110,6 +124,24 @@ async def test_past_the_disk_cap_a_tenant_within_its_quota_evicts_its_own_entrie
     s.disk_cap = per_entry // 2  # now it has nothing of its own left but the new entry: the other's goes
     third = await s.put([200, *range(39)], caches(40, seed=3), tenant)
     assert third.path in s.index.by_path and kept.path not in s.index.by_path
+
+
+@pytest.mark.asyncio
+async def test_past_the_disk_cap_a_tenant_evicts_its_own_pins_beyond_the_pin_cap_before_another_tenants(
+    tmp_path: Path,
+) -> None:
+    """Found in review: past the disk cap a tenant's put passed over every pin of its own, those beyond --pin-cap
+    too (which are evicted like the rest), and evicted another tenant's entry instead."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16, pin_cap=0)  # no pin is kept apart
+    other = spilld.Identity("wear", namespace="other")
+    kept = await s.put(list(range(1000, 1040)), caches(40), other)
+    tenant = spilld.Identity("wear", namespace="tenant")
+    pinned = await s.put(list(range(40)), caches(40, seed=1), tenant, pin=True)
+    per_entry = s.namespace_bytes("tenant")
+    s.disk_cap = s.total_bytes + per_entry // 2
+    s.namespace_quota = 3 * per_entry
+    await s.put([100, *range(39)], caches(40, seed=2), tenant)
+    assert kept.path in s.index.by_path and pinned.path not in s.index.by_path
 
 
 def entry_bytes(s: Store) -> int:

@@ -17,10 +17,21 @@ def evict_order(
     ``pin_cap`` together (``parts``: an entry's own bytes, and its blocks' by key: a block two pins share counts
     once, found in review); older pins beyond it take their place among the others."""
     order = sorted(entries, key=lambda x: x.last_used)
+    kept = protected(order, pinned, parts, pin_cap)
+    return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]
+
+
+def protected(
+    entries: Iterable[Entry],
+    pinned: Collection[str],
+    parts: Callable[[Entry], tuple[int, Mapping[bytes, int]]],
+    pin_cap: int,
+) -> set[str]:
+    """The pins evicted last (their paths): the newest, as long as what they hold fits ``pin_cap`` together."""
     kept: set[str] = set()
     counted: set[bytes] = set()
     used = 0
-    for e in reversed(order):
+    for e in sorted(entries, key=lambda x: x.last_used, reverse=True):
         if e.path not in pinned:
             continue
         own, named = parts(e)
@@ -29,4 +40,4 @@ def evict_order(
             kept.add(e.path)
             counted.update(named)
             used += n
-    return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]
+    return kept

@@ -51,7 +51,7 @@ from ..matching import Found, Query, common_prefix, start_key
 from ..queue import unpin
 from ..saver import WRITE_BATCH_BYTES, AnySource, Attachment, SaveResult, Staging, plan, save_async, take_all
 from ..validate import validate_header
-from .eviction import evict_order
+from .eviction import evict_order, protected
 from .folders import FolderClaims, remove_empty_folders
 from .index import Index, ns_dir
 from .listing import EXT
@@ -535,7 +535,10 @@ class Store:
         ``saver.save_async`` (for sources that are plain bytes and a lease that keeps no engine waiting). Files are written
         through the store's file layer (``self.ops``); folders, writes and unlinks run off the event loop.
         """
-        if droppable and self.write_budget is not None and self.wear.last_day() >= self.write_budget:
+        # a checkpoint is written whatever the budget, as a non-droppable spill is (found in review: once the
+        # budget was spent every checkpoint was shed, and resume found none)
+        ckpt = (planned[0].checkpoint if planned is not None else checkpoint) is not None
+        if droppable and not ckpt and self.write_budget is not None and self.wear.last_day() >= self.write_budget:
             self.counters.dropped_budget += 1
             raise errors.WriteBudgetSpent(
                 f"{self.wear.last_day()} bytes written in the last 24 h (budget {self.write_budget}): a droppable spill is shed"
@@ -1079,12 +1082,14 @@ class Store:
         return n
 
     def _evict_own_to_cap(self, new: Entry) -> int:
-        """With quotas set, a put that passes the disk cap evicts its own namespace's unpinned entries first;
-        another tenant's go only when it has none left (quotas that sum past the cap). Found in review: a tenant
-        within its quota evicted another's entries."""
+        """With quotas set, a put that passes the disk cap evicts its own namespace's entries first, but for the pins
+        kept within ``--pin-cap``; another tenant's go only when it has none left (quotas that sum past the cap).
+        Found in review: a tenant within its quota evicted another's entries; then, one that kept its own pins
+        beyond the pin cap, which are evicted like the rest."""
         if self.namespace_quota is None or self.total_bytes <= self.disk_cap:
             return 0
-        mine = [e for e in self._entries_in(ns_dir(new.path)) if e.path not in self._pins]
+        kept = protected(self.index.by_path.values(), self._pins, self._on_disk, self.pin_cap)
+        mine = [e for e in self._entries_in(ns_dir(new.path)) if e.path not in kept]
         return self._evict_until(mine, lambda: self.total_bytes <= self.disk_cap, new)
 
     def _entries_in(self, ns: str) -> list[Entry]:
