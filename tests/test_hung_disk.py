@@ -731,3 +731,31 @@ async def test_a_clients_cancel_drops_its_own_queued_spills_never_anothers() -> 
         assert (await a.drain(30)).done
         q = (await a.status())["queue"]
         assert (q["stored"], q["cancelled"]) == (1, 3), q  # the blocker written; theirs, mine and also cancelled
+
+
+@pytest.mark.asyncio
+async def test_a_puts_folder_check_is_off_the_loop_and_within_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a put checked that its entry folder still existed with a stat on the event loop, outside the
+    I/O deadline: a stat a stalled mount held froze the loop (status, lookups, every client). Now it is a file call
+    like the others: on a worker thread, and a hung one fails the put at the deadline."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0, io_timeout=DEADLINE_S)
+    await s.put(list(range(8)), caches(8), IDENT)  # the folder is made, and known durable
+    real, on = os.path.isdir, []
+    release = threading.Event()
+
+    def isdir(p: Any) -> bool:
+        if str(p).startswith(str(tmp_path)):
+            on.append(threading.current_thread() is threading.main_thread())
+            release.wait(10)  # a stat the mount holds
+        return real(p)
+
+    monkeypatch.setattr(os.path, "isdir", isdir)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    ticks = asyncio.ensure_future(asyncio.sleep(0.1))  # the loop keeps turning meanwhile
+    with pytest.raises(errors.StorageTimeout):
+        await s.put(list(range(100, 108)), caches(8, seed=3), IDENT)
+    release.set()
+    assert on and not any(on) and ticks.done() and loop.time() - t0 < DEADLINE_S + 1.0

@@ -804,7 +804,8 @@ class Store:
             if time.monotonic() > deadline:
                 raise errors.StorageTimeout(f"the removal of the empty folder {folder} did not end: the disk is hung")
             await asyncio.sleep(FOLDER_WAIT_S)
-        if folder in self._durable_folders and os.path.isdir(folder):
+        # the check off the loop, within the deadline (found in review: a stat a stalled mount held froze the loop)
+        if folder in self._durable_folders and await self._io(lambda: os.path.isdir(folder), "a folder's check"):
             return
 
         async def create() -> None:
