@@ -67,6 +67,19 @@ def _held_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _held
 
 
+_idle: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _idle_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """A thread for idle-time reads (the scrub's, the warm start's): one such read a hung disk holds never holds a
+    thread a write needs (found in review: a scrub's read and a timed-out write took both of the writers')."""
+    global _idle
+    with _background_lock:
+        if _idle is None:
+            _idle = mlxthreads.worker_pool(1, "spilld-idle", initializer=lower_thread_priority)
+        return _idle
+
+
 def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _background
     with _background_lock:
@@ -75,17 +88,23 @@ def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _background
 
 
-async def off_loop(fn: Callable[[], T], *, background: bool = False, compute: bool = False, held: bool = False) -> T:
+async def off_loop(
+    fn: Callable[[], T], *, background: bool = False, compute: bool = False, held: bool = False, idle: bool = False
+) -> T:
     """Run blocking work on a worker thread; if cancelled, let it finish before unwinding.
 
     ``background`` work (hashing, writing: nothing that holds the engine's lock)
     runs on low-priority threads, so on a machine whose cores the engine keeps
     busy it takes only what the engine leaves. ``compute`` work (no file calls)
     runs on threads of its own, which a hung disk never holds. ``held`` work (a step an engine granted its lease
-    for, and waits on) runs on threads of its own too, never behind background work.
+    for, and waits on) runs on threads of its own too, never behind background work; ``idle`` reads (the scrub's,
+    the warm start's) on one of their own, at low priority.
     """
     loop = asyncio.get_running_loop()
-    pool = _held_pool() if held else _compute_pool() if compute else _background_pool() if background else None
+    pool = (
+        _held_pool() if held else _compute_pool() if compute else _idle_pool() if idle
+        else _background_pool() if background else None
+    )  # fmt: skip
     # spilld's own pools free their threads' mlx streams already; a loop's default executor is told per call
     fut = loop.run_in_executor(pool, mlxthreads.releasing(fn) if pool is None else fn)
     try:

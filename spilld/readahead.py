@@ -82,7 +82,7 @@ class ReadAhead:
             await pace.wait_idle()
             # about a chunk's bytes a call, on a worker (no file call on the loop): a piece of a large file, or
             # many small ones, so that a store of small files costs few loop turns
-            n, files = await off_loop(functools.partial(_read_some, self.files, at, buf), background=True)
+            n, files = await off_loop(functools.partial(_read_some, self.files, at, buf), idle=True)
             self.stats.read_bytes += n
             self.stats.files += files
             await pace.took(n)

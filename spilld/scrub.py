@@ -95,7 +95,7 @@ class Scrub:
             whole = False  # checked in one call (a manifest's tail: small), paced on its size after
             try:
                 if has_blocks and nbytes <= IN_MEMORY_MAX:
-                    whole = await off_loop(functools.partial(check_manifest, path), background=True)
+                    whole = await off_loop(functools.partial(check_manifest, path), idle=True)
                 if not whole:  # a chunk a worker call, paced and yielding to serving between two (found in review:
                     await self._check_in_steps(path, nbytes, pace)  # a whole file at disk speed, busy or not)
             except errors.FileFormatError as exc:
@@ -116,12 +116,12 @@ class Scrub:
     async def _check_in_steps(self, path: str, nbytes: int, pace: Pace) -> None:
         steps, read = verify_steps(path), 0
         try:
-            while (n := await off_loop(functools.partial(next, steps, -1), background=True)) >= 0:
+            while (n := await off_loop(functools.partial(next, steps, -1), idle=True)) >= 0:
                 read += n
                 await pace.took(n)
                 await pace.wait_idle()
         finally:
-            await off_loop(steps.close, background=True)  # its file closed on a worker: never on the loop
+            await off_loop(steps.close, idle=True)  # its file closed on a worker: never on the loop
         await pace.took(max(0, nbytes - read))  # its header and padding, read too
 
     def _paused(self, paused: bool) -> None:

@@ -759,3 +759,55 @@ async def test_a_puts_folder_check_is_off_the_loop_and_within_the_deadline(
         await s.put(list(range(100, 108)), caches(8, seed=3), IDENT)
     release.set()
     assert on and not any(on) and ticks.done() and loop.time() - t0 < DEADLINE_S + 1.0
+
+
+@pytest.mark.asyncio
+async def test_every_spill_fails_at_the_deadline_when_hung_writes_hold_every_thread() -> None:
+    """Found in review: a write step's deadline counted from when a thread began it, so once hung writes (failed at
+    their deadline, their syscalls still stuck) held every writer thread, the next step never began, and its spill
+    waited for ever instead of failing. A step that keeps no engine waiting counts from when it is asked for."""
+    root = new_root()
+    cfg = quiet_config(root, block_tokens=16, io_timeout=DEADLINE_S)
+    daemon = Daemon(cfg)
+    ops = HangingOps()
+    daemon.store.ops = ops
+    await daemon.start()
+    try:
+        # (inline: a client in this process would copy into shared memory on the writers' threads it shares)
+        async with AsyncClient(cfg.socket, identity=IDENT, name="writer", shm=False) as writer:
+            ops.hanging.set()
+            for i in range(4):  # more hung writes than the writers have threads
+                t0 = time.monotonic()
+                fut = writer.spill(list(range(100 * i, 100 * i + 40)), caches(40, seed=i), droppable=False)
+                settled = await asyncio.wait_for(fut, DEADLINE_S + 10)
+                assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.StorageTimeout)
+                assert time.monotonic() - t0 < DEADLINE_S + 5, i
+            ops.hanging.clear()
+            ops.release.set()
+            assert (await writer.spill(list(range(900, 940)), caches(40, seed=9), droppable=False)).stored
+    finally:
+        ops.release.set()
+        await daemon.stop()
+        cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_a_hung_scrub_read_holds_no_writers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the scrub's reads ran on the writers' threads with no deadline; one a hung disk held, beside a
+    timed-out write, left spills no thread. Idle-time reads have a thread of their own now."""
+    from spilld import lease
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hung_read() -> None:
+        entered.set()
+        release.wait(30)
+
+    try:  # a scrub's read and a warm start's, both held by the disk
+        idle = [asyncio.ensure_future(lease.off_loop(hung_read, idle=True)) for _ in range(2)]
+        assert await asyncio.to_thread(entered.wait, 10)
+        got = await asyncio.wait_for(lease.off_loop(lambda: "written", background=True), 5)
+        assert got == "written" and not any(t.done() for t in idle)
+    finally:
+        release.set()
+    await asyncio.gather(*idle)

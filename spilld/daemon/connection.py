@@ -17,7 +17,7 @@ from .. import format as fmt
 from .. import protocol as P
 from ..lease import off_loop
 from ..queue import SpillItem
-from ..saver import BytesSource
+from ..saver import BytesSource, waits_for_grant
 from .listen import PeerRefused, peer_uid
 from .params import check as check_params
 
@@ -651,6 +651,8 @@ class GrantorLease:
 class BackgroundLease:
     """No engine to keep out: each step on a low-priority thread."""
 
+    waits_for_grant = False  # a step's deadline counts from when it is asked for (``saver.drive``)
+
     def __call__(self, fn: Any, /) -> Any:
         return off_loop(fn, background=True)
 
@@ -660,6 +662,7 @@ class StepLog:
 
     def __init__(self, lease: Any, client: str) -> None:
         self.lease, self.client = lease, client.replace(" ", "_")
+        self.waits_for_grant = waits_for_grant(lease)
 
     def __call__(self, fn: Any, /) -> Any:
         def timed() -> Any:

@@ -22,7 +22,7 @@ from .capture import (
     token_ids_now,
     token_list,
 )
-from .drive import WRITE_BATCH_BYTES, drive, run_step_sync, save, save_async, take_all
+from .drive import WRITE_BATCH_BYTES, drive, run_step_sync, save, save_async, take_all, waits_for_grant
 from .steps import (
     Encoded,
     PublishStep,
@@ -74,4 +74,5 @@ __all__ = [
     "take_all",
     "token_ids_now",
     "token_list",
+    "waits_for_grant",
 ]

@@ -22,6 +22,12 @@ from .tensorbytes import LIVE_CHUNK_BYTES, AnySource, BytesSource, byte_runs
 log = logging.getLogger("spilld.saver")
 
 
+def waits_for_grant(lease: RunStep) -> bool:
+    """Whether ``lease`` may wait for an engine's grant before it runs a step (a lease that keeps no engine out,
+    such as the daemon's own, says False)."""
+    return bool(getattr(lease, "waits_for_grant", True))
+
+
 def _marking(begun: Begun, fn: Callable[[], None]) -> Callable[[], None]:
     """``fn``, which marks ``begun`` as it starts: a write's deadline counts from there."""
 
@@ -206,7 +212,9 @@ async def save_async(
                     step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
                 fn = _marking(begun, step.write)
             work = lease(fn) if write_in_lease else off_loop(fn, background=True)
-            try:
+            if not (write_in_lease and waits_for_grant(lease)):  # only a grant's wait is the lease's to bound: a
+                begun.mark()  # wait for a thread counts (found in review: hung writes held every thread, and the
+            try:  # next step, never begun, waited a whole deadline more, for ever)
                 # the cleanup (closing the file, removing the temp) waits for the late step, off the loop
                 await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen), begun)
             except errors.StorageTimeout:
