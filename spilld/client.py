@@ -613,6 +613,14 @@ class AsyncClient:
             return None
         return await self._restore(found, named, dataclasses.replace(self.identity, namespace=namespace), t0)
 
+    def _read_timeout(self) -> float:
+        """The daemon's ``--io-timeout`` (its hello says it), else the default: a restore read here has the bound
+        the daemon's own reads have (found in review: always the default's 30 s)."""
+        t = self.server.get("io_timeout")
+        if isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= MAX_DURATION_S:
+            return float(t)
+        return DEFAULT_IO_TIMEOUT_S
+
     async def _restore(self, found: Hit, named: dict[str, str], ident: fmt.Identity, t0: float) -> Loaded | None:
         """Read a hit's files here (the daemon told where), cut to its match; a bad file is reported, a miss."""
         path, matched, only = found.path, found.matched, found.blocks_only
@@ -626,7 +634,7 @@ class AsyncClient:
                         path, expect=ident, upto=matched, provider=self.provider, blocks_only=only, blocks=resolve
                     )
                 ),
-                DEFAULT_IO_TIMEOUT_S,
+                self._read_timeout(),
                 "a restore's read",
             )
         except errors.FileFormatError as exc:

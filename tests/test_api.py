@@ -555,9 +555,9 @@ async def test_a_restore_read_past_its_deadline_raises_storage_timeout_on_every_
             await sp.load([*tokens, 1])
         await asyncio.sleep(0.6)  # the read left to its thread ends
     load = client_mod.load
-    monkeypatch.setattr(client_mod, "DEFAULT_IO_TIMEOUT_S", 0.2)
     monkeypatch.setattr(client_mod, "load", lambda *a, **k: (time.sleep(0.6), load(*a, **k))[1])
-    with serving("--cap", "64MiB") as d:
+    # the daemon's --io-timeout bounds the client's read too (found in review: always the default's 30 s)
+    with serving("--cap", "64MiB", "--io-timeout", "0.2") as d:
         async with AsyncClient(d.socket, identity=ident) as c:
             assert (await c.spill(tokens, [fill(KVCache(), 29)])).stored
             with pytest.raises(errors.StorageTimeout):

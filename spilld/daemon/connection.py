@@ -518,6 +518,7 @@ class Connection(asyncio.BufferedProtocol):
             "shm": True,
             "dir": self.daemon.cfg.dir,
             "remote": bool(self.daemon.cfg.remote),  # a lookup may fill from the shared tier before it answers
+            "io_timeout": self.daemon.cfg.io_timeout,  # the bound of a restore's read, which the client makes
         }
 
     def _put(self, msg: P.Message) -> None:
