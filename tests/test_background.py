@@ -356,3 +356,33 @@ async def test_the_scan_never_indexes_a_fifo_named_like_a_block(tmp_path: Path) 
     assert again.block_path(e.blocks[2]) not in (None, block)
     got = again.restore(again.lookup(IDENT, "", [*tokens, 1]), IDENT)  # type: ignore[arg-type]
     assert isinstance(got, spilld.Loaded) and got.tokens == tokens
+
+
+@pytest.mark.asyncio
+async def test_background_reads_wait_while_a_client_reads_a_hit_until_it_says_it_has() -> None:
+    """Found in review: the daemon counted a client busy for one second after a lookup only, so a restore that read
+    longer (a long prefix from a cold disk) had the scrub reading beside it. A hit counts as being read until its
+    client's touch (a restore done), or the read's deadline."""
+    import asyncio
+
+    from spilld.client import AsyncClient
+    from spilld.daemon import Daemon as InProcess
+    from spilld.daemon.server import BUSY_AFTER_LOOKUP_S
+    from tests.daemons import quiet_config
+
+    root = new_root()
+    daemon = InProcess(quiet_config(root, block_tokens=16, io_timeout=30))
+    await daemon.start()
+    try:
+        async with AsyncClient(daemon.cfg.socket, identity=spilld.Identity("bg"), shm=False) as c:
+            tokens = list(range(40))
+            assert (await c.spill(tokens, caches(40), droppable=False)).stored
+            assert isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # a hit, its files read by the client now
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert daemon._clients_active()  # still being read: the scrub waits
+            assert await c.load([*tokens, 1]) is not None  # read, and said so (touch)
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert not daemon._clients_active()
+    finally:
+        await daemon.stop()
+        cleanup(root)

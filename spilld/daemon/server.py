@@ -84,6 +84,7 @@ def open_store(cfg: Config) -> Store:
 
 
 BUSY_AFTER_LOOKUP_S = 1.0  # after a lookup, background reads wait this long: its client's restore reads first
+MAX_RESTORING = 4096  # hits remembered as being read by their clients (each until its touch or its read's deadline)
 REMOTE_CLOSE_S = 5.0  # a stop waits this long for queued pushes to the remote tier
 MAX_LOOKUP_BLOCK_PATHS = 4096  # block files a lookup reply names at most (the client lists the folder for more)
 
@@ -113,6 +114,8 @@ class Daemon:
         self.started = time.monotonic()  # uptime: a clock a step of the wall clock (NTP at boot) does not move
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
         self.last_lookup = -math.inf  # monotonic time of the last one: a client restore follows a lookup
+        # hits whose client is reading them (until its touch, or the read's deadline): (client, path) -> when it ends
+        self.restoring: dict[tuple[int, str], float] = {}
         self.readahead: ReadAhead | None = None  # warm start (--warm-bytes), once the scan is done
         self._warming: asyncio.Task[None] | None = None
         self.scrub: Scrub | None = None  # --scrub-rate
@@ -294,10 +297,14 @@ class Daemon:
             log.warning("%d more client errors not logged (at most %d lines a second)", held, self.client_log.per_s)
 
     def _busy(self) -> bool:
-        """Serving: a write under way or queued, or a lookup in the last ``BUSY_AFTER_LOOKUP_S`` (its client is
-        reading files now). Background readers (warm start) wait meanwhile."""
-        recent = time.monotonic() - self.last_lookup < BUSY_AFTER_LOOKUP_S
-        return recent or self.writing > 0 or self.queue.pending_items > 0
+        """Serving: a write under way or queued, a lookup in the last ``BUSY_AFTER_LOOKUP_S``, or a hit its client
+        is still reading (found in review: a restore longer than that second had the scrub reading beside it).
+        Background readers (warm start) wait meanwhile."""
+        now = time.monotonic()
+        recent = now - self.last_lookup < BUSY_AFTER_LOOKUP_S
+        for k in [k for k, ends in self.restoring.items() if ends <= now]:
+            del self.restoring[k]
+        return recent or bool(self.restoring) or self.writing > 0 or self.queue.pending_items > 0
 
     def _clients_active(self) -> bool:
         """``_busy``, or a client sending a spill: the scrub waits for an idle daemon."""
@@ -408,6 +415,8 @@ class Daemon:
         self.last_lookup = time.monotonic()
         if isinstance(hit, Hit):
             e = hit.entry
+            if len(self.restoring) < MAX_RESTORING:  # (a client that never says it has read them: their deadline)
+                self.restoring[(conn.id, e.path)] = time.monotonic() + self.cfg.io_timeout
             log.debug(
                 "lookup: hit", extra={"client": conn.id, "tokens": ntokens, "matched": hit.matched, "path": e.path}
             )
@@ -420,6 +429,7 @@ class Daemon:
         return {"hit": False, "reason": hit.reason.value}
 
     async def _touch(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        self.restoring.pop((conn.id, p["path"]), None)  # read: the background readers need not wait for it
         e = self.store.entry_at(p["path"])
         if e is not None:  # a restore the client completed (and kept): the one place a hit is counted
             self.store.counters.hits += 1
