@@ -363,8 +363,8 @@ class _Batch:
             start = first * d.row
             if d.lead == 1 or run == d.stride:  # contiguous in the buffer
                 self.add(d.mv[start : start + p.slot.nbytes], h)
-            # a block's rows: one short run per leading index, one call. Never empty ones (no rows: an empty tail,
-            # found in review: 1,024 of them first in a call read nothing, taken for the file's end); ``add`` takes none
+            # a block's rows: one short run per leading index, one call; never empty ones (an empty tail: found in
+            # review, 1,024 of them first in a call read nothing, taken for the file's end; ``add`` takes none)
             elif run and p.slot.nbytes <= READ_CHUNK:
                 if self.size + p.slot.nbytes > READ_CHUNK:
                     self.flush()

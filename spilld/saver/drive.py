@@ -212,9 +212,11 @@ async def save_async(
                     step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
                 fn = _marking(begun, step.write)
             work = lease(fn) if write_in_lease else off_loop(fn, background=True)
-            if not (write_in_lease and waits_for_grant(lease)):  # only a grant's wait is the lease's to bound: a
-                begun.mark()  # wait for a thread counts (found in review: hung writes held every thread, and the
-            try:  # next step, never begun, waited a whole deadline more, for ever)
+            # only a grant's wait is the lease's to bound; a wait for a thread counts (found in review: hung writes
+            # held every thread, and the next step, never begun, waited a whole deadline more, for ever)
+            if not (write_in_lease and waits_for_grant(lease)):
+                begun.mark()
+            try:
                 # the cleanup (closing the file, removing the temp) waits for the late step, off the loop
                 await within(work, step_deadline, "a write step", lambda: _close_later(loop, gen), begun)
             except errors.StorageTimeout:
