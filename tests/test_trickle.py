@@ -88,3 +88,21 @@ async def test_a_spill_that_arrives_slower_than_the_floor_is_aborted() -> None:
         assert daemon.ingest.receiving == 0
         res, err = await wire.call("commit", {"spill": r["spill"]})
         assert err is not None and err["code"] == "timeout" and "not whole within" in err["message"], (res, err)
+
+
+@pytest.mark.asyncio
+async def test_a_payload_fed_a_byte_at_a_time_gives_its_spills_room_back() -> None:
+    """Found in review: a put's payload fed one byte a second kept its spill's whole count in the receiving budget
+    for as long as it dribbled in, after the spill itself had expired too (every byte reset the request timer), and
+    other clients' spills were refused busy. A payload must be whole within --request-timeout plus its bytes at
+    ``MIN_SPILL_BYTES_PER_S``: past that the connection closes and the room goes back."""
+    async with in_process("trickle", cap=256 * MiB, request_timeout=1.5, idle_timeout=1.5) as (daemon, wire):
+        rows = 8 * MiB // (2 * 8 * 128 * 2)
+        r, err = await wire.call("spill", {"header": kv_header(rows)})
+        assert err is None and daemon.ingest.receiving > 0
+        head, _ = P.notification("put", {"spill": r["spill"], "index": 0, "offset": 0}, b"x" * MiB)
+        wire.w.write(bytes(head))  # the frame's head and message: its payload announced, then fed slowly
+        took = await _trickle_until_closed(wire.r, wire.w, limit_s=10)
+        assert took < 1.5 + MiB / ingest.MIN_SPILL_BYTES_PER_S + 1.5, took
+        await asyncio.sleep(0.1)
+        assert daemon.ingest.receiving == 0

@@ -21,6 +21,11 @@ from ..saver import BytesSource, waits_for_grant
 from .listen import PeerRefused, peer_uid
 from .params import check as check_params
 
+# An open spill must arrive at this pace on average, beyond its first --idle-timeout: its room is held meanwhile, and
+# a byte now and then kept one of twice the cap open, every other spill refused busy (found in review); a put's
+# payload likewise, within --request-timeout plus its bytes at this pace
+MIN_SPILL_BYTES_PER_S = 8 * 1024**2
+
 if TYPE_CHECKING:
     from .server import Daemon
 
@@ -152,6 +157,7 @@ class Connection(asyncio.BufferedProtocol):
         # connection without a hello, or a big message holding the receiving budget, open for as long as it liked)
         self._hello_by = asyncio.get_running_loop().time() + daemon.cfg.hello_timeout
         self._msg_by: float | None = None  # the big message being received must be whole by then
+        self._payload_by: float | None = None  # the put payload being read must be whole by then
 
     # --- asyncio protocol -------------------------------------------------------------------
 
@@ -275,6 +281,9 @@ class Connection(asyncio.BufferedProtocol):
             timeout, why = self._hello_by - now, f"no hello within {cfg.hello_timeout:g} s"
         if self._held_msg and self._msg_by is not None and self._msg_by - now < timeout:
             timeout, why = self._msg_by - now, f"a message of this size not received within {cfg.request_timeout:g} s"
+        # (found in review: a payload fed a byte at a time held its spill's whole count, after the spill expired too)
+        if self._filling is not None and self._payload_by is not None and self._payload_by - now < timeout:
+            timeout, why = self._payload_by - now, "a put's payload not received at the least pace"
         self._timer = asyncio.get_running_loop().call_later(max(0.0, timeout), self._fail, P.Timeout(why))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
@@ -384,11 +393,13 @@ class Connection(asyncio.BufferedProtocol):
         if not sp.next_within(index, offset, size):
             return False
         sp.filling, self._filling = True, sp  # counted as the spill's until the frame ends, whatever ends the spill
+        allowed = self.daemon.cfg.request_timeout + size / MIN_SPILL_BYTES_PER_S
+        self._payload_by = asyncio.get_running_loop().time() + allowed
         return True
 
     def _filled(self) -> None:
         """The payload being read has ended (its frame, or the connection): a spill that ended meanwhile is let go."""
-        sp, self._filling = self._filling, None
+        sp, self._filling, self._payload_by = self._filling, None, None
         if sp is not None:
             sp.filling = False
             if sp.forget_when_filled:

@@ -19,7 +19,7 @@ from ..entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
 from ..queue import Outcome, SpillItem, SpillQueue
 from ..unpack import MAX_EXPANSION
 from ..validate import validate_header
-from .connection import Connection, Incoming, Received
+from .connection import MIN_SPILL_BYTES_PER_S, Connection, Incoming, Received
 from .params import check_text
 
 MAX_OPEN_SPILLS = 16  # spills being received on one connection
@@ -29,9 +29,6 @@ MAX_OPEN_TENSORS = 16_384  # tensors (slots) declared by the spills open on one 
 # the queue holds its own --cap (plus the one item over it that an empty queue takes).
 RECEIVING_SHARE = 2
 MAX_SPILL_CAPS = 2  # one spill may be up to this x --cap (taken alone, when nothing else is received); larger: never
-# An open spill must arrive at this pace on average, beyond its first --idle-timeout: its room is held meanwhile, and
-# a byte now and then kept one of twice the cap open, every other spill refused busy (found in review)
-MIN_SPILL_BYTES_PER_S = 8 * 1024**2
 # The parsed form of a header, as measured (tracemalloc, CPython 3.11): ~40 bytes a token (a list of ints),
 # ~1 KiB a tensor (its slot, shape and entry objects); a message being received or decoded, at most
 # unpack.MAX_EXPANSION x its size (the decoder refuses more maps and arrays than that allows).
