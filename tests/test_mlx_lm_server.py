@@ -814,3 +814,37 @@ def test_the_quiet_time_after_timeouts_doubles_up_to_max_quiet_s(monkeypatch: py
     assert quiet == want, quiet
     now[0] += tier_module.MAX_QUIET_S
     assert backoff.load(lambda: None, [1, 2, 3]) is None and backoff._quiet_s == tier_module.RECONNECT_INTERVAL_S
+
+
+def test_a_draft_models_weights_are_part_of_the_identity(tiny: tuple[Any, Any]) -> None:
+    """Found in review: with --draft-model an entry holds the draft's caches beside the main model's, but only the
+    main model was fingerprinted (the draft's path was a label in model_id): a draft updated in place under the same
+    path was restored the old draft's rows, and the request crashed on their shapes. The draft's weights count."""
+    import types
+
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from spilld.integrations.mlx_lm import ServerTiers
+
+    model, tok = tiny
+
+    def draft(seed: int) -> Any:
+        mx.random.seed(seed)
+        args = llama.ModelArgs(
+            model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,
+            rms_norm_eps=1e-5, vocab_size=model.args.vocab_size, num_key_value_heads=2,
+        )  # fmt: skip
+        m = llama.Model(args)
+        mx.eval(m.parameters())
+        return m
+
+    def identity(draft_model: Any) -> Any:
+        cli = types.SimpleNamespace(kv_bits=None, kv_group_size=64, quantized_kv_start=0)
+        p = types.SimpleNamespace(model=model, tokenizer=tok, cli_args=cli, model_key=("m", None, "d"))
+        p.draft_model = draft_model
+        return ServerTiers(p, socket=None, folder=None).identity(("m", None, "d"))
+
+    alone, one, other = identity(None), identity(draft(1)), identity(draft(2))
+    assert len({alone.config_fingerprint, one.config_fingerprint, other.config_fingerprint}) == 3
+    assert identity(draft(1)).config_fingerprint == one.config_fingerprint  # the same draft: the same identity

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
+import hashlib
 import logging
 import os
 import signal
@@ -33,7 +35,7 @@ from .. import errors, mlxthreads
 from .. import format as fmt
 from ..config import default_socket, parse_duration
 from ..daemon.listen import is_served
-from ..identity import model_identity
+from ..identity import config_fingerprint, model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
 from ..queue import Settled
 from ..saver import clone_caches, evaluated
@@ -258,10 +260,17 @@ class ServerTiers:
             raise errors.SpillError(f"model {model_key!r} is not the one loaded")
         model_id = "|".join(str(k) for k in model_key if k)
         kv_bits = getattr(args, "kv_bits", None)
-        return model_identity(
+        ident = model_identity(
             p.model, p.tokenizer, model_id=model_id, kv_bits=kv_bits, kv_group_size=args.kv_group_size,
             quantized_kv_start=getattr(args, "quantized_kv_start", None),  # (quantized from there on, if kv_bits)
         )  # fmt: skip
+        draft = getattr(p, "draft_model", None)
+        if draft is None:
+            return ident
+        # an entry holds the draft model's caches beside the main one's: its weights are the entry's too (found in
+        # review: a draft updated in place under the same path was restored the old draft's rows, and crashed)
+        both = f"{ident.config_fingerprint}|draft {config_fingerprint(draft)}"
+        return dataclasses.replace(ident, config_fingerprint=hashlib.sha256(both.encode()).hexdigest()[:16])
 
     def _make(self, model_key: Any) -> ColdTier | None:
         try:
