@@ -156,8 +156,14 @@ class ColdTierPromptCache(LRUPromptCache):
         super().insert_cache(model, tokens, prompt_cache, **kwargs)
 
     def spill_unstored(self) -> int:
-        """Spill, not droppable, every entry in memory whose write-behind is not on disk (call before exit)."""
+        """Spill, not droppable, every entry in memory whose write-behind is not on disk (call before exit). A
+        daemon that was away is asked again now, whatever its retry wait (found in review: one back inside that
+        wait got none of them)."""
         n = 0
+        for model in {model for lru in self._lru._lrus.values() for model, _ in lru}:
+            retry = getattr(self._tier_for(model), "retry_now", None)
+            if retry is not None:
+                retry()
         for lru in self._lru._lrus.values():
             for model, tokens in list(lru):
                 if not self._is_stored((model, tuple(tokens))):

@@ -160,6 +160,10 @@ class DaemonTier:
         self._backoff = Backoff()
         self._connect()
 
+    def retry_now(self) -> None:
+        """The next call tries the daemon again, whatever the wait since the last failed try (the exit's spills)."""
+        self._next_try = 0.0
+
     def _connect(self) -> Client | None:
         if self._client is not None or time.monotonic() < self._next_try:
             return self._client
