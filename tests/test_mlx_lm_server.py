@@ -432,6 +432,22 @@ def test_both_spilld_dir_and_socket_are_refused(tmp_path: Any) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "exclude" in r.stderr, r.stderr
 
 
+def test_a_spilld_dir_a_daemon_serves_is_refused_at_start() -> None:
+    """Found in review: with --spilld-dir set to a daemon's folder, the embedded tier (made on the first request)
+    waited a minute on the generation thread for the folder's lock, then served without a cold tier. Refused at
+    start now (exit 2), naming the daemon's pid; the folder is left as it was."""
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        before = sorted(os.listdir(d.dir))
+        cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", "x", "--spilld-dir", d.dir]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "served by a daemon (pid" in r.stderr, (r.returncode, r.stderr[-2000:])
+        assert len(r.stderr.strip().splitlines()) == 1 and sorted(os.listdir(d.dir)) == before
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_a_model_without_a_tier_is_plain_lru(tiny: tuple[Any, Any]) -> None:
     model, _ = tiny
     lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: None)

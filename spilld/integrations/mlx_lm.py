@@ -41,6 +41,8 @@ from ..queue import Settled
 from ..saver import clone_caches, evaluated
 from .tier import ColdTier, DaemonTier, EmbeddedTier
 
+SERVED_WAIT_S = 2.0  # at start, how long --spilld-dir's lock may stay held alone before it is taken for a daemon's
+
 log = logging.getLogger("spilld.mlx_lm")
 
 TierFor = Callable[[Any], ColdTier | None]
@@ -339,6 +341,28 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _served(folder: str) -> int | None:
+    """The pid (0 if unknown) of the spilld holding ``folder``'s lock alone for ``SERVED_WAIT_S`` (a daemon, for its
+    life; a Spiller's scan lets go sooner), else None. Found in review: the embedded tier, made on the first request,
+    waited a minute on the generation thread for a daemon's folder, then served without a cold tier."""
+    from ..lockfile import LOCK_NAME, FileLock, holder_pid
+
+    if not os.path.isdir(folder):
+        return None
+    lock = FileLock(os.path.join(folder, LOCK_NAME), f"the folder {folder}")
+    end = time.monotonic() + SERVED_WAIT_S
+    try:
+        while not lock.try_acquire(shared=True):
+            if time.monotonic() >= end:
+                return holder_pid(lock.path) or 0
+            time.sleep(0.05)
+    except errors.SpillError:  # a folder that cannot be locked: the tier says why when it is made
+        return None
+    finally:
+        lock.release()
+    return None
+
+
 def _refuse(message: str) -> NoReturn:
     print(f"spilld.integrations.mlx_lm: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -380,6 +404,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     absolute_paths(opts)
     if opts.spilld_dir and opts.spilld_socket:
         _refuse("--spilld-dir (no daemon) and --spilld-socket (a daemon) exclude each other: give one")
+    if opts.spilld_dir and (pid := _served(opts.spilld_dir)) is not None:
+        _refuse(
+            f"--spilld-dir {opts.spilld_dir} is served by a daemon (pid {pid or 'unknown'}): give its socket "
+            "(--spilld-socket), or another folder"
+        )
     if opts.spilld_metrics_file and not os.path.isdir(os.path.dirname(os.path.abspath(opts.spilld_metrics_file))):
         _refuse(f"--spilld-metrics-file {opts.spilld_metrics_file}: its folder does not exist")
     if {"-h", "--help"} & set(rest):
