@@ -246,11 +246,11 @@ async def test_a_steps_deadline_counts_from_when_it_begins_not_from_its_wait_for
 
 
 @contextlib.asynccontextmanager
-async def writer_held() -> AsyncIterator[tuple[str, HangingOps]]:
-    """An in-process daemon (whole files) whose disk writes hang once ``ops.hanging`` is set; its socket and ops.
-    Stopped and removed at the end, its writes let go."""
+async def writer_held(**over: Any) -> AsyncIterator[tuple[str, HangingOps]]:
+    """An in-process daemon (whole files, unless ``over`` says otherwise) whose disk writes hang once
+    ``ops.hanging`` is set; its socket and ops. Stopped and removed at the end, its writes let go."""
     root = new_root()
-    cfg = quiet_config(root, block_tokens=0)
+    cfg = quiet_config(root, **({"block_tokens": 0} | over))
     daemon = Daemon(cfg)
     ops = HangingOps()
     daemon.store.ops = ops
@@ -766,29 +766,21 @@ async def test_every_spill_fails_at_the_deadline_when_hung_writes_hold_every_thr
     """Found in review: a write step's deadline counted from when a thread began it, so once hung writes (failed at
     their deadline, their syscalls still stuck) held every writer thread, the next step never began, and its spill
     waited for ever instead of failing. A step that keeps no engine waiting counts from when it is asked for."""
-    root = new_root()
-    cfg = quiet_config(root, block_tokens=16, io_timeout=DEADLINE_S)
-    daemon = Daemon(cfg)
-    ops = HangingOps()
-    daemon.store.ops = ops
-    await daemon.start()
-    try:
-        # (inline: a client in this process would copy into shared memory on the writers' threads it shares)
-        async with AsyncClient(cfg.socket, identity=IDENT, name="writer", shm=False) as writer:
-            ops.hanging.set()
-            for i in range(4):  # more hung writes than the writers have threads
-                t0 = time.monotonic()
-                fut = writer.spill(list(range(100 * i, 100 * i + 40)), caches(40, seed=i), droppable=False)
-                settled = await asyncio.wait_for(fut, DEADLINE_S + 10)
-                assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.StorageTimeout)
-                assert time.monotonic() - t0 < DEADLINE_S + 5, i
-            ops.hanging.clear()
-            ops.release.set()
-            assert (await writer.spill(list(range(900, 940)), caches(40, seed=9), droppable=False)).stored
-    finally:
+    # (inline: a client in this process would copy into shared memory on the writers' threads it shares)
+    async with (
+        writer_held(block_tokens=16, io_timeout=DEADLINE_S) as (socket, ops),
+        AsyncClient(socket, identity=IDENT, name="writer", shm=False) as writer,
+    ):
+        ops.hanging.set()
+        for i in range(4):  # more hung writes than the writers have threads
+            t0 = time.monotonic()
+            fut = writer.spill(list(range(100 * i, 100 * i + 40)), caches(40, seed=i), droppable=False)
+            settled = await asyncio.wait_for(fut, DEADLINE_S + 10)
+            assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.StorageTimeout)
+            assert time.monotonic() - t0 < DEADLINE_S + 5, i
+        ops.hanging.clear()
         ops.release.set()
-        await daemon.stop()
-        cleanup(root)
+        assert (await writer.spill(list(range(900, 940)), caches(40, seed=9), droppable=False)).stored
 
 
 @pytest.mark.asyncio
