@@ -126,13 +126,7 @@ def _let_go_in_child() -> None:
     parent never keeps the folder or the socket from their next owner (found in review: a daemon's start there
     was refused while such a child lived)."""
     for lock in list(_HELD):
-        fd, lock.fd, lock.shared = lock.fd, None, False
-        if lock._finalizer is not None:
-            lock._finalizer.detach()
-            lock._finalizer = None
-        if fd is not None:
-            _close_quietly(fd)
-    _HELD.clear()
+        lock.release()
 
 
 if hasattr(os, "register_at_fork"):

@@ -6,13 +6,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from ..entries import Entry
 
+Parts = Callable[[Entry], tuple[int, Mapping[bytes, int]]]  # an entry's own bytes on disk, and its blocks' by key
 
-def evict_order(
-    entries: Iterable[Entry],
-    pinned: Collection[str],
-    parts: Callable[[Entry], tuple[int, Mapping[bytes, int]]],
-    pin_cap: int,
-) -> list[Entry]:
+
+def evict_order(entries: Iterable[Entry], pinned: Collection[str], parts: Parts, pin_cap: int) -> list[Entry]:
     """Least recently used first, pinned entries last: the newest pins, as long as what they hold on disk fits
     ``pin_cap`` together (``parts``: an entry's own bytes, and its blocks' by key: a block two pins share counts
     once, found in review); older pins beyond it take their place among the others."""
@@ -21,19 +18,12 @@ def evict_order(
     return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]
 
 
-def protected(
-    entries: Iterable[Entry],
-    pinned: Collection[str],
-    parts: Callable[[Entry], tuple[int, Mapping[bytes, int]]],
-    pin_cap: int,
-) -> set[str]:
+def protected(entries: Iterable[Entry], pinned: Collection[str], parts: Parts, pin_cap: int) -> set[str]:
     """The pins evicted last (their paths): the newest, as long as what they hold fits ``pin_cap`` together."""
     kept: set[str] = set()
     counted: set[bytes] = set()
     used = 0
-    for e in sorted(entries, key=lambda x: x.last_used, reverse=True):
-        if e.path not in pinned:
-            continue
+    for e in sorted((e for e in entries if e.path in pinned), key=lambda x: x.last_used, reverse=True):
         own, named = parts(e)
         n = own + sum(b for k, b in named.items() if k not in counted)
         if used + n <= pin_cap:

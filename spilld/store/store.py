@@ -555,7 +555,7 @@ class Store:
         cut = blocks.split(*planned, self.block_tokens) if self.block_tokens else None
         held = self._check_held(cut, held_rows)
         # a checkpoint is never asked for by a lookup (resume finds it): the gate would shed every one (review)
-        if droppable and self.admission is not None and planned[0].checkpoint is None:
+        if droppable and not ckpt and self.admission is not None:
             self._admit(planned[0], held)
         logical = planned[0].data_bytes
         path = self.new_path(ident, ident.namespace)
