@@ -1775,25 +1775,35 @@ async def test_fill_limits_on_blocks_and_their_size_each_at_and_one_over(
 
 
 @pytest.mark.asyncio
-async def test_an_entry_with_a_block_no_fill_would_read_is_not_pushed(
+async def test_an_entry_is_pushed_exactly_when_a_fill_would_read_its_blocks(
     server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Found in review: with a --block-tokens that makes blocks larger than ``MAX_FILL_BLOCK_BYTES``, every host's
-    fill missed them (``block_too_large``) while pushes kept uploading them, and nothing said so."""
+    fill missed them (``block_too_large``) while pushes kept uploading them, and nothing said so. Then again for
+    blocks a little under it: the push compared the block's file size, the fill its manifest's bound (header slack
+    and padding added). With the limit at the largest block's size nothing is pushed; at the bound, what is pushed
+    fills a host that never saw it."""
     store, tier, link = await pushing(tmp_path / "a", server.url)
     try:
         caches = [fill(C.KVCache(), 35, heads=2, dim=8, seed=s) for s in range(2)]
         await store.put(list(range(35)), caches, FILL_IDENT)
         assert await link.drain(10)
         block = max(rec.nbytes for rec in store.blocks)
-        monkeypatch.setattr(link_module, "MAX_FILL_BLOCK_BYTES", block - 1)
-        pushed = tier.counters()["pushed"]
+        _, bound = link_module._named_blocks(Path(store.entries[0].path).read_bytes())
+        assert bound > block
         with caplog.at_level(logging.WARNING, logger="spilld.remote"):
-            for first in (1000, 2000):
+            for i, (limit, first) in enumerate([(block - 1, 1000), (block, 2000), (bound - 1, 3000)]):
+                monkeypatch.setattr(link_module, "MAX_FILL_BLOCK_BYTES", limit)
+                pushed = tier.counters()["pushed"]
                 await store.put(list(range(first, first + 35)), caches, FILL_IDENT)
-            assert await link.drain(10)
-        assert tier.counters()["pushed"] == pushed and link.counters()["pushes_too_large"] == 2
-        assert sum("larger than a fill reads" in r.getMessage() for r in caplog.records) == 1  # said once
+                assert await link.drain(10)
+                assert tier.counters()["pushed"] == pushed and link.counters()["pushes_too_large"] == i + 1, limit
+        assert sum("more than a fill reads" in r.getMessage() for r in caplog.records) == 1  # said once
+        monkeypatch.setattr(link_module, "MAX_FILL_BLOCK_BYTES", bound)
+        await store.put(list(range(4000, 4035)), caches, FILL_IDENT)
+        assert await link.drain(10)
+        assert link.counters()["pushes_too_large"] == 3
+        assert await fills_fresh(tmp_path / "b", server.url, [*range(4000, 4035), 7])
     finally:
         await link.close(1)
 
