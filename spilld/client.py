@@ -23,7 +23,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from . import blocks, errors
@@ -117,7 +117,8 @@ class AsyncClient:
         self._pool_maker: _PoolMaker | None = None  # what makes it (and closes it, if dropped before it is made)
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
-        self._not_stored = 0  # this client's items the daemon answered as not stored (dropped, cancelled, failed)
+        self._open: set[asyncio.Future[Settled]] = set()  # callers' futures the daemon has yet to answer
+        self._watching: list[_Verdicts] = []  # a drain's or a close's: the daemon's answers to the items it waits for
         self._closed = False  # close has run: no call connects again
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
         self._session = secrets.token_hex(16)  # names this client to the daemon across its reconnections
@@ -341,11 +342,11 @@ class AsyncClient:
         if self._close_report is not None:
             return self._close_report
         deadline = Deadline(timeout)
-        before = self._not_stored
         try:
-            local = await self.queue.close(deadline.left())
-            unanswered = await self._wait_commits(deadline.left())
-            lost = local.not_stored + self._not_stored - before  # ours answered as not stored (before the close)
+            with self._verdicts() as ours:
+                local = await self.queue.close(deadline.left())
+                unanswered = await self._wait_commits(deadline.left())
+            lost = local.not_stored + ours.not_stored  # the daemon's, of the items queued before the close
         finally:  # cancelled too: the shared-memory pool, the socket and the reader go
             self._closed = True
             self._drop_pool()  # (one still being made is closed by the thread making it)
@@ -415,8 +416,28 @@ class AsyncClient:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""
         outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
         snapshot_of(item).outcome = outcome
-        self.queue.enqueue(item).add_done_callback(lambda f: _unless_shipped(f, outcome))
+        self._open.add(outcome)
+        self.queue.enqueue(item).add_done_callback(lambda f: self._unless_shipped(f, outcome))
         return outcome
+
+    def _unless_shipped(self, local: asyncio.Future[Settled], outcome: asyncio.Future[Settled]) -> None:
+        """A local item's end settles the caller's future, unless it was shipped: then the daemon's answer will."""
+        s = local.result()
+        if s.outcome is not Outcome.SHIPPED:
+            self._open.discard(outcome)
+            if not outcome.done():
+                outcome.set_result(s)
+
+    @contextlib.contextmanager
+    def _verdicts(self) -> Iterator[_Verdicts]:
+        """Count the daemon's not-stored answers to the items queued or shipped so far (found in review: a drain
+        also counted those spilled while it ran, which a ``Spiller``'s drain does not)."""
+        watch = _Verdicts(set(self._open))
+        self._watching.append(watch)
+        try:
+            yield watch
+        finally:
+            self._watching.remove(watch)
 
     def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -480,8 +501,10 @@ class AsyncClient:
         """The daemon's answer settles the caller's future. One not stored counts in ``not_stored`` before anyone
         waiting on it wakes (a drain reads the count next), and even when its caller gave up waiting (cancelled its
         future): found in review, a drain then said done with nothing lost while the daemon had dropped it."""
+        self._open.discard(outcome)
         if not settled.stored:
-            self._not_stored += 1
+            for watch in self._watching:
+                watch.not_stored += outcome in watch.items
         if not outcome.done():
             outcome.set_result(settled)
 
@@ -672,7 +695,10 @@ class AsyncClient:
             self._commits.add(answer)  # a drain and a close wait for it as for a commit
             answer.add_done_callback(lambda f: self._settle_barrier(f, outcome, delete_checkpoints))
 
-        self.queue.enqueue(SpillItem(key=key, barrier=send)).add_done_callback(lambda f: _unless_shipped(f, outcome))
+        self._open.add(outcome)
+        self.queue.enqueue(SpillItem(key=key, barrier=send)).add_done_callback(
+            lambda f: self._unless_shipped(f, outcome)
+        )
         return outcome
 
     def _settle_barrier(self, answer: asyncio.Future[Any], outcome: asyncio.Future[Settled], deleting: bool) -> None:
@@ -733,10 +759,9 @@ class AsyncClient:
         ``pending_*`` count what is left here and at the daemon (every client's items there).
         """
         deadline = Deadline(timeout)
-        before = self._not_stored
-        local = await self.queue.drain(deadline.left())
-        unanswered = await self._wait_commits(deadline.left())
-        ours = self._not_stored - before  # ours the daemon answered as not stored meanwhile
+        with self._verdicts() as ours:  # ours the daemon answers as not stored meanwhile
+            local = await self.queue.drain(deadline.left())
+            unanswered = await self._wait_commits(deadline.left())
         left = deadline.left()
         params = {"timeout": P.DRAIN_DEFAULT_S if left is None else min(left, MAX_DURATION_S)}  # (inf: the longest)
         wait = None if left is None else left + ANSWER_GRACE_S  # the daemon answers at its deadline
@@ -746,7 +771,7 @@ class AsyncClient:
             r = {"done": False, "pending_items": 0, "pending_bytes": 0}
         done = local.done and not unanswered and bool(r["done"])
         items = local.pending_items + unanswered + int(r["pending_items"])
-        lost = local.not_stored + ours + int(r.get("not_stored", 0))
+        lost = local.not_stored + ours.not_stored + int(r.get("not_stored", 0))
         return DrainReport(done, items, local.pending_bytes + int(r["pending_bytes"]), lost)
 
     async def status(self) -> dict[str, Any]:
@@ -797,11 +822,12 @@ def _barrier_settled(r: Any, deleting: bool) -> Settled:
     return Settled(outcome, value=deleted if deleting and outcome is Outcome.STORED else None)
 
 
-def _unless_shipped(local: asyncio.Future[Settled], outcome: asyncio.Future[Settled]) -> None:
-    """A local item's end settles the caller's future, unless it was shipped: then the daemon's answer will."""
-    s = local.result()
-    if s.outcome is not Outcome.SHIPPED and not outcome.done():
-        outcome.set_result(s)
+@dataclasses.dataclass
+class _Verdicts:
+    """The items a drain or a close waits for, and how many of them the daemon answered as not stored."""
+
+    items: set[asyncio.Future[Settled]]
+    not_stored: int = 0
 
 
 def _drop(fut: asyncio.Future[Any]) -> None:

@@ -290,6 +290,35 @@ async def test_a_commit_lost_with_the_connection_counts_as_not_stored() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_drain_counts_only_the_items_spilled_before_it() -> None:
+    """Found in review: an AsyncClient's drain counted in ``not_stored`` every item the daemon answered as not
+    stored while it waited, those spilled after it began included (a Spiller's drain counts only its own)."""
+    async with writer_held() as (socket, ops), AsyncClient(socket, identity=IDENT, shm=False) as c:
+        held = await held_by(c, ops)
+        drain = asyncio.ensure_future(c.drain(timeout=30))
+        await asyncio.sleep(0.2)  # the drain waits for the held write
+        later = c.spill(list(range(100, 116)), caches(16, seed=1))  # shipped and queued behind it at the daemon
+        await c.queue.drain()
+        assert await c.cancel(namespace="") == 1
+        assert (await later).outcome is Outcome.CANCELLED and not drain.done()
+        ops.release.set()
+        report = await drain
+        assert (await held).stored and report.done and report.not_stored == 0, report
+        ops.release.clear()  # ... and one spilled before the drain, not stored, is the drain's
+        ops.entered.clear()
+        held = c.spill(list(range(300, 364)), caches(64, seed=3), droppable=False)
+        assert await asyncio.to_thread(ops.entered.wait, 30)
+        earlier = c.spill(list(range(200, 216)), caches(16, seed=2))
+        await c.queue.drain()
+        drain = asyncio.ensure_future(c.drain(timeout=30))
+        await asyncio.sleep(0.2)
+        assert await c.cancel(namespace="") == 1
+        ops.release.set()
+        assert (await earlier).outcome is Outcome.CANCELLED and (await drain).not_stored == 1
+        assert (await held).stored
+
+
+@pytest.mark.asyncio
 async def test_the_daemon_cancels_a_generations_queued_checkpoints_for_a_newer_one_and_for_its_finish() -> None:
     """While the daemon's writer is held by a hung write, the client's checkpoints wait in the daemon's queue, past
     the client's own: there, as in a Spiller's queue, a newer checkpoint cancels the older one and ``finish`` the
