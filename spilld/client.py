@@ -441,7 +441,7 @@ class AsyncClient:
 
     def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise P.ConnectionLost("not connected: use 'await AsyncClient.open(...)' or 'async with'")
+            raise errors.NotStarted("the client is not started: use 'await AsyncClient.open(...)' or 'async with'")
         return self._loop
 
     async def _ship(self, item: SpillItem) -> Any:

@@ -348,6 +348,12 @@ class ConnectionLost(SpillError, ConnectionError):
     code = "connection_lost"
 
 
+class NotStarted(SpillError, RuntimeError):
+    """A ``Spiller`` or ``AsyncClient`` used before ``open`` (or ``async with``): the same error on both ways in."""
+
+    code = "not_started"
+
+
 class Timeout(SpillError, TimeoutError):
     """No answer within the call's deadline."""
 

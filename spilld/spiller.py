@@ -213,7 +213,7 @@ class Spiller:
 
     def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise RuntimeError("the Spiller is not started: use 'await Spiller.open(...)' or 'async with'")
+            raise errors.NotStarted("the Spiller is not started: use 'await Spiller.open(...)' or 'async with'")
         return self._loop
 
     def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> asyncio.Future[Settled]:

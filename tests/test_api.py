@@ -186,6 +186,23 @@ def test_the_three_ways_in_share_names_and_parameters() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_spill_before_open_is_not_started_on_every_way_in(tmp_path: Any) -> None:
+    """Found in review: a Spiller used before ``open`` raised a bare RuntimeError, an AsyncClient ConnectionLost
+    (as if a daemon had gone). Both raise ``NotStarted`` now, a RuntimeError and a SpillError."""
+    from mlx_lm.models.cache import KVCache
+
+    from tests.caches import fill
+
+    assert issubclass(errors.NotStarted, RuntimeError)
+    ident = Identity(model_id="m")
+    for way in (spilld.Spiller(tmp_path, identity=ident), AsyncClient(str(tmp_path / "s.sock"), identity=ident)):
+        with pytest.raises(errors.NotStarted, match="not started"):
+            way.spill([1, 2], [fill(KVCache(), 2)])
+        with pytest.raises(errors.NotStarted, match="not started"):
+            way.barrier()
+
+
+@pytest.mark.asyncio
 async def test_tokens_that_are_not_u32_ints_are_a_value_error_on_every_way_in(tmp_path: Any) -> None:
     """Found in review: a Spiller's lookup cut 1.5 to 1 and answered a hit for a token never stored; the clients
     raised a bare struct.error."""
