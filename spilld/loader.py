@@ -16,7 +16,7 @@ import xxhash
 from . import assemble, buffers, errors, fileio, mlxthreads
 from . import format as fmt
 from .codecs import CodecProvider, default_provider
-from .codecs.rules import CAPACITY_STEP, cut_floor
+from .codecs.rules import cut_floor, growth_allowed
 from .fileio import DEFAULT_OPS, FileOps
 from .lru import LRU
 from .saver import Attachment, evaluated
@@ -96,7 +96,6 @@ LOAD_THREADS = min(8, max(2, os.cpu_count() or 2))  # files or tensors read and 
 BLOCK_LOAD_THREADS = 3
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 READ_CHUNK = 1024 * 1024  # bytes read per call and hashed at once, while they are still in the CPU's cache
-GROWTH_MAX_BYTES = 1024 * 1024  # a capacity step adds at most this, or the tensor's own bytes if more
 
 
 def verify_file(
@@ -174,20 +173,17 @@ def check_identity(header: fmt.Header, expect: fmt.Identity | Mapping[str, str] 
 def alloc_shape(slot: fmt.Slot, capacity: int | None, path: str) -> list[int]:
     """The shape to allocate for a slot: its own, or grown along axis -2 to ``capacity`` rows.
 
-    A load never allocates more than a tensor's bytes plus one capacity step of the rows it
-    holds: codecs compute capacity from stored rows, and this is the guard if one did not. A
-    step that would add more than ``GROWTH_MAX_BYTES`` or the tensor's own bytes, whichever is
-    more, is not taken: the buffer is the stored rows (the engine's next step grows it, as
-    mlx-lm does). Found in review: a hostile file of one wide row asked for 64 GiB before any
-    hash was read.
+    A load never allocates more than a tensor's bytes plus one capacity step of the rows it holds,
+    within ``GROWTH_MAX_BYTES`` or the tensor's own bytes (``rules.growth_allowed``): codecs ask a
+    capacity only where every tensor of their cache may take it (``codecs.base.grown``), and this
+    is the guard if one did not (``CapacityTooLarge``, never a buffer grown for one tensor of a
+    cache and not another).
     """
     shape = list(slot.shape)
     if capacity is None or len(shape) < 2 or capacity <= shape[-2]:
         return shape
-    if shape[-2] == 0 or capacity > shape[-2] + CAPACITY_STEP:
+    if not growth_allowed(slot, capacity):
         raise errors.CapacityTooLarge(f"{capacity} rows asked for a tensor of {shape[-2]} rows", path=path)
-    if (capacity - shape[-2]) * (slot.nbytes // shape[-2]) > max(slot.nbytes, GROWTH_MAX_BYTES):
-        return shape
     shape[-2] = capacity
     return shape
 

@@ -22,7 +22,8 @@ from spilld import errors
 from spilld import format as fmt
 from spilld import protocol as P
 from spilld.codecs import default_provider
-from spilld.codecs.rules import CAPACITY_STEP, MAX_ARRAY_SLOTS, MLX_LM_RULES
+from spilld.codecs.base import grown
+from spilld.codecs.rules import CAPACITY_STEP, GROWTH_MAX_BYTES, MAX_ARRAY_SLOTS, MLX_LM_RULES
 from spilld.loader import alloc_shape
 from spilld.store import Store
 from spilld.validate import validate_header
@@ -238,18 +239,42 @@ def test_capacity_step_is_the_most_a_load_grows() -> None:
 
 def test_a_capacity_step_adds_at_most_the_tensors_bytes_or_growth_max_bytes() -> None:
     """Found in review: a hostile file of one row of [1, 8192, 1, 8192] float32 (sparse: 16 KiB on disk) was
-    allocated at 257 rows, 64 GiB, before any hash was read. Such a step is not taken: the stored rows are."""
-    from spilld.loader import GROWTH_MAX_BYTES
-
+    allocated at 257 rows, 64 GiB, before any hash was read. A codec asks no such step (``grown``: the stored
+    rows are loaded), and the loader refuses one asked (``CapacityTooLarge``)."""
     wide = fmt.Slot(0, 8192 * 8192 * 4, (1, 8192, 1, 8192), "float32")
-    assert alloc_shape(wide, 1 + CAPACITY_STEP, "f") == [1, 8192, 1, 8192]
+    assert grown([wide], CAPACITY_STEP) is None
+    with pytest.raises(errors.CapacityTooLarge):
+        alloc_shape(wide, 1 + CAPACITY_STEP, "f")
     row = GROWTH_MAX_BYTES // CAPACITY_STEP  # a step of rows of this size adds GROWTH_MAX_BYTES exactly
     at = fmt.Slot(0, row, (1, 1, 1, row), "uint8")
+    assert grown([at], CAPACITY_STEP) == CAPACITY_STEP
     assert alloc_shape(at, 1 + CAPACITY_STEP, "f")[2] == 1 + CAPACITY_STEP
-    over = fmt.Slot(0, row + 1, (1, 1, 1, row + 1), "uint8")
-    assert alloc_shape(over, 1 + CAPACITY_STEP, "f")[2] == 1
+    over = fmt.Slot(0, row + 17, (1, 1, 1, row + 17), "uint8")  # a step of 255 rows adds more than 1 MiB
+    assert grown([over], CAPACITY_STEP) is None and grown([at, over], CAPACITY_STEP) is None
+    with pytest.raises(errors.CapacityTooLarge):
+        alloc_shape(over, 1 + CAPACITY_STEP, "f")
     big = fmt.Slot(0, 300 * (row + 1), (1, 1, 300, row + 1), "uint8")  # a step under its own bytes: taken
-    assert alloc_shape(big, 300 + CAPACITY_STEP - 44, "f")[2] == 512
+    assert grown([big], CAPACITY_STEP) == 512 and alloc_shape(big, 512, "f")[2] == 512
+
+
+def test_a_caches_tensors_grow_together_or_not_at_all(tmp_path: Any) -> None:
+    """Found in review: a KVCache whose value rows are wider than its key rows (16 heads, 128 and 256 wide, one
+    token) loaded with keys grown to 256 rows and values not; mlx-lm's next update checks the keys' capacity only,
+    and dropped the new value row. Rows that differ between a cache's tensors buy no step either. And a step past
+    ``MAX_DIM`` (a zero-byte tensor of 2**31 - 100 rows) is never asked (found in review: an OverflowError)."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.ones((1, 16, 1, 128), mx.float16), mx.ones((1, 16, 1, 256), mx.float16))
+    spilld.save(tmp_path / "a.spilld", [1], [cache], durability="none")
+    (got,) = spilld.load(tmp_path / "a.spilld").caches
+    assert got.keys.shape[2] == got.values.shape[2] == 1  # the values may not grow a step: neither does
+    got.update_and_fetch(mx.full((1, 16, 1, 128), 2.0, mx.float16), mx.full((1, 16, 1, 256), 3.0, mx.float16))
+    assert got.offset == 2 and got.values.shape[2] >= 2 and float(got.values[0, 0, 1, 0]) == 3.0
+    k, v = fmt.Slot(0, 4096, (1, 16, 1, 128), "float16"), fmt.Slot(0, 8192, (1, 16, 2, 128), "float16")
+    assert grown([k, v], CAPACITY_STEP) is None
+    huge = fmt.Slot(0, 0, (1, 0, fmt.MAX_DIM - 99, 64), "float16")
+    assert grown([huge], CAPACITY_STEP) is None
 
 
 def test_max_array_slots(sample: bytes) -> None:

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .. import dtypes, errors
 from ..format import DTYPE_SIZES, CacheEntry, Slot
-from .rules import MLX_LM_RULES, KindRule
+from .rules import MLX_LM_RULES, KindRule, growth_allowed
 
 
 @dataclass
@@ -284,13 +284,17 @@ def step_capacity(n: int, step: int) -> int:
     return (n // step + 1) * step
 
 
-def grown(slot: Slot, step: int) -> int | None:
-    """The rows to load a growing tensor with: its stored rows (never a header's offset or
-    index) rounded up past the next step. None for an empty tensor: a file pays for the rows
-    it holds, so zero rows never buy a step of the other dimensions (mlx-lm grows it on use).
-    """
-    rows = slot.shape[-2] if len(slot.shape) >= 2 else 0
-    return step_capacity(rows, step) if rows else None
+def grown(slots: Sequence[Slot], step: int) -> int | None:
+    """The rows to load a cache's growing tensors with, one for all: their stored rows (never a header's offset
+    or index) rounded up past the next step. None, and every tensor loads as stored, for empty tensors (a file pays
+    for the rows it holds, so zero rows never buy a step of the other dimensions: mlx-lm grows it on use) and when
+    any of them may not grow that far (``growth_allowed``): found in review, keys grown and values not (wider rows)
+    made mlx-lm's next update, which checks the keys' capacity only, drop a value row."""
+    rows = {s.shape[-2] if len(s.shape) >= 2 else 0 for s in slots}
+    if len(rows) != 1 or not (n := rows.pop()):
+        return None
+    cap = step_capacity(n, step)
+    return cap if all(growth_allowed(s, cap) for s in slots) else None
 
 
 class Codec:

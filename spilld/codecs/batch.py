@@ -51,7 +51,8 @@ class BatchKVCodec(Codec):
         keys = values = None
         if field(entry, "has_kv", bool):
             k, v = next(it), next(it)
-            keys, values = ctx.read(k, grown(k, C.BatchKVCache.step)), ctx.read(v, grown(v, C.BatchKVCache.step))
+            cap = grown([k, v], C.BatchKVCache.step)
+            keys, values = ctx.read(k, cap), ctx.read(v, cap)
         right = _optional(entry, it, "right_padding", ctx)
 
         def init(c: Any) -> None:

@@ -62,7 +62,7 @@ class KVCacheCodec(Codec):
         if entry.tensors:
             n = entry.offset or 0
             _check_rows(entry, n)
-            cap = grown(entry.tensors[0], C.KVCache.step) if self.grow else None
+            cap = grown(entry.tensors, C.KVCache.step) if self.grow else None
             cache.keys = ctx.read(entry.tensors[0], cap)
             cache.values = ctx.read(entry.tensors[1], cap)
             cache.offset = n
@@ -126,7 +126,7 @@ class ChunkedKVCodec(Codec):
         if entry.tensors:
             n = cache.offset - cache.start_position
             _check_rows(entry, n)
-            cap = grown(entry.tensors[0], C.ChunkedKVCache.step)
+            cap = grown(entry.tensors, C.ChunkedKVCache.step)
             cache.keys = ctx.read(entry.tensors[0], cap)
             cache.values = ctx.read(entry.tensors[1], cap)
         return cache

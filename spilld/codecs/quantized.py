@@ -53,7 +53,8 @@ class QuantizedKVCodec(Codec):
         cache: Any = C.QuantizedKVCache(group_size=field(entry, "group_size"), bits=field(entry, "bits"))
         if entry.tensors:
             cache.offset = entry.offset or 0
-            parts = [ctx.read(s, grown(s, C.QuantizedKVCache.step)) for s in entry.tensors]
+            cap = grown(entry.tensors, C.QuantizedKVCache.step)
+            parts = [ctx.read(s, cap) for s in entry.tensors]
             cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
         return cache
 

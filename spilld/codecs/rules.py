@@ -20,6 +20,18 @@ MLX_LM_PROVIDER_ID = "spilld/mlx-lm/1"
 # mlx-lm's KVCache.step (and that of every cache class that grows): the rows a
 # load may add past the stored ones so the next decode step appends in place.
 CAPACITY_STEP = 256
+GROWTH_MAX_BYTES = 1024 * 1024  # a capacity step adds at most this, or the tensor's own bytes if more
+
+
+def growth_allowed(slot: fmt.Slot, capacity: int) -> bool:
+    """Whether a load may give ``slot`` ``capacity`` rows (axis -2): at most one step past the rows it holds, within
+    ``fmt.MAX_DIM``, adding at most ``GROWTH_MAX_BYTES`` or the tensor's own bytes, whichever is more (found in
+    review: a hostile file of one wide row asked for 64 GiB before any hash was read)."""
+    shape = slot.shape
+    if len(shape) < 2 or shape[-2] == 0 or not shape[-2] < capacity <= min(shape[-2] + CAPACITY_STEP, fmt.MAX_DIM):
+        return False
+    return (capacity - shape[-2]) * (slot.nbytes // shape[-2]) <= max(slot.nbytes, GROWTH_MAX_BYTES)
+
 
 FLOATS = frozenset({"float16", "bfloat16", "float32"})
 INDEX = frozenset({"int32"})  # per-sequence offsets and paddings (mx.array of Python ints)
