@@ -316,6 +316,27 @@ def _ring(offset: int, how: Rows, f: dict[str, Any], rows: int, where: str) -> N
     # ring's write index below zero, and the next token would be written nowhere
     if offset < size and f["idx"] != rows:
         raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} inside a ring that has not wrapped ({rows} rows)")
+    if how is Rows.RING:
+        _wrapped_ring(f, rows, where)
+    else:
+        _batch_ring(offset, f, rows, where)
+
+
+def _wrapped_ring(f: dict[str, Any], rows: int, where: str) -> None:
+    """A ring as mlx-lm leaves it: written at its end (a prefill), or, full, past its ``keep`` sink rows (a decode
+    step starts again after them): found in review, an idx at or below keep let the next step overwrite a sink row."""
+    if f["idx"] != rows and not (rows == f["max_size"] and f["idx"] > f["keep"]):
+        raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} of a full ring of {rows} rows, keep {f['keep']}")
+
+
+def _batch_ring(pos: int, f: dict[str, Any], rows: int, where: str) -> None:
+    """mlx-lm's batch ring is ``rotated`` only once full (its write index went round), and written at its end until
+    then: found in review, a flag set on a ring that never wrapped moved its padding mask onto real tokens."""
+    size = f["max_size"]
+    if f["rotated"] and (pos < size or rows != size):
+        raise errors.FieldInvalid(f"{where}: rotated, but {rows} rows of a ring of {size} at pos {pos}")
+    if not f["rotated"] and f["idx"] != rows:
+        raise errors.IndexOutOfRange(f"{where}: idx {f['idx']} inside a ring not rotated ({rows} rows)")
 
 
 def header_from_bytes(data: bytes | memoryview, file_size: int, path: str | None = None) -> fmt.Header:

@@ -296,6 +296,51 @@ def test_max_array_slots(sample: bytes) -> None:
         validate_header(fmt.header_from_wire(wire))
 
 
+def _ring_states() -> Iterator[tuple[str, Any]]:
+    """mlx-lm's rings in the states its updates leave them: prefills of several tokens and decode steps, before and
+    after they wrap, with and without sink rows (``keep``), single and batched (left padding)."""
+    for keep in (0, 4):
+        ring = C.RotatingKVCache(max_size=16, keep=keep)
+        for n, s in enumerate([5, 1, 1, 12, 1, 1, 1, 20, *([1] * 20)]):
+            ring.update_and_fetch(*kv(s, batch=1, heads=2, dim=16))
+            yield f"rotating keep {keep} step {n}", ring
+    batch = C.BatchRotatingKVCache(max_size=16, left_padding=[3, 0])
+    for n, s in enumerate([10, *([1] * 12), 7, *([1] * 20)]):
+        batch.update_and_fetch(*kv(s, batch=2, heads=2, dim=16))
+        yield f"batch_rotating step {n}", batch
+
+
+def test_every_state_of_mlx_lms_rings_passes_and_a_ring_state_none_reaches_is_refused(tmp_path: Any) -> None:
+    """Found in review: a full ring's ``idx`` at or below its ``keep`` (the next decode step overwrote a sink row),
+    and a batch ring flagged ``rotated`` before it filled (its padding mask moved onto real tokens), both passed.
+    Every state mlx-lm's own updates reach passes; each hostile twin of one is refused."""
+    seen = set()
+    for i, (what, ring) in enumerate(_ring_states()):
+        good = str(tmp_path / f"{i}.spilld")
+        spilld.save(good, [], [ring], identity=IDENT, durability="none")
+        spilld.loader.read_header(good)  # as mlx-lm left it
+        with open(good, "rb") as fh:
+            wire, body = split(fh.read())
+        fields, pos = wire["caches"][0]["fields"], wire["caches"][0]["offset"]
+        rows = min(pos, ring.keys.shape[2])
+        if "keep" in fields and rows == ring.max_size and fields["idx"] != rows:
+            seen.add("wrapped, idx inside")
+            fields["idx"] = fields["keep"]  # the sink row the next step would overwrite
+        elif "rotated" in fields and not fields["rotated"] and pos < ring.max_size:
+            seen.add("not full, not rotated")
+            fields["rotated"] = True
+        elif fields.get("rotated") and fields["idx"] != rows:
+            seen.add("rotated")
+            fields["rotated"] = False  # its idx inside it: the rows would be taken as in order
+        else:
+            continue
+        bad = write(str(tmp_path / f"{i}-bad.spilld"), join(wire, body))
+        with pytest.raises((errors.IndexOutOfRange, errors.FieldInvalid)):
+            spilld.loader.read_header(bad)
+        assert what
+    assert seen == {"wrapped, idx inside", "not full, not rotated", "rotated"}, seen
+
+
 def test_unknown_field_keys_of_any_type_are_refused(sample: bytes) -> None:
     wire, _ = split(sample)
     wire["caches"][1]["fields"]["x"] = 1
