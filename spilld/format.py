@@ -521,6 +521,8 @@ def _entry_from_wire(d: Any, depth: int = 0) -> CacheEntry:
     offset = d["offset"]
     if offset is not None:
         offset = _int(offset, "cache.offset")
+        if offset > MAX_DIM:  # a position mlx's rope takes: bounded even in a file without tokens to compare it with
+            raise errors.DimensionTooLarge(f"cache.offset {offset} > {MAX_DIM}")
     mr = _int(d["min_reusable"], "cache.min_reusable")
     if offset is not None and mr > offset:
         raise ValueError(f"min_reusable {mr} > offset {offset}")

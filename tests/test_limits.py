@@ -656,6 +656,20 @@ def test_a_files_tensor_limits_at_and_one_over(at: list[fmt.Slot], over: list[fm
         fmt.check_limits(over)
 
 
+def test_a_caches_offset_is_bounded_by_max_dim_at_and_one_over() -> None:
+    """Found in review: in a file without tokens (the mlx-lm drop-in writes such), a ``rotating`` entry's offset
+    was bounded by nothing (2**63 loaded, and mlx's rope then failed on it)."""
+    wire = kv_header(1) | {"tokens": b""}
+    for offset, refused in ((fmt.MAX_DIM, False), (fmt.MAX_DIM + 1, True)):
+        entry = wire["caches"][0] | {"offset": offset}
+        try:
+            fmt.header_from_wire(wire | {"caches": [entry]})
+            said = None
+        except errors.SpillError as exc:
+            said = exc
+        assert isinstance(said, errors.DimensionTooLarge) is refused, said
+
+
 def test_max_tokens_at_and_one_over() -> None:
     wire = kv_header(1)
     for n, refused in ((fmt.MAX_TOKENS, False), (fmt.MAX_TOKENS + 1, True)):
