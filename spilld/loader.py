@@ -504,8 +504,8 @@ def _results(futs: dict[Any, concurrent.futures.Future[Any]]) -> dict[Any, Any]:
 
 def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str, prov: CodecProvider) -> None:
     """Cut loaded caches back to ``upto`` tokens (each by its codec), where the header says that is valid."""
-    if upto > len(header.tokens) or upto < 0:
-        raise errors.NotReusable(f"cannot cut {len(header.tokens)} tokens to {upto}", path=path)
+    if upto > header.restorable_tokens or upto < 0:  # (past the least offset the caches hold nothing to cut to)
+        raise errors.NotReusable(f"cannot cut to {upto} tokens: the caches hold {header.restorable_tokens}", path=path)
     if upto == len(header.tokens):
         return
     if not header.trimmable:
@@ -547,7 +547,9 @@ def load(
 
     Checks the codec provider, every entry's codec and ``expect`` before
     allocating. With ``upto`` the caches are cut back to that many tokens
-    (refused with ``NotReusable`` when the header says it is not valid).
+    (refused with ``NotReusable`` when the header says it is not valid, or past
+    the tokens the caches hold); without, to the tokens the caches hold, where
+    the entry can be cut (else as saved).
     """
     p = os.fspath(path)
     prov = provider or default_provider()
@@ -581,6 +583,8 @@ def load(
     finally:
         ops.close(fd)
     tokens = whole.tokens
+    if upto is None and whole.trimmable and whole.restorable_tokens < len(tokens):  # the tokens the caches hold
+        upto = whole.restorable_tokens  # (found in review: all the file's tokens came back, beside fewer in the caches)
     if upto is not None:
         _cut(caches, whole, upto, p, prov)
         tokens = tokens[:upto]

@@ -392,3 +392,19 @@ def test_one_provider_id_names_one_table() -> None:
     default_provider().extended("engine-once/1", [_DoublingCodec()])  # the same table again: fine
     with pytest.raises(ValueError):
         default_provider().extended("engine-once/1", [])
+
+
+def test_a_load_gives_the_tokens_its_caches_hold_and_cuts_no_further(tmp_path: Any) -> None:
+    """Found in review: a file of 10 tokens whose cache holds 5 loaded with all 10 tokens beside it, and
+    ``upto=8`` gave 8 tokens beside 5 rows: a caller would skip the prefill of 3 tokens the cache never saw. A load
+    gives the tokens the caches hold; a cut past them is ``NotReusable``."""
+    path = tmp_path / "short.spilld"
+    spilld.save(path, list(range(10)), [fill(C.KVCache(), 5)], durability="none")
+    got = spilld.load(path)
+    assert got.tokens == list(range(5)) and got.caches[0].offset == 5
+    assert spilld.load(path, upto=5).tokens == list(range(5))
+    cut = spilld.load(path, upto=3)
+    assert cut.tokens == list(range(3)) and cut.caches[0].offset == 3
+    for upto in (6, 8, 10):
+        with pytest.raises(errors.NotReusable):
+            spilld.load(path, upto=upto)

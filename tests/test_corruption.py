@@ -265,7 +265,7 @@ RELEASED_CODES = frozenset(
         "duplicate_hello", "field_invalid", "foreign_daemon", "held_block_gone", "index_out_of_range", "io_timeout",
         "kind_not_in_provider", "not_admitted", "offset_beyond_tokens", "offset_mismatch", "quantization_invalid",
         "shape_mismatch", "shed", "slot_size_mismatch", "tensor_count_mismatch", "tensor_rank_mismatch",
-        "unusable_folder", "version_mismatch", "write_budget_spent", "lease_refused",
+        "unusable_folder", "version_mismatch", "write_budget_spent", "lease_refused", "not_started",
     }
 )  # fmt: skip
 
