@@ -231,6 +231,24 @@ def test_covered_tokens_uses_the_cache_offset(tiny: tuple[Any, Any]) -> None:
     assert covered_tokens(list(range(5)), [object()]) is None
 
 
+def test_a_recurrent_state_beside_a_cache_ahead_is_not_held_to_fewer_tokens() -> None:
+    """Found in review: with ``[ArraysCache, KVCache]`` whose KV cache holds a token more than the key, the KV cache
+    was cut back and the recurrent state, a token ahead as well, stored as it was: an entry of n tokens holding the
+    state after n + 1. Nothing is stored then; the same caches at n are kept as they are."""
+    from mlx_lm.models import cache as C
+
+    from spilld.integrations.mlx_lm import held_to
+    from tests.caches import fill
+
+    state = C.ArraysCache(1)
+    state[0] = mx.zeros((1, 4))
+    ahead, level = fill(C.KVCache(), 11), fill(C.KVCache(), 10)
+    assert held_to([state, ahead], 10) is None
+    assert held_to([state, level], 10) == [state, level]
+    cut = held_to([ahead, fill(C.KVCache(), 10)], 10)  # positional caches alone are cut, on clones
+    assert cut is not None and [c.offset for c in cut] == [10, 10] and ahead.offset == 11
+
+
 def test_a_draft_models_cache_list_is_stored_as_of_the_tokens_every_cache_holds(
     tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
 ) -> None:

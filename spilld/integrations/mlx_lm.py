@@ -75,13 +75,16 @@ def _offset(cache: Any) -> int | None:
 def held_to(caches: Sequence[Any], n: int) -> list[Any] | None:
     """The caches as of their first ``n`` tokens. With a draft model the server's list is the main model's caches
     and the draft's, and the main ones hold a row more after a speculative step: those are cut back, on clones (the
-    server's own caches are left as they are). None when such a cache cannot be cut."""
+    server's own caches are left as they are). None when such a cache cannot be cut, or when a cache that keeps no
+    position (a recurrent state) sits beside one ahead of ``n``: its state may be a token ahead too (found in review)."""
     if all(_offset(c) in (None, n) for c in caches):
         return list(caches)
     out = clone_caches(caches)
     for c in out:
         offset = _offset(c)
-        if offset is not None and offset > n:
+        if offset is None:
+            return None
+        if offset > n:
             if not c.is_trimmable():
                 return None
             c.trim(offset - n)
