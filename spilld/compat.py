@@ -4,8 +4,9 @@ Same signatures and results (string metadata round-trips; no tokens are stored).
 (hashed, atomic, durable), and never under a ``.safetensors`` name, which promises a format no safetensors tool
 could read: a name ending in ``.safetensors`` (mlx-lm's documented name) is saved with spilld's extension
 instead (``prompt.safetensors`` -> ``prompt.spilld``). Loads read both formats: a spilld file (by its magic
-bytes) with spilld's verified loader, anything else through mlx-lm's own ``load_prompt_cache``; a
-``.safetensors`` name whose spilld twin exists reads whichever of the two was written last.
+bytes) with spilld's verified loader, anything else through mlx-lm's own ``load_prompt_cache``. A save under
+a ``.safetensors`` name removes the file of that name (a save replaces what the name held, as mlx-lm's does), so
+when a name and its spilld twin both exist, the name was written later: it is read unless its twin is newer.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def spilld_name(file_name: str | os.PathLike[str]) -> str:
 def save_prompt_cache(
     file_name: str | os.PathLike[str], cache: list[Any], metadata: dict[str, str] | None = None
 ) -> str:
-    """Save a prompt cache in spilld's format; returns the path written (``spilld_name(file_name)``)."""
-    path = spilld_name(file_name)
+    """Save a prompt cache in spilld's format; returns the path written (``spilld_name(file_name)``). A regular
+    file under ``file_name`` itself, when that is not the path written, is removed once the save is durable."""
+    path, name = spilld_name(file_name), os.fspath(file_name)
     save(path, [], cache, metadata)
+    if name != path and os.path.isfile(name) and not os.path.islink(name):
+        # an older save under the name (mlx-lm's): a load must not find it later on an mtime tie (found in review)
+        os.unlink(name)
     return path
 
 
@@ -49,7 +54,7 @@ def _source(file_name: str | os.PathLike[str]) -> str:
     name, twin = os.fspath(file_name), spilld_name(file_name)
     if twin == name or not os.path.exists(twin):
         return name
-    if not os.path.exists(name) or os.stat(twin).st_mtime_ns >= os.stat(name).st_mtime_ns:
+    if not os.path.exists(name) or os.stat(twin).st_mtime_ns > os.stat(name).st_mtime_ns:
         return twin
     return name
 

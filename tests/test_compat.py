@@ -54,11 +54,15 @@ def test_other_names_are_kept(tmp_path: Any) -> None:
 
 
 def test_of_a_name_and_its_twin_the_later_write_loads(tmp_path: Any) -> None:
-    name = str(tmp_path / "p.safetensors")
+    """Found in review: on an mtime tie (a coarse clock: both saves in one tick) the twin was read, though mlx-lm
+    had saved under the name after it. A save under the name removes the file there, so a tie goes to the name."""
+    name, twin = str(tmp_path / "p.safetensors"), spilld_name(str(tmp_path / "p.safetensors"))
     old, new = [fill(C.KVCache(), 5)], [fill(C.KVCache(), 9, seed=3)]
     C.save_prompt_cache(name, old)
     spilld.save_prompt_cache(name, new)
-    os.utime(spilld_name(name), ns=(0, os.stat(name).st_mtime_ns + 10**9))
-    assert spilld.load_prompt_cache(name)[0].offset == 9  # ours is newer
-    os.utime(name, ns=(0, os.stat(spilld_name(name)).st_mtime_ns + 10**9))
-    assert spilld.load_prompt_cache(name)[0].offset == 5  # mlx-lm wrote after us
+    assert not os.path.exists(name) and spilld.load_prompt_cache(name)[0].offset == 9  # the older file replaced
+    C.save_prompt_cache(name, old)  # mlx-lm saves under the name after us, in the same clock tick
+    os.utime(name, ns=(0, os.stat(twin).st_mtime_ns))
+    assert spilld.load_prompt_cache(name)[0].offset == 5
+    os.utime(twin, ns=(0, os.stat(name).st_mtime_ns + 10**9))  # a twin newer (an older spilld left both)
+    assert spilld.load_prompt_cache(name)[0].offset == 9
