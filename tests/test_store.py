@@ -548,6 +548,40 @@ async def test_scan_quarantines_a_corrupt_header(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("what", ["link", "file"])
+async def test_a_quarantine_name_that_is_not_a_real_folder_is_never_used(
+    tmp_path: Path, what: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: with ``.quarantine`` a symbolic link to a user's folder, the trim removed the user's oldest
+    files (any name); with a user's file there, the bad manifest was deleted instead of kept. Now nothing at that
+    name or behind it is touched: the bad file stays where it is, out of the index, and that is said once."""
+    from spilld.cli.files import quarantine_files
+    from spilld.store.quarantine import QUARANTINE_KEEP
+
+    root, theirs = tmp_path / "root", tmp_path / "theirs"
+    theirs.mkdir()
+    for i in range(QUARANTINE_KEEP + 8):  # more than the quarantine keeps, some named as spilld names its own
+        (theirs / (f"{i:03d}-photo.jpg" if i % 2 else f"{i:03d}-{i}{EXT}")).write_bytes(b"x")
+    root.mkdir()
+    if what == "link":
+        os.symlink(theirs, root / QUARANTINE)
+    else:
+        (root / QUARANTINE).write_bytes(b"a user's file")
+    before = sorted(os.listdir(theirs))
+    s = Store(root)
+    bad = await s.put(toks(16), kv_layers(16), IDENT)
+    good = await s.put(toks(16, start=5), kv_layers(16), IDENT)
+    flip(bad.path, fmt.PREFIX_LEN + 5)
+    for _ in range(2):  # two starts: the same bad file each time, one log line
+        again = Store(root)
+        assert again.scan() == 1 and [e.path for e in again.entries] == [good.path]
+        assert again.counters.quarantine_removed == 0 and os.path.exists(bad.path)
+    assert sorted(os.listdir(theirs)) == before and quarantine_files(str(root)) == []
+    assert os.path.islink(root / QUARANTINE) if what == "link" else (root / QUARANTINE).read_bytes() == b"a user's file"
+    assert sum("is not a folder spilld may use" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.asyncio
 async def test_scan_indexes_every_fingerprint_lookup_matches_the_callers(tmp_path: Path) -> None:
     s = Store(tmp_path)
     ra = await s.put(toks(16), kv_layers(16), IDENT)

@@ -18,6 +18,7 @@ from spilld.saver import plan
 from spilld.store.eviction import evict_order
 from spilld.store.folders import FolderClaims, remove_empty_folders
 from spilld.store.index import Index
+from spilld.store.listing import EXT
 from spilld.store.pins import PINS_FILE, read_pins, write_pins
 from spilld.store.quarantine import trim_quarantine
 from spilld.store.scan import scan_root
@@ -156,12 +157,17 @@ def test_a_pins_file_past_its_bound_loses_its_cut_name_not_a_wrong_one(
 
 
 def test_the_quarantine_keeps_the_newest_within_its_count_and_bytes(tmp_path: Path) -> None:
+    """Only files named as spilld names what it moves there count and go (found in review: any name was removed)."""
+    theirs = ["0001-notes.txt", "0002-x.spilld", "0003-y.spilld-block"]  # a user's file, a folder, a symbolic link
+    (tmp_path / theirs[0]).write_bytes(b"x" * 1000)
+    (tmp_path / theirs[1]).mkdir()
+    os.symlink(tmp_path / theirs[0], tmp_path / theirs[2])
     for i in range(6):
-        (tmp_path / f"{1000 + i}-f{i}").write_bytes(b"x" * 100)
+        (tmp_path / f"{1000 + i}-f{i}{EXT}").write_bytes(b"x" * 100)
     assert trim_quarantine(str(tmp_path), keep=4, cap_bytes=10_000) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1002-f2", "1003-f3", "1004-f4", "1005-f5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [*theirs, *(f"{1000 + i}-f{i}{EXT}" for i in range(2, 6))]
     assert trim_quarantine(str(tmp_path), keep=4, cap_bytes=250) == 2  # bytes bound it too
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1004-f4", "1005-f5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [*theirs, f"1004-f4{EXT}", f"1005-f5{EXT}"]
 
 
 def _check_index(index: Index) -> None:

@@ -206,11 +206,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def quarantine_files(root: str) -> list[dict[str, Any]]:
     """The files moved aside as bad, oldest first (their names start with the time they were moved)."""
-    from ..store import QUARANTINE
+    from ..store.quarantine import is_quarantined_name, quarantine_dir
 
-    qdir = os.path.join(root, QUARANTINE)
+    qdir = quarantine_dir(root)  # a symbolic link or a file at its name: no quarantine (found in review)
+    if qdir is None:
+        return []
     rows = []
-    for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
+    for name in sorted(os.listdir(qdir)):
+        if not is_quarantined_name(name):  # not a file spilld moved there: never listed, never removed
+            continue
         path = os.path.join(qdir, name)
         try:
             st = os.lstat(path)
