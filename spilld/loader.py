@@ -89,6 +89,17 @@ def read_header(path: str | os.PathLike[str], ops: FileOps = DEFAULT_OPS) -> fmt
         ops.close(fd)
 
 
+def read_own_header(path: str) -> fmt.Header:
+    """``read_header`` of a file in a store's own folders, which spilld only ever fills with regular files: a
+    symbolic link there is someone else's, refused (a StorageError, ELOOP) rather than followed."""
+    with fileio.io_errors("open", path):
+        fd = fileio.open_regular(path, os.O_NOFOLLOW)
+    try:
+        return _read_header_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
 VERIFY_CHUNK = 8 * 1024 * 1024
 LOAD_THREADS = min(8, max(2, os.cpu_count() or 2))  # files or tensors read and hashed at once (both free the GIL)
 # A manifest's block files at most this many at once: their 16 KiB pieces keep Python busy under the GIL, and

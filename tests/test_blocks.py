@@ -392,7 +392,7 @@ async def test_a_file_unreadable_at_a_scan_costs_no_stored_entry(
     pa, pb, a, b = await _two_sharing(s)
     s.close()
     victim = pa if fails == "manifest" else block_file(s, keys(pa)[2])
-    real_header, real_stat = scanning.read_header, os.stat
+    real_header, real_stat = scanning.read_own_header, os.stat
 
     def header(path: str, *args: Any, **kw: Any) -> Any:
         if path == victim:
@@ -405,7 +405,7 @@ async def test_a_file_unreadable_at_a_scan_costs_no_stored_entry(
         return real_stat(path, *args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(scanning, "read_header", header)
+        m.setattr(scanning, "read_own_header", header)
         m.setattr(scanning.os, "stat", stat)
         flaky = rescanned(tmp_path)
     assert flaky.stats()["blocks_reclaimed"] == 0 and flaky.stats()["quarantined"] == 0

@@ -466,6 +466,50 @@ async def test_a_scan_reads_only_folders_named_as_spilld_names_them(tmp_path: Pa
     assert got.returncode == 0 and "my-backup" not in got.stdout and "1 entry" in got.stdout, got
 
 
+@pytest.mark.asyncio
+async def test_symbolic_links_in_a_store_are_never_followed_served_or_replaced(tmp_path: Path) -> None:
+    """Found in review: the scan read through a user's symbolic links named like spilld's files. One to a file of
+    theirs was quarantined (the link moved away), one to a valid entry kept outside the store was served, its
+    target's mtime changed by the restore and the link unlinked by an evict; a ``.spilld-pins`` link was replaced
+    by a regular file. Links are neither read through nor touched now (a temp-named one is not reaped either)."""
+    from spilld.store.pins import PINS_FILE
+
+    root, out = tmp_path / "root", tmp_path / "outside"
+    out.mkdir()
+    s = Store(root, disk_cap=2**40, block_tokens=0)
+    r = await s.put(list(range(40)), [fill(C.KVCache(), 40, seed=1)], IDENT)
+    s.close()
+    ns = os.path.dirname(r.path)
+    kept, notes, pins = out / "backup.spilld", out / "notes.spilld", out / "pins.txt"
+    shutil.move(r.path, kept)  # the user keeps the entry elsewhere, a link in its place
+    os.utime(kept, (1e9, 1e9))
+    notes.write_bytes(b"my own notes")
+    pins.write_text("")
+    links = {
+        os.path.join(ns, "mine.spilld"): kept,
+        os.path.join(ns, "notes.spilld"): notes,
+        fileio.temp_path_for(os.path.join(ns, "x.spilld")): notes,
+        str(root / PINS_FILE): pins,
+    }
+    for link, target in links.items():
+        os.symlink(target, link)
+    again = Store(root, disk_cap=2**40, block_tokens=0)
+    assert again.scan() == 0 and again.stats()["quarantined"] == 0
+    assert not isinstance(again.lookup(IDENT, "", list(range(41))), spilld.Hit)
+    other = await again.put(list(range(500, 540)), [fill(C.KVCache(), 40, seed=2)], IDENT, pin=True)
+    assert again.entry_at(other.path) is not None  # stored; only the pins file was refused
+    entry = again.entry_at(other.path)
+    assert entry is not None
+    os.rename(other.path, out / "moved.spilld")  # an entry's file swapped for a link while the store runs
+    os.symlink(out / "moved.spilld", other.path)
+    os.utime(out / "moved.spilld", (1e9, 1e9))
+    again.touch(entry)
+    await again.evict_async()
+    assert os.stat(kept).st_mtime == 1e9 and os.stat(out / "moved.spilld").st_mtime == 1e9
+    assert all(os.path.islink(link) and os.readlink(link) == str(target) for link, target in links.items())
+    assert pins.read_text() == "" and notes.read_bytes() == b"my own notes"
+
+
 def test_a_lock_whose_pid_cannot_be_written_is_still_held_and_let_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -49,7 +49,7 @@ async def test_a_pin_the_scan_could_not_read_survives_another_pin_change(
     p = await s.put(system, caches(40), IDENT, pin=True)  # a shared system prompt
     q = await s.put(list(range(900, 920)), caches(20, seed=5), IDENT, pin=True)
     s.close()
-    real = scanning.read_header
+    real = scanning.read_own_header
 
     def header(path: str, *args: Any, **kw: Any) -> Any:
         if path == p.path:  # unreadable at this start only: the scan leaves the file alone
@@ -57,7 +57,7 @@ async def test_a_pin_the_scan_could_not_read_survives_another_pin_change(
         return real(path, *args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(scanning, "read_header", header)
+        m.setattr(scanning, "read_own_header", header)
         flaky = owner(tmp_path)
     assert flaky.entry_at(p.path) is None and os.path.exists(p.path)
     assert await flaky.pin_async(q.path, on=False)  # an unrelated change rewrites the file

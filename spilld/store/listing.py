@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 from .. import blocks, errors, fileio
-from ..loader import read_header
+from ..loader import read_own_header
 from .folders import folder_names, namespace_folders
 
 EXT = ".spilld"  # an entry's file (a manifest, or a whole entry); blocks have their own suffix
@@ -27,8 +28,8 @@ def list_entries(root: str) -> list[dict[str, Any]]:
                 continue
             path = os.path.join(folder, name)
             try:
-                h = read_header(path)
-                st = os.stat(path)
+                st = os.lstat(path)
+                h = read_own_header(path)  # a symbolic link is not listed, as the scan does not index it
             except (errors.SpillError, OSError):
                 continue
             named = h.blocks.keys if h.blocks is not None else []
@@ -49,7 +50,9 @@ def _block_files(folder: str) -> dict[bytes, int]:
         if key is None or key in out or fileio.is_temp_name(name):
             continue
         try:
-            out[key] = os.stat(os.path.join(folder, name)).st_size
+            st = os.lstat(os.path.join(folder, name))
         except OSError:
             continue
+        if stat.S_ISREG(st.st_mode):  # as the scan indexes blocks
+            out[key] = st.st_size
     return out

@@ -1,7 +1,8 @@
 """The pins file: which entries are pinned (evicted last, never superseded), kept across restarts.
 
 ``<root>/.spilld-pins`` lists the pinned entries' paths relative to the root, one a line; it is replaced
-atomically and durably. A name that would lead outside the root is ignored. Each rewrite merges: the file's
+atomically and durably. Anything but a regular file at that name (a symbolic link, a FIFO) is someone else's: never
+read through, never replaced. A name that would lead outside the root is ignored. Each rewrite merges: the file's
 current names with one writer's own changes, so two writers of a folder (Spillers sharing it) and a
 scan that could not read an entry never drop another's pin.
 """
@@ -9,9 +10,10 @@ scan that could not read an entry never drop another's pin.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Mapping
 
-from .. import fileio
+from .. import errors, fileio
 
 PINS_FILE = ".spilld-pins"
 PINS_MAX_BYTES = 1 << 24  # the most of the file read: far more names than a disk cap's worth of entries
@@ -25,7 +27,8 @@ def read_pins(root: str) -> list[str]:
 def _read_names(root: str) -> list[str] | None:
     """``read_pins``, but None if the file is there and cannot be read (EIO, EMFILE, not text, not a file)."""
     try:
-        fd = fileio.open_regular(os.path.join(root, PINS_FILE))  # a FIFO there is refused, never waited on
+        # a FIFO there is refused, never waited on; a symbolic link never followed (ELOOP)
+        fd = fileio.open_regular(os.path.join(root, PINS_FILE), os.O_NOFOLLOW)
         with open(fd, encoding="utf-8") as f:
             text = f.read(PINS_MAX_BYTES)
             names = text.splitlines()
@@ -39,9 +42,12 @@ def _read_names(root: str) -> list[str] | None:
 
 
 def write_pins(root: str, pins: list[str], ops: fileio.FileOps, durability: fileio.Durability) -> None:
-    """Replace the file: a temp file beside it, renamed over it, the root synced (blocking: a worker thread)."""
+    """Replace the file: a temp file beside it, renamed over it, the root synced (blocking: a worker thread).
+    ``StorageError`` if something other than a regular file is at its name: that is left as it is."""
+    path = os.path.join(root, PINS_FILE)
+    _check_replaceable(path)
     text = "".join(os.path.relpath(p, root) + "\n" for p in pins).encode()
-    fileio.publish_bytes(ops, os.path.join(root, PINS_FILE), text, durability)
+    fileio.publish_bytes(ops, path, text, durability)
     fileio.sync_dir(ops, root, durability)
 
 
@@ -60,6 +66,19 @@ def update_pins(
     pins = {p for p in (known if names is None else names) if p not in changes and not _gone(p)}
     pins |= {p for p, on in changes.items() if on}
     write_pins(root, sorted(pins), ops, durability)
+
+
+def _check_replaceable(path: str) -> None:
+    """The pins file is missing or a regular file; else (found in review: a user's symbolic link there was replaced
+    by a regular file) a StorageError, and nothing is written."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise errors.StorageError(f"cannot be checked: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
+    if not stat.S_ISREG(mode):
+        raise errors.StorageError("not a regular file (a symbolic link, folder or FIFO): left as it is", path=path)
 
 
 def _gone(path: str) -> bool:

@@ -4,6 +4,7 @@ lock); bad files are only reported: the store moves them aside."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -13,7 +14,7 @@ from .. import blocks, errors, fileio
 from .. import format as fmt
 from ..blocks import BLOCK_EXT
 from ..entries import Block, identity_fingerprint, namespace_hash
-from ..loader import read_header
+from ..loader import read_own_header
 from .folders import folder_names, namespace_folders
 from .index import Index
 from .listing import EXT
@@ -39,7 +40,7 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
     for name in os.listdir(root) if reap else []:  # the root's own temp files: a pins file or a probe cut short
-        if fileio.is_temp_name(name) and os.path.isfile(path := os.path.join(root, name)):
+        if fileio.is_temp_name(name) and _is_regular(path := os.path.join(root, name)):
             fileio.remove_quietly(ops, path)
             found.reaped_temp += 1
     for folder, fp, ns in namespace_folders(root):
@@ -71,7 +72,7 @@ def _scan_file(
     reaped, reported bad, or left alone."""
     name = os.path.basename(path)
     if fileio.is_temp_name(name):
-        if reap:  # under the folder's lock: no other spilld is writing it
+        if reap and _is_regular(path):  # under the folder's lock: no other spilld is writing it
             fileio.remove_quietly(ops, path)
             found.reaped_temp += 1
         return None
@@ -81,8 +82,11 @@ def _scan_file(
     if not name.endswith(EXT):
         return None
     try:
-        header = read_header(path)
-        mtime = os.stat(path).st_mtime
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):  # a symbolic link is never followed: its target is someone else's
+            raise OSError(errno.EINVAL, "not a regular file (a symbolic link, folder, FIFO, socket or device)")
+        header = read_own_header(path)
+        mtime = st.st_mtime
         if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns:
             raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
         if header.block is not None:
@@ -118,3 +122,11 @@ def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap:
             fileio.remove_quietly(ops, path)
         return
     index.add_block(key, path, size, owned=reap)  # found alone: ours; else another writer's too
+
+
+def _is_regular(path: str) -> bool:
+    """``path`` is a regular file itself (a symbolic link named like a temp file is not spilld's to remove)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -79,8 +79,8 @@ def default_disk_cap(root: str) -> int:
 
 
 def _set_mtime(path: str, when: float) -> None:
-    with contextlib.suppress(OSError):
-        os.utime(path, (when, when))
+    with contextlib.suppress(OSError):  # a link put in an entry's place: its target is not ours (found in review)
+        os.utime(path, (when, when), follow_symlinks=False)
 
 
 class Store:
