@@ -160,6 +160,30 @@ async def test_special_files_named_like_entries_are_left_alone_and_block_nothing
 
 
 @pytest.mark.asyncio
+async def test_a_name_that_is_not_a_regular_file_stops_no_block_reuse_or_reclamation(tmp_path: Path) -> None:
+    """Found in review: one name in a namespace folder that is not a regular file (a user's folder ``my-notes.spilld``)
+    marked the whole folder unsure at every scan, so none of its blocks was spilld's: a put wrote them again beside
+    the old copies, the disk grew every turn, an evict of every entry left them all, and a restart reclaimed none.
+    Such a name (a folder, a FIFO, a link) is skipped now; only a file unreadable now keeps the folder's blocks."""
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    r = await s.put(toks(64), kv_layers(64), IDENT)
+    folder = os.path.dirname(r.path)
+    theirs = ["link" + EXT, "my-notes" + EXT, "pipe" + EXT]
+    os.symlink(tmp_path, os.path.join(folder, theirs[0]))
+    os.mkdir(os.path.join(folder, theirs[1]))
+    os.mkfifo(os.path.join(folder, theirs[2]), 0o600)
+    again = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    assert again.scan() == 1
+    await again.put(toks(80), kv_layers(80), IDENT)  # the next turn: its first four blocks are the ones on disk
+    assert (again.counters.blocks_reused, again.counters.blocks_written) == (4, 1)
+    assert len(os.listdir(folder)) == len(theirs) + 1 + 5  # one manifest (the first superseded), five blocks
+    await again.evict_async()
+    assert sorted(os.listdir(folder)) == theirs
+    last = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+    assert last.scan() == 0 and sorted(os.listdir(folder)) == theirs
+
+
+@pytest.mark.asyncio
 async def test_restore_cuts_caches_and_tokens_to_the_match(tmp_path: Path) -> None:
     tokens = toks(24)
     caches = [fill(C.KVCache(), 24, seed=1), fill(C.RotatingKVCache(max_size=32, keep=4), 24, chunk=3, seed=2)]

@@ -4,7 +4,6 @@ lock); bad files are only reported: the store moves them aside."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat
@@ -79,13 +78,18 @@ def _scan_file(
     if name.endswith(BLOCK_EXT):
         _scan_block(found, path, name, ops, reap)
         return None
-    if not name.endswith(EXT):
-        return None
+    return _scan_manifest(found, path, fp, ns) if name.endswith(EXT) else None
+
+
+def _scan_manifest(found: Scanned, path: str, fp: str, ns: str) -> tuple[str, fmt.Header, float] | None:
+    """A manifest's checked header and mtime; None for one reported bad, one that is not spilld's (skipped), or one
+    unreadable now (left alone, its folder marked unsure: it may name the folder's blocks)."""
     try:
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):  # a symbolic link is never followed: its target is someone else's
-            raise OSError(errno.EINVAL, "not a regular file (a symbolic link, folder, FIFO, socket or device)")
-        header = read_own_header(path)
+        if not stat.S_ISREG(st.st_mode):  # a user's folder, link or FIFO: no manifest of ours, naming no block
+            log.warning("skipped %s: not a regular file (not spilld's)", path)
+            return None
+        header = read_own_header(path)  # a symbolic link is never followed
         mtime = st.st_mtime
         if identity_fingerprint(header.identity) != fp or namespace_hash(header.identity.namespace) != ns:
             raise errors.HeaderMalformed("file sits in the folder of another identity or namespace", path=path)
@@ -94,7 +98,7 @@ def _scan_file(
     except errors.FileFormatError as exc:
         found.bad.append((path, exc))
         return None
-    except (errors.SpillError, OSError) as exc:  # unreadable now (EMFILE, EIO, not a regular file, gone): left alone
+    except (errors.SpillError, OSError) as exc:  # unreadable now (EMFILE, EIO, EACCES, gone): left alone
         log.warning("skipped %s: %s", path, exc)
         found.unsure.add(os.path.dirname(path))
         return None
