@@ -431,6 +431,39 @@ async def test_a_block_removed_while_running_takes_its_manifest_out(tmp_path: Pa
     assert not (isinstance(again, Hit) and again.entry.path == pa)  # not offered again
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stray", ["first", "last"])
+async def test_a_misnamed_copy_of_a_block_never_costs_a_stored_entry_its_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stray: str
+) -> None:
+    """Found in review: of two files under one block key, the scan kept whichever was listed first, unread, and
+    removed the other; a file of another block under that name, listed first, cost a stored entry its block (the
+    restore found the wrong block and removed the entry). Now the copies' headers are read: the real block is
+    kept, the misnamed file quarantined, a good spare copy removed, whatever the order they are listed in."""
+    from spilld.store import scan as scanning
+
+    s = store(tmp_path)
+    pa, pb, a, _ = await _two_sharing(s)
+    ka, kb = keys(pa)[2], keys(pb)[2]  # each entry's own third block
+    genuine = block_file(s, ka)
+    misnamed = os.path.join(os.path.dirname(genuine), f"{ka.hex()}-00000000{BLOCK_EXT}")
+    shutil.copy(block_file(s, kb), misnamed)
+    spare = os.path.join(os.path.dirname(genuine), f"{ka.hex()}-ffffffff{BLOCK_EXT}")  # two puts wrote it
+    shutil.copy(genuine, spare)
+    real = scanning.folder_names
+
+    def listed(folder: str) -> list[str]:  # the misnamed file listed first or last, whatever the filesystem does
+        names = sorted(real(folder), key=lambda n: n == os.path.basename(misnamed))
+        return names[::-1] if stray == "first" else names
+
+    with monkeypatch.context() as m:
+        m.setattr(scanning, "folder_names", listed)
+        again = rescanned(tmp_path)
+    assert same(lives(restored(again, IDENT, [*a, 1]).caches), lives(conversation(a)))  # the stored entry is whole
+    assert again.count == 2 and again.stats()["quarantined"] == 1 and not os.path.exists(misnamed)
+    assert [os.path.exists(genuine), os.path.exists(spare)].count(True) == 1
+
+
 # --- 5. eviction and the cap count unique bytes ---------------------------------------------------
 
 

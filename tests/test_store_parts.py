@@ -3,7 +3,9 @@ to unlink, the folder claims, the pins file and the quarantine's caps."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from spilld.store.listing import EXT
 from spilld.store.pins import PINS_FILE, read_pins, write_pins
 from spilld.store.quarantine import trim_quarantine
 from spilld.store.scan import scan_root
+from spilld.store.store import Store
 from spilld.store.unlinks import Unlinks
 from tests.caches import fill
 
@@ -226,18 +229,20 @@ def test_the_index_stays_consistent_through_random_adds_and_removes() -> None:
 
 def test_the_scan_reports_bad_files_and_reaps_only_when_it_may(tmp_path: Path) -> None:
     """``scan_root`` indexes blocks by name, reports a bad entry file without touching it, and removes temp files
-    and a second copy of a block only with ``reap`` (the caller holds the folder's lock)."""
-    folder = tmp_path / "0123456789abcdef" / "base"  # named as spilld names its folders
-    folder.mkdir(parents=True)
-    key = bytes(range(32))
-    first, second = blocks.block_name(key), blocks.block_name(key)  # the same block written twice
-    (folder / first).write_bytes(b"b" * 100)
-    (folder / second).write_bytes(b"b" * 100)
+    and a second copy of a block (both read and found good: two puts wrote it) only with ``reap`` (the caller holds
+    the folder's lock)."""
+    r = asyncio.run(Store(tmp_path, block_tokens=B).put(list(range(B + 4)), [fill(C.KVCache(), B + 4)], IDENT))
+    assert r.header.blocks is not None
+    key, folder = r.header.blocks.keys[0], Path(os.path.dirname(r.path))
+    os.unlink(r.path)  # its block is left, named by no manifest
+    first = next(folder.iterdir())
+    size = first.stat().st_size
+    shutil.copy(first, folder / blocks.block_name(key))  # the same block written twice
     (folder / f".x{fileio.TEMP_SUFFIX}").write_bytes(b"t")
     (folder / "bad.spilld").write_bytes(b"not a header")
     for reap in (False, True):
         found = scan_root(str(tmp_path), fileio.DEFAULT_OPS, reap)
-        assert list(found.index.blocks) == [key] and found.index.block_bytes == 100
+        assert list(found.index.blocks) == [key] and found.index.block_bytes == size
         assert [(os.path.basename(p), type(e).__name__) for p, e in found.bad] == [("bad.spilld", "BadMagic")]
         assert found.orphans == list(found.index.blocks.values())  # no manifest names it
         left = sorted(p.name for p in folder.iterdir())

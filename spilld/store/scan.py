@@ -31,10 +31,11 @@ class Scanned:
     orphans: list[Block] = field(default_factory=list)
     reaped_temp: int = 0
     unsure: set[str] = field(default_factory=set)  # folders with a file it could not read now (left alone)
+    copies: dict[bytes, list[tuple[str, int]]] = field(default_factory=dict)  # more files of a key indexed already
 
 
 def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
-    """Index every file under ``root``; with ``reap``, remove temp files and duplicate blocks (only a caller that
+    """Index every file under ``root``; with ``reap``, remove temp files and spare copies of blocks (only a caller that
     holds the folder's lock may: no other spilld is writing there). Blocking: runs before the store serves."""
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
@@ -46,6 +47,7 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
         for name in folder_names(folder):
             if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
                 manifests.append(got)
+    _settle_copies(found, ops, reap)
     for path, header, mtime in manifests:  # once every block is known
         missing = [k for k in (header.blocks.keys if header.blocks else []) if k not in found.index.blocks]
         if missing and os.path.dirname(path) in found.unsure:  # one may be the block it could not read
@@ -76,7 +78,7 @@ def _scan_file(
             found.reaped_temp += 1
         return None
     if name.endswith(BLOCK_EXT):
-        _scan_block(found, path, name, ops, reap)
+        _scan_block(found, path, name, reap)
         return None
     return _scan_manifest(found, path, fp, ns) if name.endswith(EXT) else None
 
@@ -105,7 +107,7 @@ def _scan_manifest(found: Scanned, path: str, fp: str, ns: str) -> tuple[str, fm
     return path, header, mtime
 
 
-def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap: bool) -> None:
+def _scan_block(found: Scanned, path: str, name: str, reap: bool) -> None:
     """A block is indexed by its name (its key) and size; its header and hashes are checked when read."""
     index = found.index
     key = blocks.key_of_name(name)
@@ -120,12 +122,48 @@ def _scan_block(found: Scanned, path: str, name: str, ops: fileio.FileOps, reap:
     if not stat.S_ISREG(st.st_mode):  # never ours (found in review: a FIFO indexed as a block poisoned its prefix)
         log.warning("skipped %s: not a regular file", path)
         return
-    size = st.st_size
-    if key in index.blocks:  # two puts wrote the same block: keep one
-        if reap:
-            fileio.remove_quietly(ops, path)
+    if key in index.blocks:  # two puts wrote the same block, or a file is misnamed: judged once all are listed
+        found.copies.setdefault(key, []).append((path, st.st_size))
         return
-    index.add_block(key, path, size, owned=reap)  # found alone: ours; else another writer's too
+    index.add_block(key, path, st.st_size, owned=reap)  # found alone: ours; else another writer's too
+
+
+def _settle_copies(found: Scanned, ops: fileio.FileOps, reap: bool) -> None:
+    """Each key with more than one file: their headers are read (rare: a scan reads no other block's) and one that
+    is the block its name says is indexed; only then do the other good copies go, and the bad ones are reported.
+    Found in review: the first listed was kept unread and the rest removed, so a misnamed file listed first cost
+    the stored entry its block. With none confirmed (unreadable now), the first unreadable one stays indexed and
+    nothing is removed; with every copy bad, none is indexed."""
+    for key, more in found.copies.items():
+        first = found.index.blocks[key]
+        found.index.drop_block(first)
+        copies = [(first.path, first.nbytes), *more]
+        verdicts = [_is_block(found, path, key) for path, _ in copies]
+        keep = verdicts.index(True) if True in verdicts else verdicts.index(None) if None in verdicts else None
+        if keep is None:
+            continue
+        found.index.add_block(key, *copies[keep], owned=reap)
+        spares = [path for i, (path, _) in enumerate(copies) if verdicts[i] is True and i != keep]
+        for path in spares if reap else []:  # none unless ``keep`` is confirmed: the others are good copies
+            fileio.remove_quietly(ops, path)
+
+
+def _is_block(found: Scanned, path: str, key: bytes) -> bool | None:
+    """``path`` is block ``key`` of its own folder (True), is not (False: reported bad), or cannot be read now."""
+    try:
+        h = read_own_header(path)
+        if h.block is None or h.block.key != key:
+            raise errors.BlockKeyMismatch("a file under the name of a block it is not", path=path)
+        fp_dir, ns = os.path.split(os.path.dirname(path))
+        if identity_fingerprint(h.identity) != os.path.basename(fp_dir) or namespace_hash(h.identity.namespace) != ns:
+            raise errors.HeaderMalformed("block sits in the folder of another identity or namespace", path=path)
+    except errors.FileFormatError as exc:
+        found.bad.append((path, exc))
+        return False
+    except (errors.SpillError, OSError) as exc:
+        log.warning("could not judge %s, one of several files of a block: %s", path, exc)
+        return None
+    return True
 
 
 def _is_regular(path: str) -> bool:
