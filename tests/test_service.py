@@ -900,7 +900,7 @@ async def test_the_daemon_asks_for_time_while_it_scans_and_while_it_drains(
     rec = Recorder(os.path.join(root, "notify"))
     d.service = lifecycle.Lifecycle(rec, watchdog_s=None)
 
-    def slow_scan() -> int:  # a big store: files keep turning up for a while
+    def slow_scan(stopped: Any = bool) -> int:  # a big store: files keep turning up for a while
         for _ in range(10):
             time.sleep(0.04)
             d.store.counters.reaped_temp += 1

@@ -172,3 +172,51 @@ async def test_a_drain_whose_daemon_goes_away_exits_3(daemon: Daemon) -> None:
     assert r.returncode == 3 and "went away during the drain" in r.stdout, (r.returncode, r.stdout, r.stderr)
     hold.set()
     await client.close(timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_a_stop_signal_during_the_scan_ends_it_and_the_daemon_never_serves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Found in review: SIGTERM during a long start-up scan (5,001 entries) waited for the whole scan, unbounded by
+    the drain deadline; then the daemon listened, said it served, and stopped. The scan ends at its next file now,
+    its index not taken, and the daemon never listens. A real scan told to stop indexes nothing."""
+    import os
+    import threading
+    import time
+
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.daemon import Daemon as InProcess
+    from spilld.store import Store
+    from spilld.store import store as store_module
+    from tests.caches import fill
+    from tests.daemons import quiet_config
+
+    real, entered, waited = store_module.scan_root, threading.Event(), []
+
+    def slow(root: str, ops: Any, reap: bool, stopped: Any = bool) -> Any:  # a big store's scan, stopped or not
+        entered.set()
+        t0 = time.monotonic()
+        while not stopped() and time.monotonic() - t0 < 20:
+            time.sleep(0.01)
+        waited.append(time.monotonic() - t0)
+        return real(root, ops, reap, stopped)
+
+    root = new_root()
+    try:
+        cfg = quiet_config(root)
+        async with spilld.Spiller(cfg.dir, identity=spilld.Identity("m")) as sp:
+            assert (await sp.spill(list(range(8)), [fill(KVCache(), 8)])).stored
+        assert Store(cfg.dir).scan(stopped=lambda: True) == 0  # told to stop at once: nothing indexed
+        monkeypatch.setattr(store_module, "scan_root", slow)
+        daemon = InProcess(cfg)
+        serving = asyncio.ensure_future(daemon.serve())
+        assert await asyncio.to_thread(entered.wait, 10)
+        daemon._on_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(serving, 10) == 0
+        assert waited[0] < 10 and daemon.store.count == 0 and not os.path.exists(cfg.socket)
+        monkeypatch.setattr(store_module, "scan_root", real)
+        assert Store(cfg.dir).scan() == 1  # the next start's scan finds the entry
+    finally:
+        cleanup(root)

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,7 @@ class Daemon:
         self._socket_lock: FileLock | None = claimed
         self._expiry: asyncio.TimerHandle | None = None
         self._signals = 0
+        self._halt = threading.Event()  # a stop signal, as the scan's thread can see it
         self._metrics_failing = False
         self.methods: dict[str, Any] = {n: getattr(self, f"_{n}") for n in SERVED_METHODS}
         self.methods |= {"spill": self.ingest.spill, "commit": self.ingest.commit, "abort": self.ingest.abort}
@@ -140,7 +142,9 @@ class Daemon:
                 await off_loop(lambda: claim(self.cfg.socket, lock))
             await off_loop(self._own_folder)
             async with self.service.extending(self._scan_progress):  # READY=1 waits for the scan (a big store)
-                await off_loop(self.store.scan)
+                await off_loop(lambda: self.store.scan(stopped=self._halt.is_set))
+            if self._halt.is_set():  # told to stop while it scanned: it never serves (serve() stops at once)
+                return
             if self.cfg.remote:
                 from ..remote.link import open_link  # needs the remote extra (redis): imported only when asked
 
@@ -246,6 +250,7 @@ class Daemon:
         log.info(
             "%s: stopping (finishing queued work within %.0f s)", signal.Signals(sig).name, self.cfg.drain_deadline
         )
+        self._halt.set()
         self.stopping.set()
 
     async def stop(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import blocks, errors, fileio
@@ -32,11 +33,14 @@ class Scanned:
     reaped_temp: int = 0
     unsure: set[str] = field(default_factory=set)  # folders with a file it could not read now (left alone)
     copies: dict[bytes, list[tuple[str, int]]] = field(default_factory=dict)  # more files of a key indexed already
+    stopped: bool = False  # ended before its end (told to): nothing of it may be taken
 
 
-def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
+def scan_root(root: str, ops: fileio.FileOps, reap: bool, stopped: Callable[[], bool] = bool) -> Scanned:
     """Index every file under ``root``; with ``reap``, remove temp files and spare copies of blocks (only a caller that
-    holds the folder's lock may: no other spilld is writing there). Blocking: runs before the store serves."""
+    holds the folder's lock may: no other spilld is writing there). Once ``stopped()`` says so (checked between
+    files, before anything but temp files is removed) it ends there, ``stopped`` set: a daemon told to stop while it
+    scans stops then. Blocking: runs before the store serves."""
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
     for name in os.listdir(root) if reap else []:  # the root's own temp files: a pins file or a probe cut short
@@ -45,6 +49,9 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool) -> Scanned:
             found.reaped_temp += 1
     for folder, fp, ns in namespace_folders(root):
         for name in folder_names(folder):
+            if stopped():
+                found.stopped = True
+                return found
             if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
                 manifests.append(got)
     _settle_copies(found, ops, reap)

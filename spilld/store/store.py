@@ -213,15 +213,20 @@ class Store:
 
     # --- scan ----------------------------------------------------------------------
 
-    def scan(self) -> int:
+    def scan(self, stopped: Callable[[], bool] = bool) -> int:
         """Rebuild the index from the files under the root. When no other spilld owns the folder (its lock is ours
         or free), also reap temp orphans, quarantine bad files and evict to the cap; else the files are the owner's
-        and nothing is removed or moved."""
+        and nothing is removed or moved. Once ``stopped()`` says so the scan ends where it is, its index not
+        taken (a daemon told to stop while it scans: found in review, the stop waited for the whole scan)."""
         held = self.lock.held
         reap = held or self._try_lock()
         took = reap and not held
         try:  # a lock taken for the scan is held until its last removal: another spilld may take it at once after
-            self._take_scan(scan_root(self.root, self.ops, reap), reap)
+            found = scan_root(self.root, self.ops, reap, stopped)
+            if found.stopped:
+                log.info("%s: scan stopped before its end", self.root)
+                return self.count
+            self._take_scan(found, reap)
             named = set(read_pins(self.root))
             self._pins = {p for p in named if p in self.index.by_path}
             self._unjudged = named - self._pins
