@@ -740,6 +740,26 @@ def test_default_disk_cap_is_min_of_64_gib_and_a_quarter_of_free(tmp_path: Path)
     assert Store(root, disk_cap=123).disk_cap == 123
 
 
+def test_the_default_disk_cap_counts_the_stores_own_bytes_as_its_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the default cap was a quarter of the free space at start, the store's own bytes not counted
+    in, so a full store's cap shrank at each restart and its scan evicted a fifth of it. Its cap is now a quarter of
+    free space plus its own bytes: the same after a restart, and nothing is evicted."""
+    import collections
+
+    root = tmp_path / "root"
+    s = Store(root, durability="none")
+    for i in range(4):
+        asyncio.run(s.put([i * 100 + t for t in range(64)], [fill(C.KVCache(), 64)], IDENT))
+    own = s.total_bytes
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * own, 0, 3 * own))  # full: own == (free + own) / 4
+    again = Store(root, durability="none")
+    again.scan()
+    assert again.disk_cap == own and again.count == 4 and again.counters.evicted == 0
+
+
 # --- 10. durability -------------------------------------------------------------------------------
 
 

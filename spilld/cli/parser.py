@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-cap",
         type=size_arg,
         default=None,
-        help="cap on the folder's size (default: the smaller of 64 GiB and a quarter of the free space)",
+        help="cap on the folder's size (default: the smaller of 64 GiB and a quarter of the free space plus the "
+        "store's own bytes)",
     )
     with_dir(srv, f"where cache files live (default {default_dir()})")
     with_socket(srv)

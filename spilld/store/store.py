@@ -72,10 +72,12 @@ FOLDER_WAIT_S = 0.005  # how often a save polls while the sweep removes the fold
 LOOKUP_ATTEMPTS = 3  # comparisons a lookup makes when the entry it found was removed while it compared
 
 
-def default_disk_cap(root: str) -> int:
-    """The smaller of 64 GiB and a quarter of the free space at start."""
+def default_disk_cap(root: str, own: int = 0) -> int:
+    """The smaller of 64 GiB and a quarter of the space the store may have: the free space at start and the ``own``
+    bytes it holds already (found in review: counting free space alone shrank the cap of a full store at each
+    restart, and the scan then evicted a fifth of it)."""
     os.makedirs(root, exist_ok=True)
-    return min(DEFAULT_DISK_CAP, shutil.disk_usage(root).free // 4)
+    return min(DEFAULT_DISK_CAP, (shutil.disk_usage(root).free + own) // 4)
 
 
 def _set_mtime(path: str, when: float) -> None:
@@ -118,6 +120,7 @@ class Store:
         self.ops = ops  # the file layer of every save and removal (tests swap in one that injects faults)
         fileio.make_dirs(self.ops, self.root, self.durability)
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
+        self._default_cap = disk_cap is None  # computed again once a scan knows the store's own bytes
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
         self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
         # pins the file names that the index lacks (another writer's, or skipped by the scan): never judged here
@@ -227,6 +230,8 @@ class Store:
                 log.info("%s: scan stopped before its end", self.root)
                 return self.count
             self._take_scan(found, reap)
+            if self._default_cap:
+                self.disk_cap = default_disk_cap(self.root, self.total_bytes)
             named = set(read_pins(self.root))
             self._pins = {p for p in named if p in self.index.by_path}
             self._unjudged = named - self._pins
