@@ -193,3 +193,12 @@ class Config:
             raise ValueError(f"admit after must be from 0 (off) to {MAX_ADMIT_AFTER}, not {self.admit_after}")
         if self.max_clients < 1:
             raise ValueError(f"max clients must be at least 1, not {self.max_clients}")
+        self._check_remote_given()
+
+    def _check_remote_given(self) -> None:
+        """A remote setting is None (not given) or a value: an empty one (``--remote-key-file "$UNSET"``) is refused,
+        never taken as not given (found in review: the shared tier then ran unencrypted)."""
+        for name in ("remote", "remote_password_file", "remote_key_file"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name.replace('_', ' ')} is empty (an unset variable?): leave it out for none")

@@ -555,6 +555,29 @@ def test_an_empty_folder_path_is_refused_never_the_default_in_its_place(tmp_path
     assert os.listdir(tmp_path) == []  # no default folder made
 
 
+def test_an_empty_remote_option_is_refused_never_taken_as_not_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: `--remote-key-file "$KEYFILE"` with KEYFILE unset was taken as not given, and the shared
+    tier ran unencrypted; `--remote ""` and `--remote-password-file ""` were dropped the same way."""
+    from spilld import daemon
+    from spilld.config import Config
+
+    served: list[Config] = []  # a daemon the command would have run (never started here)
+    monkeypatch.setattr(daemon, "run", lambda cfg: served.append(cfg) or 0)
+    monkeypatch.setattr(daemon, "setup_logging", lambda *a: None)
+    sock, url = ["--socket", str(tmp_path / "s.sock"), "--dir", str(tmp_path / "d")], "redis://127.0.0.1:1/0"
+    for given in (["--remote", ""], ["--remote", url, "--remote-key-file", ""], ["--remote", url,
+                  "--remote-password-file", " "]):  # fmt: skip
+        assert cli.main([*given, *sock]) == cli.EXIT_USAGE, (given, served)
+        err = capsys.readouterr().err
+        assert "empty" in err and len(err.strip().splitlines()) == 1, (given, err)
+    for name in ("remote", "remote_key_file", "remote_password_file"):  # the API's way in, too
+        with pytest.raises(ValueError, match="empty"):
+            Config(socket=str(tmp_path / "s.sock"), **{"remote": url, name: ""})  # type: ignore[arg-type]
+    assert not (tmp_path / "d").exists()
+
+
 def test_ls_on_a_machine_where_no_daemon_ran_lists_nothing(tmp_path: Path) -> None:
     """Found in review: `spilld ls` with the default folder not made yet failed (exit 2, 'No such file')."""
     env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}

@@ -95,6 +95,15 @@ def _nonempty_path(text: str) -> str:
 path_arg = _arg_type(_nonempty_path, "path")
 
 
+def _nonempty_text(text: str) -> str:
+    if not text.strip():  # `--remote "$UNSET"` must not mean "no shared tier" in silence (found in review)
+        raise ValueError("an empty value (an unset variable?)")
+    return text
+
+
+text_arg = _arg_type(_nonempty_text, "value")
+
+
 def _checked_text(text: str) -> str:
     parse_size(text)
     return text

@@ -27,6 +27,7 @@ from .common import (
     size_or_zero_arg,
     size_text_arg,
     socket_arg,
+    text_arg,
     whole_seconds_arg,
 )
 from .evict import cmd_evict
@@ -189,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--remote",
         metavar="URL",
+        type=text_arg,
         default=None,
         help="a shared tier on Redis or Valkey (redis://HOST:PORT/DB, rediss:// for TLS, unix:///path): entries "
         "stored here are pushed there, and a prompt another host stored is fetched from there; needs the remote "
@@ -211,10 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         "them; default: kept until Redis evicts)",
     )
     srv.add_argument(
-        "--remote-password-file", default=None, help="a file (mode 0600) holding the remote tier's password"
+        "--remote-password-file",
+        type=path_arg,
+        default=None,
+        help="a file (mode 0600) holding the remote tier's password",
     )
     srv.add_argument(
         "--remote-key-file",
+        type=path_arg,
         default=None,
         help="a file (mode 0600, 32 bytes or more) whose key encrypts everything pushed (AES-GCM, a key per "
         "namespace): a host without it gets misses, never plaintext",
