@@ -372,6 +372,33 @@ def test_evict_from_a_folder_without_a_daemon(tmp_path: Path) -> None:
     assert not files[0].exists() and os.listdir(tmp_path / "store") == [LOCK_NAME]  # emptied model folders go too
 
 
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_evict_refuses_a_folder_that_is_not_a_store_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: `evict --all --dir` on a user's folder (no daemon) made `.spilld.lock` there and removed
+    the user's empty folders that happened to be named like a model's. `ls` and `verify` only read: they change
+    nothing there either."""
+    user = tmp_path / "U"
+    (user / "docs").mkdir(parents=True)
+    (user / "0123456789abcdef" / "base").mkdir(parents=True)
+    (user / "notes.txt").write_text("hi")
+    before, sock = _tree(user), str(tmp_path / "none.sock")
+    for argv in (["evict", "--all"], ["evict", "--quarantine"], ["evict", "--older-than", "1d"]):
+        assert cli.main([*argv, "--dir", str(user), "--socket", sock]) == cli.EXIT_USAGE, argv
+        err = capsys.readouterr().err
+        assert "is not a spilld store" in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert _tree(user) == before, argv
+    for argv in (["ls"], ["ls", "--quarantine"], ["verify", "--quiet"]):
+        assert cli.main([*argv, "--dir", str(user)]) == 0, argv
+        assert _tree(user) == before, argv
+    place(user, 1)  # entries (copied in, no lock yet): a store, evicted from
+    assert cli.main(["evict", "--all", "--dir", str(user), "--socket", sock]) == 0
+
+
 def test_tinymodel_module_writes_the_model_and_prints_its_path(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "spilld.tinymodel", str(tmp_path / "tiny")], capture_output=True, text=True, timeout=300

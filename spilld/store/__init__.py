@@ -3,8 +3,17 @@ quarantine, the pins file, the eviction order, the files to unlink, the folders 
 modules of their own."""
 
 from .folders import remove_empty_folders
-from .listing import EXT, list_entries
+from .listing import EXT, list_entries, looks_like_store
 from .quarantine import QUARANTINE
 from .store import DEFAULT_DISK_CAP, Store, default_disk_cap
 
-__all__ = ["DEFAULT_DISK_CAP", "EXT", "QUARANTINE", "Store", "default_disk_cap", "list_entries", "remove_empty_folders"]
+__all__ = [
+    "DEFAULT_DISK_CAP",
+    "EXT",
+    "QUARANTINE",
+    "Store",
+    "default_disk_cap",
+    "list_entries",
+    "looks_like_store",
+    "remove_empty_folders",
+]

@@ -8,9 +8,26 @@ from typing import Any
 
 from .. import blocks, errors, fileio
 from ..loader import read_own_header
+from ..lockfile import LOCK_NAME
 from .folders import folder_names, namespace_folders
+from .pins import PINS_FILE
 
 EXT = ".spilld"  # an entry's file (a manifest, or a whole entry); blocks have their own suffix
+QUARANTINE = ".quarantine"  # the folder at a store's root where bad files are moved aside (quarantine.py)
+STORE_MARKS = (LOCK_NAME, PINS_FILE, QUARANTINE)  # names at a store's root that only spilld makes there
+
+
+def looks_like_store(root: str) -> bool:
+    """``root`` is a store: a daemon made its lock there (or its pins file, or its quarantine), or a folder named as
+    spilld names them holds an entry or a block. A command that would write or remove there refuses any other
+    folder (found in review: ``evict --dir`` on a user's folder made a lock file there and removed empty folders)."""
+    if any(os.path.lexists(os.path.join(root, name)) for name in STORE_MARKS):
+        return True
+    return any(
+        name.endswith((EXT, blocks.BLOCK_EXT))
+        for folder, _, _ in namespace_folders(root)
+        for name in folder_names(folder)
+    )
 
 
 def list_entries(root: str) -> list[dict[str, Any]]:

@@ -15,11 +15,10 @@ import time
 
 from .. import fileio
 from ..blocks import BLOCK_EXT
-from .listing import EXT
+from .listing import EXT, QUARANTINE
 
 log = logging.getLogger("spilld.store")
 
-QUARANTINE = ".quarantine"
 QUARANTINE_KEEP = 32  # newest quarantined files kept for inspection
 QUARANTINE_MAX_BYTES = 2 * 1024**3  # and at most this many bytes of them: the oldest go first (counted)
 # what ``move_aside`` names a file it moves: the millisecond it moved it, then the name of a manifest or a block
