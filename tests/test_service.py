@@ -1051,3 +1051,23 @@ def test_launchd_refuses_a_default_socket_path_macos_cannot_bind(
     shorter.mkdir()
     monkeypatch.setenv("HOME", str(shorter))
     assert cli.main(["service", "install", "--manager", "launchd", "--dry-run"]) == 0  # 103 bytes: taken
+
+
+@pytest.mark.parametrize("manager", ["systemd", "launchd"])
+@pytest.mark.parametrize("option", ["--dir", "--socket"])
+@pytest.mark.parametrize("control", ["\n", "\r", "\x01"])
+def test_a_control_character_in_a_path_is_refused_never_written_into_a_service_file(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str], manager: str, option: str, control: str
+) -> None:
+    """Found in review: a newline in --dir or --socket wrote a line of its own into the unit
+    (``ExecStartPre=/bin/touch PWNED``), exit 0; launchd's plist failed with an internal error on \\x01."""
+    home, runner = fake_home
+    bad = f"{home}/a{control}ExecStartPre=/bin/touch {home}/PWNED.sock"
+    for dry in (["--dry-run"], []):
+        argv = ["service", "install", "--manager", manager, option, bad, *dry]
+        assert cli.main(argv) == cli.EXIT_USAGE, argv
+        out, err = capsys.readouterr()
+        assert "control character" in err and len(err.strip().splitlines()) == 1 and "ExecStartPre" not in out, err
+    assert os.listdir(home) == [] and runner.calls == []  # nothing written, nothing loaded
+    with pytest.raises(ValueError, match="control character"):
+        units.systemd_quote(f"a{control}b")  # nor quoted into a unit by any other way in

@@ -13,11 +13,16 @@ from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, EXIT_USAGE, Usage
 
 
 def _service_spec(args: argparse.Namespace, manager: str, home: Path) -> Any:
-    from ..service.units import ServiceSpec, launchd_socket
+    from ..service.units import ServiceSpec, launchd_socket, refuse_control_characters
 
     given = {k: v for k in ("cap", "drain_deadline", "socket_activation") if (v := getattr(args, k)) is not None}
     folder = folder_arg(args.dir, default_dir, must_exist=False) if args.dir else None  # refused now, not at start
-    spec = ServiceSpec(dir=folder, socket=_service_socket(args.socket, manager), **given)  # the rest: its defaults
+    try:  # a path a service file cannot carry (a newline: found in review, a line of its own in the unit)
+        spec = ServiceSpec(dir=folder, socket=_service_socket(args.socket, manager), **given)  # the rest: defaults
+        if manager == "launchd":
+            refuse_control_characters(str(home), "the home folder")  # the plist's log and default socket are in it
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if manager == "launchd" and args.socket is None:  # the default under a long home (found in review: unchecked)
         _checked_path(launchd_socket(spec, home), manager)
     return spec

@@ -10,6 +10,7 @@ import decimal
 import math
 import os
 import plistlib
+import re
 import string
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,17 @@ THROTTLE_S = 30  # launchd starts the job at most this often (its default, 10 s,
 WATCHDOG_S = 30
 DRAIN_DEADLINE_S = 60.0  # the daemon's own default
 SYSTEMD_SOCKET = "%t/spilld/spilld.sock"  # %t is $XDG_RUNTIME_DIR, the daemon's own default folder
+# ASCII control characters: a newline ends a unit's line (the rest would be a directive of its own), and XML, so a
+# plist, holds none of the others. No service file carries them.
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
+
+
+def refuse_control_characters(value: str, what: str) -> str:
+    """``value``, if it holds no control character; else ValueError naming ``what`` (found in review: a newline
+    in ``--dir`` wrote a line of its own, ``ExecStartPre=...``, into the unit)."""
+    if CONTROL_CHARACTERS.search(value):
+        raise ValueError(f"{what} {value!r} holds a control character (a newline?): a service file cannot carry it")
+    return value
 
 
 def spilld_command() -> list[str]:
@@ -50,6 +62,12 @@ class ServiceSpec:
     socket: str | None = None  # None: the daemon's default (and %t/spilld/spilld.sock for systemd's socket unit)
     drain_deadline: float = DRAIN_DEADLINE_S
     socket_activation: bool = True
+
+    def __post_init__(self) -> None:
+        words = [("--cap", self.cap), ("--dir", self.dir), ("--socket", self.socket)]
+        for what, value in [*words, *(("the command", word) for word in self.command)]:
+            if value is not None:
+                refuse_control_characters(value, what)
 
     def argv(self) -> list[str]:
         """ExecStart / ProgramArguments: the command, ``serve`` and the options."""
@@ -90,7 +108,7 @@ def launchd_log(home: Path) -> Path:
 
 def launchd_job(spec: ServiceSpec, home: Path) -> dict[str, Any]:
     """The LaunchAgent as a dict (plistlib writes the XML, so paths need no escaping)."""
-    log = str(launchd_log(home))
+    log = refuse_control_characters(str(launchd_log(home)), "the log file")  # under the home folder
     job: dict[str, Any] = {
         "Label": LABEL,
         "ProgramArguments": spec.argv(),  # execvp, no shell: absolute paths only
@@ -188,8 +206,9 @@ _SPECIAL = set(" \t\n\"'\\;")
 
 
 def systemd_quote(arg: str) -> str:
-    """One ExecStart word: specifiers (%) and variables ($) made literal, quoted when it has spaces or quotes."""
-    arg = arg.replace("%", "%%").replace("$", "$$")
+    """One ExecStart word: specifiers (%) and variables ($) made literal, quoted when it has spaces or quotes; a
+    control character is refused (ValueError): a newline would end the line."""
+    arg = refuse_control_characters(arg, "a service argument").replace("%", "%%").replace("$", "$$")
     if arg and not _SPECIAL & set(arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
