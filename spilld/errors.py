@@ -386,6 +386,16 @@ class ShmRefused(SpillError):
     code = "shm_refused"
 
 
+class StopSignal(BaseException):
+    """SIGTERM or SIGHUP during a command that must clean up before it ends (``spilld demo`` stops the daemon it
+    started): raised where the command is, like ``KeyboardInterrupt`` (no ``except Exception`` swallows it); the
+    command exits 128 + the signal's number, as a process killed by it would. Not a ``SpillError``: never sent."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by signal {signum}")
+
+
 def _all_subclasses(cls: type[SpillError]) -> list[type[SpillError]]:
     out: list[type[SpillError]] = [cls]
     for sub in cls.__subclasses__():

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from spilld.daemon import is_served
 from tests.daemons import Daemon, cleanup, new_root
 
 
@@ -70,3 +77,45 @@ def test_demo_refuses_a_dir_the_running_daemon_does_not_serve() -> None:
     finally:
         assert d.stop() == 0
         cleanup(d.root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signal_stops_the_demos_daemon_and_removes_its_temp_folder(sig: signal.Signals) -> None:
+    """Found in review: SIGHUP or SIGTERM to `spilld demo` left the daemon it started running (a session of its
+    own) and its temp folder behind; the next demo found the socket in use. Now the demo stops its daemon, removes
+    the folder, and exits 128 + the signal."""
+    root = new_root()
+    sock, tmp = f"{root}/s.sock", f"{root}/tmp"
+    os.mkdir(tmp)
+    pid = None
+    with open(f"{root}/err", "w") as err:  # a file, not a pipe: a daemon left behind would hold a pipe open
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spilld", "demo", "--socket", sock, "--dir", f"{root}/store"],
+            stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "TMPDIR": tmp},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.listdir(tmp) and is_served(sock)):  # its temp folder made, its daemon up
+            assert proc.poll() is None and time.monotonic() < deadline, Path(f"{root}/err").read_text()
+            time.sleep(0.05)
+        pid = json.loads(Daemon(root).cli("status", "--json", "--socket", sock).stdout)["pid"]
+        proc.send_signal(sig)
+        code = proc.wait(120)
+        said = Path(f"{root}/err").read_text()
+        assert not _alive(pid) and not is_served(sock), said  # its daemon stopped
+        assert os.listdir(tmp) == [], os.listdir(tmp)  # its temp folder removed
+        assert code == 128 + sig and f"stopped by {sig.name}" in said, (code, said)
+    finally:
+        proc.kill()
+        proc.wait()
+        if pid is not None and _alive(pid):  # left running (the bug): stopped here
+            os.kill(pid, signal.SIGKILL)
+        cleanup(root)

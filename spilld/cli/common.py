@@ -27,6 +27,7 @@ EXIT_NOT_INSTALLED = 8  # `service status`: not installed or not loaded (4 stays
 EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug of ours
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: whoever read our output went away
+EXIT_SIGNAL_BASE = 128  # + the signal: `demo` stopped by SIGHUP (129) or SIGTERM (143), once it has cleaned up
 
 PROGRESS_EVERY_S = 0.1  # a terminal's progress line is redrawn at most this often
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from .common import (
     EXIT_DAEMON_ERROR,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
+    EXIT_SIGNAL_BASE,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     UsageError,
@@ -68,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{exc} [{exc.code}]", _exit_for(exc))
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_INTERRUPTED)
+    except errors.StopSignal as exc:  # `demo`, once it has cleaned up: the code of a process the signal killed
+        return _fail(f"stopped by {signal.Signals(exc.signum).name}", EXIT_SIGNAL_BASE + exc.signum)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return EXIT_BROKEN_PIPE

@@ -49,6 +49,7 @@ EPILOG = """exit codes:
   8  service status: the service is not installed, or not loaded
   70 internal error (a bug: SPILLD_DEBUG=1 shows the traceback)
   130, 141  interrupted (Ctrl-C), or the reader of the output went away (a closed pipe)
+  129, 143  demo: stopped by SIGHUP or SIGTERM (its daemon stopped, its temp folder removed)
 """
 
 GLOBAL_OPTIONS = ("--socket", "--dir")  # each takes one value; accepted before or after the command
