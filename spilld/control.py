@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import errors
 from . import protocol as P
 from .peer import refuse_foreign
 
@@ -36,12 +37,23 @@ class Control:
             raise P.ConnectionLost(f"cannot reach spilld at {path}: {exc.strerror or exc}") from None
         try:
             refuse_foreign(self.sock, path)
-            self.server: dict[str, Any] = self.call(
-                "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}, timeout=timeout
-            )
+            self.server: dict[str, Any] = self._hello(name, timeout)
         except BaseException:  # a foreign daemon, or a hello refused or unanswered: the socket goes with it
             self.sock.close()
             raise
+
+    def _hello(self, name: str, timeout: float) -> dict[str, Any]:
+        """The daemon's answer to the hello. One that breaks the protocol is ``NotADaemon`` (found in review: an
+        HTTP server's reply, read as a frame's length, was "message of 1347703880 bytes [frame_too_large]", exit 7)."""
+        try:
+            server = self.call(
+                "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}, timeout=timeout
+            )
+        except errors.ProtocolError as exc:
+            raise errors.NotADaemon(f"not a spilld daemon at {self.path} (its answer: {exc})") from None
+        if not isinstance(server, dict):
+            raise errors.NotADaemon(f"not a spilld daemon at {self.path} (its answer to the hello is not a map)")
+        return server
 
     def __enter__(self) -> Control:
         return self

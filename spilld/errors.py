@@ -348,6 +348,13 @@ class ConnectionLost(SpillError, ConnectionError):
     code = "connection_lost"
 
 
+class NotADaemon(ConnectionLost):
+    """What answers on the socket is not a spilld daemon: its answer to the hello broke the protocol (an HTTP
+    server's reply read as a frame's length, say). A daemon that cannot be reached, as far as a command goes."""
+
+    code = "not_a_daemon"
+
+
 class NotStarted(SpillError, RuntimeError):
     """A ``Spiller`` or ``AsyncClient`` used before ``open`` (or ``async with``): the same error on both ways in."""
 

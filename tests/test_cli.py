@@ -627,6 +627,57 @@ def test_a_daemons_error_answer_exits_7_with_its_code() -> None:
         cleanup(d.root)
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n\r\n",  # read as a frame's length: too large
+        b"\x03\x00\x00\x00\x00\x00\x00\x00\xc1\xc1\xc1",  # a frame of a byte msgpack never uses
+    ],
+)
+def test_a_socket_served_by_something_else_is_not_a_daemon_exit_4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], reply: bytes
+) -> None:
+    """Found in review: a --socket served by something that is not spilld (docker.sock answers HTTP) gave
+    "message of 1347703880 bytes (limit 4194304) [frame_too_large]" and exit 7, "the daemon refused"."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "other.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(8)
+
+    def answer() -> None:  # every connection: whatever it sends, one reply that is not spilld's, then closed
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        for argv in (
+            ["status"],
+            ["drain", "--timeout", "5"],
+            ["pin", str(tmp_path / "x.spilld")],
+            ["status", "--json"],
+        ):
+            assert cli.main([*argv, "--socket", path]) == cli.EXIT_UNREACHABLE == 4, argv
+            out, err = capsys.readouterr()
+            said = json.loads(out)["error"] if "--json" in argv else err
+            assert f"not a spilld daemon at {path}" in said and len(err.strip().splitlines()) <= 1, (argv, out, err)
+        store = tmp_path / "store"
+        store.mkdir()
+        (store / LOCK_NAME).write_text("")  # a store: evict works on it as where no daemon answers
+        assert cli.main(["evict", "--all", "--dir", str(store), "--socket", path]) == 0
+        assert "no daemon answers" in capsys.readouterr().out
+    finally:
+        server.close()
+
+
 def test_ctrl_c_exits_130_and_a_closed_pipe_141(tmp_path: Any) -> None:
     import socket
 

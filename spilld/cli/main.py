@@ -24,7 +24,7 @@ from .common import (
 from .parser import build_parser, with_command
 
 DEBUG_ENV = "SPILLD_DEBUG"  # set to 1: an internal error shows its traceback
-UNREACHABLE_CODES = {"connection_lost", "busy", "timeout"}  # the daemon is gone, stopping, or silent
+UNREACHABLE_CODES = {"connection_lost", "busy", "timeout", "not_a_daemon"}  # gone, stopping, silent, or not spilld
 USAGE_CODES = {"unusable_folder", "foreign_daemon", "activation_error"}
 
 

@@ -42,7 +42,7 @@ EPILOG = """exit codes:
   2  usage or configuration error (a bad option, an unusable folder or socket path)
   3  timeout: drain (or a stop) left work unfinished, or drain saw items end not stored; a daemon stopped by a
      second signal
-  4  the daemon cannot be reached
+  4  the daemon cannot be reached (or what answers on the socket is not spilld)
   5  another daemon already serves this socket or folder
   6  service: launchctl or systemctl refused a command, or did not finish in time
   7  the daemon refused the request (its error code is printed)
