@@ -51,6 +51,10 @@ class Control:
             )
         except errors.ProtocolError as exc:
             raise errors.NotADaemon(f"not a spilld daemon at {self.path} (its answer: {exc})") from None
+        except errors.Timeout:
+            raise errors.Timeout(
+                f"no answer from spilld at {self.path} within {timeout:g} s (hung, or stopped?)"
+            ) from None
         if not isinstance(server, dict):
             raise errors.NotADaemon(f"not a spilld daemon at {self.path} (its answer to the hello is not a map)")
         return server

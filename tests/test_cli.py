@@ -678,6 +678,73 @@ def test_a_socket_served_by_something_else_is_not_a_daemon_exit_4(
         server.close()
 
 
+class FakeDaemon:
+    """A socket that takes connections, answers the hello only when ``hello``, and never anything else (a daemon
+    hung or stopped with SIGSTOP, seen from a command); the requests it got are kept."""
+
+    def __init__(self, path: str, hello: bool) -> None:
+        import socket
+        import threading
+
+        self.hello, self.requests = hello, []  # type: ignore[var-annotated]
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(path)
+        self.server.listen(8)
+        self.conns: list[Any] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        from spilld import protocol as P
+
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.conns.append(conn)  # held open, never answered past the hello
+            decoder = P.FrameDecoder()
+            while (data := conn.recv(65536)) and not any(m.method == "drain" for m in self.requests):
+                for msg in decoder.feed(data):
+                    self.requests.append(msg)
+                    if msg.method == "hello" and self.hello:
+                        conn.sendall(b"".join(bytes(b) for b in P.response(msg.msgid, {"dir": "/nowhere"})))
+
+    def close(self) -> None:
+        self.server.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_drain_bounds_the_hello_by_its_timeout_alone_and_exits_4_when_it_is_never_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: `drain --timeout 2` against a hung daemon took 7 s (the answer's grace bounded the hello
+    too) and exited 3, where `status` exits 4 (the daemon cannot be reached). The hello gets --timeout alone; the
+    grace is the drain's answer's only."""
+    from spilld.cli import running
+
+    silent = FakeDaemon(str(tmp_path / "hung.sock"), hello=False)
+    try:
+        t0 = time.monotonic()
+        assert cli.main(["drain", "--timeout", "1", "--socket", str(tmp_path / "hung.sock")]) == cli.EXIT_UNREACHABLE
+        took = time.monotonic() - t0
+        assert "no answer from spilld" in capsys.readouterr().err
+        assert took < 1 + running.ANSWER_GRACE_S / 2, took  # --timeout, not --timeout + the grace
+        assert not any(m.method == "drain" for m in silent.requests)
+    finally:
+        silent.close()
+    monkeypatch.setattr(running, "ANSWER_GRACE_S", 0.5)  # answered hello, then silence: the grace, exit 3
+    answered = FakeDaemon(str(tmp_path / "stuck.sock"), hello=True)
+    try:
+        t0 = time.monotonic()
+        assert cli.main(["drain", "--timeout", "1", "--socket", str(tmp_path / "stuck.sock")]) == cli.EXIT_TIMEOUT
+        assert 1.4 < time.monotonic() - t0 < 4 and "did not answer within" in capsys.readouterr().out
+        drain = [m for m in answered.requests if m.method == "drain"]
+        assert len(drain) == 1 and drain[0].params["timeout"] <= 1, drain  # what is left of --timeout
+    finally:
+        answered.close()
+
+
 def test_ctrl_c_exits_130_and_a_closed_pipe_141(tmp_path: Any) -> None:
     import socket
 

@@ -16,6 +16,7 @@ from ..config import (
     format_size,
     parse_size,
 )
+from ..control import CONNECT_TIMEOUT_S
 from ..fileio import Durability
 from .common import (
     EXIT_NOT_INSTALLED,
@@ -273,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=duration_arg,
         default=None,
-        help="give up after this long (default 1h; e.g. 30, 5m): exit code 3, also when the daemon stops answering",
+        help="give up after this long (default 1h; e.g. 30, 5m): exit code 3, also when the daemon stops answering "
+        f"during the drain; 4 when it never answers (its hello, bounded by this too, at most {CONNECT_TIMEOUT_S:g} s)",
     )
     dr.set_defaults(func=cmd_drain)
 

@@ -12,9 +12,28 @@ from typing import Any
 from .. import errors
 from ..config import format_size
 from ..protocol import DRAIN_DEFAULT_S
-from .common import EXIT_BAD_FILE, EXIT_OK, EXIT_TIMEOUT, Progress, ask, plural, socket_path
+from .common import EXIT_BAD_FILE, EXIT_OK, EXIT_TIMEOUT, Progress, ask, control, plural, socket_path
 
-ANSWER_GRACE_S = 5.0  # past the drain's timeout, how long the answer may take to come back
+ANSWER_GRACE_S = 5.0  # past the drain's timeout, how long its answer may take to come back (never the hello's)
+HELLO_FLOOR_S = 1.0  # the least time a drain's hello is given (`--timeout 0` asks what is queued now)
+
+
+def _hello_bound(wait: float) -> float:
+    """The hello's bound: ``--timeout`` alone, floored, at most ``CONNECT_TIMEOUT_S`` as for every command (found
+    in review: the answer's grace applied to it too, so `drain --timeout 2` on a hung daemon took 7 s, exit 3)."""
+    from ..control import CONNECT_TIMEOUT_S
+
+    return min(max(wait, HELLO_FLOOR_S), CONNECT_TIMEOUT_S)
+
+
+def _ask_drain(c: Any, end: float, show: Any) -> dict[str, Any] | None:
+    """The drain's answer, given what is left until ``end`` and ``ANSWER_GRACE_S`` more (``Timeout`` past them);
+    None if the daemon went away after its hello."""
+    left = max(0.0, end - time.monotonic())
+    try:
+        return dict(c.call("drain", {"timeout": left}, timeout=left + ANSWER_GRACE_S, on_note=show))
+    except errors.ConnectionLost:
+        return None
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -26,11 +45,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
     wait = DRAIN_DEFAULT_S if args.timeout is None else args.timeout
     t0 = time.monotonic()
-    try:  # bounded here too: a daemon that stopped answering (hung, SIGSTOP) must not hold a shutdown script
-        r = ask(args, "drain", {"timeout": wait}, timeout=wait + ANSWER_GRACE_S, on_note=show, lost_is_error=False)
-    except errors.Timeout:
-        print(f"timeout: the daemon did not answer within {time.monotonic() - t0:.1f} s")
-        return EXIT_TIMEOUT
+    try:  # a hello never answered is Timeout, exit 4 (the daemon cannot be reached), as for `status`
+        with control(args, _hello_bound(wait)) as c:
+            try:  # bounded here too: a daemon that stopped answering (hung, SIGSTOP) must not hold a shutdown script
+                r = _ask_drain(c, t0 + wait, show)
+            except errors.Timeout:
+                print(f"timeout: the daemon did not answer within {time.monotonic() - t0:.1f} s")
+                return EXIT_TIMEOUT
     finally:
         progress.done()
     if r is None:  # it answered the hello, then went away (found in review: exit 4, "cannot be reached")
