@@ -100,9 +100,13 @@ def default_dir() -> str:
     return os.path.join(base, "spilld")
 
 
+SOCKET_ENV = "SPILLD_SOCKET"  # names the socket where no --socket is given: the daemon's, every command's
+
+
 def default_socket() -> str:
-    """Inside a 0700 runtime folder: $XDG_RUNTIME_DIR/spilld on Linux, ~/Library/Application Support/spilld on macOS."""
-    if env := os.environ.get("SPILLD_SOCKET"):
+    """``$SPILLD_SOCKET``, else inside a 0700 runtime folder: $XDG_RUNTIME_DIR/spilld on Linux, ~/Library/Application
+    Support/spilld on macOS."""
+    if env := os.environ.get(SOCKET_ENV):
         return env
     if sys.platform == "darwin":
         folder = os.path.expanduser("~/Library/Application Support/spilld")

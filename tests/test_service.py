@@ -1071,3 +1071,29 @@ def test_a_control_character_in_a_path_is_refused_never_written_into_a_service_f
     assert os.listdir(home) == [] and runner.calls == []  # nothing written, nothing loaded
     with pytest.raises(ValueError, match="control character"):
         units.systemd_quote(f"a{control}b")  # nor quoted into a unit by any other way in
+
+
+@pytest.mark.parametrize("manager", ["systemd", "launchd"])
+def test_install_serves_spilld_socket_as_every_other_command_reaches_it(
+    fake_home: tuple[Path, FakeRunner],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    manager: str,
+) -> None:
+    """Found in review: `SPILLD_SOCKET=/x/env.sock spilld service install` wrote the default socket, so the service
+    served a socket that status, drain and the engines (all of which honour $SPILLD_SOCKET) never reached. It is
+    written into the files, as --socket would be, and said; --socket still wins; checked as --socket is."""
+    home, _ = fake_home
+    env_sock = f"{home}/run/env.sock"
+    monkeypatch.setenv("SPILLD_SOCKET", env_sock)
+    assert cli.main(["service", "install", "--manager", manager, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count(env_sock) >= 2 and "$SPILLD_SOCKET" in err, (out, err)  # the daemon's --socket, the listener
+    given = f"{home}/run/given.sock"
+    assert cli.main(["service", "install", "--manager", manager, "--dry-run", "--socket", given]) == 0
+    out, err = capsys.readouterr()
+    assert env_sock not in out and given in out and err == ""
+    monkeypatch.setenv("SPILLD_SOCKET", "/tmp/spilld-env-test.sock")  # a folder other users can write
+    assert cli.main(["service", "install", "--manager", manager, "--dry-run"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "from SPILLD_SOCKET" in err and len(err.strip().splitlines()) == 1, err

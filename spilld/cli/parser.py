@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     svc.add_argument("--cap", type=size_text_arg, default=None, help="the daemon's --cap (default 4GiB)")
     with_dir(svc, "the daemon's --dir (default: its own default)")
-    with_socket(svc, "the daemon's --socket (default: its own default)")
+    with_socket(svc, "the daemon's --socket (default: $SPILLD_SOCKET where set, else its own default)")
     svc.add_argument(
         "--drain-deadline",
         type=positive_duration_arg,

@@ -17,8 +17,9 @@ def _service_spec(args: argparse.Namespace, manager: str, home: Path) -> Any:
 
     given = {k: v for k in ("cap", "drain_deadline", "socket_activation") if (v := getattr(args, k)) is not None}
     folder = folder_arg(args.dir, default_dir, must_exist=False) if args.dir else None  # refused now, not at start
+    socket = _service_socket(args.socket, manager) if args.socket is not None else _env_socket(manager)
     try:  # a path a service file cannot carry (a newline: found in review, a line of its own in the unit)
-        spec = ServiceSpec(dir=folder, socket=_service_socket(args.socket, manager), **given)  # the rest: defaults
+        spec = ServiceSpec(dir=folder, socket=socket, **given)  # the rest: defaults
         if manager == "launchd":
             refuse_control_characters(str(home), "the home folder")  # the plist's log and default socket are in it
     except ValueError as exc:
@@ -49,6 +50,23 @@ def _service_socket(path: str | None, manager: str) -> str | None:
     if os.path.isdir(folder := os.path.dirname(full)):  # one that is missing is made, ours alone
         check_socket_folder(folder)
     return full
+
+
+def _env_socket(manager: str) -> str | None:
+    """``$SPILLD_SOCKET``, where set, for a service installed without ``--socket``: written into its files, so that
+    the service serves the socket every other command here reaches (found in review: it was ignored, and the
+    service served the default); said on stderr. Checked as ``--socket`` is, the variable named in a refusal."""
+    from .. import errors
+    from ..config import SOCKET_ENV
+
+    if not (env := os.environ.get(SOCKET_ENV)):
+        return None
+    try:
+        path = _service_socket(env, manager)
+    except (UsageError, errors.UnusableFolder) as exc:
+        raise UsageError(f"{exc} (from {SOCKET_ENV})") from None
+    print(f"spilld: the service will serve ${SOCKET_ENV}, {path} (unset it for the default)", file=sys.stderr)
+    return path
 
 
 INSTALL_ONLY = ("cap", "dir", "socket", "drain_deadline", "socket_activation")
