@@ -263,7 +263,7 @@ def _run(sock: str, folder: str | None) -> dict[str, Any]:
         figures |= {
             "decode_idle_ms_per_token": round(_median_ms(idle_ms), 2),
             "decode_spilling_ms_per_token": round(_median_ms(busy_ms), 2),
-            "files": store.get("entries"),
+            "entries": store.get("entries"),  # (a manifest's blocks are files of their own: not counted here)
             "bytes_on_disk": store.get("bytes"),
             "demo_seconds": round(time.perf_counter() - t_start, 1),
         }
@@ -286,7 +286,7 @@ def _print(f: dict[str, Any], as_json: bool) -> None:
         ("next-token logits, largest gap", f"{f['logits_max_diff']:.1e} (one restored value moved: {f['control_logits_max_diff']:.1e})"),
         ("decode, idle", f"{f['decode_idle_ms_per_token']:.2f} ms/token"),
         ("decode, while spilling", f"{f['decode_spilling_ms_per_token']:.2f} ms/token"),
-        ("files on disk (all models)", f"{f['files']} ({format_size(int(f['bytes_on_disk'] or 0))})"),
+        ("entries on disk (all models)", f"{f['entries']} ({format_size(int(f['bytes_on_disk'] or 0))})"),
     ]  # fmt: skip
     print()
     for name, value in rows:

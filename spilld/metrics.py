@@ -124,7 +124,11 @@ def families(st: dict[str, Any]) -> list[Metric]:
 
 
 def _blocks_and_wear(d: dict[str, Any]) -> list[Metric]:
+    # no budget, no gauge (found in review: a 0 made an alert on written_day_bytes > write_budget_bytes fire)
+    budget = d.get("write_budget")
+    limit = [] if budget is None else [_gauge("write_budget_bytes", "the write budget a day (--write-budget)", budget)]
     return [
+        *limit,
         _gauge("blocks", "prefix blocks on disk", d["blocks"]),
         _gauge("block_bytes", "bytes of the prefix blocks on disk (each once)", d.get("block_bytes", 0)),
         _labelled(
@@ -137,7 +141,6 @@ def _blocks_and_wear(d: dict[str, Any]) -> list[Metric]:
         _counter("unique_added_bytes", "cache bytes of tokens the store did not hold before", d.get("unique_added", 0)),
         _gauge("written_day_bytes", "bytes written in the last 24 hours", d.get("written_day", 0)),
         _gauge("written_week_bytes", "bytes written in the last 7 days", d.get("written_week", 0)),
-        _gauge("write_budget_bytes", "the write budget a day (--write-budget; 0: none)", d.get("write_budget") or 0),
         _labelled(
             "shed",
             "droppable spills the store declined, by why",

@@ -34,7 +34,7 @@ def _check_cold_tier_path(f: dict[str, Any]) -> None:
     # restored value moved) shows that a wrong row moves the logits far more than that.
     assert f["control_logits_max_diff"] > 0
     assert f["logits_max_diff"] <= f["control_logits_max_diff"] / 100
-    assert f["files"] >= 1 and f["bytes_on_disk"] > 0
+    assert f["entries"] >= 1 and f["bytes_on_disk"] > 0
     print(json.dumps(f))  # the timings are shown, never asserted
 
 
