@@ -444,6 +444,28 @@ def test_verify_dir_checks_every_entry_of_a_store(tmp_path: Path) -> None:
     assert r.stderr == ""  # no progress line when stderr is not a terminal
 
 
+def test_verify_names_the_bad_block_of_a_manifest(tmp_path: Path) -> None:
+    """Found in review: a manifest whose block had a flipped byte was reported as the manifest's own fault, the
+    block file never named."""
+    import asyncio
+
+    from mlx_lm.models.cache import KVCache
+
+    import spilld as sd
+    from spilld.store import Store
+    from tests.caches import fill
+
+    root = tmp_path / "store"
+    store = Store(root, block_tokens=16, durability="none")
+    asyncio.run(store.put(list(range(40)), [fill(KVCache(), 40)], sd.Identity("m")))
+    (entry,) = store.entries
+    block = sorted(b.path for b in store.blocks)[0]
+    corrupt(Path(block))
+    for args in (["verify", entry.path], ["verify", "--dir", str(root)]):
+        r = spilld(*args)
+        assert r.returncode == 1 and f"in its block {block}" in r.stdout and "tensor_hash_mismatch" in r.stdout, r
+
+
 def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
     import pty
 

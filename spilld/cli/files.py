@@ -143,8 +143,9 @@ def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Heade
 
     try:
         h = verify_file(path)
-    except errors.SpillError as exc:
-        return f"{exc.reason} [{exc.code}]", None
+    except errors.SpillError as exc:  # a manifest's bad block is named (found in review: only the manifest was)
+        where = f" in its block {exc.path}" if exc.path and os.path.abspath(exc.path) != os.path.abspath(path) else ""
+        return f"{exc.reason}{where} [{exc.code}]", None
     if folder_fp is not None and identity_fingerprint(h.identity) != folder_fp:
         return "sits in the folder of another identity [header_malformed]", h
     return None, h
