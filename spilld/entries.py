@@ -4,7 +4,7 @@ counters and the wear count, the listener protocol, and the names of the folders
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -52,17 +52,28 @@ WEAR_BUCKET_S = 3600  # bytes written are counted per hour, for the last day and
 
 
 class Wear:
-    """Bytes this store wrote, per hour, for the last 7 days (in memory: a restart starts a new count)."""
+    """Bytes the store wrote, per hour, for the last 7 days: what earlier runs recorded (``recorded``: the wear
+    file, read at the scan) and what this one wrote (``written``, added to that file at the close)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._hours: dict[int, int] = {}
+        self.written: dict[int, int] = {}  # this run's alone
+
+    def hour(self) -> int:
+        return int(self._clock() // WEAR_BUCKET_S)
 
     def add(self, nbytes: int) -> None:
-        hour = int(self._clock() // WEAR_BUCKET_S)
-        self._hours[hour] = self._hours.get(hour, 0) + nbytes
-        for h in [h for h in self._hours if h < hour - 7 * 24]:
-            del self._hours[h]
+        hour = self.hour()
+        for hours in (self._hours, self.written):
+            hours[hour] = hours.get(hour, 0) + nbytes
+            for h in [h for h in hours if h < hour - 7 * 24]:
+                del hours[h]
+
+    def recorded(self, hours: Mapping[int, int]) -> None:
+        """Count what earlier runs wrote (the wear file's hours, checked by its reader) with this run's."""
+        for h, n in hours.items():
+            self._hours[h] = self._hours.get(h, 0) + n
 
     def _since(self, hours: int) -> int:
         """Bytes written in the last ``hours`` hours, counted in whole hours: the oldest bucket is in, so a budget

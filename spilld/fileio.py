@@ -241,6 +241,19 @@ def probe_writable(ops: FileOps, folder: str) -> None:
         remove_quietly(ops, path)
 
 
+def check_replaceable(path: str) -> None:
+    """A file spilld replaces by name (its pins, its wear count) is missing or a regular file; else (found in review:
+    a user's symbolic link there was replaced by a regular file) a StorageError, and nothing should be written."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise errors.StorageError(f"cannot be checked: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
+    if not stat.S_ISREG(mode):
+        raise errors.StorageError("not a regular file (a symbolic link, folder or FIFO): left as it is", path=path)
+
+
 def publish_bytes(ops: FileOps, path: str, data: bytes, durability: Durability) -> None:
     """``data`` to a temp file beside ``path``, made durable, renamed to ``path``; the temp removed on failure.
     The folder is the caller's to sync (``sync_dir``), once for all it publishes."""

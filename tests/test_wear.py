@@ -36,6 +36,44 @@ async def test_a_spent_budget_sheds_droppable_puts_and_writes_the_others(tmp_pat
 
 
 @pytest.mark.asyncio
+async def test_a_spent_budget_stays_spent_across_a_restart(tmp_path: Path) -> None:
+    """Found in review: the day's count lived in memory alone, so each restart (a crash loop, an upgrade) gave a
+    fresh budget: three runs of a 40,000-byte budget wrote 141,696 bytes in one day. A store adds what it wrote to
+    its wear file at its close and counts that file at its next scan; two runs add up."""
+    from spilld.store.wearfile import WEAR_FILE
+
+    first = Store(tmp_path, disk_cap=2**40, write_budget=10**9)
+    first.scan()
+    await first.put(list(range(8)), caches(8), IDENT, droppable=True)
+    wrote = first.stats()["written_day"]
+    first.close()
+    again = Store(tmp_path, disk_cap=2**40, write_budget=wrote)
+    again.scan()
+    assert again.stats()["written_day"] == again.stats()["written_week"] == wrote
+    with pytest.raises(errors.WriteBudgetSpent):
+        await again.put(list(range(100, 108)), caches(8, seed=5), IDENT, droppable=True)
+    await again.put(list(range(200, 208)), caches(8, seed=9), IDENT, droppable=False)
+    total = again.stats()["written_day"]
+    again.close()
+    third = Store(tmp_path, disk_cap=2**40)
+    third.scan()
+    assert third.stats()["written_day"] == total > wrote  # the second run's bytes added to the first's
+    third.close()  # wrote nothing: the file as it was
+    for bad in (b"not msgpack", b"\x81\x01\x05", bytes(20_000)):  # garbage, an hour of 1970, too big: ignored
+        (tmp_path / WEAR_FILE).write_bytes(bad)
+        fresh = Store(tmp_path, disk_cap=2**40)
+        fresh.scan()
+        assert fresh.stats()["written_day"] == 0
+    (tmp_path / WEAR_FILE).unlink()
+    (tmp_path / WEAR_FILE).symlink_to(tmp_path / "elsewhere")  # never read through, never replaced
+    linked = Store(tmp_path, disk_cap=2**40)
+    linked.scan()
+    await linked.put(list(range(300, 308)), caches(8, seed=11), IDENT)
+    linked.close()
+    assert (tmp_path / WEAR_FILE).is_symlink() and not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.asyncio
 async def test_a_spent_budget_never_sheds_a_checkpoint(tmp_path: Path) -> None:
     """Found in review: a checkpoint (droppable, as its spill's default) was shed once the budget was spent, and
     resume found none; design.md says checkpoints are written whatever the budget, as the write gate does."""

@@ -10,10 +10,9 @@ scan that could not read an entry never drop another's pin.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable, Mapping
 
-from .. import errors, fileio
+from .. import fileio
 
 PINS_FILE = ".spilld-pins"
 PINS_MAX_BYTES = 1 << 24  # the most of the file read: far more names than a disk cap's worth of entries
@@ -45,7 +44,7 @@ def write_pins(root: str, pins: list[str], ops: fileio.FileOps, durability: file
     """Replace the file: a temp file beside it, renamed over it, the root synced (blocking: a worker thread).
     ``StorageError`` if something other than a regular file is at its name: that is left as it is."""
     path = os.path.join(root, PINS_FILE)
-    _check_replaceable(path)
+    fileio.check_replaceable(path)
     text = "".join(os.path.relpath(p, root) + "\n" for p in pins).encode()
     fileio.publish_bytes(ops, path, text, durability)
     fileio.sync_dir(ops, root, durability)
@@ -66,19 +65,6 @@ def update_pins(
     pins = {p for p in (known if names is None else names) if p not in changes and not _gone(p)}
     pins |= {p for p, on in changes.items() if on}
     write_pins(root, sorted(pins), ops, durability)
-
-
-def _check_replaceable(path: str) -> None:
-    """The pins file is missing or a regular file; else (found in review: a user's symbolic link there was replaced
-    by a regular file) a StorageError, and nothing is written."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise errors.StorageError(f"cannot be checked: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
-    if not stat.S_ISREG(mode):
-        raise errors.StorageError("not a regular file (a symbolic link, folder or FIFO): left as it is", path=path)
 
 
 def _gone(path: str) -> bool:

@@ -59,6 +59,7 @@ from .pins import read_pins, update_pins
 from .quarantine import QUARANTINE_MAX_BYTES, move_aside
 from .scan import Scanned, scan_root
 from .unlinks import Unlinks, unlink_all
+from .wearfile import add_wear, read_wear
 
 log = logging.getLogger("spilld.store")
 T = TypeVar("T")
@@ -168,7 +169,15 @@ class Store:
         self.lock.acquire()
 
     def close(self) -> None:
-        self.lock.release()
+        """Add what this run wrote to the wear file (a later run's budget counts it), then let the lock go."""
+        try:
+            if self.wear.written:
+                add_wear(self.root, self.wear.written, self.wear.hour(), self.ops)
+                self.wear.written = {}
+        except (OSError, errors.SpillError) as exc:  # a full disk, a link at its name: the count is lost, said
+            log.warning("%s: the bytes written this run were not recorded: %s", self.root, exc)
+        finally:
+            self.lock.release()
 
     # --- paths ---------------------------------------------------------------------
 
@@ -230,6 +239,7 @@ class Store:
                 log.info("%s: scan stopped before its end", self.root)
                 return self.count
             self._take_scan(found, reap)
+            self.wear.recorded(read_wear(self.root, self.wear.hour()))
             if self._default_cap:
                 self.disk_cap = default_disk_cap(self.root, self.total_bytes)
             named = set(read_pins(self.root))

@@ -1,0 +1,72 @@
+"""The wear file: the bytes a store wrote per hour, kept across restarts so that ``--write-budget`` holds a day.
+
+``<root>/.spilld-wear`` is a msgpack map of hour (seconds since the epoch // 3600) to bytes written in it, at most
+the last 7 days. A store reads it at its scan and adds what it wrote at its close (a crash loses that run's count:
+the budget then errs short by it). Anything but a regular file at that name is someone else's: never read through,
+never replaced. A file that is too big, malformed or names hours out of the window is ignored, said once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import msgpack
+
+from .. import fileio
+
+log = logging.getLogger("spilld.store")
+
+WEAR_FILE = ".spilld-wear"
+WEAR_MAX_BYTES = 16 * 1024  # 169 hours of two ints each fit in a few KiB: a larger file is not ours
+WEAR_HOURS = 7 * 24  # the hours kept before the current one (as ``entries.Wear`` counts them)
+
+
+def read_wear(root: str, now_hour: int) -> dict[int, int]:
+    """The hours of the last week the file records, each with its bytes; none if it is absent or not valid."""
+    path = os.path.join(root, WEAR_FILE)
+    try:
+        fd = fileio.open_regular(path, os.O_NOFOLLOW)  # a FIFO is refused, a symbolic link never followed
+        with open(fd, "rb") as f:
+            data = f.read(WEAR_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        log.warning("cannot read %s: %s; the write budget counts from now", path, exc)
+        return {}
+    hours = _checked(data, now_hour)
+    if hours is None:
+        log.warning("%s is not a wear file spilld wrote; the write budget counts from now", path)
+        return {}
+    return hours
+
+
+def _checked(data: bytes, now_hour: int) -> dict[int, int] | None:
+    """The map the file holds, every hour within the last week and every count a non-negative int; else None."""
+    if len(data) > WEAR_MAX_BYTES:
+        return None
+    try:
+        raw = msgpack.unpackb(data, strict_map_key=False, max_map_len=WEAR_HOURS + 1)
+    except (ValueError, msgpack.UnpackException):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    ok = all(
+        type(h) is int and type(n) is int and now_hour - WEAR_HOURS <= h <= now_hour and 0 <= n < 2**63
+        for h, n in raw.items()
+    )
+    return dict(raw) if ok else None
+
+
+def add_wear(root: str, written: Mapping[int, int], now_hour: int, ops: fileio.FileOps) -> None:
+    """Add ``written`` to what the file holds now (another store of the folder may have added its own since this
+    one read it), dropping hours out of the window, and replace it atomically. ``StorageError`` if something other
+    than a regular file is at its name: that is left as it is."""
+    path = os.path.join(root, WEAR_FILE)
+    fileio.check_replaceable(path)
+    hours = read_wear(root, now_hour)
+    for h, n in written.items():
+        if h >= now_hour - WEAR_HOURS:
+            hours[h] = hours.get(h, 0) + n
+    fileio.publish_bytes(ops, path, msgpack.packb(hours), fileio.Durability.NONE)
