@@ -353,6 +353,25 @@ def test_evict_refuses_a_folder_the_daemon_does_not_serve(daemon: Daemon, tmp_pa
     assert st["store"]["entries"] == 3  # the daemon's folder was not touched either
 
 
+def test_evict_of_another_folder_with_the_default_socket_evicts_that_folder_itself(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """Found in a walk-through of the README: with a daemon on the default socket serving its own folder, `evict --dir
+    OTHER` was refused ("name its socket with --socket") though no daemon serves OTHER. With the default socket it
+    evicts OTHER from the folder itself, under its lock; a --socket named still refuses (the test above)."""
+    other = tmp_path / "other"
+    kept = place(other, 2)
+    env = os.environ | {"SPILLD_SOCKET": daemon.socket}
+    r = subprocess.run(
+        [sys.executable, "-m", "spilld", "evict", "--all", "--dir", str(other)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0 and "evicted 2 entries" in r.stdout, r.stdout + r.stderr
+    assert not any(p.exists() for p in kept)
+    st = json.loads(spilld("status", "--json", "--socket", daemon.socket).stdout)
+    assert st["store"]["entries"] == 3  # the daemon's own folder untouched
+
+
 def test_evict_through_the_daemon_says_which_folder(daemon: Daemon) -> None:
     r = spilld("evict", "--all", "--socket", daemon.socket)  # no --dir: the daemon's own
     assert r.returncode == 0 and "evicted 3 entries" in r.stdout and daemon.dir in r.stdout, r.stdout + r.stderr

@@ -182,16 +182,17 @@ def daemon_dir(args: argparse.Namespace) -> str | None:
         return None
 
 
+def same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def refuse_another_folder(args: argparse.Namespace, folder: str, served: str | None) -> None:
     """``UsageError`` when the daemon on the socket serves another folder than ``folder`` (a ``--dir`` given to a
     command that would go through that daemon is never ignored)."""
-    if served is None:
-        return
-    try:
-        same = os.path.samefile(folder, served)
-    except OSError:
-        same = os.path.realpath(folder) == os.path.realpath(served)
-    if not same:
+    if served is not None and not same_folder(folder, served):
         raise UsageError(
             f"the daemon on {socket_path(args)} serves {served}, not {folder}: stop it, or name its socket with --socket"
         )

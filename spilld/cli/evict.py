@@ -19,6 +19,7 @@ from .common import (
     folder_arg,
     plural,
     refuse_another_folder,
+    same_folder,
     socket_path,
 )
 from .files import quarantine_files
@@ -94,6 +95,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
         raise UsageError("evict needs --fingerprint, --older-than, --quarantine or --all (every entry)")
     served = daemon_dir(args)
     root = folder_arg(args.dir or served, default_dir, must_exist=True)
+    if served is not None and args.socket is None and not same_folder(root, served):
+        # the default socket's daemon serves another folder: this one is evicted from itself, under its lock (found
+        # in review: it was refused, with no socket of its own to name); a --socket named is never ignored
+        served = None
     refuse_another_folder(args, root, served)
     if served is None:
         _refuse_not_a_store(root)
