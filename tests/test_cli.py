@@ -245,6 +245,8 @@ def refusal_cases(tmp: Path) -> list[tuple[list[str], int]]:
         (["service", "install", "--dry-run", "--manager", "systemd", "--cap", "0"], 2),
         (["drain", "--socket", sock, "--timeout", "nan"], 2),
         (["evict", "--socket", sock, "--older-than", "-1d"], 2),
+        (["evict", "--socket", sock, "--fingerprint", "nope"], 2),  # a typo evicted nothing, exit 0 (review)
+        (["evict", "--socket", sock, "--fingerprint", "0123456789ABCDEF"], 2),  # spilld's folders are lower case
         (["evict", "--socket", sock, "--dir", str(tmp)], 2),  # no filter, no --all
         (["evict", "--socket", sock, "--dir", str(f), "--all"], 2),
         (["evict", "--socket", sock, "--dir", str(tmp / "missing"), "--all"], 2),  # never created

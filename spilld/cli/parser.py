@@ -22,6 +22,7 @@ from .common import (
     EXIT_NOT_INSTALLED,
     Parser,
     duration_arg,
+    fingerprint_arg,
     path_arg,
     positive_duration_arg,
     size_arg,
@@ -298,7 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     with_socket(ev)
     with_dir(ev, "the store's folder (default: the daemon's, else the platform cache folder); never created")
-    ev.add_argument("--fingerprint", default=None, help="only entries in this identity folder")
+    ev.add_argument(
+        "--fingerprint", type=fingerprint_arg, default=None,
+        help="only entries in this identity folder (its 16 hex digits, as `spilld ls --json` shows)",
+    )  # fmt: skip
     ev.add_argument(
         "--older-than", type=duration_arg, default=None, help="only entries unused for this long (e.g. 7d, 12h, 30m)"
     )
