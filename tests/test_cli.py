@@ -413,9 +413,12 @@ def test_evict_refuses_a_folder_that_is_not_a_store_and_touches_nothing(
         err = capsys.readouterr().err
         assert "is not a spilld store" in err and len(err.strip().splitlines()) == 1, (argv, err)
         assert _tree(user) == before, argv
-    for argv in (["ls"], ["ls", "--quarantine"], ["verify", "--quiet"]):
+    for argv in (["ls"], ["ls", "--quarantine"]):
         assert cli.main([*argv, "--dir", str(user)]) == 0, argv
         assert _tree(user) == before, argv
+    # found in a walk-through of the README: verify passed such a folder, "0 entries checked, 0 bad" (a typo'd --dir)
+    assert cli.main(["verify", "--quiet", "--dir", str(user)]) == cli.EXIT_USAGE
+    assert "is not a spilld store" in capsys.readouterr().err and _tree(user) == before
     place(user, 1)  # entries (copied in, no lock yet): a store, evicted from
     assert cli.main(["evict", "--all", "--dir", str(user), "--socket", sock]) == 0
 

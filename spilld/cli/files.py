@@ -152,14 +152,21 @@ def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Heade
 
 
 def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
-    """Check every entry of a store: (files checked, bad ones); bad ones are printed as they are found."""
+    """Check every entry of a store: (files checked, bad ones); bad ones are printed as they are found. A folder
+    that is not a store is a usage error (found in review: a mistyped --dir passed, "0 entries checked, 0 bad")."""
+    from ..lockfile import LOCK_NAME
+    from ..store import looks_like_store
     from ..store.folders import unlistable_folders
+
+    unlistable = unlistable_folders(root)  # (a store's folder it cannot list: said below, a failed check)
+    if not looks_like_store(root) and not unlistable:
+        raise UsageError(f"{root} is not a spilld store (no {LOCK_NAME}, no entries): nothing to verify")
 
     files = store_files(root)
     sizes = {p: os.path.getsize(p) if os.path.exists(p) else 0 for p, _ in files}
     progress = Progress(f"verifying {root}", quiet=quiet)
     left_bytes, bad = sum(sizes.values()), 0
-    for folder in unlistable_folders(root):  # its entries cannot be checked: a failed check, said
+    for folder in unlistable:  # its entries cannot be checked: a failed check, said
         bad += 1
         print(f"BAD  {folder}: a folder of the store that cannot be listed (permission denied)")
     for i, (path, fp) in enumerate(files):
