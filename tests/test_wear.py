@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,15 @@ async def test_a_pinned_entry_is_evicted_last_and_kept_across_a_restart(tmp_path
     again.scan()
     e = again.entry_at(first.path)
     assert e is not None and again.is_pinned(e)
+    # `spilld ls` shows it (found in a walk-through of the README: a pin showed nowhere but status's count)
+    from spilld.store import list_entries
+
+    rows = list_entries(str(tmp_path))
+    assert len(rows) >= 2 and {r["path"] for r in rows if r["pinned"]} == {first.path}
+    listed = subprocess.run(
+        [sys.executable, "-m", "spilld", "ls", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
+    assert [line.endswith("pinned") for line in listed[:-1]] == [r["pinned"] for r in rows]
     assert again.pin(first.path, on=False)
     third = Store(tmp_path, disk_cap=2**40, block_tokens=0)
     third.scan()

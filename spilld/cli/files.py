@@ -259,8 +259,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:  # an entry's size: its file and the blocks it names (a block shared by entries: in each)
         when = _local_minute(r["last_used"])
         size = format_size(r["bytes"] + r["block_bytes"])
+        pin = "  pinned" if r["pinned"] else ""
         print(
-            f"{when}  {r['tokens']:>7} tok  {size:>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  {r['path']}"
+            f"{when}  {r['tokens']:>7} tok  {size:>10}  {r['model_id'] or r['fingerprint']:<20} ns={r['namespace']!r}  "
+            f"{r['path']}{pin}"
         )
     folders = {os.path.dirname(r["path"]): r["folder_block_bytes"] for r in rows}
     total = format_size(sum(r["bytes"] for r in rows) + sum(folders.values()))

@@ -10,7 +10,7 @@ from .. import blocks, errors, fileio
 from ..loader import read_own_header
 from ..lockfile import LOCK_NAME
 from .folders import folder_names, namespace_folders
-from .pins import PINS_FILE
+from .pins import PINS_FILE, read_pins
 
 EXT = ".spilld"  # an entry's file (a manifest, or a whole entry); blocks have their own suffix
 QUARANTINE = ".quarantine"  # the folder at a store's root where bad files are moved aside (quarantine.py)
@@ -37,6 +37,7 @@ def list_entries(root: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     if not os.path.isdir(root):
         return rows
+    pinned = set(read_pins(root))  # (found in review: a pin showed nowhere but in status --json's count)
     for folder, fp, _ in namespace_folders(root):
         found = _block_files(folder)
         shared = sum(found.values())
@@ -55,6 +56,7 @@ def list_entries(root: str) -> list[dict[str, Any]]:
                 "tokens": len(h.tokens), "bytes": st.st_size, "last_used": st.st_mtime, "trimmable": h.trimmable,
                 "checkpoint": h.checkpoint.key if h.checkpoint else None, "blocks": len(named),
                 "block_bytes": sum(found.get(k, 0) for k in named), "folder_block_bytes": shared,
+                "pinned": path in pinned,
             })  # fmt: skip
     return sorted(rows, key=lambda r: r["last_used"], reverse=True)
 
