@@ -445,14 +445,13 @@ class _Prefetched(_Decoding):
 
 class _Inline(concurrent.futures.Executor):
     """Runs each task at once on the calling thread: a small manifest's reads need no pool (starting its thread
-    and handing it dozens of tasks cost a fresh process more than the reads)."""
+    and handing it dozens of tasks cost a fresh process more than the reads). A task's error is raised by
+    ``submit`` itself, never kept in a future: its traceback's frames lead back to the one holding that future, a
+    cycle that kept every buffer of a failed load until the garbage collector ran (found in review)."""
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            fut.set_exception(exc)
+        fut.set_result(fn(*args, **kwargs))
         return fut
 
 
@@ -503,13 +502,20 @@ def _by_file(bufs: Iterable[_Buffer]) -> dict[str, list[assemble.Piece]]:
 
 def _results(futs: dict[Any, concurrent.futures.Future[Any]]) -> dict[Any, Any]:
     """Every task's result; on a failure the others are cancelled, or waited for if running (they write into
-    buffers the caller releases next)."""
+    buffers the caller releases next). Then the futures are let go: the failed one holds the exception, whose
+    traceback holds this frame and the caller's, and with them every buffer of the load, a cycle only the garbage
+    collector would free (found in review: 12-50 MiB held after failed loads of an 8 MiB entry)."""
+    out: dict[Any, Any] = {}
     try:
-        return {k: f.result() for k, f in futs.items()}
+        for key, fut in futs.items():
+            out[key] = fut.result()
+        return out
     except BaseException:
-        for f in futs.values():
-            f.cancel()
+        for fut in futs.values():
+            fut.cancel()
         concurrent.futures.wait(futs.values())
+        futs.clear()
+        del fut
         raise
 
 
