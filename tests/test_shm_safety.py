@@ -5,6 +5,8 @@ mapping, no fd, no held bytes). Real daemon subprocess, real Unix socket, real P
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import random
@@ -289,6 +291,38 @@ def test_a_pool_reserves_its_pages_when_made() -> None:
             assert st.st_size == 1 << 20 and st.st_blocks * 512 >= 1 << 20, (name, st.st_blocks)
     finally:
         pool.close()
+
+
+def test_a_pool_closed_while_a_copy_holds_a_segment_keeps_no_descriptor_of_it() -> None:
+    """Found in review: a connection lost while a copy into a segment ran closed the pool while the copy's view was
+    still exported; the standard library's close raised before closing the segment's fd, and each such drop kept an
+    unlinked 32 MiB segment's pages until the process ended. The fd goes now; the mapping when the view does."""
+    from spilld.shm import ShmPool
+
+    def open_segments(prefix: str) -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # (the listing's own fd, gone once listed)
+                out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [t for t in out if f"/dev/shm/{prefix}" in t]
+
+    pool = ShmPool(segments=2, size=1 << 20)
+    pool.make()
+    prefix = pool._prefix
+    got = pool.try_take()
+    assert got is not None and len(open_segments(prefix)) == 4  # each: its fd, and its mapping's own copy
+    name, buf = got
+    view = buf[:16]  # a copy in flight: its view exported
+    view[:4] = b"\x01\x02\x03\x04"
+    pool.close()
+    assert open_segments(prefix) == [f"/dev/shm/{name} (deleted)"]  # the mapping's own, while the view lives
+    assert not any(n.startswith(prefix) for n in os.listdir("/dev/shm"))  # unlinked, every one
+    head = bytes(view[:4])  # (not inside an assert: pytest keeps what an assert evaluates, a view included)
+    assert head == b"\x01\x02\x03\x04"  # the copy's mapping still valid until it lets it go
+    view.release()
+    del buf, got
+    gc.collect()
+    assert open_segments(prefix) == []
 
 
 @pytest.mark.asyncio
