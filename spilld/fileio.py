@@ -234,10 +234,16 @@ def probe_writable(ops: FileOps, folder: str) -> None:
     with io_errors("create a probe file", path):
         fd = ops.open_new(path)
     try:
-        write_all(ops, fd, [memoryview(b"spilld write probe\n")], 0, path)
-        sync(ops, fd, Durability.FSYNC, path)
+        try:
+            write_all(ops, fd, [memoryview(b"spilld write probe\n")], 0, path)
+            sync(ops, fd, Durability.FSYNC, path)
+        except BaseException:
+            with suppress(OSError):  # the write's error is the one said
+                ops.close(fd)
+            raise
+        with io_errors("close a probe file", path):  # (found in review: a raw EIO, and a probe left each start)
+            ops.close(fd)
     finally:
-        ops.close(fd)
         remove_quietly(ops, path)
 
 

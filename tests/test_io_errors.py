@@ -485,3 +485,56 @@ def test_an_error_at_close_is_a_typed_error_and_publishes_nothing(tmp_path: Any,
     if durability is fileio.Durability.FSYNC:
         with pytest.raises(errors.DiskFull):
             fileio.sync_dir(ops, str(tmp_path), durability)
+
+
+class RefusedUnlinks(fileio.FileOps):
+    """The first unlink of each path fails with EIO (a failing disk, a folder remounted read-only a while)."""
+
+    def __init__(self) -> None:
+        self.refused: set[str] = set()
+
+    def unlink(self, path: str) -> None:
+        if path not in self.refused:
+            self.refused.add(path)
+            raise OSError(errno.EIO, "Input/output error", path)
+        super().unlink(path)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_unlink_is_tried_again_never_dropped(tmp_path: Any) -> None:
+    """Found in review: an unlink that failed (EIO, EROFS) was dropped, the file out of the index but on disk: 60
+    puts over a cap of 10 entries left 60 files and 4 MB against a 0.7 MB cap, and a restart's scan indexed all 60
+    (evicted and superseded entries came back). A refused unlink is tried again at the next removal."""
+    from spilld.store import Store
+
+    ops = RefusedUnlinks()
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0, durability="none", ops=ops)
+    for i in range(6):
+        await s.put([i * 1000 + t for t in range(32)], [fill(C.KVCache(), 32, seed=i)], spilld.Identity("m"))
+    s.disk_cap = s.total_bytes // 3  # room for two
+    s.evict_to_cap()
+    await s.delete_doomed_async()  # each refused once
+    assert s.count == 2 and len(ops.refused) == 4
+    await s.delete_doomed_async()  # and tried again
+    on_disk = [os.path.join(d, n) for d, _, names in os.walk(tmp_path) for n in names if n.endswith(".spilld")]
+    assert sorted(on_disk) == sorted(e.path for e in s.entries)
+    again = Store(tmp_path, disk_cap=2**40, block_tokens=0)
+    again.scan()
+    assert again.count == 2  # none of them comes back
+
+
+class FailingClose(fileio.FileOps):
+    """close() reports EIO after closing (a deferred write error, as NFS reports one)."""
+
+    def close(self, fd: int) -> None:
+        super().close(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_probe_whose_close_fails_is_a_storage_error_and_leaves_nothing(tmp_path: Any) -> None:
+    """Found in review: the start-up probe's close raised a raw EIO past its cleanup, so the probe file stayed
+    (one more at each start of a restart loop) and the daemon's start failed untyped."""
+    for _ in range(3):
+        with pytest.raises(errors.StorageError):
+            fileio.probe_writable(FailingClose(), str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -1156,13 +1156,21 @@ class Store:
             self._doomed.add(e.path)
 
     def _delete_doomed(self) -> None:
-        unlink_all(self.ops, self._doomed.take())
+        self._unlink_later(unlink_all(self.ops, self._doomed.take()))
+
+    def _unlink_later(self, failed: list[str]) -> None:
+        """Files an unlink refused (EIO, EROFS): tried again at the next removal, said once a run of them."""
+        if failed:
+            log.warning("%d files of entries or blocks that left the store could not be removed now (%s, ...): "
+                        "tried again later", len(failed), failed[0])  # fmt: skip
+        for p in failed:
+            self._doomed.add(p)
 
     async def delete_doomed_async(self) -> None:
         """Unlink the files of entries that left the index, on a worker thread."""
         if doomed := self._doomed.take():
             try:
-                await self._io(lambda: unlink_all(self.ops, doomed), "unlinks")
+                self._unlink_later(await self._io(lambda: unlink_all(self.ops, doomed), "unlinks"))
             except errors.StorageTimeout as exc:  # the entries are out of the index: their files go when it can
                 log.warning("%d files not removed yet: %s", len(doomed), exc)
 
@@ -1203,12 +1211,14 @@ class Store:
         sizes |= {r.path: r.nbytes for r in named.values() if r.owned and self.index.blocks.get(r.key) is not r}
         doomed = self._doomed.take()
 
-        def work() -> None:
-            unlink_all(self.ops, doomed, sizes, progress)
+        def work() -> list[str]:
+            failed = unlink_all(self.ops, doomed, sizes, progress)
             self.remove_empty_folders()
+            return failed
 
-        await off_loop(work)
-        return len(gone), sum(sizes.values())
+        failed = await off_loop(work)
+        self._unlink_later(failed)
+        return len(gone), sum(sizes.values()) - sum(sizes.get(p, 0) for p in failed)
 
     def _evict_match(self, fingerprint: str | None, older_than_s: float | None) -> list[Entry]:
         cutoff = time.time() - older_than_s if older_than_s is not None else None

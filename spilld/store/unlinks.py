@@ -58,13 +58,22 @@ def unlink_all(
     paths: Sequence[str],
     sizes: dict[str, int] | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Remove ``paths``; with ``progress``, tell it the files and bytes left now and then (a long evict's line)."""
+) -> list[str]:
+    """Remove ``paths``; with ``progress``, tell it the files and bytes left now and then (a long evict's line).
+    The paths that could not be removed (EIO, EROFS: anything but "not there") are returned, for a later try: found
+    in review, they were dropped, so the disk passed its cap and a restart's scan brought their entries back."""
     sizes = sizes or {}
     left, left_bytes, last = len(paths), sum(sizes.get(p, 0) for p in paths), -math.inf
+    failed = []
     for p in paths:
         if progress is not None and time.monotonic() - last >= UNLINK_PROGRESS_S:
             progress(left, left_bytes)
             last = time.monotonic()
-        fileio.remove_quietly(ops, p)
+        try:
+            ops.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            failed.append(p)
         left, left_bytes = left - 1, left_bytes - sizes.get(p, 0)
+    return failed
