@@ -122,6 +122,7 @@ class Store:
         fileio.make_dirs(self.ops, self.root, self.durability)
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self._default_cap = disk_cap is None  # computed again once a scan knows the store's own bytes
+        self._unlink_refused: set[str] = set()  # files an unlink refused last time (said once)
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
         self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
         # pins the file names that the index lacks (another writer's, or skipped by the scan): never judged here
@@ -1159,10 +1160,11 @@ class Store:
         self._unlink_later(unlink_all(self.ops, self._doomed.take()))
 
     def _unlink_later(self, failed: list[str]) -> None:
-        """Files an unlink refused (EIO, EROFS): tried again at the next removal, said once a run of them."""
-        if failed:
+        """Files an unlink refused (EIO, EROFS): tried again at the next removal, each said once."""
+        if new := [p for p in failed if p not in self._unlink_refused]:
             log.warning("%d files of entries or blocks that left the store could not be removed now (%s, ...): "
-                        "tried again later", len(failed), failed[0])  # fmt: skip
+                        "tried again later", len(new), new[0])  # fmt: skip
+        self._unlink_refused = set(failed)  # (those removed since need not be remembered)
         for p in failed:
             self._doomed.add(p)
 

@@ -71,7 +71,7 @@ def unlink_all(
             last = time.monotonic()
         try:
             ops.unlink(p)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not there: nothing to remove
             pass
         except OSError:
             failed.append(p)
