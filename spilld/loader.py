@@ -565,8 +565,7 @@ def load(
     Checks the codec provider, every entry's codec and ``expect`` before
     allocating. With ``upto`` the caches are cut back to that many tokens
     (refused with ``NotReusable`` when the header says it is not valid, or past
-    the tokens the caches hold); without, to the tokens the caches hold, where
-    the entry can be cut (else as saved).
+    the tokens the caches hold); without, the file's caches and tokens as saved.
     """
     p = os.fspath(path)
     prov = provider or default_provider()
@@ -600,8 +599,6 @@ def load(
     finally:
         ops.close(fd)
     tokens = whole.tokens
-    if upto is None and whole.trimmable and whole.restorable_tokens < len(tokens):  # the tokens the caches hold
-        upto = whole.restorable_tokens  # (found in review: all the file's tokens came back, beside fewer in the caches)
     if upto is not None:
         _cut(caches, whole, upto, p, prov)
         tokens = tokens[:upto]

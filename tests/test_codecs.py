@@ -394,14 +394,14 @@ def test_one_provider_id_names_one_table() -> None:
         default_provider().extended("engine-once/1", [])
 
 
-def test_a_load_gives_the_tokens_its_caches_hold_and_cuts_no_further(tmp_path: Any) -> None:
-    """Found in review: a file of 10 tokens whose cache holds 5 loaded with all 10 tokens beside it, and
-    ``upto=8`` gave 8 tokens beside 5 rows: a caller would skip the prefill of 3 tokens the cache never saw. A load
-    gives the tokens the caches hold; a cut past them is ``NotReusable``."""
+def test_a_load_cuts_no_further_than_the_tokens_its_caches_hold(tmp_path: Any) -> None:
+    """Found in review: a file of 10 tokens whose cache holds 5 loaded with ``upto=8`` gave 8 tokens beside 5 rows:
+    a caller would skip the prefill of 3 tokens the cache never saw. A cut past the tokens the caches hold is
+    ``NotReusable``; a load without ``upto`` gives the file as saved (a draft model's caches hold a row fewer)."""
     path = tmp_path / "short.spilld"
     spilld.save(path, list(range(10)), [fill(C.KVCache(), 5)], durability="none")
     got = spilld.load(path)
-    assert got.tokens == list(range(5)) and got.caches[0].offset == 5
+    assert got.tokens == list(range(10)) and got.caches[0].offset == 5
     assert spilld.load(path, upto=5).tokens == list(range(5))
     cut = spilld.load(path, upto=3)
     assert cut.tokens == list(range(3)) and cut.caches[0].offset == 3
