@@ -78,7 +78,7 @@ def main() -> int:
             runs[b].append(f)
             print(
                 f"run {r + 1} B={b}: cold tier {f['ttft_with_tier_ms']:.1f} ms, full prefill "
-                f"{f['ttft_without_tier_ms']:.1f} ms, {f['restored_tokens']} tokens restored, {f['files']} files",
+                f"{f['ttft_without_tier_ms']:.1f} ms, {f['restored_tokens']} tokens restored, {f['entries']} entries",
                 flush=True,
             )
     med = {b: statistics.median(f["ttft_with_tier_ms"] for f in runs[b]) for b in arms}
