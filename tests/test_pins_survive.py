@@ -7,7 +7,10 @@ pin erased the owner's from the shared file.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
-from spilld import errors
+from spilld import errors, fileio
 from spilld.store import Store
 from spilld.store.pins import PINS_FILE, read_pins
 from tests.caches import fill
@@ -103,3 +106,36 @@ async def test_a_removed_entry_leaves_the_pins_file_at_the_next_write(tmp_path: 
     assert await s.remove_where_async(lambda e: e.path == p.path) == 1  # removed here: its pin goes
     assert await s.pin_async(q.path)
     assert read_pins(str(tmp_path)) == [q.path] and gone not in read_pins(str(tmp_path))
+
+
+class SlowFirstPinsRename(fileio.FileOps):
+    """The first rename of the pins file takes 0.5 s (a busy disk), past a 0.1 s I/O deadline."""
+
+    def __init__(self) -> None:
+        self.renames = 0
+
+    def rename(self, src: str, dst: str) -> None:
+        if dst.endswith(PINS_FILE):
+            self.renames += 1
+            if self.renames == 1:
+                time.sleep(0.5)
+        super().rename(src, dst)
+
+
+@pytest.mark.asyncio
+async def test_a_pins_write_past_its_deadline_never_lands_over_a_later_one(tmp_path: Path) -> None:
+    """Found in review: a pins write past --io-timeout went on in its thread and renamed its older set over the
+    next write's, which had cleared its changes as written: B's pin was gone from the file, and after a restart."""
+    s = Store(tmp_path, disk_cap=2**30, durability="none", ops=SlowFirstPinsRename(), io_timeout=0.1)
+    s.scan()
+    a = (await s.put(list(range(100, 108)), [fill(C.KVCache(), 8)], IDENT)).path
+    b = (await s.put(list(range(200, 208)), [fill(C.KVCache(), 8, seed=1)], IDENT)).path
+    with pytest.raises(errors.StorageTimeout):
+        await s.pin_async(a)
+    with contextlib.suppress(errors.StorageTimeout):  # (it waits for the late write, past its own deadline too)
+        await s.pin_async(b)
+    await asyncio.sleep(1.0)  # the late writes land
+    s.close()
+    again = Store(tmp_path, disk_cap=2**30)
+    again.scan()
+    assert {p for p in (a, b) if (e := again.entry_at(p)) is not None and again.is_pinned(e)} == {a, b}

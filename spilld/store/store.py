@@ -18,6 +18,7 @@ import math
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
@@ -129,6 +130,7 @@ class Store:
         self._unjudged: set[str] = set()
         self._pin_changes: dict[str, bool] = {}  # this process's pins and unpins the file does not have yet
         self._pins_written = asyncio.Lock()  # one pins file written at a time, each with the changes as they are then
+        self._pins_file = threading.Lock()  # ... and one thread in it, a late one included
         self._provider = provider  # built on first use: the daemon only moves bytes and never needs codecs
         self.verify = verify
         self.counters = StoreCounters()
@@ -1043,14 +1045,21 @@ class Store:
         writes at once could rename the older set last, and a pin was lost at the next start)."""
         async with self._pins_written:
             changes, known = dict(self._pin_changes), self._pins | self._unjudged
-            await self._io(lambda: update_pins(self.root, changes, known, self.ops, self.durability), "the pins file")
+            await self._io(lambda: self._update_pins_file(changes, known), "the pins file")
             self._pins_saved(changes)
 
     def _write_pins(self) -> None:
         """``_save_pins``, blocking."""
         changes = dict(self._pin_changes)
-        update_pins(self.root, changes, self._pins | self._unjudged, self.ops, self.durability)
+        self._update_pins_file(changes, self._pins | self._unjudged)
         self._pins_saved(changes)
+
+    def _update_pins_file(self, changes: dict[str, bool], known: set[str]) -> None:
+        """One read-merge-replace of the pins file at a time, on whatever thread: a write past the I/O deadline
+        goes on in its thread, and the next one waits for it (found in review: it landed after a later one and
+        renamed the older set over it; that pin was gone at the next start)."""
+        with self._pins_file:
+            update_pins(self.root, changes, known, self.ops, self.durability)
 
     def _pins_saved(self, changes: dict[str, bool]) -> None:
         """``changes`` are in the file: pending no more (one changed again meanwhile still is). The file is merged,
