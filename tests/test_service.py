@@ -884,9 +884,18 @@ async def test_the_requests_never_reach_past_the_drain_budget(tmp_path: Path, mo
 async def test_the_daemon_asks_for_time_while_it_scans_and_while_it_drains(
     root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The real scan of a store of ten entries, slowed to 40 ms a file: found in review, the scan's progress was
+    never seen (the index it builds is taken only at its end), so no more time was asked and a big store's start
+    was killed at systemd's TimeoutStartSec."""
+    from mlx_lm.models import cache as C
+
+    import spilld
     from spilld.config import Config
     from spilld.daemon import Daemon
     from spilld.queue import DrainReport
+    from spilld.store import Store
+    from spilld.store import store as store_module
+    from tests.caches import fill
 
     monkeypatch.setattr(lifecycle, "EXTEND_EVERY_S", 0.02)
     cfg = Config(
@@ -896,15 +905,21 @@ async def test_the_daemon_asks_for_time_while_it_scans_and_while_it_drains(
         socket=os.path.join(root, "run", "spilld.sock"),
         drain_deadline=30,
     )
+    filled = Store(cfg.dir, block_tokens=0, durability="none")
+    for i in range(10):
+        await filled.put([i * 100 + t for t in range(4)], [fill(C.KVCache(), 4)], spilld.Identity("m"))
     d = Daemon(cfg)
     rec = Recorder(os.path.join(root, "notify"))
     d.service = lifecycle.Lifecycle(rec, watchdog_s=None)
+    real = store_module.scan_root
 
-    def slow_scan(stopped: Any = bool) -> int:  # a big store: files keep turning up for a while
-        for _ in range(10):
+    def slow_scan(root: str, ops: Any, reap: bool, stopped: Any = bool, tally: Any = None) -> Any:  # a big store's
+
+        def slow() -> bool:
             time.sleep(0.04)
-            d.store.counters.reaped_temp += 1
-        return 0
+            return bool(stopped())
+
+        return real(root, ops, reap, slow, tally)
 
     async def slow_close(timeout: float | None = None) -> DrainReport:  # one long write, counts standing still
         d.writing += 1
@@ -912,15 +927,17 @@ async def test_the_daemon_asks_for_time_while_it_scans_and_while_it_drains(
         d.writing -= 1
         return DrainReport(done=True, pending_items=0, pending_bytes=0)
 
-    monkeypatch.setattr(d.store, "scan", slow_scan)
+    monkeypatch.setattr(store_module, "scan_root", slow_scan)
     monkeypatch.setattr(d.queue, "close", slow_close)
     await d.start()
     assert await d.stop() == 0
     sent = rec.messages()
     first = lambda prefix: next(i for i, m in enumerate(sent) if m.startswith(prefix))  # noqa: E731
-    scanning, ready = first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=scanning: 0 entries"), first("READY=1")
+    scanning, ready = first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=scanning: "), first("READY=1")
     stopping, draining = first("STOPPING=1"), first("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=stopping: 0 items")
     assert scanning < ready < stopping < draining, sent
+    asked = [m for m in sent[:ready] if m.startswith("EXTEND_TIMEOUT_USEC=15000000\nSTATUS=scanning: ")]
+    assert len(asked) >= 3, sent  # asked again and again while files keep being scanned, not once at its end
 
 
 def test_install_never_plans_a_mode_change_on_a_folder_that_exists(

@@ -323,8 +323,8 @@ class Daemon:
         return Progress((q.pending_items, q.pending_bytes), busy=self.writing > 0, status=self._drain_status())
 
     def _scan_progress(self) -> Progress:
-        found, c = self.store.count, self.store.counters  # the scan appends from its thread
-        return Progress((found, c.quarantined, c.reaped_temp), busy=False, status=f"scanning: {found} entries so far")
+        seen = self.store.scan_tally.files  # counted by the scan's thread as it goes
+        return Progress((seen,), busy=False, status=f"scanning: {seen} files so far")
 
     # --- writing -------------------------------------------------------------------------
 

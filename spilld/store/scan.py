@@ -36,7 +36,17 @@ class Scanned:
     stopped: bool = False  # ended before its end (told to): nothing of it may be taken
 
 
-def scan_root(root: str, ops: fileio.FileOps, reap: bool, stopped: Callable[[], bool] = bool) -> Scanned:
+@dataclass
+class ScanTally:
+    """How far a scan has gone, counted from its thread as it goes: what a service manager is shown while a big
+    store is scanned (found in review: only the index taken at the end was, so no more time was ever asked)."""
+
+    files: int = 0
+
+
+def scan_root(
+    root: str, ops: fileio.FileOps, reap: bool, stopped: Callable[[], bool] = bool, tally: ScanTally | None = None
+) -> Scanned:
     """Index every file under ``root``; with ``reap``, remove temp files and spare copies of blocks (only a caller that
     holds the folder's lock may: no other spilld is writing there). Once ``stopped()`` says so (checked between
     files, before anything but temp files is removed) it ends there, ``stopped`` set: a daemon told to stop while it
@@ -52,6 +62,8 @@ def scan_root(root: str, ops: fileio.FileOps, reap: bool, stopped: Callable[[], 
             if stopped():
                 found.stopped = True
                 return found
+            if tally is not None:
+                tally.files += 1
             if (got := _scan_file(found, os.path.join(folder, name), fp, ns, ops, reap)) is not None:
                 manifests.append(got)
     _settle_copies(found, ops, reap)

@@ -58,7 +58,7 @@ from .index import Index, ns_dir
 from .listing import EXT
 from .pins import read_pins, update_pins
 from .quarantine import QUARANTINE_MAX_BYTES, move_aside
-from .scan import Scanned, scan_root
+from .scan import Scanned, ScanTally, scan_root
 from .unlinks import Unlinks, unlink_all
 from .wearfile import add_wear, read_wear
 
@@ -124,6 +124,7 @@ class Store:
         self.disk_cap = default_disk_cap(self.root) if disk_cap is None else disk_cap
         self._default_cap = disk_cap is None  # computed again once a scan knows the store's own bytes
         self._unlink_refused: set[str] = set()  # files an unlink refused last time (said once)
+        self.scan_tally = ScanTally()  # the files the last scan has looked at so far
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
         self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
         # pins the file names that the index lacks (another writer's, or skipped by the scan): never judged here
@@ -237,7 +238,8 @@ class Store:
         reap = held or self._try_lock()
         took = reap and not held
         try:  # a lock taken for the scan is held until its last removal: another spilld may take it at once after
-            found = scan_root(self.root, self.ops, reap, stopped)
+            self.scan_tally = ScanTally()
+            found = scan_root(self.root, self.ops, reap, stopped, self.scan_tally)
             if found.stopped:
                 log.info("%s: scan stopped before its end", self.root)
                 return self.count
