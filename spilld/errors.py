@@ -251,7 +251,8 @@ class WriteBudgetSpent(Shed):
 
 class HeldBlockGone(SpillError):
     """A block the daemon told the client it held (so its rows were not sent) was gone when the spill was
-    written: the spill fails; the engine's next spill sends those rows again."""
+    written (found corrupt and quarantined: evictions leave such blocks until the spill is written): the spill
+    fails; the engine's next spill sends those rows again."""
 
     code = "held_block_gone"
 

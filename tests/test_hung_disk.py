@@ -832,3 +832,38 @@ async def test_a_hung_scrub_read_holds_no_writers_thread(monkeypatch: pytest.Mon
     finally:
         release.set()
     await asyncio.gather(*idle)
+
+
+@pytest.mark.asyncio
+async def test_blocks_a_spill_was_told_are_held_stay_until_it_is_written() -> None:
+    """Found in review: a client told the daemon held a prefix's blocks left their rows out, and an eviction before
+    its put (while it waited in the queue) removed them: a non-droppable spill failed with HeldBlockGone, and
+    nothing sends it again. The blocks stay pinned from the spill's answer until its put is done."""
+    root = new_root()
+    cfg = quiet_config(root, block_tokens=16)
+    daemon = Daemon(cfg)
+    ops = HangingOps()
+    daemon.store.ops = ops
+    await daemon.start()
+    try:
+        async with AsyncClient(cfg.socket, identity=IDENT, shm=False) as c:
+            assert (await c.spill(list(range(64)), caches(64))).stored  # the prefix, as blocks
+            ops.hanging.set()  # the writer is held by another spill
+            blocker = c.spill(list(range(500, 564)), caches(64, seed=9), droppable=False)
+            assert await asyncio.to_thread(ops.entered.wait, 30)
+            longer = [*range(64), *range(1000, 1032)]
+            later = c.spill(longer, caches(96, seed=3), droppable=False)  # its first 64 rows: held, not sent
+            await c.queue.drain()
+            assert daemon.ingest.held_bytes > 0
+            await daemon.store.evict_async()  # every entry: the prefix's blocks would go with it
+            ops.release.set()
+            assert (await blocker).stored
+            settled = await later
+            assert settled.stored, settled
+            got = await c.load([*longer, 7])
+            assert got is not None and got.tokens == longer
+            assert all(b.pins == 0 for b in daemon.store.blocks)  # the hold went with the put
+    finally:
+        ops.release.set()
+        await daemon.stop()
+        cleanup(root)

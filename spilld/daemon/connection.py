@@ -62,6 +62,7 @@ class Incoming:
         self.header, self.droppable, self.key, self.pin = header, droppable, key, pin
         self.slots = header.slots()
         self.held_rows = held_rows  # rows of its positional caches the daemon holds as blocks: not sent
+        self.hold: Any = None  # the store's pins on those blocks, until it is written or ends (Ingest)
         self.expect = [s.nbytes for s, _ in blocks.after_held(header, held_rows)]  # the bytes each tensor is sent
         self.cost = self.nbytes + parsed  # what it holds against the cap: tensor bytes and the parsed header
         self.last = self.opened = asyncio.get_running_loop().time()  # when it last received something, and began

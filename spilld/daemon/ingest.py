@@ -110,10 +110,17 @@ class Ingest:
     """The ``spill``, ``commit`` and ``abort`` methods and the byte accounting of spills being received."""
 
     def __init__(
-        self, cfg: Config, queue: SpillQueue, stopping: asyncio.Event, held_rows: Callable[[fmt.Header], int]
+        self,
+        cfg: Config,
+        queue: SpillQueue,
+        stopping: asyncio.Event,
+        hold: Callable[[fmt.Header], tuple[int, Any]],
+        release: Callable[[Any], None],
     ) -> None:
         self.cfg, self.queue, self.stopping = cfg, queue, stopping
-        self.held_rows = held_rows  # the store's: leading tokens it holds as blocks (a client need not send them)
+        # the store's: the leading tokens it holds as blocks (a client need not send them), those blocks kept until
+        # ``release``, once the spill is written or given up
+        self.hold, self.release_hold = hold, release
         self.receiving = 0  # what spills being received hold: declared tensor bytes + parsed headers
         self.reserved = 0  # declared bytes of the non-droppable ones: queue room held for their commit
         self.buffers = 0  # big messages being received or decoded (counted from their frame head)
@@ -173,9 +180,14 @@ class Ingest:
         parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
         parsed += PARSED_BYTES_PER_ENTRY * (entry_count(header.caches) + len(header.attachments))
         parsed += text_bytes(header, p.get("key", ""))  # found in review: a header of 4 MiB of meta held 17 MB
-        held = self.held_rows(header) if p.get("held", False) else 0  # the client sends only the rows past it
+        held, hold = self.hold(header) if p.get("held", False) else (0, None)  # the client sends the rows past it
         sp = Incoming(header, droppable, p.get("key", ""), parsed, pin=p.get("pin", False), held_rows=held)
-        self.admit(conn, sp)
+        sp.hold = hold
+        try:
+            self.admit(conn, sp)
+        except BaseException:
+            self._let_go(sp)
+            raise
         self.held_bytes += sum(s.nbytes for s in slots) - sp.nbytes
         sid = next(conn.spill_ids)
         conn.spills[sid] = sp
@@ -241,6 +253,13 @@ class Ingest:
         self.receiving -= sp.cost
         if not sp.droppable:
             self.reserved -= sp.nbytes
+        self._let_go(sp)
+
+    def _let_go(self, sp: Incoming) -> None:
+        """The blocks ``sp`` was told were held are kept no more (it ended before its commit)."""
+        if sp.hold is not None:
+            hold, sp.hold = sp.hold, None
+            self.release_hold(hold)
 
     def expire(self, connections: Iterable[Connection], now: float) -> None:
         """Abort the open spills that received nothing for ``--idle-timeout``, or that are not whole by
@@ -263,6 +282,14 @@ class Ingest:
 
     async def commit(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         sp = conn.take_spill(p["spill"])
+        hold, sp.hold = sp.hold, None  # its held blocks stay until its item is written, or ends otherwise
+        try:
+            return await self._commit(conn, sp)
+        finally:
+            if hold is not None:
+                self.release_hold(hold)
+
+    async def _commit(self, conn: Connection, sp: Incoming) -> dict[str, Any]:
         if sp.reads:  # segment copies under way: a stop waits for them, so this commit still reaches the queue
             marker = asyncio.get_running_loop().create_future()
             self.committing.add(marker)

@@ -106,7 +106,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
         self.remote: RemoteLink | None = None  # the shared tier (--remote), once started
-        self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.held_rows)
+        self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.hold_blocks, self.store.release_blocks)
         self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
         self.client_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)
         self.connect_log = LogThrottle(CLIENT_ERROR_LOGS_PER_S)  # "client connected" lines at info

@@ -910,8 +910,22 @@ class Store:
     def held_rows(self, header: fmt.Header) -> int:
         """How many leading tokens of a planned entry's ``header`` this store holds as blocks: the rows of its
         positional caches a writer need not have (a multiple of ``block_tokens``; 0 without blocks)."""
+        return self.hold_blocks(header, pin=False)[0]
+
+    def hold_blocks(self, header: fmt.Header, pin: bool = True) -> tuple[int, list[Block]]:
+        """``held_rows``, and (with ``pin``) those blocks pinned until ``release_blocks``: a writer told it need not
+        send their rows keeps them on disk until its put has named them or is given up (found in review: an
+        eviction meanwhile failed the daemon's non-droppable spills with ``HeldBlockGone``, and nothing resent)."""
         cut = blocks.split(header, [], self.block_tokens) if self.block_tokens else None
-        return self._held_blocks(cut) * self.block_tokens
+        n = self._held_blocks(cut)
+        held = [self.index.blocks[k] for k in cut.keys[:n]] if cut is not None and pin else []
+        for rec in held:
+            rec.pins += 1
+        return n * self.block_tokens, held
+
+    def release_blocks(self, held: list[Block]) -> None:
+        """``hold_blocks``' pins go (a block no manifest names then goes too)."""
+        self._unpin(held)
 
     def _check_held(self, cut: Split | None, held_rows: int) -> int:
         """The leading blocks of ``cut`` on disk; ``HeldBlockGone`` if fewer than the ``held_rows`` a client left out
