@@ -136,17 +136,23 @@ async def test_a_put_of_blocks_leaves_no_reference_cycle_behind(tmp_path: Path) 
     assert found == []
 
 
-@pytest.mark.asyncio
-async def test_a_flipped_byte_in_one_block_fails_the_parallel_read(tmp_path: Path) -> None:
-    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
+async def with_a_flipped_byte(root: Path, seed: int, block: int) -> tuple[Store, list[int], str]:
+    """A store of one entry of ``big(seed)`` whose block ``block`` has its last byte flipped; the block's path."""
+    s = Store(root, disk_cap=2**40, block_tokens=16)
     tokens = list(range(ROWS))
-    await s.put(tokens, big(3), IDENT)
-    victim = s.blocks[30].path
+    await s.put(tokens, big(seed), IDENT)
+    victim = s.blocks[block].path
     with open(victim, "r+b") as f:
         f.seek(-1, 2)
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 0xFF]))
+    return s, tokens, victim
+
+
+@pytest.mark.asyncio
+async def test_a_flipped_byte_in_one_block_fails_the_parallel_read(tmp_path: Path) -> None:
+    s, tokens, victim = await with_a_flipped_byte(tmp_path, 3, 30)
     hit = s.lookup(IDENT, "", [*tokens, 1])
     assert isinstance(hit, Hit)
     with pytest.raises(errors.TensorHashMismatch) as got:
@@ -160,15 +166,7 @@ async def test_a_failed_load_leaves_no_reference_cycle_behind(tmp_path: Path, th
     """Found in review: a load that failed (a flipped byte, an EIO) kept every buffer it had allocated until the
     cycle collector ran: the failed task's future held the error, whose traceback's frames held that future and the
     buffers (12-50 MiB after failed loads of an 8 MiB entry), on one thread or on a pool."""
-    s = Store(tmp_path, disk_cap=2**40, block_tokens=16)
-    tokens = list(range(ROWS))
-    await s.put(tokens, big(5), IDENT)
-    victim = s.blocks[3].path
-    with open(victim, "r+b") as f:
-        f.seek(-1, 2)
-        last = f.read(1)
-        f.seek(-1, 2)
-        f.write(bytes([last[0] ^ 0xFF]))
+    s, _, _ = await with_a_flipped_byte(tmp_path, 5, 3)
     (entry,) = s.entries
     for _ in range(2):  # the first: whatever is made once per process
         with spilld_garbage() as found, pytest.raises(errors.TensorHashMismatch):
