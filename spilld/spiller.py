@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -290,8 +291,11 @@ class Spiller:
         close gives the first one's report (found in review: it said done, nothing lost, after the first gave up)."""
         if self._close_report is not None:
             return self._close_report
+        deadline = api.Deadline(timeout)
         try:
-            self._close_report = await self.queue.close(timeout)
+            self._close_report = await self.queue.close(deadline.left())
+            with contextlib.suppress(TimeoutError):  # (the call's timeout bounds it too: the count is then lost)
+                await asyncio.wait_for(self.store.record_wear(), deadline.left())
             return self._close_report
         finally:
             self.store.close()

@@ -490,6 +490,17 @@ def test_verify_names_the_bad_block_of_a_manifest(tmp_path: Path) -> None:
         assert r.returncode == 1 and f"in its block {block}" in r.stdout and "tensor_hash_mismatch" in r.stdout, r
 
 
+def test_verify_dir_checks_the_stores_own_files_and_never_follows_a_link(tmp_path: Path) -> None:
+    """Found in review: the scan and ls skip a symbolic link named like an entry (it is not spilld's), but verify
+    --dir followed it: a user's link to their own file was reported bad, one to an entry elsewhere checked as ours."""
+    root = tmp_path / "store"
+    (kept,) = place(root, 1)
+    (kept.parent / "mine.spilld").symlink_to(tmp_path / "notes.txt")
+    (tmp_path / "notes.txt").write_text("a user's file")
+    r = spilld("verify", "--dir", str(root))
+    assert r.returncode == 0 and "1 entry" in r.stdout and "BAD" not in r.stdout, r.stdout
+
+
 def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
     import pty
 
@@ -719,7 +730,7 @@ def test_a_socket_served_by_something_else_is_not_a_daemon_exit_4(
         store.mkdir()
         (store / LOCK_NAME).write_text("")  # a store: evict works on it as where no daemon answers
         assert cli.main(["evict", "--all", "--dir", str(store), "--socket", path]) == 0
-        assert "no daemon answers" in capsys.readouterr().out
+        assert "no daemon serves it" in capsys.readouterr().out
     finally:
         server.close()
 

@@ -538,3 +538,34 @@ def test_a_probe_whose_close_fails_is_a_storage_error_and_leaves_nothing(tmp_pat
         with pytest.raises(errors.StorageError):
             fileio.probe_writable(FailingClose(), str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+class HungThenRefusedUnlink(fileio.FileOps):
+    """The first unlink hangs past the I/O deadline, then fails with EIO (how a hung disk's call usually ends)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def unlink(self, path: str) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            threading.Event().wait(0.5)
+            raise OSError(errno.EIO, "Input/output error", path)
+        super().unlink(path)
+
+
+@pytest.mark.asyncio
+async def test_unlinks_past_the_io_deadline_are_tried_again(tmp_path: Any) -> None:
+    """Found in review: unlinks given up on at the I/O deadline were dropped, as a refused unlink had been: a file
+    the late call could not remove stayed, out of the index, and came back at the next scan."""
+    from spilld.store import Store
+
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0, durability="none", ops=HungThenRefusedUnlink(), io_timeout=0.1)
+    first = await s.put(list(range(32)), [fill(C.KVCache(), 32)], spilld.Identity("m"))
+    await s.put(list(range(100, 132)), [fill(C.KVCache(), 32, seed=1)], spilld.Identity("m"))
+    s.disk_cap = s.total_bytes - 1  # room for one: the first goes
+    s.evict_to_cap()
+    await s.delete_doomed_async()  # past the deadline (its call then fails)
+    await asyncio.sleep(0.6)
+    await s.delete_doomed_async()
+    assert not os.path.exists(first.path) and s.count == 1

@@ -758,6 +758,7 @@ def test_the_default_disk_cap_counts_the_stores_own_bytes_as_its_space(
     again = Store(root, durability="none")
     again.scan()
     assert again.disk_cap == own and again.count == 4 and again.counters.evicted == 0
+    assert again.pin_cap == own // 4  # a quarter of the cap computed again (found in review: of the first one)
 
 
 # --- 10. durability -------------------------------------------------------------------------------

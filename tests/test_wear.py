@@ -41,13 +41,15 @@ async def test_a_spent_budget_sheds_droppable_puts_and_writes_the_others(tmp_pat
 async def test_a_spent_budget_stays_spent_across_a_restart(tmp_path: Path) -> None:
     """Found in review: the day's count lived in memory alone, so each restart (a crash loop, an upgrade) gave a
     fresh budget: three runs of a 40,000-byte budget wrote 141,696 bytes in one day. A store adds what it wrote to
-    its wear file at its close and counts that file at its next scan; two runs add up."""
-    from spilld.store.wearfile import WEAR_FILE
+    its wear file at its stop (``record_wear``) and counts that file at its next scan; two runs add up."""
+    from spilld.fileio import DEFAULT_OPS
+    from spilld.store.wearfile import WEAR_FILE, add_wear, read_wear
 
     first = Store(tmp_path, disk_cap=2**40, write_budget=10**9)
     first.scan()
     await first.put(list(range(8)), caches(8), IDENT, droppable=True)
     wrote = first.stats()["written_day"]
+    await first.record_wear()
     first.close()
     again = Store(tmp_path, disk_cap=2**40, write_budget=wrote)
     again.scan()
@@ -56,21 +58,30 @@ async def test_a_spent_budget_stays_spent_across_a_restart(tmp_path: Path) -> No
         await again.put(list(range(100, 108)), caches(8, seed=5), IDENT, droppable=True)
     await again.put(list(range(200, 208)), caches(8, seed=9), IDENT, droppable=False)
     total = again.stats()["written_day"]
+    await again.record_wear()
     again.close()
     third = Store(tmp_path, disk_cap=2**40)
     third.scan()
     assert third.stats()["written_day"] == total > wrote  # the second run's bytes added to the first's
-    third.close()  # wrote nothing: the file as it was
-    for bad in (b"not msgpack", b"\x81\x01\x05", bytes(20_000)):  # garbage, an hour of 1970, too big: ignored
+    await third.record_wear()  # wrote nothing: the file as it was
+    third.close()
+    # garbage, a map keyed by a list (found in review: a TypeError stopped the start), too big: ignored
+    for bad in (b"not msgpack", b"\x81\x92\x01\x02\x03", bytes(20_000)):
         (tmp_path / WEAR_FILE).write_bytes(bad)
         fresh = Store(tmp_path, disk_cap=2**40)
         fresh.scan()
         assert fresh.stats()["written_day"] == 0
+    # found in review: an hour a week old, as the store itself keeps, made the whole file be ignored an hour later
+    now = third.wear.hour()
+    (tmp_path / WEAR_FILE).unlink()
+    add_wear(str(tmp_path), {now - 7 * 24: 10, now: 40_000}, now, DEFAULT_OPS)
+    assert read_wear(str(tmp_path), now + 1) == {now: 40_000}
     (tmp_path / WEAR_FILE).unlink()
     (tmp_path / WEAR_FILE).symlink_to(tmp_path / "elsewhere")  # never read through, never replaced
     linked = Store(tmp_path, disk_cap=2**40)
     linked.scan()
     await linked.put(list(range(300, 308)), caches(8, seed=11), IDENT)
+    await linked.record_wear()  # (refused, said: the count is lost)
     linked.close()
     assert (tmp_path / WEAR_FILE).is_symlink() and not (tmp_path / "elsewhere").exists()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import stat
 import sys
 import time
@@ -107,7 +106,9 @@ text_arg = _arg_type(_nonempty_text, "value")
 
 
 def _fingerprint(text: str) -> str:
-    if re.fullmatch(r"[0-9a-f]{16}", text) is None:  # a typo evicted nothing, exit 0 (found in review)
+    from ..store.folders import is_identity_folder
+
+    if not is_identity_folder(text):  # a typo evicted nothing, exit 0 (found in review)
         raise ValueError(f"{text!r} is not an identity folder's name (16 hex digits, as `spilld ls --json` shows)")
     return text
 

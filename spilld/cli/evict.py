@@ -132,7 +132,7 @@ def _print_evicted(out: dict[str, Any], sock: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps(out))
         return
-    how = f"through the daemon on {sock}" if out["through_daemon"] else "from the folder (no daemon answers)"
+    how = f"through the daemon on {sock}" if out["through_daemon"] else "from the folder (no daemon serves it)"
     print(f"evicted {plural(out['evicted'], 'entry', 'entries')} ({format_size(out['bytes'])}) from {out['dir']} {how}")
     if "quarantine_removed" in out:
         n, nbytes = out["quarantine_removed"], out["quarantine_bytes"]

@@ -277,6 +277,7 @@ class Daemon:
         if self.listener is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.socket)
+        await self.store.record_wear()  # (the store's lock still held: no successor counts the same bytes)
         self._release_locks()  # after the socket is gone: a successor never finds ours
         code = 0 if report.done else 3
         if code:  # work lost: said at warning, with what (found in review: an info line whose counts read 0)

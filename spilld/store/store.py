@@ -126,6 +126,7 @@ class Store:
         self._unlink_refused: set[str] = set()  # files an unlink refused last time (said once)
         self.scan_tally = ScanTally()  # the files the last scan has looked at so far
         self.pin_cap = self.disk_cap // 4 if pin_cap is None else pin_cap  # pinned bytes evicted last, at most this
+        self._default_pin_cap = pin_cap is None  # a quarter of the disk cap, whenever that is computed again
         self._pins: set[str] = set()  # paths of pinned entries (kept in the pins file: pins.py)
         # pins the file names that the index lacks (another writer's, or skipped by the scan): never judged here
         self._unjudged: set[str] = set()
@@ -173,15 +174,19 @@ class Store:
         self.lock.acquire()
 
     def close(self) -> None:
-        """Add what this run wrote to the wear file (a later run's budget counts it), then let the lock go."""
+        self.lock.release()
+
+    async def record_wear(self) -> None:
+        """Add what this run wrote to the wear file, so that a later run's write budget counts it: at a stop, before
+        the lock goes. On a worker thread within the I/O deadline (found in review: done on the loop, a hung disk held
+        a stop for good); a failure is said, and that count is lost."""
+        written, self.wear.written = self.wear.written, {}
+        if not written:
+            return
         try:
-            if self.wear.written:
-                add_wear(self.root, self.wear.written, self.wear.hour(), self.ops)
-                self.wear.written = {}
-        except (OSError, errors.SpillError) as exc:  # a full disk, a link at its name: the count is lost, said
+            await self._io(lambda: add_wear(self.root, written, self.wear.hour(), self.ops), "the wear file")
+        except (OSError, errors.SpillError) as exc:  # a full disk, a link at its name, a hung disk
             log.warning("%s: the bytes written this run were not recorded: %s", self.root, exc)
-        finally:
-            self.lock.release()
 
     # --- paths ---------------------------------------------------------------------
 
@@ -247,6 +252,8 @@ class Store:
             self.wear.recorded(read_wear(self.root, self.wear.hour()))
             if self._default_cap:
                 self.disk_cap = default_disk_cap(self.root, self.total_bytes)
+            if self._default_pin_cap:  # (found in review: a quarter of the cap before the scan, not of this one)
+                self.pin_cap = self.disk_cap // 4
             named = set(read_pins(self.root))
             self._pins = {p for p in named if p in self.index.by_path}
             self._unjudged = named - self._pins
@@ -1200,6 +1207,8 @@ class Store:
                 self._unlink_later(await self._io(lambda: unlink_all(self.ops, doomed), "unlinks"))
             except errors.StorageTimeout as exc:  # the entries are out of the index: their files go when it can
                 log.warning("%d files not removed yet: %s", len(doomed), exc)
+                for p in doomed:  # tried again next time (found in review: dropped, as a refused unlink was)
+                    self._doomed.add(p)
 
     def remove_where(self, pred: Callable[[Entry], bool]) -> int:
         n = self._drop_where(pred)

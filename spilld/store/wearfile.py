@@ -1,9 +1,10 @@
 """The wear file: the bytes a store wrote per hour, kept across restarts so that ``--write-budget`` holds a day.
 
 ``<root>/.spilld-wear`` is a msgpack map of hour (seconds since the epoch // 3600) to bytes written in it, at most
-the last 7 days. A store reads it at its scan and adds what it wrote at its close (a crash loses that run's count:
-the budget then errs short by it). Anything but a regular file at that name is someone else's: never read through,
-never replaced. A file that is too big, malformed or names hours out of the window is ignored, said once.
+the last 7 days. A store reads it at its scan and adds what it wrote when it stops (a crash loses that run's count:
+the budget then errs short by it; two stores of one folder stopping at once may lose one's). Anything but a regular
+file at that name is someone else's: never read through, never replaced. A file that is too big, malformed or names
+an hour in the future is ignored, said; hours older than the week are dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ log = logging.getLogger("spilld.store")
 WEAR_FILE = ".spilld-wear"
 WEAR_MAX_BYTES = 16 * 1024  # 169 hours of two ints each fit in a few KiB: a larger file is not ours
 WEAR_HOURS = 7 * 24  # the hours kept before the current one (as ``entries.Wear`` counts them)
+MAX_WEAR_BYTES_AN_HOUR = 2**63 - 1  # a count no disk reaches: one past it is not a wear file spilld wrote
 
 
 def read_wear(root: str, now_hour: int) -> dict[int, int]:
@@ -43,20 +45,21 @@ def read_wear(root: str, now_hour: int) -> dict[int, int]:
 
 
 def _checked(data: bytes, now_hour: int) -> dict[int, int] | None:
-    """The map the file holds, every hour within the last week and every count a non-negative int; else None."""
+    """The hours of the last week the map holds (older ones: gone by now), every hour and count a non-negative int
+    and none in the future; else None."""
     if len(data) > WEAR_MAX_BYTES:
         return None
-    try:
-        raw = msgpack.unpackb(data, strict_map_key=False, max_map_len=WEAR_HOURS + 1)
-    except (ValueError, msgpack.UnpackException):
+    try:  # (a map keyed by a list is a TypeError: found in review, it stopped the daemon's start)
+        raw = msgpack.unpackb(data, strict_map_key=False, max_map_len=WEAR_HOURS + 2)
+    except (ValueError, TypeError, msgpack.UnpackException):
         return None
     if not isinstance(raw, dict):
         return None
     ok = all(
-        type(h) is int and type(n) is int and now_hour - WEAR_HOURS <= h <= now_hour and 0 <= n < 2**63
-        for h, n in raw.items()
+        type(h) is int and type(n) is int and h <= now_hour and 0 <= n <= MAX_WEAR_BYTES_AN_HOUR for h, n in raw.items()
     )
-    return dict(raw) if ok else None
+    # found in review: an hour a week old rejected the whole file, so a week of writes was forgotten an hour later
+    return {h: n for h, n in raw.items() if h >= now_hour - WEAR_HOURS} if ok else None
 
 
 def add_wear(root: str, written: Mapping[int, int], now_hour: int, ops: fileio.FileOps) -> None:
