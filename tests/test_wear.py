@@ -118,7 +118,13 @@ async def test_a_shed_spill_settles_dropped_through_the_spiller(tmp_path: Path) 
     assert (first.outcome, shed.outcome, kept.outcome) == (Outcome.STORED, Outcome.DROPPED, Outcome.STORED)
     assert isinstance(shed.error, errors.WriteBudgetSpent)
     assert sp.queue.dropped == 1 and sp.store.stats()["dropped_budget"] == 1
+    written = sp.store.stats()["written_day"]
     await sp.close()
+    again = await spilld.Spiller.open(tmp_path, identity=IDENT)  # its close recorded the day's bytes
+    try:
+        assert again.store.stats()["written_day"] == written > 0
+    finally:
+        await again.close()
 
 
 def test_wear_counts_the_last_day_and_week_by_the_hour() -> None:
