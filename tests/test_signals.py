@@ -195,13 +195,13 @@ async def test_a_stop_signal_during_the_scan_ends_it_and_the_daemon_never_serves
 
     real, entered, waited = store_module.scan_root, threading.Event(), []
 
-    def slow(root: str, ops: Any, reap: bool, stopped: Any = bool) -> Any:  # a big store's scan, stopped or not
+    def slow(root: str, ops: Any, reap: bool, stopped: Any = bool, tally: Any = None) -> Any:  # a big store's scan
         entered.set()
         t0 = time.monotonic()
         while not stopped() and time.monotonic() - t0 < 20:
             time.sleep(0.01)
         waited.append(time.monotonic() - t0)
-        return real(root, ops, reap, stopped)
+        return real(root, ops, reap, stopped, tally)
 
     root = new_root()
     try:
