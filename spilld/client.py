@@ -159,10 +159,21 @@ class AsyncClient:
             self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
             hello = {"version": P.PROTOCOL_VERSION, "client": self.name, "pid": os.getpid(), "session": self._session}
             try:
-                self.server = await self._call("hello", hello | {"lease_grantor": self.grant_lease}, timeout=limit)
+                self.server = await self._hello(hello, limit)
             except BaseException:  # refused, timed out or cancelled: nothing of this connection is left open
                 await self._disconnect()
                 raise
+
+    async def _hello(self, hello: dict[str, Any], limit: float) -> dict[str, Any]:
+        """The daemon's answer to the hello; ``NotADaemon`` for an answer that breaks the protocol, as the command
+        line says it (found in review: an HTTP server's reply was "message of 1347703880 bytes")."""
+        try:
+            server = await self._call("hello", hello | {"lease_grantor": self.grant_lease}, timeout=limit)
+        except errors.ProtocolError as exc:
+            raise errors.NotADaemon(f"not a spilld daemon at {self.socket_path} (its answer: {exc})") from None
+        if not isinstance(server, dict):
+            raise errors.NotADaemon(f"not a spilld daemon at {self.socket_path} (its answer to the hello is not a map)")
+        return server
 
     async def _old_reader_gone(self) -> None:
         """Let a lost connection's reader end before a new connection is made: its last act fails the calls and

@@ -609,3 +609,28 @@ async def test_a_stored_spills_result_is_alike_on_every_way_in(tmp_path: Any) ->
         cleanup(d.root)
     assert summary(mine) == summary(theirs) and mine.header.blocks is None
     assert mine.header.caches[0].tensors[0].shape[-2] == 200 and mine.file_bytes == os.path.getsize(mine.path)
+
+
+@pytest.mark.asyncio
+async def test_a_socket_served_by_something_else_is_not_a_daemon_for_the_clients(tmp_path: Any) -> None:
+    """Found in review: the command line said "not a spilld daemon" of a socket whose server answers HTTP (as
+    docker.sock does), but the engine's clients raised FrameTooLarge, "message of 1347703880 bytes"."""
+    import asyncio
+
+    path = str(tmp_path / "h.sock")
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read(100)
+        w.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_unix_server(handle, path)
+    try:
+        c = AsyncClient(path, identity=Identity(model_id="m"))
+        with pytest.raises(errors.NotADaemon, match="not a spilld daemon"):
+            await c.lookup([1, 2, 3])
+        await c.close(1)
+        assert issubclass(errors.NotADaemon, errors.ConnectionLost)  # a daemon that cannot be reached: a miss
+    finally:
+        server.close()
