@@ -488,6 +488,12 @@ def test_verify_names_the_bad_block_of_a_manifest(tmp_path: Path) -> None:
     for args in (["verify", entry.path], ["verify", "--dir", str(root)]):
         r = spilld(*args)
         assert r.returncode == 1 and f"in its block {block}" in r.stdout and "tensor_hash_mismatch" in r.stdout, r
+    # inspect shows the manifest's header, its blocks said, then the block's error (it showed nothing but the error)
+    r = spilld("inspect", entry.path)
+    assert r.returncode == 1 and "tokens       40" in r.stdout and "blocks       2 of 16" in r.stdout, r
+    assert block in r.stderr and "tensor_hash_mismatch" in r.stderr, r.stderr
+    got = json.loads(spilld("inspect", "--json", entry.path).stdout)
+    assert got["ok"] is False and got["code"] == "tensor_hash_mismatch" and len(got["header"]["tokens"]) == 40
 
 
 def test_verify_dir_checks_the_stores_own_files_and_never_follows_a_link(tmp_path: Path) -> None:

@@ -91,6 +91,8 @@ def _print_header(h: fmt.Header, path: str) -> None:
         print(f"checkpoint   {h.checkpoint.to_wire()}")
     for k, v in h.meta.items():
         print(f"meta         {k}={v}")
+    if h.blocks is not None:  # (found in review: a manifest's blocks went unsaid, its tokens beside short tensors)
+        print(f"blocks       {len(h.blocks.keys)} of {h.blocks.size} tokens (their rows are in the block files)")
     print(f"caches       {len(h.caches)} ({h.data_bytes} bytes of tensors)")
     for i, e in enumerate(h.caches):
         for line in _entry_summary(e):
@@ -106,17 +108,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         h = verify_file(path) if args.verify else read_header(path)
     except errors.SpillError as exc:
-        if args.json:
-            print(json.dumps({"ok": False, "code": exc.code, "error": str(exc)}))
-        else:
-            print(f"spilld: {exc} [{exc.code}]", file=sys.stderr)
-        return EXIT_BAD_FILE
+        return _inspect_failed(path, exc, args.json)
     if args.json:
         print(json.dumps({"ok": True, "hashes_checked": args.verify, "header": header_json(h)}, indent=2))
     else:
         _print_header(h, path)
         print("hashes       " + ("all tensor hashes match" if args.verify else "not checked (--no-verify)"))
     return EXIT_OK
+
+
+def _inspect_failed(path: str, exc: errors.SpillError, as_json: bool) -> int:
+    """A file that failed its check: its header still shown where it reads alone (found in review: a manifest with a
+    bad block showed nothing but the block's error)."""
+    from ..loader import read_header
+
+    try:
+        h: fmt.Header | None = read_header(path)
+    except errors.SpillError:
+        h = None
+    if as_json:
+        out = {"ok": False, "code": exc.code, "error": str(exc)}
+        print(json.dumps(out if h is None else out | {"header": header_json(h)}))
+    else:
+        if h is not None:
+            _print_header(h, path)
+        print(f"spilld: {exc} [{exc.code}]", file=sys.stderr)
+    return EXIT_BAD_FILE
 
 
 def store_files(root: str) -> list[tuple[str, str]]:
