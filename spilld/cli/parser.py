@@ -18,6 +18,7 @@ from ..config import (
 )
 from ..control import CONNECT_TIMEOUT_S
 from ..fileio import Durability
+from ..format import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 from .common import (
     EXIT_NOT_INSTALLED,
     Parser,
@@ -125,14 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_BLOCK_TOKENS,
         help=f"tokens per prefix block: conversations that share a prefix share its blocks on disk, and a turn "
-        f"writes only its new blocks (default {DEFAULT_BLOCK_TOKENS}; 0 writes every entry whole)",
+        f"writes only its new blocks ({MIN_BLOCK_TOKENS} to {MAX_BLOCK_TOKENS}, default {DEFAULT_BLOCK_TOKENS}; 0 "
+        "writes every entry whole)",
     )
     srv.add_argument(
         "--write-budget",
         type=size_arg,
         default=None,
         help="bytes written a day, at most (e.g. 20GiB): past it, droppable spills are shed and counted, "
-        "non-droppable ones still written; the count restarts with the daemon (default: no budget)",
+        "non-droppable ones still written; the count is kept across restarts in the folder (default: no budget)",
     )
     srv.add_argument(
         "--namespace-quota",
