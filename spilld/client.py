@@ -170,10 +170,8 @@ class AsyncClient:
         try:
             server = await self._call("hello", hello | {"lease_grantor": self.grant_lease}, timeout=limit)
         except errors.ProtocolError as exc:
-            raise errors.NotADaemon(f"not a spilld daemon at {self.socket_path} (its answer: {exc})") from None
-        if not isinstance(server, dict):
-            raise errors.NotADaemon(f"not a spilld daemon at {self.socket_path} (its answer to the hello is not a map)")
-        return server
+            raise P.not_a_daemon(self.socket_path, exc) from None
+        return P.hello_answer(server, self.socket_path)
 
     async def _old_reader_gone(self) -> None:
         """Let a lost connection's reader end before a new connection is made: its last act fails the calls and

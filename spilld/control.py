@@ -50,14 +50,12 @@ class Control:
                 "hello", {"version": P.PROTOCOL_VERSION, "client": name, "pid": os.getpid()}, timeout=timeout
             )
         except errors.ProtocolError as exc:
-            raise errors.NotADaemon(f"not a spilld daemon at {self.path} (its answer: {exc})") from None
+            raise P.not_a_daemon(self.path, exc) from None
         except errors.Timeout:
             raise errors.Timeout(
                 f"no answer from spilld at {self.path} within {timeout:g} s (hung, or stopped?)"
             ) from None
-        if not isinstance(server, dict):
-            raise errors.NotADaemon(f"not a spilld daemon at {self.path} (its answer to the hello is not a map)")
-        return server
+        return P.hello_answer(server, self.path)
 
     def __enter__(self) -> Control:
         return self

@@ -51,6 +51,15 @@ def io_errors(what: str, path: str) -> Iterator[None]:
         raise cls(f"{what} failed: {exc.strerror or exc}", path=path, errno=exc.errno) from exc
 
 
+def is_regular(path: str, unreadable: bool = False) -> bool:
+    """``path`` is a regular file itself, never followed through a symbolic link (one named like spilld's files is
+    someone else's); ``unreadable`` is the answer when it cannot be looked at."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return unreadable
+
+
 def open_regular(path: str, flags: int = 0) -> int:
     """``path`` opened for reading (with ``flags`` more) if it is a regular file; else OSError (EINVAL). Opened
     without blocking, so a FIFO named like a cache file (no writer at its other end) is refused at once instead of

@@ -248,3 +248,16 @@ def raise_for(error: dict[str, str] | None) -> None:
     """Turn a response's error map back into the typed error."""
     if error is not None:
         raise errors.error_from_code(str(error.get("code", "error")), str(error.get("message", "")))
+
+
+def not_a_daemon(path: str, why: errors.ProtocolError) -> errors.NotADaemon:
+    """What a client says of a socket whose answer to the hello broke the protocol (an HTTP server's reply, read as
+    a frame's length): not spilld, a daemon that cannot be reached."""
+    return errors.NotADaemon(f"not a spilld daemon at {path} (its answer: {why})")
+
+
+def hello_answer(answer: Any, path: str) -> dict[str, Any]:
+    """The daemon's answer to the hello, which is a map; ``NotADaemon`` otherwise."""
+    if not isinstance(answer, dict):
+        raise errors.NotADaemon(f"not a spilld daemon at {path} (its answer to the hello is not a map)")
+    return answer

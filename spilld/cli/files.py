@@ -138,7 +138,7 @@ def _inspect_failed(path: str, exc: errors.SpillError, as_json: bool) -> int:
 
 def store_files(root: str) -> list[tuple[str, str]]:
     """(path, identity folder) of every entry file under a store's root, temp files and quarantine left out."""
-    from ..fileio import is_temp_name
+    from ..fileio import is_regular, is_temp_name
     from ..store import EXT
     from ..store.folders import folder_names, namespace_folders
 
@@ -147,18 +147,11 @@ def store_files(root: str) -> list[tuple[str, str]]:
         found += [
             (os.path.join(folder, n), fp)
             for n in sorted(folder_names(folder))
-            if n.endswith(EXT) and not is_temp_name(n) and _is_regular(os.path.join(folder, n))
+            # a symbolic link named like an entry is someone else's, never checked, as the scan never indexes it
+            # (found in review: verify --dir followed links the scan skips); one unreadable now is checked, said bad
+            if n.endswith(EXT) and not is_temp_name(n) and is_regular(os.path.join(folder, n), unreadable=True)
         ]
     return found
-
-
-def _is_regular(path: str) -> bool:
-    """A file of the store's own: a symbolic link (or a folder) named like one is someone else's, never checked,
-    as the scan never indexes it (found in review: verify --dir followed links the scan skips)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return True  # (unreadable now: checked, and said bad)
 
 
 def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Header | None]:

@@ -54,7 +54,7 @@ def scan_root(
     found = Scanned()
     manifests: list[tuple[str, fmt.Header, float]] = []
     for name in os.listdir(root) if reap else []:  # the root's own temp files: a pins file or a probe cut short
-        if fileio.is_temp_name(name) and _is_regular(path := os.path.join(root, name)):
+        if fileio.is_temp_name(name) and fileio.is_regular(path := os.path.join(root, name)):
             fileio.remove_quietly(ops, path)
             found.reaped_temp += 1
     for folder, fp, ns in namespace_folders(root):
@@ -92,7 +92,7 @@ def _scan_file(
     reaped, reported bad, or left alone."""
     name = os.path.basename(path)
     if fileio.is_temp_name(name):
-        if reap and _is_regular(path):  # under the folder's lock: no other spilld is writing it
+        if reap and fileio.is_regular(path):  # under the folder's lock: no other spilld is writing it
             fileio.remove_quietly(ops, path)
             found.reaped_temp += 1
         return None
@@ -183,11 +183,3 @@ def _is_block(found: Scanned, path: str, key: bytes) -> bool | None:
         log.warning("could not judge %s, one of several files of a block: %s", path, exc)
         return None
     return True
-
-
-def _is_regular(path: str) -> bool:
-    """``path`` is a regular file itself (a symbolic link named like a temp file is not spilld's to remove)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
