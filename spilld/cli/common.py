@@ -193,6 +193,16 @@ def daemon_dir(args: argparse.Namespace) -> str | None:
         return None
 
 
+def refuse_not_a_store(root: str, then: str) -> None:
+    """``UsageError`` for a folder no daemon made (no lock, no entries): nothing there is spilld's (found in review:
+    ``evict --dir`` of one made a lock file there and removed the user's empty folders; ``verify --dir`` passed)."""
+    from ..lockfile import LOCK_NAME
+    from ..store import looks_like_store
+
+    if not looks_like_store(root):
+        raise UsageError(f"{root} is not a spilld store (no {LOCK_NAME}, no entries): {then}")
+
+
 def same_folder(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)

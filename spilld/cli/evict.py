@@ -19,6 +19,7 @@ from .common import (
     folder_arg,
     plural,
     refuse_another_folder,
+    refuse_not_a_store,
     same_folder,
     socket_path,
 )
@@ -76,17 +77,6 @@ def _evict_direct(root: str, args: argparse.Namespace, older: float | None) -> t
     return n, nbytes
 
 
-def _refuse_not_a_store(root: str) -> None:
-    """``UsageError`` for a folder no daemon made (no lock, no entries): nothing there is spilld's to remove, and
-    evicting from it would leave a lock file behind (found in review: it did, and removed the user's empty folders
-    named like a model's)."""
-    from ..lockfile import LOCK_NAME
-    from ..store import looks_like_store
-
-    if not looks_like_store(root):
-        raise UsageError(f"{root} is not a spilld store (no {LOCK_NAME}, no entries): nothing evicted, nothing made")
-
-
 def cmd_evict(args: argparse.Namespace) -> int:
     """Evict through the daemon that serves the folder, else from the folder itself; say which."""
     from ..config import default_dir
@@ -101,7 +91,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         served = None
     refuse_another_folder(args, root, served)
     if served is None:
-        _refuse_not_a_store(root)
+        refuse_not_a_store(root, "nothing evicted, nothing made")
     out: dict[str, Any] = {"dir": root, "through_daemon": served is not None, "evicted": 0, "bytes": 0}
     if args.all or args.fingerprint or args.older_than is not None:
         params = {"fingerprint": args.fingerprint, "older_than_s": args.older_than}

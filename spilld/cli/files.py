@@ -13,7 +13,7 @@ from typing import Any
 from .. import errors
 from .. import format as fmt
 from ..config import format_size
-from .common import EXIT_BAD_FILE, EXIT_OK, Progress, UsageError, folder_arg, plural, regular_file
+from .common import EXIT_BAD_FILE, EXIT_OK, Progress, UsageError, folder_arg, plural, refuse_not_a_store, regular_file
 
 # --- inspect, verify ---------------------------------------------------------------------------------
 
@@ -173,13 +173,11 @@ def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Heade
 def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
     """Check every entry of a store: (files checked, bad ones); bad ones are printed as they are found. A folder
     that is not a store is a usage error (found in review: a mistyped --dir passed, "0 entries checked, 0 bad")."""
-    from ..lockfile import LOCK_NAME
-    from ..store import looks_like_store
     from ..store.folders import unlistable_folders
 
     unlistable = unlistable_folders(root)  # (a store's folder it cannot list: said below, a failed check)
-    if not looks_like_store(root) and not unlistable:
-        raise UsageError(f"{root} is not a spilld store (no {LOCK_NAME}, no entries): nothing to verify")
+    if not unlistable:
+        refuse_not_a_store(root, "nothing to verify")
 
     files = store_files(root)
     sizes = {p: os.path.getsize(p) if os.path.exists(p) else 0 for p, _ in files}
