@@ -371,3 +371,14 @@ def _advance(bufs: Sequence[memoryview], n: int) -> Sequence[memoryview]:
 
 
 DEFAULT_OPS = FileOps()
+
+
+class OwnFileOps(FileOps):
+    """``FileOps`` for reads of a store's own files: spilld only ever fills its folders with regular files, so a
+    symbolic link found there (even one swapped in after the scan) is someone else's, refused (ELOOP), never read."""
+
+    def open_read(self, path: str) -> int:
+        return open_regular(path, os.O_NOFOLLOW)
+
+
+OWN_OPS = OwnFileOps()

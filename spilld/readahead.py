@@ -101,7 +101,7 @@ def _read_some(files: list[tuple[str, int]], at: _Cursor, buf: bytearray) -> tup
     total = files_done = 0
     while at.index < len(files) and total < len(buf):
         try:
-            fd = fileio.open_regular(files[at.index][0])  # never blocks on a FIFO named like a file (review)
+            fd = fileio.open_regular(files[at.index][0], os.O_NOFOLLOW)  # no FIFO, no link: the store's own files only
         except OSError:
             at.index, at.offset = at.index + 1, 0
             continue

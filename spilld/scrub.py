@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class ScrubStats:
 def check_manifest(path: str) -> bool:
     """A manifest of at most ``IN_MEMORY_MAX`` bytes read whole and checked in memory, without its blocks (they are
     checked as files of their own); False, nothing checked, if it is larger (then it is checked in paced steps)."""
-    with open(fileio.open_regular(path), "rb") as f:  # never blocks on a FIFO named like a file (found in review)
+    with open(fileio.open_regular(path, os.O_NOFOLLOW), "rb") as f:  # no FIFO (it would block), no link
         data = f.read(IN_MEMORY_MAX + 1)  # (never more than the bound, whatever the file's size says meanwhile)
     if len(data) > IN_MEMORY_MAX:
         return False
@@ -114,7 +115,7 @@ class Scrub:
         st.passes += 1
 
     async def _check_in_steps(self, path: str, nbytes: int, pace: Pace) -> None:
-        steps, read = verify_steps(path), 0
+        steps, read = verify_steps(path, fileio.OWN_OPS), 0
         try:
             while (n := await off_loop(functools.partial(next, steps, -1), idle=True)) >= 0:
                 read += n

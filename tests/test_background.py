@@ -292,15 +292,26 @@ def _fifo_in_place_of(path: str) -> None:
     os.mkfifo(path)
 
 
+def _link_in_place_of(path: str) -> None:
+    """The same bytes, moved beside the store and linked back under the name: only the link is wrong."""
+    theirs = path + ".theirs"
+    os.rename(path, theirs)
+    os.symlink(theirs, path)
+
+
 @pytest.mark.asyncio
-async def test_a_fifo_named_like_a_stored_file_is_refused_by_the_scrub_and_the_warm_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("swap", [_fifo_in_place_of, _link_in_place_of], ids=["fifo", "link"])
+async def test_a_fifo_or_link_named_like_a_stored_file_is_refused_by_the_scrub_and_the_warm_start(
+    tmp_path: Path, swap: Any
+) -> None:
     """Found in review: the scrub and the warm start opened store files in blocking mode, so a FIFO put in place of
-    a manifest hung a background thread (and a daemon's stop, which waited for it). Both now refuse it at once."""
+    a manifest hung a background thread (and a daemon's stop, which waited for it); and both read through a link
+    put in place of one. Both now refuse either at once."""
     import asyncio
 
     s, _ = await three_conversations(tmp_path)
     manifest = s.entries[0].path
-    _fifo_in_place_of(manifest)
+    swap(manifest)
     t = FakeTime()
     scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
     await asyncio.wait_for(scrub.scrub_pass(), 10)
@@ -308,7 +319,7 @@ async def test_a_fifo_named_like_a_stored_file_is_refused_by_the_scrub_and_the_w
     files = [(manifest, 4096), *((p, n) for p, n, _ in scrub.targets() if p != manifest)]
     ra = ReadAhead(files, 2**40, lambda: False, clock=t.clock, sleep=t.sleep)
     await asyncio.wait_for(ra.run(), 10)
-    assert ra.stats.done and ra.stats.files == len(files) - 1  # the FIFO passed over, every other file read
+    assert ra.stats.done and ra.stats.files == len(files) - 1  # the FIFO or link passed over, every other file read
 
 
 @pytest.mark.asyncio

@@ -1454,3 +1454,28 @@ async def test_a_put_cancelled_while_it_stops_its_cut_ahead_leaves_no_block_pinn
     await s.delete_doomed_async()
     assert s.count == 0 and len(s.blocks) == 0  # nothing names them: reclaimed
     assert [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".spilld-block")] == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("which", ["manifest", "block"])
+async def test_a_link_swapped_in_for_a_stored_file_is_never_read(tmp_path: Path, which: str) -> None:
+    """Found in review: only the scan refused symbolic links; a restore opened an indexed name through a link
+    someone put there afterwards, and served whatever file it pointed at. Now every read of the store's own files
+    refuses a link: a miss, and the file it points at is left as it was."""
+    root, theirs = tmp_path / "store", tmp_path / "theirs"
+    theirs.mkdir()
+    s = Store(root, disk_cap=2**40, block_tokens=16)
+    r = await s.put(toks(40), kv_layers(40), IDENT)
+    hit = s.lookup(IDENT, "", toks(40))
+    assert isinstance(hit, Hit)
+    if which == "manifest":
+        victim = r.path
+    else:
+        victim = next(b.path for b in s.index.blocks.values())
+    copy = theirs / os.path.basename(victim)
+    shutil.copyfile(victim, copy)  # the same bytes: only the link itself is wrong
+    os.unlink(victim)
+    os.symlink(copy, victim)
+    got = await s.restore_async(hit, IDENT)
+    assert isinstance(got, Miss)
+    assert os.path.islink(victim) and os.listdir(theirs) == [copy.name] and quarantined(root) == []

@@ -412,7 +412,7 @@ class Store:
         e = hit.entry
         return load(
             e.path, expect=ident, verify=self.verify, upto=hit.matched, provider=self.provider,
-            blocks=self.block_path, blocks_only=hit.blocks_only,
+            blocks=self.block_path, blocks_only=hit.blocks_only, ops=fileio.OWN_OPS,
         )  # fmt: skip
 
     def restore_done(self, hit: Hit, outcome: Loaded | errors.SpillError) -> Loaded | Miss:
