@@ -505,7 +505,7 @@ class Daemon:
         return {"evicted": n, "bytes": nbytes}
 
     async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        return self.status()
+        return self.status(asker=conn)
 
     async def _shutdown(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         self.stopping.set()
@@ -523,7 +523,9 @@ class Daemon:
             "max_spill_bytes": self.ingest.max_spill,
         }
 
-    def status(self) -> dict[str, Any]:
+    def status(self, asker: Connection | None = None) -> dict[str, Any]:
+        """The daemon's counters; ``clients`` leaves out ``asker``, the connection that asks (``spilld status``
+        with nobody else connected says 0, not 1)."""
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -531,7 +533,7 @@ class Daemon:
             "socket": self.cfg.socket,
             "dir": self.cfg.dir,
             "cap": self.cfg.cap,
-            "clients": len(self.connections),
+            "clients": len(self.connections - {asker}),
             "client_errors": self.client_errors,
             "lookups": self.lookups,
             "queue": self.queue.counters(),
