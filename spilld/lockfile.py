@@ -8,10 +8,13 @@ different files under one name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
+import time
 import weakref
+from collections.abc import Iterator
 
 from . import errors
 from .fileio import io_errors
@@ -19,6 +22,9 @@ from .fileio import io_errors
 LOCK_NAME = ".spilld.lock"  # in the store's folder (the scan skips names that start with a dot)
 SOCKET_LOCK_SUFFIX = ".lock"  # beside the socket: <socket>.lock
 PID_BYTES = 32  # the most of a lock file read back for the holder's pid
+UPDATE_LOCK_NAME = ".spilld-update.lock"  # in the root, always empty: held around a rewrite of a shared root file
+UPDATE_WAIT_S = 5.0  # the longest such a rewrite waits for another process's (each takes milliseconds)
+UPDATE_POLL_S = 0.005
 
 
 def holder_pid(path: str) -> int | None:
@@ -101,6 +107,39 @@ class FileLock:
             fd, self.fd = self.fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)  # closing the last descriptor drops the flock
+
+
+@contextlib.contextmanager
+def updating(root: str, wait_s: float = UPDATE_WAIT_S) -> Iterator[None]:
+    """One writer at a time, across processes, for a read-merge-replace of a file of ``root`` that several stores
+    share (the pins and the wear file): two stores of one folder otherwise both read the old file, and the second's
+    rename drops the first's change. ``StorageTimeout`` past ``wait_s``, ``StorageError`` if the lock's name holds
+    anything but an empty regular file (someone else's: left as it is). Blocking: a worker thread."""
+    path = os.path.join(root, UPDATE_LOCK_NAME)
+    flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    with io_errors("lock file", path):
+        fd = os.open(path, flags, 0o600)
+    try:
+        with io_errors("lock file", path):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size:
+                raise OSError(errno.EINVAL, "not a spilld lock file (an empty regular file)")
+        _lock_within(fd, path, wait_s)
+        yield
+    finally:
+        os.close(fd)  # the flock goes with it
+
+
+def _lock_within(fd: int, path: str, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise errors.StorageTimeout(f"{path} held by another process for {wait_s:g} s", path=path) from None
+            time.sleep(UPDATE_POLL_S)
 
 
 def _check_ours(fd: int, path: str) -> None:

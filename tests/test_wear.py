@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlx_lm.models import cache as C
@@ -387,3 +390,78 @@ def test_the_gate_through_the_daemon_and_its_status(tmp_path: Path) -> None:
     finally:
         d.stop()
         cleanup(d.root)
+
+
+def _slowed(fn: Any) -> Any:
+    """``fn`` that waits after it reads: a second writer that does not wait its turn reads the same old file."""
+
+    def slow(*args: Any) -> Any:
+        got = fn(*args)
+        time.sleep(0.3)
+        return got
+
+    return slow
+
+
+def _at_once(*calls: Any) -> None:
+    threads = [threading.Thread(target=c) for c in calls]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # each starts inside the previous one's read-to-replace window
+    for t in threads:
+        t.join(10)
+
+
+def test_two_stores_rewriting_the_pins_or_the_wear_file_at_once_lose_neither_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the pins and the wear file are read, merged and replaced by each store of a folder; two at
+    once (two Spillers of one folder) both read the old file, and the second's rename dropped the first's pin or
+    count. Each rewrite now holds the root's update lock (its own open of it, as another process has)."""
+    from spilld.fileio import DEFAULT_OPS, Durability
+    from spilld.store import pins, wearfile
+
+    root = str(tmp_path)
+    a, b = (os.path.join(root, n) for n in ("a.spilld", "b.spilld"))
+    for p in (a, b):
+        Path(p).write_bytes(b"")
+    monkeypatch.setattr(pins, "_read_names", _slowed(pins._read_names))
+    _at_once(*(lambda p=p: pins.update_pins(root, {p: True}, [], DEFAULT_OPS, Durability.NONE) for p in (a, b)))
+    assert pins.read_pins(root) == [a, b]
+    now = Wear().hour()
+    monkeypatch.setattr(wearfile, "read_wear", _slowed(wearfile.read_wear))
+    _at_once(*(lambda n=n: wearfile.add_wear(root, {now: n}, now, DEFAULT_OPS) for n in (10, 20)))
+    assert wearfile.read_wear(root, now) == {now: 30}
+
+
+def test_the_update_lock_waits_a_bounded_time_and_takes_no_file_it_did_not_make(tmp_path: Path) -> None:
+    """The update lock is an empty regular file of spilld's: a held one is waited for ``wait_s`` at most
+    (``StorageTimeout``); anything else at its name (a link, a FIFO, a file with bytes) is refused and left alone."""
+    import fcntl
+
+    from spilld.lockfile import UPDATE_LOCK_NAME, updating
+
+    root = str(tmp_path)
+    with updating(root):
+        pass
+    path = tmp_path / UPDATE_LOCK_NAME
+    assert path.stat().st_size == 0
+    with open(path, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        with pytest.raises(errors.StorageTimeout), updating(root, wait_s=0.2):
+            pass
+        assert 0.2 <= time.monotonic() - t0 < 5
+    path.unlink()
+    (tmp_path / "theirs").write_bytes(b"keep")
+    for make in (
+        lambda: path.symlink_to(tmp_path / "theirs"),
+        lambda: os.mkfifo(path),
+        lambda: path.write_bytes(b"someone's notes"),
+    ):
+        make()
+        with pytest.raises(errors.StorageError, match="not a spilld lock file|Too many levels"), updating(root):
+            pass
+        assert (tmp_path / "theirs").read_bytes() == b"keep"
+        assert path.is_symlink() or path.is_fifo() or path.read_bytes() == b"someone's notes"
+        path.unlink()

@@ -3,8 +3,8 @@
 ``<root>/.spilld-pins`` lists the pinned entries' paths relative to the root, one a line; it is replaced
 atomically and durably. Anything but a regular file at that name (a symbolic link, a FIFO) is someone else's: never
 read through, never replaced. A name that would lead outside the root is ignored. Each rewrite merges: the file's
-current names with one writer's own changes, so two writers of a folder (Spillers sharing it) and a
-scan that could not read an entry never drop another's pin.
+current names with one writer's own changes, one writer at a time across processes, so two writers of a folder
+(Spillers sharing it) and a scan that could not read an entry never drop another's pin.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from .. import fileio
+from ..lockfile import updating
 
 PINS_FILE = ".spilld-pins"
 PINS_MAX_BYTES = 1 << 24  # the most of the file read: far more names than a disk cap's worth of entries
@@ -60,11 +61,12 @@ def update_pins(
     """Replace the file with its current names, ``changes`` (path: pinned or not) applied: another writer's pins
     are kept. A name no one changed whose file is gone (an entry removed by a writer that has not written since)
     is dropped. A file there but unreadable is rebuilt from ``known`` (this writer's pins, judged or not).
-    Blocking: a worker thread."""
-    names = _read_names(root)
-    pins = {p for p in (known if names is None else names) if p not in changes and not _gone(p)}
-    pins |= {p for p, on in changes.items() if on}
-    write_pins(root, sorted(pins), ops, durability)
+    One writer at a time across processes (``lockfile.updating``). Blocking: a worker thread."""
+    with updating(root):
+        names = _read_names(root)
+        pins = {p for p in (known if names is None else names) if p not in changes and not _gone(p)}
+        pins |= {p for p, on in changes.items() if on}
+        write_pins(root, sorted(pins), ops, durability)
 
 
 def _gone(path: str) -> bool:

@@ -2,7 +2,7 @@
 
 ``<root>/.spilld-wear`` is a msgpack map of hour (seconds since the epoch // 3600) to bytes written in it, at most
 the last 7 days. A store reads it at its scan and adds what it wrote when it stops (a crash loses that run's count:
-the budget then errs short by it; two stores of one folder stopping at once may lose one's). Anything but a regular
+the budget then errs short by it; stores of one folder add theirs one at a time). Anything but a regular
 file at that name is someone else's: never read through, never replaced. A file that is too big, malformed or names
 an hour in the future is ignored, said; hours older than the week are dropped.
 """
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import msgpack
 
 from .. import fileio
+from ..lockfile import updating
 
 log = logging.getLogger("spilld.store")
 
@@ -65,11 +66,13 @@ def _checked(data: bytes, now_hour: int) -> dict[int, int] | None:
 def add_wear(root: str, written: Mapping[int, int], now_hour: int, ops: fileio.FileOps) -> None:
     """Add ``written`` to what the file holds now (another store of the folder may have added its own since this
     one read it), dropping hours out of the window, and replace it atomically. ``StorageError`` if something other
-    than a regular file is at its name: that is left as it is."""
+    than a regular file is at its name: that is left as it is. One writer at a time across processes
+    (``lockfile.updating``)."""
     path = os.path.join(root, WEAR_FILE)
     fileio.check_replaceable(path)
-    hours = read_wear(root, now_hour)
-    for h, n in written.items():
-        if h >= now_hour - WEAR_HOURS:
-            hours[h] = hours.get(h, 0) + n
-    fileio.publish_bytes(ops, path, msgpack.packb(hours), fileio.Durability.NONE)
+    with updating(root):
+        hours = read_wear(root, now_hour)
+        for h, n in written.items():
+            if h >= now_hour - WEAR_HOURS:
+                hours[h] = hours.get(h, 0) + n
+        fileio.publish_bytes(ops, path, msgpack.packb(hours), fileio.Durability.NONE)
