@@ -9,7 +9,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -316,6 +316,70 @@ def test_a_headers_free_text_counts_against_the_cap(small: Daemon) -> None:
             refused = error
             break
     assert refused is not None and refused["code"] == "busy" and i < 16, (i, refused)
+
+
+def _other_provider(fields: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    def mutate(h: dict[str, Any]) -> None:
+        h["codec_provider"] = "another/1"  # no rules here: its caches' kinds and fields are taken as sent
+        h["caches"][0].update(kind="k" * 100_000, fields=fields)
+
+    return mutate
+
+
+EMOJI_TEXT = "\U0001f600" + "x" * 3_000_000  # one wide character: CPython stores every one at 4 bytes
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda h: h.update(meta={"note": "x" * 3_000_000}),
+        lambda h: h.update(meta={"note": EMOJI_TEXT}),
+        lambda h: h.update(meta={"\u00e9" * 1_000_000: "\u4e2d" + "x" * 1_000_000}),
+        lambda h: h.update(
+            attachments=[{"schema": EMOJI_TEXT[: 10**6], "metadata": {"k": EMOJI_TEXT[: 10**6]}, "tensors": []}]
+        ),
+        lambda h: h.update(codec_provider=EMOJI_TEXT),
+        lambda h: h.update(
+            checkpoint={
+                "key": "\U0001f600" * 4096,
+                "cache_ns": "\U0001f600" * 4096,
+                "original_prompt_tokens": 16,
+                "generated_tokens": 0,
+                "pending_token": None,
+                "seed": 0,
+                "seed_was_explicit": False,
+            }
+        ),
+        _other_provider({"f" * 100_000: EMOJI_TEXT[: 10**6]}),
+        _other_provider({"f": [-20] * 1_000_000}),  # each a new int (CPython keeps -5..256 only): 40 bytes a byte
+    ],
+    ids=["ascii-meta", "emoji-meta", "wide-meta-key", "attachment", "provider", "checkpoint", "fields", "field-ints"],
+)
+def test_a_headers_values_are_counted_at_what_they_hold_in_memory(mutate: Callable[[dict[str, Any]], None]) -> None:
+    """docs/format.md §10 ("the cap rule"): a spill's parsed header is counted at what CPython's objects take, from
+    its ``spill`` to its end. Found in review: its text was counted at its length in characters, but CPython stores
+    every character of a str at the width of its widest one (one emoji: 3 MB of meta held 12 MB, counted 3 MB), and
+    its codec provider, its caches' kinds and the fields of a provider without rules here (taken as sent) were not
+    counted at all (a 4 MiB spill of a list of 4 M small ints held 160 MB, counted as 3 KB), each for as long as
+    the spill stayed open."""
+    import tracemalloc
+
+    import msgpack
+
+    from spilld.unpack import unpack
+
+    header = kv_header(16)
+    mutate(header)
+    wire = msgpack.packb(header, use_bin_type=True)
+    assert len(wire) <= P.MAX_MSG_BYTES  # what a client can send
+    del header
+    tracemalloc.start()
+    try:
+        parsed = ingest.accept_header(unpack(wire))
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert ingest.parsed_bytes(parsed, "") >= held, (ingest.parsed_bytes(parsed, ""), held)
 
 
 def test_a_headers_cache_entries_and_attachments_count_against_the_cap(small: Daemon) -> None:

@@ -7,6 +7,7 @@ dropped hold queue room from their first frame (``reserved``), so the commit of 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,22 +35,51 @@ MAX_SPILL_CAPS = 2  # one spill may be up to this x --cap (taken alone, when not
 # unpack.MAX_EXPANSION x its size (the decoder refuses more maps and arrays than that allows).
 PARSED_BYTES_PER_TOKEN = 48
 PARSED_BYTES_PER_TENSOR = 1024
-PARSED_BYTES_PER_STRING = 64  # a str object's own size, beside its characters (meta, identity, attachments' metadata)
 # a cache entry (children too) or an attachment, with or without tensors: its objects (~330 B measured for an empty
 # kv entry); found in review: 50,000 empty entries held 15.7 MiB counted as nothing
 PARSED_BYTES_PER_ENTRY = 512
 DECODED_BYTES_PER_MSG_BYTE = MAX_EXPANSION
+OBJECT_ALIGN = 16  # CPython's allocator gives each object a multiple of this (an int of 28 bytes takes 32)
 BIG_MSG_BYTES = 64 * 1024  # messages this large are counted against the cap while received and decoded
 
 
 def text_bytes(header: fmt.Header, key: str) -> int:
-    """What a spill's free-form text holds in memory once parsed: its meta, its identity, its attachments' metadata
-    and its key, each string with its object's own size."""
-    texts = [key, *vars(header.identity).values(), *(x for kv in header.meta.items() for x in kv)]
-    texts += [x for a in header.attachments for kv in a.metadata.items() for x in kv] + [
-        a.schema for a in header.attachments
-    ]
-    return sum(PARSED_BYTES_PER_STRING + (len(t) if isinstance(t, str) else 0) for t in texts)
+    """What a spill's free-form values hold in memory once parsed, each object at its size (``sys.getsizeof``): its
+    key, identity, codec provider, meta, checkpoint's names, attachments' schemas and metadata, and every cache
+    entry's kind and fields (children included). CPython stores every character of a str at the width of its
+    widest one (found in review: one emoji made 3 MB of ASCII meta hold 12 MB counted as 3 MB), and the fields of
+    a provider without rules here are taken as sent (a list of 4 M small ints in a 4 MiB spill held 160 MB,
+    counted as 512 bytes)."""
+    texts: list[Any] = [key, header.codec_provider, *vars(header.identity).values(), header.meta]
+    if header.checkpoint is not None:
+        texts += [header.checkpoint.key, header.checkpoint.cache_ns]
+    texts += [x for a in header.attachments for x in (a.schema, a.metadata)]
+    entries = list(header.caches)
+    while entries:
+        e = entries.pop()
+        texts += [e.kind, e.fields]
+        entries += e.children
+    return sum(object_bytes(t) for t in texts)
+
+
+def object_bytes(v: Any) -> int:
+    """What a decoded msgpack value's objects take: each map, array, str, bin and number at its own size, rounded up
+    to the allocator's ``OBJECT_ALIGN``. A cache's fields nest at most ``fmt.MAX_FIELD_DEPTH`` deep, the other values
+    one: the recursion is shallow."""
+    own = -(-sys.getsizeof(v) // OBJECT_ALIGN) * OBJECT_ALIGN
+    if isinstance(v, dict):
+        return own + sum(object_bytes(k) + object_bytes(x) for k, x in v.items())
+    if isinstance(v, list):
+        return own + sum(object_bytes(x) for x in v)
+    return own
+
+
+def parsed_bytes(header: fmt.Header, key: str) -> int:
+    """What a spill's parsed header holds in memory, counted against the cap from its ``spill`` on: its tokens, its
+    tensors, its entries and attachments, and its text (found in review: a header of 4 MiB of meta held 17 MB)."""
+    parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(header.slots())
+    parsed += PARSED_BYTES_PER_ENTRY * (entry_count(header.caches) + len(header.attachments))
+    return parsed + text_bytes(header, key)
 
 
 def entry_count(caches: list[fmt.CacheEntry]) -> int:
@@ -177,9 +207,7 @@ class Ingest:
         elif header.identity.namespace.startswith(CHECKPOINT_NS_PREFIX):
             raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
         droppable = p.get("droppable", True)
-        parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(slots)
-        parsed += PARSED_BYTES_PER_ENTRY * (entry_count(header.caches) + len(header.attachments))
-        parsed += text_bytes(header, p.get("key", ""))  # found in review: a header of 4 MiB of meta held 17 MB
+        parsed = parsed_bytes(header, p.get("key", ""))
         held, hold = self.hold(header) if p.get("held", False) else (0, None)  # the client sends the rows past it
         sp = Incoming(header, droppable, p.get("key", ""), parsed, pin=p.get("pin", False), held_rows=held)
         sp.hold = hold
