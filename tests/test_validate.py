@@ -379,3 +379,40 @@ def test_a_ring_that_has_not_wrapped_must_write_at_its_end(tmp_path: Any, make: 
     bad = write(str(tmp_path / "bad.spilld"), join(wire, body))
     with pytest.raises(errors.IndexOutOfRange):
         spilld.loader.read_header(bad)
+
+
+def _ring_file(path: str, ring: Any, tokens: int) -> tuple[Wire, bytes]:
+    spilld.save(path, list(range(tokens)), [ring], identity=IDENT, durability="none")
+    with open(path, "rb") as f:
+        return split(f.read())
+
+
+def test_ring_rules_give_the_codes_format_md_names(tmp_path: Any) -> None:
+    """docs/format.md §5.1 rule 7, code by code (found in review: the rule named only ``offset_mismatch`` and
+    ``index_out_of_range``, while a ring's ``keep`` above its ``max_size`` and a batch ring ``rotated`` before it
+    is full are ``field_invalid``): each breach of a ring's rule, made from a file mlx-lm's own ring wrote."""
+    ring = C.RotatingKVCache(max_size=16, keep=4)
+    ring.update_and_fetch(*kv(5, batch=1, heads=2, dim=16))
+    batch = C.BatchRotatingKVCache(max_size=16, left_padding=[3, 0])
+    batch.update_and_fetch(*kv(10, batch=2, heads=2, dim=16))
+    files = {
+        "ring": _ring_file(str(tmp_path / "r.spilld"), ring, 5),
+        "batch": _ring_file(str(tmp_path / "b.spilld"), batch, 10),
+    }
+    cases: list[tuple[str, dict[str, Any], type[errors.SpillError]]] = [
+        ("ring", {"keep": 17}, errors.FieldInvalid),  # keep > max_size
+        ("ring", {"keep": 17, "idx": 99}, errors.FieldInvalid),  # checked before the rows and idx
+        ("ring", {"idx": 6}, errors.IndexOutOfRange),  # idx > rows
+        ("ring", {"idx": 4}, errors.IndexOutOfRange),  # not wrapped: idx = rows
+        ("ring", {"max_size": 4, "keep": 0}, errors.OffsetMismatch),  # trimmable must be offset < max_size
+        ("batch", {"rotated": True}, errors.FieldInvalid),  # pos 10 < max_size 16
+        ("batch", {"pos": 9}, errors.OffsetMismatch),  # offset = pos
+        ("batch", {"idx": 9}, errors.IndexOutOfRange),  # not rotated: idx = rows
+    ]
+    for n, (which, fields, err) in enumerate(cases):
+        wire, body = copy.deepcopy(files[which][0]), files[which][1]
+        wire["caches"][0]["fields"].update(fields)
+        bad = write(str(tmp_path / f"bad{n}.spilld"), join(wire, body))
+        with pytest.raises(errors.SpillError) as got:
+            spilld.loader.read_header(bad)
+        assert type(got.value) is err, (which, fields, got.value)
