@@ -212,3 +212,24 @@ def test_the_largest_headers_spilld_writes_are_within_the_container_limit() -> N
     big = msgpack.packb({"format": 3, "tokens": b"\0\0\0\0", "caches": caches}, use_bin_type=True)
     assert len(big) <= P.MAX_MSG_BYTES and 4 * len(caches) + 2 <= container_limit(len(big))
     assert unpack(big)["caches"][-1]["tensors"][1]["shape"] == [1, 8, 1, 128]
+
+
+def test_the_container_bound_at_and_one_over_and_where_counting_starts() -> None:
+    """docs/format.md §10 ("containers"): a message of ``COUNT_FROM_BYTES`` or more holds at most one map or array
+    per ``BYTES_PER_CONTAINER`` bytes plus ``CONTAINER_SLACK``; a shorter one is not counted. Found in review: no
+    test hit the bound at its edge, nor where counting starts."""
+    from spilld.unpack import COUNT_FROM_BYTES, TooManyContainers, container_limit, unpack
+
+    def message(size: int, containers: int) -> bytes:
+        """An array of ``containers - 1`` empty maps padded with nil to ``size`` bytes (array 32 heads: 5 bytes)."""
+        items = containers - 1
+        body = b"\xdd" + struct.pack(">I", items + (size - 5 - items)) + b"\x80" * items + b"\xc0" * (size - 5 - items)
+        assert len(body) == size
+        return body
+
+    n = COUNT_FROM_BYTES
+    assert (n, container_limit(n)) == (64 * 1024, 64 * 1024 // 16 + 64)  # the values the doc gives
+    assert len(unpack(message(n, container_limit(n)))) == n - 5
+    with pytest.raises(TooManyContainers):
+        unpack(message(n, container_limit(n) + 1))
+    assert len(unpack(message(n - 1, container_limit(n - 1) + 1000))) == n - 6  # below the size counted from
