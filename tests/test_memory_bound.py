@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -396,3 +397,101 @@ def test_a_headers_cache_entries_and_attachments_count_against_the_cap(small: Da
     r = w.call("spill", {"header": header})
     assert r.error is None, r.error
     assert w.call("status", {}).result["ingest"]["receiving"] >= 15_000 * PARSED_BYTES_PER_ENTRY
+
+
+@pytest.mark.asyncio
+async def test_a_spills_header_is_parsed_and_measured_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: parsing a spill's header and measuring what it holds walk all of it in Python on the event
+    loop; a 4 MiB header of small ints (a provider without rules here: its fields taken as sent) took 1.5 s there,
+    in which no other client was answered. Both run on a compute thread now, the message counted until then."""
+    import asyncio
+    import threading
+
+    from mlx_lm.models.cache import KVCache
+
+    import spilld
+    from spilld.config import Config
+    from spilld.daemon.server import Daemon as InProcess
+    from tests.caches import fill
+
+    where: list[threading.Thread] = []
+    real = ingest.parsed_bytes
+    parsing, go_on = threading.Event(), threading.Event()
+
+    def measured(*args: Any) -> int:
+        where.append(threading.current_thread())
+        parsing.set()
+        go_on.wait(20)
+        return real(*args)
+
+    monkeypatch.setattr(ingest, "parsed_bytes", measured)
+    cfg = Config(dir=str(tmp_path / "store"), socket=str(tmp_path / "s.sock"))
+    daemon = InProcess(cfg)
+    await daemon.start()
+    try:
+        ident = spilld.Identity(model_id="m")
+        async with (
+            spilld.AsyncClient(cfg.socket, identity=ident) as client,
+            spilld.AsyncClient(cfg.socket, identity=ident) as probe,
+        ):
+            n = 30_000  # a header of over BIG_MSG_BYTES: counted while it is received, decoded and parsed
+            spill = client.spill(list(range(70_000, 70_000 + n)), [fill(KVCache(), n, heads=1, dim=4)], droppable=False)
+            await asyncio.get_running_loop().run_in_executor(None, parsing.wait, 20)
+            st = await probe.status()  # answered while the header is parsed: the loop is free
+            go_on.set()
+            assert (await spill).stored
+            assert st["ingest"]["buffers"] >= ingest.BIG_MSG_BYTES, st["ingest"]  # still counted meanwhile
+            assert (await probe.status())["ingest"]["buffers"] == 0
+    finally:
+        go_on.set()
+        await daemon.stop()
+    assert where and all(t is not threading.current_thread() for t in where)
+
+
+@pytest.mark.asyncio
+async def test_a_client_gone_while_its_spills_header_is_parsed_leaves_nothing_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found when the parse moved off the loop (the kill test of test_shm_safety): a connection lost while its
+    spill's header was parsed got that spill opened after its cleanup, its room held forever."""
+    import asyncio
+    import threading
+
+    from mlx_lm.models.cache import KVCache
+
+    import spilld
+    from spilld.config import Config
+    from spilld.daemon.server import Daemon as InProcess
+    from tests.caches import fill
+
+    real, parsing, go_on = ingest.parsed_bytes, threading.Event(), threading.Event()
+
+    def measured(*args: Any) -> int:
+        parsing.set()
+        go_on.wait(20)
+        return real(*args)
+
+    monkeypatch.setattr(ingest, "parsed_bytes", measured)
+    cfg = Config(dir=str(tmp_path / "store"), socket=str(tmp_path / "s.sock"))
+    daemon = InProcess(cfg)
+    await daemon.start()
+    try:
+        ident = spilld.Identity(model_id="m")
+        async with spilld.AsyncClient(cfg.socket, identity=ident) as probe:
+            before = set(daemon.connections)
+            client = await spilld.AsyncClient.open(cfg.socket, identity=ident)
+            (conn,) = daemon.connections - before
+            spill = client.spill(list(range(1, 9)), [fill(KVCache(), 8)], droppable=False)
+            await asyncio.get_running_loop().run_in_executor(None, parsing.wait, 20)
+            conn.transport.abort()  # lost mid-parse, as a write to a killed client ends it
+            await conn.closed
+            go_on.set()
+            assert not (await spill).stored
+            await client.close(timeout=5)
+            st = (await probe.status())["ingest"]
+            assert (st["open_spills"], st["receiving"], st["reserved"], st["buffers"]) == (0, 0, 0, 0), st
+    finally:
+        go_on.set()
+        await daemon.stop()

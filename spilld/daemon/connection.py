@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import os
@@ -51,6 +52,8 @@ COALESCED_CHUNK_BYTES = 1024**2
 # and a put_shm moves at least this many bytes, unless it ends its tensor (a client's segments are MiBs): each is a
 # buffer and a copy job of its own
 MIN_SHM_PUT_BYTES = 64 * 1024
+# the bytes counted for the message of the request a task handles (see Connection._call, release_message)
+_MESSAGE_HOLD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("message_hold", default=None)
 
 
 class Incoming:
@@ -465,10 +468,18 @@ class Connection(asyncio.BufferedProtocol):
         self.daemon.ingest.release(hold[0])
         hold[0] = 0
 
+    def release_message(self) -> None:
+        """The message of the request being handled (this task's) is no longer held: a spill's handler has counted
+        the header it parsed from it."""
+        if (hold := _MESSAGE_HOLD.get()) is not None:
+            self._release(hold)
+
     async def _call(self, handler: Any, method: str, msgid: int, raw: dict[str, Any], hold: list[int]) -> None:
-        # A big message stays counted until its handler starts; the handler counts what it keeps (a spill its
-        # parsed header), and parses synchronously, so at most one message is ever counted twice, for a moment.
-        self._release(hold)
+        # A big message stays counted until its handler starts; a spill's until it has counted what it keeps (its
+        # parsed header, made off the loop: ``release_message``), so it is counted twice for a moment, never not.
+        _MESSAGE_HOLD.set(hold)  # (this task's own context: requests handled at once never share it)
+        if method != "spill":
+            self._release(hold)
         try:
             params = check_params(method, raw)
             del raw  # the handler (a drain may wait long) keeps its checked params only, never what came with them

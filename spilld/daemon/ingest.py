@@ -7,6 +7,7 @@ dropped hold queue room from their first frame (``reserved``), so the commit of 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ from .. import format as fmt
 from .. import protocol as P
 from ..config import Config, format_size
 from ..entries import CHECKPOINT_NS_PREFIX, checkpoint_namespace
+from ..lease import off_loop
 from ..queue import Outcome, SpillItem, SpillQueue
 from ..unpack import MAX_EXPANSION
 from ..validate import validate_header
@@ -113,6 +115,12 @@ def with_ignored_fields(wire: Any) -> Any:
     return wire
 
 
+def _parse(wire: Any, key: str) -> tuple[fmt.Header, int]:
+    """``accept_header`` and what the result holds (``parsed_bytes``): both walk the whole header."""
+    header = accept_header(wire)
+    return header, parsed_bytes(header, key)
+
+
 def accept_header(wire: Any) -> fmt.Header:
     """A spill's header as the daemon will write it, or a typed error: parsed, hashes and layout the daemon's own,
     then the readers' checks (``validate_header``), so a spill a loader would refuse is never stored. Pure."""
@@ -200,14 +208,19 @@ class Ingest:
     async def spill(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         if self.stopping.is_set():
             raise P.Busy("the daemon is stopping")
-        header = accept_header(p["header"])
+        # parsed and measured off the loop: a hostile header of 4 MiB takes a second or two of Python (review)
+        header, parsed = await off_loop(functools.partial(_parse, p["header"], p.get("key", "")), compute=True)
+        conn.release_message()  # counted as parsed from here (``Incoming``), or dropped if refused below
+        if self.stopping.is_set():
+            raise P.Busy("the daemon is stopping")
+        if conn.closed.done():  # gone while its header was parsed: nobody will send its bytes nor end it
+            raise P.ConnectionLost("the client is gone")
         slots = header.slots()
         if header.checkpoint is not None:
             header.identity.namespace = checkpoint_namespace(header.checkpoint.key)
         elif header.identity.namespace.startswith(CHECKPOINT_NS_PREFIX):
             raise P.BadParams("spill: namespaces starting with the checkpoint prefix are reserved")
         droppable = p.get("droppable", True)
-        parsed = parsed_bytes(header, p.get("key", ""))
         held, hold = self.hold(header) if p.get("held", False) else (0, None)  # the client sends the rows past it
         sp = Incoming(header, droppable, p.get("key", ""), parsed, pin=p.get("pin", False), held_rows=held)
         sp.hold = hold
