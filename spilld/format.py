@@ -269,7 +269,9 @@ class Header:
     @property
     def restorable_tokens(self) -> int:
         """The tokens the caches hold: no more than the least offset any of them records (a file may record
-        more tokens than its caches saw; those past the least offset cannot be restored)."""
+        more tokens than its caches saw; those past the least offset cannot be restored). No caches hold none."""
+        if not self.caches:  # (found in review: such a file was a hit for all its tokens, restoring no cache)
+            return 0
         offsets: list[int] = []
         stack = list(self.caches)
         while stack:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import errors
 from . import format as fmt
 from .codecs import CodecProvider
 from .entries import check_namespace, checkpoint_namespace
@@ -80,6 +81,8 @@ def new_item(
     write time, inside the lease; without one (``leased=False``) nothing keeps
     the engine out while they are read, so the caches are cloned instead.
     """
+    if len(caches) == 0:  # (found in review: stored, then a load handed the engine no caches for all its tokens)
+        raise errors.BadParams("a spill needs the caches that hold its tokens: the list of caches is empty")
     # as it is now: a checkpoint is mutable, and an engine moves its next token on (found in review: the file held
     # the values at the write, or failed as inconsistent)
     checkpoint = dataclasses.replace(checkpoint) if checkpoint else None

@@ -634,3 +634,47 @@ async def test_a_socket_served_by_something_else_is_not_a_daemon_for_the_clients
         assert issubclass(errors.NotADaemon, errors.ConnectionLost)  # a daemon that cannot be reached: a miss
     finally:
         server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_spill_without_caches_is_refused_and_such_a_file_serves_no_prompt_on_every_way_in(
+    tmp_path: Any,
+) -> None:
+    """Found in review: ``spill(tokens, [])`` was stored, and the next load of those tokens handed the engine a
+    ``Loaded`` of every token and no cache at all (its model then failed, IndexError). Refused at the call on every
+    way in (``BadParams``); a file of no caches already in a store restores no token (a miss, not a hit)."""
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.client import Client
+    from spilld.saver import save
+    from tests.caches import fill
+    from tests.daemons import serving
+
+    tokens, ident = list(range(1, 41)), Identity(model_id="m")
+
+    async def refused(way: Any, sync: bool = False) -> None:
+        for call in (lambda: way.spill(tokens, []), lambda: way.checkpoint(tokens, [], _ck())):
+            with pytest.raises(errors.BadParams, match="caches"):
+                await asyncio.to_thread(call) if sync else call()
+
+    async with spilld.Spiller(tmp_path / "own", identity=ident) as sp:
+        await refused(sp)
+        stored = await sp.spill(tokens[:8], [fill(KVCache(), 8)])
+        assert stored.stored and (await sp.lookup([*tokens, 1])).matched == 8  # type: ignore[union-attr]
+        folder = os.path.dirname(stored.value.path)
+    # a file of no caches in the store's folder (an older writer's): never a hit, whoever reads the store
+    save(os.path.join(folder, "0" * 24 + ".spilld"), tokens, [], identity=ident)
+    async with spilld.Spiller(tmp_path / "own", identity=ident) as sp:
+        assert sp.store.stats()["entries"] == 2
+        assert (await sp.lookup([*tokens, 1])).matched == 8  # type: ignore[union-attr]  # never the one of none
+        loaded = await sp.load([*tokens, 1])
+        assert loaded is not None and len(loaded.tokens) == 8 and len(loaded.caches) == 1
+    with serving("--cap", "64MiB") as d:
+        async with AsyncClient(d.socket, identity=ident) as c:
+            await refused(c)
+        with Client(d.socket, identity=ident) as sync:
+            await refused(sync, sync=True)
+
+
+def _ck() -> spilld.GenerationCheckpoint:
+    return spilld.GenerationCheckpoint("g", "", 40, 0, 1, 0, False)
