@@ -51,7 +51,16 @@ from .queue import (
     matching,
     of_generation,
 )
-from .saver import LIVE_CHUNK_BYTES, AnySource, Attachment, SaveResult, Staging, TensorBytes, token_list
+from .saver import (
+    LIVE_CHUNK_BYTES,
+    AnySource,
+    Attachment,
+    SaveResult,
+    Staging,
+    TensorBytes,
+    token_ids_now,
+    token_list,
+)
 from .shm import ShmPool
 from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned, settle_closed, snapshot_of, threadsafe
 
@@ -968,11 +977,14 @@ class Client:
         """Queue on the client's loop (``enqueue`` runs there) from any thread: a future of the outcome."""
         return _refused() if self._closed is not None else self._handoffs.track(threadsafe(self._lt.loop, enqueue))
 
+    # The token ids are read here, on the caller's thread: an mlx array it left lazy can be evaluated by no other
+    # thread (found in review: the loop thread's read raised "There is no Stream(cpu, 0) in current thread").
+
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss:
-        return self._run(self._async.lookup(tokens, namespace))
+        return self._run(self._async.lookup(token_ids_now(tokens), namespace))
 
     def load(self, tokens: Sequence[int], namespace: str = "", *, longer_than: int = 0) -> Loaded | None:
-        return self._run(self._async.load(tokens, namespace, longer_than=longer_than))
+        return self._run(self._async.load(token_ids_now(tokens), namespace, longer_than=longer_than))
 
     def barrier(self, key: str = "") -> concurrent.futures.Future[Settled]:
         return self._submit(lambda: self._async.barrier(key))

@@ -678,3 +678,54 @@ async def test_a_spill_without_caches_is_refused_and_such_a_file_serves_no_promp
 
 def _ck() -> spilld.GenerationCheckpoint:
     return spilld.GenerationCheckpoint("g", "", 40, 0, 1, 0, False)
+
+
+@pytest.mark.asyncio
+async def test_token_ids_as_a_lazy_mlx_array_numpy_or_list_look_up_alike_on_every_way_in(tmp_path: Any) -> None:
+    """Found in review: the engine's lazy mlx array of token ids (a concatenation, as a decode loop builds them)
+    worked for a Spiller and an AsyncClient, but a Client read it on its loop's thread and raised a bare
+    RuntimeError ("There is no Stream(cpu, 0) in current thread"); so did the embedded tier (a silent miss)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.client import Client
+    from spilld.integrations.tier import EmbeddedTier
+    from tests.caches import fill
+    from tests.daemons import serving
+
+    tokens, ident = list(range(1, 41)), Identity(model_id="m")
+    asked = [*tokens, 7]
+
+    def forms() -> list[Any]:  # a fresh lazy array each time: one evaluated once would pass anywhere
+        return [asked, np.array(asked), mx.concatenate([mx.array(asked[:20]), mx.array(asked[20:])])]
+
+    async with spilld.Spiller(tmp_path / "own", identity=ident) as sp:
+        assert (await sp.spill(tokens, [fill(KVCache(), 40)])).stored
+        for t in forms():
+            assert (await sp.lookup(t)).matched == 40  # type: ignore[union-attr]
+        for t in forms():
+            assert (await sp.load(t)).tokens == tokens  # type: ignore[union-attr]
+    tier = await asyncio.to_thread(EmbeddedTier, str(tmp_path / "own"), ident)
+    try:
+        got = await asyncio.to_thread(lambda: [tier.load(t) for t in forms()])
+        assert [g.tokens if g is not None else None for g in got] == [tokens] * 3
+        spilled = await asyncio.to_thread(lambda: tier.spill(forms()[2][:40], [fill(KVCache(), 40)]).result(10))
+        assert spilled.stored
+    finally:
+        await asyncio.to_thread(tier.close, 10)
+    with serving("--cap", "64MiB") as d:
+        async with AsyncClient(d.socket, identity=ident) as c:
+            assert (await c.spill(tokens, [fill(KVCache(), 40)])).stored
+            for t in forms():
+                assert (await c.lookup(t)).matched == 40  # type: ignore[union-attr]
+                assert (await c.load(t)).tokens == tokens  # type: ignore[union-attr]
+
+        def sync() -> None:  # the engine's own thread, as a Client's caller
+            with Client(d.socket, identity=ident) as client:
+                for t in forms():
+                    assert client.lookup(t).matched == 40  # type: ignore[union-attr]
+                for t in forms():
+                    assert client.load(t).tokens == tokens  # type: ignore[union-attr]
+
+        await asyncio.to_thread(sync)

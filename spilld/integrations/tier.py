@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from .. import errors
 from .. import format as fmt
 from ..client import Client
@@ -22,6 +24,7 @@ from ..lease import RunStep
 from ..loader import Loaded
 from ..loopthread import LoopThread
 from ..queue import Outcome, Settled
+from ..saver import token_ids_now
 from ..snapshot import Handoffs
 from ..spiller import Spiller
 
@@ -41,8 +44,11 @@ class ColdTier(Protocol):
 
 
 def storable(tokens: Sequence[int]) -> bool:
-    """Token ids a file can hold (u32); engines use negative ids for image placeholders."""
-    return all(0 <= t < 1 << 32 for t in tokens)
+    """Token ids a file can hold (u32); engines use negative ids for image placeholders. Read as an array, on the
+    engine's thread (found in review: an mlx int32 array's ids compared with 2**32 raised ValueError into the
+    engine); a lazy mlx array is evaluated here, where the loop's thread that loads it later could not."""
+    ids = np.asarray(token_ids_now(tokens))
+    return ids.size == 0 or (ids.dtype.kind in "iu" and int(ids.min()) >= 0 and int(ids.max()) < 1 << 32)
 
 
 def settled_now(outcome: Outcome, error: BaseException | None = None) -> concurrent.futures.Future[Settled]:
