@@ -622,7 +622,7 @@ class AsyncClient:
         params = {
             "identity": self.identity.to_wire() | {"namespace": check_namespace(namespace)},
             "namespace": namespace,
-            "tokens": fmt.encode_tokens(token_list(tokens)),  # (ints that fit u32, else ValueError)
+            "tokens": fmt.encode_tokens(token_list(tokens)),  # (ints that fit u32, else BadParams)
             "codec_provider": self.provider.id,
         }
         return _hit_of(dict(await self.call("lookup", params, timeout=self._lookup_timeout())))

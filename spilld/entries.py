@@ -44,7 +44,7 @@ def token_array(raw: bytes) -> np.ndarray:
 def check_namespace(namespace: str) -> str:
     """Caller namespaces may not pose as checkpoint namespaces."""
     if namespace.startswith(CHECKPOINT_NS_PREFIX):
-        raise ValueError("namespaces starting with the checkpoint prefix are reserved")
+        raise errors.BadParams("namespaces starting with the checkpoint prefix are reserved")
     return namespace
 
 

@@ -89,7 +89,7 @@ class SpillItem:
 def matching(namespace: str | None = None, key: str | None = None) -> Callable[[SpillItem], bool]:
     """Items of ``namespace`` and of ``key`` (None: any): what a ``cancel`` call names; one of them at least."""
     if namespace is None and key is None:
-        raise ValueError("cancel needs a namespace or a key")
+        raise errors.BadParams("cancel needs a namespace or a key")
     return lambda it: (namespace is None or it.namespace == namespace) and (key is None or it.key == key)
 
 

@@ -203,27 +203,49 @@ async def test_a_spill_before_open_is_not_started_on_every_way_in(tmp_path: Any)
 
 
 @pytest.mark.asyncio
-async def test_tokens_that_are_not_u32_ints_are_a_value_error_on_every_way_in(tmp_path: Any) -> None:
+async def test_bad_arguments_are_bad_params_on_every_way_in(tmp_path: Any) -> None:
     """Found in review: a Spiller's lookup cut 1.5 to 1 and answered a hit for a token never stored; the clients
-    raised a bare struct.error."""
+    raised a bare struct.error. Then (found in review too): token ids that are not u32 ints, a ``cancel`` that names
+    nothing and a namespace of the checkpoints' reserved prefix were a bare ValueError on every way in (a spill's
+    ``Settled.error`` too): ``BadParams``, a SpillError, now (still a ValueError)."""
     from mlx_lm.models.cache import KVCache
 
+    from spilld.client import Client
     from tests.caches import fill
     from tests.daemons import serving
 
-    bad = ([1.5, 2.0, 3.0], [1, -2, 3], [1, 2**32, 3])
+    bad = ([1.5, 2.0, 3.0], [1, -2, 3], [1, 2**32, 3], [[1, 2], [3]], [1, 2**70, 3], [1, None, 3])
+    reserved = checkpoint_namespace("x")  # (a checkpoint's namespace: an engine's may not pose as one)
+
+    async def refused(way: Any, sync: bool = False) -> None:
+        async def call(fn: Any, *args: Any, **kw: Any) -> Any:
+            return await asyncio.to_thread(fn, *args, **kw) if sync else await fn(*args, **kw)
+
+        async def settled(fut: Any) -> Any:
+            return await asyncio.to_thread(fut.result, 30) if sync else await fut
+
+        for tokens in bad:
+            for fn in (way.lookup, way.load):
+                with pytest.raises(errors.BadParams):
+                    await call(fn, tokens)
+            failed = await settled(way.spill(tokens, [fill(KVCache(), 3)]))
+            assert isinstance(failed.error, errors.BadParams), failed
+        for fn in (way.lookup, way.load):
+            with pytest.raises(errors.BadParams, match="reserved"):
+                await call(fn, [1, 2, 3], reserved)
+        with pytest.raises(errors.BadParams, match="reserved"):
+            way.spill([1, 2, 3], [fill(KVCache(), 3)], namespace=reserved)
+        with pytest.raises(errors.BadParams, match="namespace or a key"):
+            await call(way.cancel)
+
     async with spilld.Spiller(tmp_path, identity=Identity(model_id="m"), block_tokens=0) as sp:
         assert (await sp.spill([1, 2, 3, 4], [fill(KVCache(), 4)])).stored
-        for tokens in bad:
-            with pytest.raises(ValueError):
-                await sp.lookup(tokens)
-            with pytest.raises(ValueError):
-                await sp.load(tokens)
+        await refused(sp)
     with serving("--cap", "64MiB") as d:
         async with AsyncClient(d.socket, identity=Identity(model_id="m")) as c:
-            for tokens in bad:
-                with pytest.raises(ValueError):
-                    await c.lookup(tokens)
+            await refused(c)
+        with Client(d.socket, identity=Identity(model_id="m")) as sync:
+            await refused(sync, sync=True)
 
 
 @pytest.mark.asyncio

@@ -35,13 +35,16 @@ def token_list(tokens: Any) -> list[int]:
         return []
     import mlx.core as mx
 
-    arr = np.asarray(tokens.tolist() if isinstance(tokens, mx.array) else tokens)
+    try:
+        arr = np.asarray(tokens.tolist() if isinstance(tokens, mx.array) else tokens)
+    except (TypeError, ValueError):  # a ragged list, or ints too large for any numpy type
+        raise errors.BadParams("token ids must be a flat sequence of integers") from None
     if arr.size == 0:
         return []
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError("token ids must be a flat sequence of integers")
+        raise errors.BadParams("token ids must be a flat sequence of integers")
     if int(arr.min()) < 0 or int(arr.max()) >= 2**32:
-        raise ValueError("token ids must fit in an unsigned 32-bit integer")
+        raise errors.BadParams("token ids must fit in an unsigned 32-bit integer")
     if arr.size > fmt.MAX_TOKENS:
         raise errors.TooManyTokens(f"{arr.size} tokens (limit {fmt.MAX_TOKENS})")
     out: list[int] = arr.tolist()
