@@ -150,7 +150,7 @@ class AsyncClient:
 
     async def _ensure(self) -> None:
         if self._closed:
-            raise P.ConnectionLost("this client is closed")
+            raise errors.Closed("this client is closed")
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing():
                 return
@@ -945,11 +945,11 @@ class Client:
         asynchronous client says it."""
         if self._closed is not None:
             coro.close()
-            raise P.ConnectionLost("this client is closed")
+            raise errors.Closed("this client is closed")
         try:
             return self._lt.run(coro)
         except concurrent.futures.CancelledError:
-            raise P.ConnectionLost("this client was closed while the call waited") from None
+            raise errors.Closed("this client was closed while the call waited") from None
 
     def spill(
         self,

@@ -356,6 +356,13 @@ class NotADaemon(ConnectionLost):
     code = "not_a_daemon"
 
 
+class Closed(ConnectionLost):
+    """A ``Spiller`` or a client used after its ``close``, or a queue closed under an item (a stop): the same error
+    on every way in. A ``ConnectionLost``: to an engine, a tier it can no longer reach."""
+
+    code = "closed"
+
+
 class NotStarted(SpillError, RuntimeError):
     """A ``Spiller`` or ``AsyncClient`` used before ``open`` (or ``async with``): the same error on both ways in."""
 

@@ -58,7 +58,7 @@ class Settled:
     @classmethod
     def closed(cls) -> Settled:
         """What a closed queue (or a client closed, or closing) answers an item with."""
-        return cls(Outcome.CANCELLED, error=RuntimeError("queue is closed"))
+        return cls(Outcome.CANCELLED, error=errors.Closed("queue is closed"))
 
 
 @dataclass(eq=False)

@@ -68,6 +68,7 @@ class Spiller:
         self._staging = Staging()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
+        self._closed = False  # close has run: the folder's lock is let go, and nothing more is answered
 
     @classmethod
     async def open(cls, folder: str | os.PathLike[str], **kwargs: Any) -> Spiller:
@@ -210,7 +211,15 @@ class Spiller:
 
     async def cancel(self, *, namespace: str | None = None, key: str | None = None) -> int:
         """Cancel the queued items (not the one being written) of ``namespace`` and of ``key``; how many went."""
-        return self.queue.cancel_where(matching(namespace, key))
+        which = matching(namespace, key)  # (named nothing: BadParams first, as on the clients)
+        self._check_open()
+        return self.queue.cancel_where(which)
+
+    def _check_open(self) -> None:
+        """``Closed`` once closed, as a closed client says it (found in review: a closed Spiller went on answering
+        lookups and loads from a folder whose lock it had let go, and said its drains were done)."""
+        if self._closed:
+            raise errors.Closed("this Spiller is closed")
 
     def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -224,6 +233,7 @@ class Spiller:
 
     async def lookup(self, tokens: Sequence[int], namespace: str = "") -> api.Hit | Miss:
         """The longest usable prefix of ``tokens`` in the store (the file is not read)."""
+        self._check_open()
         found = await self.store.lookup_async(self.identity, check_namespace(namespace), token_list(tokens))
         if isinstance(found, Miss):
             return found
@@ -234,6 +244,7 @@ class Spiller:
         """Load the longest usable prefix of ``tokens``, cut to the matched length; None on a miss, or when the
         prefix holds at most ``longer_than`` tokens (the engine has that much in memory: not read, not a hit).
         A read that passes the store's I/O deadline (a hung disk) raises ``StorageTimeout``."""
+        self._check_open()
         hit = await self.store.lookup_async(self.identity, check_namespace(namespace), token_list(tokens))
         if isinstance(hit, Miss) or hit.matched <= longer_than:
             return None
@@ -262,6 +273,7 @@ class Spiller:
 
     async def resume(self, key: str) -> Loaded | None:
         """Load the latest durable checkpoint of a generation, or None."""
+        self._check_open()
         e = self.store.find_checkpoint(self.identity, key)
         if e is None:
             return None
@@ -284,6 +296,7 @@ class Spiller:
 
     async def drain(self, timeout: float | None = None) -> DrainReport:
         """Wait until everything queued is settled (stored, dropped or failed), up to ``timeout``."""
+        self._check_open()
         return await self.queue.drain(timeout)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
@@ -298,10 +311,12 @@ class Spiller:
                 await asyncio.wait_for(self.store.record_wear(), deadline.left())
             return self._close_report
         finally:
+            self._closed = True
             self.store.close()
 
     async def status(self) -> dict[str, Any]:
         """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""
+        self._check_open()
         return self.stats()
 
     def stats(self) -> dict[str, Any]:

@@ -751,3 +751,47 @@ async def test_token_ids_as_a_lazy_mlx_array_numpy_or_list_look_up_alike_on_ever
                     assert client.load(t).tokens == tokens  # type: ignore[union-attr]
 
         await asyncio.to_thread(sync)
+
+
+@pytest.mark.asyncio
+async def test_after_close_every_way_in_answers_closed_alike(tmp_path: Any) -> None:
+    """Found in review: a closed Spiller went on answering lookups and loads (from a folder whose lock it had let
+    go: a daemon may own it by then), said its drains were done and gave its status, where both clients raised
+    ConnectionLost; a spill after close settled cancelled with a bare RuntimeError('queue is closed') everywhere.
+    Now every way in raises ``Closed`` (a ConnectionLost) for the calls that answer, and settles the queued ones
+    cancelled with it; a second close gives the first one's report."""
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.client import Client
+    from tests.caches import fill
+    from tests.daemons import serving
+
+    tokens, ident = list(range(1, 21)), Identity(model_id="m")
+
+    async def after_close(way: Any, sync: bool = False) -> None:
+        async def call(fn: Any, *args: Any, **kw: Any) -> Any:
+            return await asyncio.to_thread(fn, *args, **kw) if sync else await fn(*args, **kw)
+
+        async def settled(fut: Any) -> Any:
+            return await asyncio.to_thread(fut.result, 30) if sync else await fut
+
+        assert (await settled(way.spill(tokens, [fill(KVCache(), 20)]))).stored
+        first = await call(way.close, 10)
+        assert first.done
+        for queued in (way.spill(tokens, [fill(KVCache(), 20)]), way.barrier(), way.finish("g")):
+            got = await settled(queued)
+            assert got.outcome is spilld.Outcome.CANCELLED and isinstance(got.error, errors.Closed), got
+        answering = [(way.lookup, (tokens,)), (way.load, ([*tokens, 1],)), (way.resume, ("g",)), (way.status, ())]
+        answering += [(way.drain, (1,))]
+        for fn, args in answering:
+            with pytest.raises(errors.Closed):
+                await call(fn, *args)
+        with pytest.raises(errors.Closed):
+            await call(way.cancel, key="k")
+        assert await call(way.close, 1) == first
+        assert issubclass(errors.Closed, errors.ConnectionLost)
+
+    await after_close(await spilld.Spiller.open(tmp_path, identity=ident))
+    with serving("--cap", "64MiB") as d:
+        await after_close(await AsyncClient.open(d.socket, identity=ident))
+        await after_close(await asyncio.to_thread(Client, d.socket, identity=ident), sync=True)

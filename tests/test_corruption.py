@@ -266,7 +266,7 @@ RELEASED_CODES = frozenset(
         "kind_not_in_provider", "not_admitted", "offset_beyond_tokens", "offset_mismatch", "quantization_invalid",
         "shape_mismatch", "shed", "slot_size_mismatch", "tensor_count_mismatch", "tensor_rank_mismatch",
         "unusable_folder", "version_mismatch", "write_budget_spent", "lease_refused", "not_started",
-        "not_a_daemon",
+        "not_a_daemon", "closed",
     }
 )  # fmt: skip
 
