@@ -60,6 +60,19 @@ def is_regular(path: str, unreadable: bool = False) -> bool:
         return unreadable
 
 
+def known_absent(path: str) -> bool:
+    """``path`` is known not to be there: its lookup said ENOENT or ENOTDIR. Any other error (EIO, EACCES, ESTALE)
+    says nothing about it (found in review: ``os.path.exists`` reads every error as absence, and a block whose stat
+    failed with EIO was taken for gone, so every entry naming it was deleted)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def open_regular(path: str, flags: int = 0) -> int:
     """``path`` opened for reading (with ``flags`` more) if it is a regular file; else OSError (EINVAL). Opened
     without blocking, so a FIFO named like a cache file (no writer at its other end) is refused at once instead of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 import shutil
@@ -677,6 +678,46 @@ async def test_restore_of_a_file_deleted_after_lookup_is_an_evicted_miss(tmp_pat
     assert s.counters.misses[MissReason.EVICTED.value] == 1
     assert s.counters.quarantined == 0 and s.counters.hits == 0
     assert s.entries == [] and quarantined(tmp_path) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sync", [False, True], ids=["restore_async", "restore"])
+async def test_a_block_that_cannot_be_read_nor_looked_at_is_not_taken_for_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """An unreadable inode (EIO at the open and at the stat of a block) is a miss, and every file stays: only a
+    lookup that says ENOENT makes a block gone. Found in review: ``os.path.exists`` read the EIO as absence, and both
+    entries naming the block were deleted, a pinned one too, then the block and the rest at the next scan."""
+    s = Store(tmp_path, block_tokens=16, disk_cap=2**40)
+    a = await s.put(toks(40), kv_layers(40), IDENT, pin=True)  # pinned: the longer one never supersedes it
+    b = await s.put(toks(70), kv_layers(70), IDENT)  # names the first two blocks of ``a``
+    entry = s.entry_at(b.path)
+    assert entry is not None and s.entry_at(a.path) is not None
+    bad = s.block_path(entry.blocks[0])
+    assert bad is not None
+
+    def eio(real: Any) -> Any:
+        def call(path: Any, *args: Any, **kw: Any) -> Any:
+            if os.fspath(path) == bad:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(path, *args, **kw)
+
+        return call
+
+    monkeypatch.setattr(fileio.DEFAULT_OPS, "open_read", eio(fileio.DEFAULT_OPS.open_read))
+    monkeypatch.setattr(os, "stat", eio(os.stat))
+    monkeypatch.setattr(os, "lstat", eio(os.lstat))
+    got = s.restore(Hit(entry, 70), IDENT) if sync else await s.restore_async(Hit(entry, 70), IDENT)
+    monkeypatch.undo()
+    assert isinstance(got, Miss) and got.reason is MissReason.CORRUPT
+    await s.delete_doomed_async()
+    assert [e.path for e in s.entries] == [a.path, b.path]  # still served once the disk reads again
+    assert os.path.exists(a.path) and os.path.exists(b.path) and os.path.exists(bad)
+    s2 = Store(tmp_path, block_tokens=16, disk_cap=2**40)
+    s2.scan()
+    assert sorted(e.path for e in s2.entries) == sorted([a.path, b.path]) and s2.counters.quarantined == 0
+    loaded = s2.restore(Hit(s2.entries[0], s2.entries[0].ntokens), IDENT)
+    assert isinstance(loaded, spilld.Loaded)
 
 
 # --- 8. generation checkpoints ---------------------------------------------------------------

@@ -64,17 +64,6 @@ def update_pins(
     One writer at a time across processes (``lockfile.updating``). Blocking: a worker thread."""
     with updating(root):
         names = _read_names(root)
-        pins = {p for p in (known if names is None else names) if p not in changes and not _gone(p)}
+        pins = {p for p in (known if names is None else names) if p not in changes and not fileio.known_absent(p)}
         pins |= {p for p, on in changes.items() if on}
         write_pins(root, sorted(pins), ops, durability)
-
-
-def _gone(path: str) -> bool:
-    """``path`` is known absent (another error, EIO or EMFILE, says nothing about it: the pin stays)."""
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return True
-    except OSError:
-        return False
-    return False

@@ -426,7 +426,7 @@ class Store:
             self.quarantine(self._bad_file(e, outcome), outcome)
             return self._miss(MissReason.CORRUPT)
         where = self._read_path(e, outcome)
-        return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and not os.path.exists(where))
+        return self._failed_read(e, outcome, isinstance(outcome, errors.StorageError) and fileio.known_absent(where))
 
     async def bad_read_async(self, e: Entry, exc: errors.FileFormatError) -> None:
         """A read of ``e`` found a bad file (``exc.path``: the entry's own, or one of its blocks): it is moved
@@ -496,8 +496,8 @@ class Store:
             return self._miss(MissReason.CORRUPT)
         where = self._read_path(e, outcome)
         try:
-            gone = isinstance(outcome, errors.StorageError) and not await self._io(
-                lambda: os.path.exists(where), "a check"
+            gone = isinstance(outcome, errors.StorageError) and await self._io(
+                lambda: fileio.known_absent(where), "a check"
             )
         except errors.StorageTimeout:  # a hung disk: the file is not known gone
             gone = False
