@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,3 +220,21 @@ async def test_the_first_entry_of_a_new_model_or_namespace_survives_power_loss(t
         assert os.path.exists(result.path)
     print(f"first entry of a new {first}: cases {cases}: {hits} loads returned caches, {wrong} wrong")
     assert wrong == 0 and hits > 0
+
+
+@pytest.mark.asyncio
+async def test_a_root_removed_under_a_store_is_made_again_as_durably_as_its_first_entry(tmp_path: Any) -> None:
+    """A put that makes the store's root again (removed under a running store) syncs the root's parent too, as it
+    does the model's and the namespace's folders. Found in review: only the two folders under the root were synced
+    with their parents, so the root's own name could be lost with a power loss after the entry was stored."""
+    store = Store(tmp_path / "store", disk_cap=2**40)
+    ident = spilld.Identity("m", "cfg", "tok", "")
+    await store.put([1, 2, 3], [fill(C.KVCache(), 3, heads=2, dim=8)], ident)
+    shutil.rmtree(store.root)
+    before = folders_under(str(tmp_path))
+    store.ops = rec = Recorder()
+    result = await store.put([1, 2, 3, 4], [fill(C.KVCache(), 4, heads=2, dim=8)], ident)
+    created = sorted(folders_under(str(tmp_path)) - before)
+    assert created[0] == store.root and len(created) == 3, created
+    assert folders_durable(rec.journal, created), f"stored before its new folders {created} were durable"
+    assert os.path.exists(result.path)

@@ -204,11 +204,12 @@ class Store:
     def release_folder(self, folder: str) -> None:
         self._folders.release(folder)
 
-    def _sync_folder_path(self, folder: str) -> None:
-        """Make an entry folder's name and its model folder's durable, once a process (blocking: a worker thread).
-        A folder found made is synced too: an earlier attempt may have made it and failed before its fsync, or
-        another put made it and has not synced it yet."""
-        fileio.sync_folders(self.ops, [os.path.dirname(folder), folder], self.durability)
+    def _sync_folder_path(self, folder: str, created: Sequence[str] = ()) -> None:
+        """Make an entry folder's name and its model folder's durable, once a process (blocking: a worker thread),
+        and those of the ``created`` folders above them (the root, made again after it was removed: found in review,
+        its parent was never synced). A folder found made is synced too: an earlier attempt may have made it and
+        failed before its fsync, or another put made it and has not synced it yet."""
+        fileio.sync_folders(self.ops, [*created, os.path.dirname(folder), folder], self.durability)
         self._durable_folders.add(folder)
 
     @property
@@ -840,13 +841,15 @@ class Store:
         if folder in self._durable_folders and await self._io(lambda: os.path.isdir(folder), "a folder's check"):
             return
 
+        created: list[str] = []  # by either attempt: each one's parent is synced too
+
         async def create() -> None:
             none = fileio.Durability.NONE  # created only: synced below, where a failure is not retried
-            await self._io(lambda: fileio.make_dirs(self.ops, folder, none), "a folder's creation")
+            created.extend(await self._io(lambda: fileio.make_dirs(self.ops, folder, none), "a folder's creation"))
 
         await (self._with_room(create, 0) if room else create())
         try:
-            await self._io(lambda: self._sync_folder_path(folder), "a folder's sync")
+            await self._io(lambda: self._sync_folder_path(folder, created), "a folder's sync")
         except Exception as exc:
             self._count_error(exc)
             raise
