@@ -704,6 +704,26 @@ async def test_hung_redis_probe_bounded_breaker_opens_and_recovers() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_host_without_the_root_misses_within_the_probe_bound_on_a_hung_server(tmp_path: Any) -> None:
+    """Found in review: a fill read the layout's root (64 bytes) with a fetch's bound (2 s, sized for blocks), so
+    with Redis hung each lookup of a host that had not read the root yet (an empty disk, or its root older than
+    ``ROOT_KEPT_S``) waited 2 s, until the breaker opened. A root is read within the probe's bound."""
+    with redis_server() as s:
+        store = Store(str(tmp_path), disk_cap=2**30, block_tokens=16)
+        link = RemoteLink(await started(RemoteConfig(s.url)), store, push="none")
+        s.signal(signal.SIGSTOP)
+        try:
+            for i in range(link.tier.config.breaker_threshold + 1):
+                t0 = time.monotonic()
+                assert not await link.fill(FILL_IDENT, "", [100 * i + t for t in range(16 * 3 + 3)], store.provider_id)
+                assert time.monotonic() - t0 < PROBE_BOUND_S
+            assert link.tier.state == "open"
+        finally:
+            s.signal(signal.SIGCONT)
+            await link.close(1)
+
+
+@pytest.mark.asyncio
 async def test_maxmemory_noeviction_pushes_fail_and_are_counted() -> None:
     ks = chain(100)
     with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "noeviction") as s:
@@ -1254,13 +1274,13 @@ async def test_a_fill_keeps_the_prefix_batch_by_batch_fetching_the_next_while_it
     loop = asyncio.get_running_loop()
     written = [asyncio.Event() for _ in range(8)]  # set as each write starts (on a worker thread)
 
-    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None, why: Any = None) -> Any:
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None, **kw: Any) -> Any:
         if kind is Kind.BLOCK:
             nth = sum(e == "fetch" for e, _ in events)
             events.append(("fetch", len(ks)))
             if nth:  # held until the batch before it is being written: only a fetch made ahead can wait for that
                 await asyncio.wait_for(written[nth - 1].wait(), 10)
-        return await real_fetch(ns, ks, kind, max_bytes, why=why)
+        return await real_fetch(ns, ks, kind, max_bytes, **kw)
 
     def publish(ops: Any, files: Any, durability: Any) -> None:
         loop.call_soon_threadsafe(written[sum(e == "write" for e, _ in events)].set)
@@ -1340,13 +1360,13 @@ async def test_a_block_gone_from_redis_mid_fill_is_a_miss_and_leaves_nothing(
     link = RemoteLink(tier, store)
     real_fetch, fetches = tier.fetch, []
 
-    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None, why: Any = None) -> Any:
+    async def fetch(ns: str, ks: Any, kind: Kind = Kind.BLOCK, max_bytes: Any = None, **kw: Any) -> Any:
         if kind is Kind.BLOCK:
             if len(fetches) == 3:  # the batch after the broken one, fetched ahead
                 fetches.append("slow")
                 await asyncio.sleep(30)
             fetches.append(f"fetch {len(ks)}")
-        return await real_fetch(ns, ks, kind, max_bytes, why=why)
+        return await real_fetch(ns, ks, kind, max_bytes, **kw)
 
     monkeypatch.setattr(tier, "fetch", fetch)
     try:

@@ -15,7 +15,8 @@ TLS_CONNECT_TIMEOUT_S = 0.5
 # The least bound of a socket's reads. redis-py bounds a whole reply by it, not each read (found in review: a 64 MiB
 # block over a 110 MB/s link never came): a socket gets the longest call bound, and each call its own (``read_bound_s``)
 SOCKET_TIMEOUT_S = 0.5
-PROBE_TIMEOUT_S = 0.05  # a probe of a chain: one pipelined round trip; a miss beats a stalled lookup
+# a probe of a chain, and a lookup's read of a root or a reference: one round trip; a miss beats a stalled lookup
+PROBE_TIMEOUT_S = 0.05
 FETCH_TIMEOUT_S = 2.0  # pipelined GETs of a whole prefix (hundreds of megabytes at LAN speed)
 PUSH_TIMEOUT_S = 2.0  # one batch of the push worker, and one event
 TRIAL_TIMEOUT_S = 0.25  # the background PING that closes an open breaker

@@ -405,7 +405,8 @@ class RemoteLink:
         fetched = self._root_read.get(space)
         if space in self._roots and (fetched is None or time.monotonic() - fetched < ROOT_KEPT_S):
             return self._roots[space][0]
-        (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT, MAX_ROOT_VALUE_BYTES)  # (never read whole)
+        # (never read whole; a few bytes, bounded as a probe: a hung server costs the lookup 50 ms, not 2 s)
+        (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT, MAX_ROOT_VALUE_BYTES, timeout_s=self._small_s)
         try:
             root, whole = unpack(raw) if raw is not None else (None, False)
         except (ValueError, TypeError, msgpack.UnpackException):
@@ -419,13 +420,20 @@ class RemoteLink:
         self._root_read[space] = time.monotonic()
         return root
 
+    @property
+    def _small_s(self) -> float:
+        """The bound of a read of a small value on a lookup's path (a root, a reference): one round trip, as a
+        probe's (found in review: read with a fetch's 2 s, a hung server held each lookup of a host without the
+        root 2 s, until the breaker opened)."""
+        return self.tier.config.probe_timeout_s
+
     async def _manifest_for(self, namespace: str, key: bytes) -> tuple[bytes, bytes] | None:
         """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too),
         with the key it is stored under."""
         (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
         if m is not None:
             return m, key
-        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES)
+        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES, timeout_s=self._small_s)
         if ref is None or len(ref) != BLOCK_KEY_BYTES:
             if ref is not None:
                 self.tier.bad_value(namespace, key, Kind.REF)

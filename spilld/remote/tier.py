@@ -204,10 +204,11 @@ class RemoteTier:
         kind: Kind = Kind.BLOCK,
         max_bytes: int | None = None,
         why: list[Reason | None] | None = None,
+        timeout_s: float | None = None,
     ) -> list[bytes | None]:
         """The values of ``keys`` (None for each one absent, undecryptable, lost, or larger than ``max_bytes`` of
         plaintext), through pipelines of ``FETCH_BATCH_KEYS`` reads, ``FETCH_IN_FLIGHT`` at once, each bounded by
-        ``fetch_timeout_s``; with a TTL, each one found has its TTL refreshed. With ``max_bytes`` a read takes at
+        ``timeout_s`` (default ``fetch_timeout_s``, sized for blocks); with a TTL, each one found has its TTL refreshed. With ``max_bytes`` a read takes at
         most one byte more than that (GETRANGE): a value someone made larger is never read whole. ``why``, if
         given, gets a reason per key: None for a value, else why there is none (absent, or a failed read)."""
         if not keys:
@@ -217,10 +218,11 @@ class RemoteTier:
         cmds, stride = self._reads(names, limit)
         slots = asyncio.Semaphore(FETCH_IN_FLIGHT)
         per = FETCH_BATCH_KEYS * stride
+        bound = self.config.fetch_timeout_s if timeout_s is None else timeout_s
 
         async def batch(lo: int) -> list[Any]:
             async with slots:
-                r = await self._call(_pipeline(cmds[lo : lo + per]), self.config.fetch_timeout_s)
+                r = await self._call(_pipeline(cmds[lo : lo + per]), bound)
             return [r] * (min(per, len(cmds) - lo) // stride) if isinstance(r, _Failed) else r[::stride]
 
         with replies_up_to(MAX_VALUE_BYTES if limit is None else limit + 1):  # (GETRANGE: one byte past)
