@@ -724,6 +724,32 @@ async def test_a_host_without_the_root_misses_within_the_probe_bound_on_a_hung_s
 
 
 @pytest.mark.asyncio
+async def test_a_fill_the_tier_could_not_answer_is_counted_by_why_never_as_nothing_there(tmp_path: Any) -> None:
+    """Found in review: with Redis hung or down every fill miss said ``no_root`` (or ``no_longer_chain`` once the
+    root was read), as though no host had pushed anything: the read that failed is counted by its reason."""
+    with redis_server() as s:
+        _, tier_a, _ = await pushed_store(tmp_path / "a", s.url, 16 * 3 + 3)
+        await tier_a.close()
+        store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+        link = RemoteLink(await started(replace(RemoteConfig(s.url), breaker_cooldown_s=60)), store, push="none")
+        unknown = [*range(5000, 5000 + 16 * 3 + 3), 9]
+        try:
+            assert not await link.fill(FILL_IDENT, "", unknown, store.provider_id)
+            assert link.fill_misses == {"no_longer_chain": 1}  # the root read, the chain not there
+            s.signal(signal.SIGSTOP)
+            assert not await link.fill(FILL_IDENT, "", [*range(16 * 3 + 3), 9], store.provider_id)
+            assert link.fill_misses == {"no_longer_chain": 1, "timeout": 1}  # the probe's
+            fresh = RemoteLink(link.tier, Store(str(tmp_path / "c"), disk_cap=2**30, block_tokens=16), push="none")
+            for _ in range(link.tier.config.breaker_threshold):  # a host that has not read the root
+                assert not await fresh.fill(FILL_IDENT, "", [*range(16 * 3 + 3), 9], store.provider_id)
+            # (the breaker opens on the third failure in a row, unless the loaded loop fired a bound late)
+            assert fresh.fill_misses in ({"timeout": 2, "down": 1}, {"timeout": 3}), fresh.fill_misses
+        finally:
+            s.signal(signal.SIGCONT)
+            await link.close(1)
+
+
+@pytest.mark.asyncio
 async def test_maxmemory_noeviction_pushes_fail_and_are_counted() -> None:
     ks = chain(100)
     with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "noeviction") as s:

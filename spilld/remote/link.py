@@ -74,6 +74,10 @@ MAX_MANIFEST_VALUE_BYTES = 256 * 1024 * 1024
 BLOCK_HEADER_SLACK = 4096  # a block's header beside block 0's as planned: its own key, time and hashes
 # A fill's block that could not be fetched, by the tier's reason: its fill miss (an absent block: evicted, or lost)
 UNFETCHED: dict[Reason, str] = {r: f"blocks_{r.value}" for r in Reason if r is not Reason.OOM}
+# A fill a read on its way gave nothing for (the root, the probe, the manifest or its reference), the value not absent
+# but unread or refused: its fill miss, by the tier's reason (found in review: with Redis down or hung every fill
+# said ``no_root`` or ``no_longer_chain``, as though nothing had been pushed)
+UNREAD: dict[Reason, str] = {r: r.value for r in Reason if r not in (Reason.ABSENT, Reason.OOM)}
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -366,15 +370,16 @@ class RemoteLink:
             return False
         space = root_space(identity_fingerprint(ident), namespace, provider, size)
         root = await self._root(namespace, space)
-        if root is None:
-            return self._missed("no_root")
+        if isinstance(root, Reason):
+            return self._missed("no_root") if root is Reason.ABSENT else self._unread(root)
         keys = await off_loop(lambda: blocks.chain(root, tokens, size, count))
         local = self.store.leading_blocks(keys)
         if local == count:
             return False
-        found = await self.tier.probe_chain(namespace, keys, start=local)  # what we hold is not asked for
+        failed: list[Reason] = []
+        found = await self.tier.probe_chain(namespace, keys, start=local, why=failed)  # what we hold is not asked
         if found <= local:
-            return self._missed("no_longer_chain")
+            return self._unread(failed[0]) if failed else self._missed("no_longer_chain")
         asked = keys[found - 1]
         if (under_way := self._adopting.get(asked)) is not None:  # another prompt's fill takes this prefix now
             self.fills_shared += 1
@@ -395,27 +400,34 @@ class RemoteLink:
 
     async def _fetch_and_adopt(self, ident: fmt.Identity, namespace: str, asked: bytes) -> bool:
         got = await self._manifest_for(namespace, asked)
-        if got is None:
-            return self._missed("no_manifest")
+        if isinstance(got, Reason):
+            return self._missed("no_manifest") if got is Reason.ABSENT else self._unread(got)
         return await self._adopt(ident, namespace, *got, asked)
 
-    async def _root(self, namespace: str, space: bytes) -> bytes | None:
+    def _unread(self, reason: Reason) -> bool:
+        return self._missed(UNREAD.get(reason, UNREAD[Reason.DOWN]))
+
+    async def _root(self, namespace: str, space: bytes) -> bytes | Reason:
         """The root key of a layout, from our own pushes or fetched (a fetched one is read again after
-        ``ROOT_KEPT_S``: a wrong one that someone put right is not kept until a restart)."""
+        ``ROOT_KEPT_S``: a wrong one that someone put right is not kept until a restart); else why there is none
+        (``ABSENT``: none on the tier)."""
         fetched = self._root_read.get(space)
         if space in self._roots and (fetched is None or time.monotonic() - fetched < ROOT_KEPT_S):
             return self._roots[space][0]
+        why: list[Reason | None] = []
         # (never read whole; a few bytes, bounded as a probe: a hung server costs the lookup 50 ms, not 2 s)
-        (raw,) = await self.tier.fetch(namespace, [space], Kind.ROOT, MAX_ROOT_VALUE_BYTES, timeout_s=self._small_s)
+        (raw,) = await self.tier.fetch(
+            namespace, [space], Kind.ROOT, MAX_ROOT_VALUE_BYTES, why=why, timeout_s=self._small_s
+        )  # fmt: skip
+        if raw is None:
+            return next((r for r in why if r is not None), Reason.ABSENT)
         try:
-            root, whole = unpack(raw) if raw is not None else (None, False)
+            root, whole = unpack(raw)
         except (ValueError, TypeError, msgpack.UnpackException):
+            root = None
+        if not isinstance(root, bytes) or len(root) != BLOCK_KEY_BYTES:  # a value, but not a root: never a hit
             self.tier.bad_value(namespace, space, Kind.ROOT)
-            return None
-        if not isinstance(root, bytes) or len(root) != BLOCK_KEY_BYTES:
-            if raw is not None:  # a value, but not a root: hostile bytes, never a hit
-                self.tier.bad_value(namespace, space, Kind.ROOT)
-            return None
+            return Reason.BAD_BYTES
         self._roots[space] = (root, bool(whole))
         self._root_read[space] = time.monotonic()
         return root
@@ -427,19 +439,27 @@ class RemoteLink:
         root 2 s, until the breaker opened)."""
         return self.tier.config.probe_timeout_s
 
-    async def _manifest_for(self, namespace: str, key: bytes) -> tuple[bytes, bytes] | None:
+    async def _manifest_for(self, namespace: str, key: bytes) -> tuple[bytes, bytes] | Reason:
         """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too),
-        with the key it is stored under."""
-        (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
+        with the key it is stored under; else why there is none (``ABSENT``: none there; else the first read that
+        failed)."""
+        why: list[Reason | None] = []
+        failed: list[Reason] = []
+        (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES, why=why)
         if m is not None:
             return m, key
-        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES, timeout_s=self._small_s)
-        if ref is None or len(ref) != BLOCK_KEY_BYTES:
-            if ref is not None:
-                self.tier.bad_value(namespace, key, Kind.REF)
-            return None
-        (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)
-        return None if m is None else (m, ref)  # (a reference to a manifest gone heals with the next push naming it)
+        failed += [r for r in why if r not in (None, Reason.ABSENT)]
+        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES, why=why, timeout_s=self._small_s)
+        failed += [r for r in why if r not in (None, Reason.ABSENT)]
+        if ref is not None and len(ref) != BLOCK_KEY_BYTES:
+            self.tier.bad_value(namespace, key, Kind.REF)
+            failed.append(Reason.BAD_BYTES)
+        elif ref is not None:
+            (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES, why=why)
+            if m is not None:
+                return m, ref
+            failed += [r for r in why if r not in (None, Reason.ABSENT)]
+        return failed[0] if failed else Reason.ABSENT  # (a reference to a manifest gone heals with the next push)
 
     async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, under: bytes, asked: bytes) -> bool:
         """Keep the manifest fetched for block ``asked`` (stored under key ``under``: ``asked``, or the one the

@@ -168,11 +168,14 @@ class RemoteTier:
 
     # --- lookups ------------------------------------------------------------------------------------------
 
-    async def probe_chain(self, namespace: str, keys: Sequence[bytes], start: int = 0) -> int:
+    async def probe_chain(
+        self, namespace: str, keys: Sequence[bytes], start: int = 0, why: list[Reason] | None = None
+    ) -> int:
         """How many of ``keys`` (a chain, in order) exist from the first on, the first ``start`` taken as there
         (the caller holds them): pipelined EXISTS of ``PROBE_BATCH_KEYS`` keys a round trip, each bounded by
         ``probe_timeout_s`` (a long prompt's chain gets a bound per batch, not one for all), until a batch finds
-        one missing. On a failure, what the batches before it found; ``start`` when none found more."""
+        one missing. On a failure, what the batches before it found; ``start`` when none found more. ``why``, if
+        given, gets the failure's reason (nothing when the chain was read to its first gap or its end)."""
         found = start
         failed: Reason | None = None
         while found < len(keys):
@@ -193,6 +196,8 @@ class RemoteTier:
         self.stats.probe_blocks_found += found - start
         if failed is not None:
             self.stats.misses[failed] += 1
+            if why is not None:
+                why.append(failed)
         elif found == start and keys:
             self.stats.misses[Reason.ABSENT] += 1
         return found
