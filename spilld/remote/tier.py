@@ -52,6 +52,7 @@ MAX_EVENT_KEYS = 1024  # block keys per stream entry (64 hex digits each); a lon
 # A server that is no longer the primary (a failover behind the same address): it keeps our connections and
 # refuses every write; new connections may find the new primary (found in review: pushes failed for good)
 NOT_PRIMARY = (rx.ReadOnlyError, rx.MasterDownError)
+WRONG_TYPE = "WRONGTYPE"  # how Redis (and Valkey) refuse a command on a key holding another type of value
 # A call's bound that fired this late (a share of the bound) was overrun by the loop, not the server: no verdict
 LATE_LOOP_SHARE = 0.5
 
@@ -234,10 +235,7 @@ class RemoteTier:
             got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
         r = [v for part in got for v in part]
         values = [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None for v in r]
-        if kind in (Kind.ROOT, Kind.REF):  # of a fixed size: longer is bad bytes, whoever reads them
-            self._remove_later(
-                [n for n, v in zip(names, r, strict=True) if isinstance(v, bytes) and limit and len(v) > limit]
-            )
+        self._remove_later([n for n, v in zip(names, r, strict=True) if _wrong_for_all(v, kind, limit)])
         reasons = [_read_failure(v, limit) for v in r]
         for reason in reasons:
             if reason is not None:
@@ -599,6 +597,15 @@ class RemoteTier:
         self.stats.misses[Reason.DECRYPT] += len(bad)
         self._remove_later([rkeys.value_key(namespace, k, kind, self.key_tag) for k in bad])  # tampered with
         return [None if isinstance(v, DecryptError) else v for v in opened]
+
+
+def _wrong_for_all(v: Any, kind: Kind, limit: int | None) -> bool:
+    """What one read of ``fetch`` found is wrong whoever reads it: a key of another type (a read of it is refused,
+    and every push finds the key taken: found in review, a list under a block's key blocked the prefix for the
+    whole fleet), or a root or a reference (of a fixed size) longer than one."""
+    if isinstance(v, rx.ResponseError):
+        return str(v).startswith(WRONG_TYPE)
+    return kind in (Kind.ROOT, Kind.REF) and isinstance(v, bytes) and limit is not None and len(v) > limit
 
 
 def _read_failure(v: Any, limit: int | None) -> Reason | None:
