@@ -1631,6 +1631,37 @@ async def test_a_key_of_another_type_is_removed_and_the_next_push_heals_the_pref
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("ttl", [None, 3600], ids=["no-ttl", "ttl"])
+async def test_an_empty_value_is_bad_bytes_removed_not_absent(server: RedisServer, tmp_path: Any, ttl: Any) -> None:
+    """Found in review: an empty value under a block's key was read as absent (GETRANGE reads a key not there as
+    empty), so every fill missed (blocks_absent) and every push found the key taken and skipped it: the prefix was
+    blocked for the whole fleet for good. An empty value of a key that is there is bad bytes, and removed."""
+    n = 16 * 3 + 3
+    store_a, _, link_a = await pushing(tmp_path / "a", server.url, ttl_s=ttl)
+    await store_a.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+    assert await link_a.drain(10)
+    (entry,) = store_a.entries
+    name = keys.block_key("", entry.blocks[1])
+    with server.client() as c:
+        c.set(name, b"")
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(server.url, ttl_s=ttl)), store, push="none")
+    prompt = [*range(n), 9]
+    try:
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert link.fill_misses == {"blocks_bad_bytes": 1} and link.tier.counters()["misses"]["bad_bytes"] == 1
+        await wait_for(lambda: link.tier.counters()["bad_removed"] == 1)
+        longer = [*range(n), *range(900, 916)]  # another entry naming the block: its push offers what the tier lacks
+        await store_a.put(longer, [fill(C.KVCache(), n + 16, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        assert await link_a.drain(10)
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id), link.fill_misses
+        assert link.tier.counters()["misses"]["absent"] == 0  # nothing absent was read (the probe found the chain)
+    finally:
+        await link.close(1)
+        await link_a.close(1)
+
+
+@pytest.mark.asyncio
 async def test_a_value_made_larger_than_its_kind_allows_is_never_read_whole(server: RedisServer, tmp_path: Any) -> None:
     """A block's value replaced by 48 MiB: the fill reads at most one byte past the bound its manifest gives a
     block (found in review: every value was read whole, up to Redis's 512 MiB, 16 at a time in a fill), counts it

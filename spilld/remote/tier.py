@@ -69,6 +69,9 @@ class _Failed:
     reason: Reason
 
 
+_EMPTY = _Failed(Reason.BAD_BYTES)  # a read of ``fetch`` that found its key there, holding an empty value
+
+
 class RemoteTier:
     """Probe, fetch and push blocks (and manifests) named by their 32-byte keys, per namespace.
 
@@ -212,11 +215,12 @@ class RemoteTier:
         why: list[Reason | None] | None = None,
         timeout_s: float | None = None,
     ) -> list[bytes | None]:
-        """The values of ``keys`` (None for each one absent, undecryptable, lost, or larger than ``max_bytes`` of
-        plaintext), through pipelines of ``FETCH_BATCH_KEYS`` reads, ``FETCH_IN_FLIGHT`` at once, each bounded by
-        ``timeout_s`` (default ``fetch_timeout_s``, sized for blocks); with a TTL, each one found has its TTL refreshed. With ``max_bytes`` a read takes at
-        most one byte more than that (GETRANGE): a value someone made larger is never read whole. ``why``, if
-        given, gets a reason per key: None for a value, else why there is none (absent, or a failed read)."""
+        """The values of ``keys`` (None for each one absent, undecryptable, lost, empty, or larger than ``max_bytes``
+        of plaintext), through pipelines of ``FETCH_BATCH_KEYS`` reads, ``FETCH_IN_FLIGHT`` at once, each bounded
+        by ``timeout_s`` (default ``fetch_timeout_s``, sized for blocks); with a TTL, each one found has its TTL
+        refreshed. With ``max_bytes`` a read takes at most one byte more than that (GETRANGE): a value someone made
+        larger is never read whole. ``why``, if given, gets a reason per key: None for a value, else why there is
+        none (absent, or a failed read)."""
         if not keys:
             return []
         names = [rkeys.value_key(namespace, k, kind, self.key_tag) for k in keys]
@@ -229,7 +233,12 @@ class RemoteTier:
         async def batch(lo: int) -> list[Any]:
             async with slots:
                 r = await self._call(_pipeline(cmds[lo : lo + per]), bound)
-            return [r] * (min(per, len(cmds) - lo) // stride) if isinstance(r, _Failed) else r[::stride]
+            if isinstance(r, _Failed):
+                return [r] * (min(per, len(cmds) - lo) // stride)
+            read, there = (r[1::2], r[::2]) if stride == 2 else (r, [int(v is not None) for v in r])  # (GET: None)
+            return [
+                _EMPTY if isinstance(v, bytes) and not v and n == 1 else v for v, n in zip(read, there, strict=True)
+            ]
 
         with replies_up_to(MAX_VALUE_BYTES if limit is None else limit + 1):  # (GETRANGE: one byte past)
             got = await asyncio.gather(*(batch(lo) for lo in range(0, len(cmds), per)))
@@ -257,10 +266,11 @@ class RemoteTier:
         ttl = self.config.ttl_s
         if limit is None:
             return [_cmd("get", n) if ttl is None else _cmd("getex", n, ex=ttl) for n in names], 1
-        # GETRANGE's end is inclusive: limit + 1 bytes at most
-        if ttl is None:
-            return [_cmd("getrange", n, 0, limit) for n in names], 1
-        return [c for n in names for c in (_cmd("getrange", n, 0, limit), _cmd("expire", n, ttl))], 2
+        # GETRANGE's end is inclusive: limit + 1 bytes at most. It reads a key not there as empty: before it, what
+        # says whether the key is there (EXISTS, or the EXPIRE that renews it), so that an empty value is told apart
+        # (asked first: a key written between the two is never taken for an empty one)
+        there = (lambda n: _cmd("exists", n)) if ttl is None else (lambda n: _cmd("expire", n, ttl))
+        return [c for n in names for c in (there(n), _cmd("getrange", n, 0, limit))], 2
 
     def bad_value(self, namespace: str, key: bytes, kind: Kind = Kind.BLOCK, remove: bool = True) -> None:
         """The caller refused the value ``fetch`` gave for ``key`` (wrong bytes under it): counted as a miss, and
@@ -602,7 +612,10 @@ class RemoteTier:
 def _wrong_for_all(v: Any, kind: Kind, limit: int | None) -> bool:
     """What one read of ``fetch`` found is wrong whoever reads it: a key of another type (a read of it is refused,
     and every push finds the key taken: found in review, a list under a block's key blocked the prefix for the
-    whole fleet), or a root or a reference (of a fixed size) longer than one."""
+    whole fleet), an empty value (read as absent, and the key taken all the same: found in the same review), or a
+    root or a reference (of a fixed size) longer than one."""
+    if v is _EMPTY:
+        return True
     if isinstance(v, rx.ResponseError):
         return str(v).startswith(WRONG_TYPE)
     return kind in (Kind.ROOT, Kind.REF) and isinstance(v, bytes) and limit is not None and len(v) > limit
@@ -610,7 +623,7 @@ def _wrong_for_all(v: Any, kind: Kind, limit: int | None) -> bool:
 
 def _read_failure(v: Any, limit: int | None) -> Reason | None:
     """Why one read of ``fetch`` gave no value (None: it gave one)."""
-    if isinstance(v, _Failed):  # its whole pipeline failed
+    if isinstance(v, _Failed):  # its whole pipeline failed, or its value was empty (``_EMPTY``)
         return v.reason
     if isinstance(v, Exception):
         return _reason_of(v)
