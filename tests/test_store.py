@@ -704,7 +704,7 @@ async def test_a_block_that_cannot_be_read_nor_looked_at_is_not_taken_for_gone(
 
         return call
 
-    monkeypatch.setattr(fileio.DEFAULT_OPS, "open_read", eio(fileio.DEFAULT_OPS.open_read))
+    monkeypatch.setattr(fileio.OWN_OPS, "open_read", eio(fileio.OWN_OPS.open_read))
     monkeypatch.setattr(os, "stat", eio(os.stat))
     monkeypatch.setattr(os, "lstat", eio(os.lstat))
     got = s.restore(Hit(entry, 70), IDENT) if sync else await s.restore_async(Hit(entry, 70), IDENT)
