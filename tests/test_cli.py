@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import re
 import shutil
 import signal
@@ -340,9 +341,14 @@ def test_status_json_without_a_daemon_is_an_object_and_exit_4(tmp_path: Path) ->
     assert r.returncode == 4 and d["ok"] is False and d["code"] == "connection_lost"
 
 
-def test_status_text_says_1_client_and_entries(daemon: Daemon) -> None:
+def test_status_text_counts_other_clients_and_entries(daemon: Daemon) -> None:
+    """The asking command is not one of the clients it reports (it said "1 client" with nobody else connected)."""
     r = spilld("status", "--socket", daemon.socket)
-    assert r.returncode == 0 and "1 client," in r.stdout and "3 entries" in r.stdout, r.stdout
+    assert r.returncode == 0 and "0 clients," in r.stdout and "3 entries" in r.stdout, r.stdout
+    with socket.socket(socket.AF_UNIX) as other:
+        other.connect(daemon.socket)
+        r = spilld("status", "--socket", daemon.socket)
+    assert r.returncode == 0 and "1 client," in r.stdout, r.stdout
 
 
 def test_evict_refuses_a_folder_the_daemon_does_not_serve(daemon: Daemon, tmp_path: Path) -> None:
