@@ -45,7 +45,7 @@ async def test_a_spent_budget_stays_spent_across_a_restart(tmp_path: Path) -> No
     """Found in review: the day's count lived in memory alone, so each restart (a crash loop, an upgrade) gave a
     fresh budget: three runs of a 40,000-byte budget wrote 141,696 bytes in one day. A store adds what it wrote to
     its wear file at its stop (``record_wear``) and counts that file at its next scan; two runs add up."""
-    from spilld.fileio import DEFAULT_OPS
+    from spilld.fileio import DEFAULT_OPS, Durability
     from spilld.store.wearfile import WEAR_FILE, add_wear, read_wear
 
     first = Store(tmp_path, disk_cap=2**40, write_budget=10**9)
@@ -77,7 +77,7 @@ async def test_a_spent_budget_stays_spent_across_a_restart(tmp_path: Path) -> No
     # found in review: an hour a week old, as the store itself keeps, made the whole file be ignored an hour later
     now = third.wear.hour()
     (tmp_path / WEAR_FILE).unlink()
-    add_wear(str(tmp_path), {now - 7 * 24: 10, now: 40_000}, now, DEFAULT_OPS)
+    add_wear(str(tmp_path), {now - 7 * 24: 10, now: 40_000}, now, DEFAULT_OPS, Durability.NONE)
     assert read_wear(str(tmp_path), now + 1) == {now: 40_000}
     (tmp_path / WEAR_FILE).unlink()
     (tmp_path / WEAR_FILE).symlink_to(tmp_path / "elsewhere")  # never read through, never replaced
@@ -430,7 +430,7 @@ def test_two_stores_rewriting_the_pins_or_the_wear_file_at_once_lose_neither_cha
     assert pins.read_pins(root) == [a, b]
     now = Wear().hour()
     monkeypatch.setattr(wearfile, "read_wear", _slowed(wearfile.read_wear))
-    _at_once(*(lambda n=n: wearfile.add_wear(root, {now: n}, now, DEFAULT_OPS) for n in (10, 20)))
+    _at_once(*(lambda n=n: wearfile.add_wear(root, {now: n}, now, DEFAULT_OPS, Durability.NONE) for n in (10, 20)))
     assert wearfile.read_wear(root, now) == {now: 30}
 
 
@@ -465,3 +465,32 @@ def test_the_update_lock_waits_a_bounded_time_and_takes_no_file_it_did_not_make(
         assert (tmp_path / "theirs").read_bytes() == b"keep"
         assert path.is_symlink() or path.is_fifo() or path.read_bytes() == b"someone's notes"
         path.unlink()
+
+
+@pytest.mark.asyncio
+async def test_the_wear_file_is_synced_before_it_replaces_the_old_one(tmp_path: Path) -> None:
+    """Found in review: the wear file was renamed over the old one unsynced, so a power loss could leave an empty
+    file under the name and lose every earlier count, not only this run's. At durability fsync it is synced first."""
+    from spilld.fileio import FileOps
+    from spilld.store.wearfile import WEAR_FILE
+
+    class Synced(FileOps):
+        paths: list[str] = []
+
+        def fsync(self, fd: int, durability: Any) -> None:
+            self.paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+            super().fsync(fd, durability)
+
+        def rename(self, src: str, dst: str) -> None:
+            self.paths.append(f"rename -> {dst}")
+            super().rename(src, dst)
+
+    ops = Synced()
+    s = Store(tmp_path, disk_cap=2**40, ops=ops)
+    s.scan()
+    await s.put(list(range(8)), caches(8), IDENT)
+    ops.paths.clear()
+    await s.record_wear()
+    s.close()
+    wear = str(tmp_path / WEAR_FILE)
+    assert ops.paths[-1] == f"rename -> {wear}" and os.path.dirname(ops.paths[-2]) == str(tmp_path), ops.paths

@@ -184,7 +184,9 @@ class Store:
         if not written:
             return
         try:
-            await self._io(lambda: add_wear(self.root, written, self.wear.hour(), self.ops), "the wear file")
+            await self._io(
+                lambda: add_wear(self.root, written, self.wear.hour(), self.ops, self.durability), "the wear file"
+            )
         except (OSError, errors.SpillError) as exc:  # a full disk, a link at its name, a hung disk
             log.warning("%s: the bytes written this run were not recorded: %s", self.root, exc)
 

@@ -1,7 +1,8 @@
 """The wear file: the bytes a store wrote per hour, kept across restarts so that ``--write-budget`` holds a day.
 
 ``<root>/.spilld-wear`` is a msgpack map of hour (seconds since the epoch // 3600) to bytes written in it, at most
-the last 7 days. A store reads it at its scan and adds what it wrote when it stops (a crash loses that run's count:
+the last 7 days. A store reads it at its scan and adds what it wrote when it stops, the new file synced as the
+store's durability says before it replaces the old (a crash loses that run's count:
 the budget then errs short by it; stores of one folder add theirs one at a time). Anything but a regular
 file at that name is someone else's: never read through, never replaced. A file that is too big, malformed or names
 an hour in the future is ignored, said; hours older than the week are dropped.
@@ -63,7 +64,9 @@ def _checked(data: bytes, now_hour: int) -> dict[int, int] | None:
     return {h: n for h, n in raw.items() if h >= now_hour - WEAR_HOURS} if ok else None
 
 
-def add_wear(root: str, written: Mapping[int, int], now_hour: int, ops: fileio.FileOps) -> None:
+def add_wear(
+    root: str, written: Mapping[int, int], now_hour: int, ops: fileio.FileOps, durability: fileio.Durability
+) -> None:
     """Add ``written`` to what the file holds now (another store of the folder may have added its own since this
     one read it), dropping hours out of the window, and replace it atomically. ``StorageError`` if something other
     than a regular file is at its name: that is left as it is. One writer at a time across processes
@@ -75,4 +78,6 @@ def add_wear(root: str, written: Mapping[int, int], now_hour: int, ops: fileio.F
         for h, n in written.items():
             if h >= now_hour - WEAR_HOURS:
                 hours[h] = hours.get(h, 0) + n
-        fileio.publish_bytes(ops, path, msgpack.packb(hours), fileio.Durability.NONE)
+        # the new file synced before its rename (a power loss then leaves the old count or the new, never an empty
+        # file: found in review); the folder is not, so a crash may lose this run's count, no earlier one
+        fileio.publish_bytes(ops, path, msgpack.packb(hours), durability)
