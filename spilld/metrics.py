@@ -190,6 +190,7 @@ def _remote(r: dict[str, Any]) -> list[Metric]:
     return [
         state,
         _counter("remote_hits", "values fetched from the remote tier", r.get("hits", 0)),
+        _counter("remote_refused", "values fetched, then refused by the local checks", r.get("refused", 0)),
         _labelled(
             "remote_misses", "values asked of the remote tier and not had, by why", "reason", r.get("misses", {})
         ),

@@ -22,9 +22,11 @@ class Reason(StrEnum):
 
 @dataclass
 class Stats:
-    """``hits``/``misses``: one per value asked of ``fetch`` (and a miss per failed or empty probe)."""
+    """``hits``/``misses``: one per value asked of ``fetch`` (and a miss per failed or empty probe); ``refused``: hits
+    the caller then refused (each also a ``bad_bytes`` miss). Every count only grows (Prometheus counters)."""
 
     hits: int = 0
+    refused: int = 0
     misses: Counter[Reason] = field(default_factory=Counter)
     probes: int = 0
     probe_blocks_found: int = 0
@@ -41,6 +43,7 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "hits": self.hits,
+            "refused": self.refused,
             # (a read is never refused for memory: OOM is a push's failure only)
             "misses": {r.value: self.misses[r] for r in Reason if r is not Reason.OOM},
             "probes": self.probes,

@@ -276,7 +276,7 @@ class RemoteTier:
         """The caller refused the value ``fetch`` gave for ``key`` (wrong bytes under it): counted as a miss, and
         unless ``remove`` is False (bytes of a newer writer, not wrong ones), removed from the server in the
         background (best effort, once)."""
-        self.stats.hits -= 1  # fetch counted it as a hit before it was checked
+        self.stats.refused += 1  # (fetch counted it a hit before it was checked: a counter never goes back)
         self.stats.misses[Reason.BAD_BYTES] += 1
         if remove:
             self._remove_later([rkeys.value_key(namespace, key, kind, self.key_tag)])
