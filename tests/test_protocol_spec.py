@@ -212,6 +212,7 @@ WRONG_PARAMS = [
     ("touch", {"path": 7}, "path must be a str"),
     ("touch", {"path": "/x", "restore_s": "fast"}, "restore_s must be a number of seconds"),
     ("delete", {"path": None, "key": 3}, "key must be a str"),
+    ("delete", {}, "a path or a key is needed"),
     ("pin", {"path": "/x", "on": "no"}, "on must be a bool"),
     ("report_bad", {"path": "/x", "code": 1}, "code must be a str"),
     ("commit", {"spill": "1"}, "spill must be an int >= 0"),

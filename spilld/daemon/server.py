@@ -452,7 +452,7 @@ class Daemon:
         elif "key" in p:
             n = await self.store.remove_checkpoints_async(p["key"])
         else:
-            raise P.BadParams("delete needs a path or a key")
+            raise P.BadParams("delete: bad params: a path or a key is needed")
         return {"deleted": n}
 
     async def _pin(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
