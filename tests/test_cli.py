@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile

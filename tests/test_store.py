@@ -1509,10 +1509,7 @@ async def test_a_link_swapped_in_for_a_stored_file_is_never_read(tmp_path: Path,
     r = await s.put(toks(40), kv_layers(40), IDENT)
     hit = s.lookup(IDENT, "", toks(40))
     assert isinstance(hit, Hit)
-    if which == "manifest":
-        victim = r.path
-    else:
-        victim = next(b.path for b in s.index.blocks.values())
+    victim = r.path if which == "manifest" else next(b.path for b in s.index.blocks.values())
     copy = theirs / os.path.basename(victim)
     shutil.copyfile(victim, copy)  # the same bytes: only the link itself is wrong
     os.unlink(victim)

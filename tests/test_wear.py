@@ -460,7 +460,7 @@ def test_the_update_lock_waits_a_bounded_time_and_takes_no_file_it_did_not_make(
         lambda: path.write_bytes(b"someone's notes"),
     ):
         make()
-        with pytest.raises(errors.StorageError, match="not a spilld lock file|Too many levels"), updating(root):
+        with pytest.raises(errors.StorageError, match=r"not a spilld lock file|Too many levels"), updating(root):
             pass
         assert (tmp_path / "theirs").read_bytes() == b"keep"
         assert path.is_symlink() or path.is_fifo() or path.read_bytes() == b"someone's notes"
@@ -475,7 +475,8 @@ async def test_the_wear_file_is_synced_before_it_replaces_the_old_one(tmp_path: 
     from spilld.store.wearfile import WEAR_FILE
 
     class Synced(FileOps):
-        paths: list[str] = []
+        def __init__(self) -> None:
+            self.paths: list[str] = []
 
         def fsync(self, fd: int, durability: Any) -> None:
             self.paths.append(os.readlink(f"/proc/self/fd/{fd}"))
