@@ -279,6 +279,35 @@ async def test_a_prompt_sharing_only_whole_blocks_restores_from_them(name: str, 
     assert isinstance(miss, Miss) and miss.reason is MissReason.CORRUPT
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("whole_first", [True, False])
+async def test_blocks_alone_serve_whatever_order_layouts_sharing_their_leaves_were_indexed(
+    whole_first: bool, tmp_path: Path
+) -> None:
+    """A whole entry (one KV layer) that cannot be cut (an attachment) and an entry of a layout that is not whole
+    (a recurrent state beside a KV layer of the same shape) share a root: the root hashes the positional leaves
+    only. The whole entry's blocks serve a prompt that leaves it in its third block, whichever was indexed last,
+    and after a restart (whose scan indexes them in the folder's order). Found in review: the layout was marked
+    whole or not by the last manifest indexed, so the second order missed (``untrimmable``)."""
+    stored, other = toks(40), toks(20, start=5000)
+    att = Attachment("draft", {"n": 1}, [mx.zeros((2, 2))])
+    puts = [(stored, ("kv",), [att]), (other, ("arrays", "kv"), [])]
+    s = store(tmp_path)
+    for tokens, kinds, atts in puts if whole_first else puts[::-1]:
+        await s.put(tokens, conversation(tokens, kinds), IDENT, attachments=atts)
+    whole = [e for e in s.entries if e.whole]
+    assert len(whole) == 1 and whole[0].ntokens == 40 and not whole[0].trimmable
+    assert len({blocks.header_root(read_header(e.path), B) for e in s.entries}) == 1  # one layout, as far as keys go
+    prompt = [*stored[:36], *toks(5, start=7000)]
+    for got in (s, rescanned(tmp_path)):
+        hit = got.lookup(IDENT, "", prompt)
+        assert isinstance(hit, Hit), hit
+        assert hit.blocks_only and hit.matched == 2 * B and hit.entry.path == whole[0].path
+        loaded = got.restore(hit, IDENT)
+        assert isinstance(loaded, spilld.Loaded) and loaded.tokens == stored[: 2 * B]
+        assert same(lives(loaded.caches), lives(conversation(stored[: 2 * B], ("kv",))))
+
+
 LAYOUTS = [
     ("kv", "kv"),
     ("quantized",),

@@ -82,7 +82,10 @@ class Index:
                 self.blocks[k].refs.add(path)
                 self.blocks[k].namespace, self.blocks[k].named = e.namespace, True
             roots = self.roots.setdefault((e.fingerprint, e.namespace, e.codec_provider), {})
-            roots[blocks.header_root(header, b.size)] = (b.size, e.whole)
+            root = blocks.header_root(header, b.size)
+            # whole once any whole manifest was indexed under it: a layout's positional leaves may be shared by one
+            # that is not (found in review: the last one indexed set it, and hid the blocks-only hits of the other)
+            roots[root] = (b.size, e.whole or roots.get(root, (0, False))[1])
         self.by_path[path] = e
         self._count(path, e.nbytes, block=False)
         if e.checkpoint is not None:
