@@ -3,6 +3,7 @@ entries with blocks through their key chain, the others through their first toke
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,44 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def start_key(namespace: str, tokens: np.ndarray) -> tuple[str, int]:
     """Where an entry sits in the lookup index: only entries sharing a prompt's first token can match it."""
     return namespace, int(tokens[0]) if len(tokens) else -1
+
+
+def head_bytes(tokens: np.ndarray) -> bytes:
+    """Token ids as big-endian u32: the bytes of two sequences sort as the sequences do (``Heads``)."""
+    return np.ascontiguousarray(tokens, dtype=">u4").tobytes()
+
+
+class Heads:
+    """The entries with blocks of one prompt space (identity, namespace, codec provider) that can be cut, by their
+    first block: a prompt that shares less than a block with them reaches them through no chain. The first blocks'
+    tokens are kept in order (``order``), so those that share most with a prompt sit beside it there: a bisect,
+    then a walk outwards, compares a few of them whatever their number. Changed on the store's loop; a lookup on a
+    worker thread copies ``order`` in one call (a consistent view) when it needs it."""
+
+    def __init__(self) -> None:
+        self.groups: dict[bytes, dict[str, Entry]] = {}  # by first block key: the entries that name it first
+        self.order: list[tuple[bytes, bytes]] = []  # (its tokens, ``head_bytes``; its key) of each group, sorted
+        self.longest = 0  # tokens of the longest first block (stores of another block size may have left some)
+
+    def add(self, e: Entry) -> None:
+        key = e.blocks[0]
+        if key not in self.groups:
+            self.groups[key] = {}
+            self.longest = max(self.longest, e.block_size)
+            bisect.insort(self.order, (head_bytes(e.tokens[: e.block_size]), key))
+        self.groups[key][e.path] = e
+
+    def remove(self, e: Entry) -> bool:
+        """``e`` out (if it is in); True once no entry is left."""
+        key = e.blocks[0]
+        group = self.groups.get(key)
+        if group is not None and group.get(e.path) is e:
+            del group[e.path]
+            if not group:
+                del self.groups[key]
+                i = bisect.bisect_left(self.order, (head_bytes(e.tokens[: e.block_size]), key))
+                del self.order[i]
+        return not self.groups
 
 
 @dataclass
@@ -52,6 +91,7 @@ class Query:
     by_path: dict[str, Entry]
     by_last: dict[bytes, dict[str, Entry]]  # entries with blocks, by their last block
     ask: tuple[str, int] | None = None  # the write gate's scope and block size: the prompt's asks are hashed here
+    heads: Heads | None = None  # this prompt space's entries with blocks that can be cut, by their first block
 
     def chains(self) -> list[tuple[int, list[Block], bool]]:
         """Per stored layout, the longest run of its blocks that starts the prompt: (block size, its blocks, whole).
@@ -89,6 +129,7 @@ class Query:
         self._compare(found, list(candidates.values()), limit)
         for size, walked, _ in chains:
             self._shallower(found, size, walked, candidates, limit)
+        self._under_a_block(found, {walked[0].key for _, walked, _ in chains}, limit)
         for size, walked, whole in chains:
             if whole:
                 self._blocks_only(found, size, walked)
@@ -117,6 +158,42 @@ class Query:
                 return
             left = walked[depth - 1].refs - walked[depth].refs  # (one C call: the loop cannot change them meanwhile)
             self._compare(found, [e for p in left if p not in seen and (e := self.by_path.get(p)) is not None], limit)
+
+    def _under_a_block(self, found: Found, walked: set[bytes], limit: int) -> None:
+        """The entries with blocks whose first block no chain walked: the prompt shares less than that block with them,
+        or is no longer than it, so only one that can be cut serves it (``Heads``). Walking outwards from the prompt's
+        place in their order, the tokens shared only fall: it stops where they cannot beat ``found``. A group shares
+        its first block's tokens, so its first entry that may be cut that far serves as well as any (the same rows).
+        Found in review: no chain reached them, so a prompt of at most B tokens missed every entry with blocks, and
+        so did one sharing fewer than B tokens with them, though a cut of one served it."""
+        best = found.best.matched if found.best is not None else 0
+        if self.heads is None or best >= min(self.heads.longest, limit):  # (none of them could serve more)
+            return
+        order, groups = list(self.heads.order), self.heads.groups  # (one C call: the loop cannot change it meanwhile)
+        at = bisect.bisect_left(order, (head_bytes(self.want[: self.heads.longest]),))
+        shared = lambda j: common_prefix(np.frombuffer(order[j][0], dtype=">u4"), self.want)  # noqa: E731
+        left, right = at - 1, at
+        below = shared(left) if left >= 0 else 0
+        above = shared(right) if right < len(order) else 0
+        while min(max(below, above), limit) > (found.best.matched if found.best is not None else 0):
+            if below >= above:
+                j, n, left = left, below, left - 1
+                below = shared(left) if left >= 0 else 0
+            else:
+                j, n, right = right, above, right + 1
+                above = shared(right) if right < len(order) else 0
+            if order[j][1] not in walked:  # (a group whose first block a chain walked was compared through it)
+                self._first_usable(found, list(groups.get(order[j][1], {}).values()), min(n, limit))
+
+    @staticmethod
+    def _first_usable(found: Found, group: list[Entry], shared: int) -> None:
+        """The first of ``group`` (entries that can be cut, sharing ``shared`` tokens with the prompt) that serves
+        more than ``found``."""
+        for e in group:
+            usable = min(shared, e.held)
+            if usable > (found.best.matched if found.best is not None else 0) and usable >= e.min_reusable:
+                found.best = Hit(e, usable)
+                return
 
     def _blocks_only(self, found: Found, size: int, walked: list[Block]) -> None:
         """A hit from the chain's blocks alone, at the deepest block a whole manifest names, if it beats ``found``."""

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
 import spilld
-from spilld.entries import Hit
+from spilld.entries import Hit, Miss, MissReason
 from spilld.matching import Query
 from spilld.store import Store
 from tests.blocks_corpus import B, layer, prefix_rows, toks
@@ -116,9 +117,9 @@ async def test_the_walk_back_stops_where_no_shallower_entry_could_serve_more(
     compared: list[list[str]] = []
     real = Query._compare
 
-    def spy(self: Query, found: Any, candidates: list[Any], limit: int) -> None:
+    def spy(self: Query, found: Any, candidates: list[Any], limit: int, *rest: Any) -> None:
         compared.append(sorted(e.path for e in candidates))
-        real(self, found, candidates, limit)
+        real(self, found, candidates, limit, *rest)
 
     monkeypatch.setattr(Query, "_compare", spy)
     hit = s.lookup(IDENT, "", [*deep[:58], 1])
@@ -128,3 +129,75 @@ async def test_the_walk_back_stops_where_no_shallower_entry_could_serve_more(
     hit = s.lookup(IDENT, "", [*mid, 1])  # mid's own prompt: its last block is the chain's
     assert isinstance(hit, Hit) and hit.entry.path == b.path and hit.matched == len(mid)
     assert len(compared) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_sharing_less_than_a_block_with_entries_with_blocks_is_served_by_them(tmp_path: Path) -> None:
+    """No chain reaches an entry with blocks whose first block the prompt does not hold whole: one sharing fewer
+    than ``B`` tokens with it, or one of at most ``B`` tokens. The entry can still be cut to what they share.
+    Before the fix each such lookup was a miss (``no_entry``), though a cut of the entry served it; entries without
+    blocks were found (the first-token index)."""
+    s = store(tmp_path)
+    conv = toks(40, 100)  # two blocks and a tail: its ring (64) has not wrapped, so it can be cut
+    e = await s.put(conv, model(conv), IDENT)
+    wrapped = [*conv[:B], *toks(84, 9000)]  # shares conv's first block; its ring wrapped: it cannot be cut
+    f = await s.put(wrapped, model(wrapped), IDENT)
+    assert s.entry_at(e.path).trimmable and not s.entry_at(f.path).trimmable
+    assert s.entry_at(e.path).blocks[0] == s.entry_at(f.path).blocks[0]
+    for prompt, matched in [
+        ([*conv[:10], *toks(20, 7000)], 10),  # leaves both inside their first block
+        (conv[:B], B - 1),  # a prompt that is exactly one block: one token is left to compute
+        (conv[:5], 4),  # a prompt shorter than a block
+    ]:
+        hit = s.lookup(IDENT, "", prompt)
+        assert isinstance(hit, Hit) and hit.entry.path == e.path and hit.matched == matched, (len(prompt), hit)
+        assert not hit.blocks_only
+        restores(s, hit, prompt, "ring")
+    assert isinstance(s.lookup(IDENT, "", [*conv[: B + 3], 1]), Hit)  # one past a block: its chain, as before
+    s.remove_where(lambda x: x.path == e.path)
+    miss = s.lookup(IDENT, "", [*conv[:10], 1])  # only the one that cannot be cut shares them: it serves none
+    assert isinstance(miss, Miss) and miss.reason is MissReason.NO_ENTRY
+    assert s.index.heads == {}  # nothing of them is left in the index (the one that cannot be cut was never in)
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_under_a_block_compares_only_the_first_blocks_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many entries start alike and part inside their first block: the one sharing the most with the prompt serves
+    it, found among its neighbours in token order, not by comparing every entry. One whose front was trimmed (a
+    chunked cache: no cut short of 16 tokens) is passed over for the next best."""
+    s = store(tmp_path)
+    rng = np.random.default_rng(3)
+    stored = [[7, *rng.integers(0, 3, size=B + 3).tolist()] for _ in range(40)]  # 40 first blocks of 3 symbols
+    for t in stored:
+        await s.put(t, model(t), IDENT)
+    assert len(s.index.heads[(s.entries[0].fingerprint, "", s.entries[0].codec_provider)].groups) > 30
+    looked: list[int] = []
+    real = Query._first_usable
+
+    def spy(found: Any, group: list[Any], shared: int) -> None:
+        looked.append(shared)
+        real(found, group, shared)
+
+    monkeypatch.setattr(Query, "_first_usable", staticmethod(spy))
+    for _ in range(20):
+        prompt = [7, *rng.integers(0, 3, size=int(rng.integers(1, 2 * B))).tolist()]
+        best = max(min(len(common(t, prompt)), len(prompt) - 1) for t in stored)
+        looked.clear()
+        hit = s.lookup(IDENT, "", prompt)
+        if best >= B:  # its chain: compared as before
+            assert isinstance(hit, Hit) and hit.matched >= best
+            continue
+        assert isinstance(hit, Hit) and hit.matched == best and len(looked) <= 3, (best, hit, looked)
+        assert s.entry_at(hit.entry.path).tokens[:best].tolist() == prompt[:best]
+    front = [7, 9, 9, 9, *toks(30, 500)]  # the only entry starting 7, 9, 9, 9: its front is gone (min_reusable 16)
+    await s.put(front, model(front, "chunked", front=True), IDENT)
+    assert s.entry_at(s.entries[-1].path).min_reusable > 4
+    hit = s.lookup(IDENT, "", [7, 9, 9, 9, 5, 5])
+    assert isinstance(hit, Hit) and hit.matched == 1  # the shared 7 of another entry: the chunked one cannot cut to 4
+
+
+def common(a: list[int], b: list[int]) -> list[int]:
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return a[:n]

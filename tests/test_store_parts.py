@@ -184,6 +184,11 @@ def _check_index(index: Index) -> None:
     last = {(e.blocks[-1], e.path) for e in entries if e.blocks}
     assert {(k, p) for k, group in index.by_last.items() for p in group} == last
     assert all(group for group in [*index.by_last.values(), *index.by_start.values()])  # no empty group kept
+    heads = {(e.blocks[0], e.path) for e in entries if e.blocks and e.trimmable}
+    assert {(k, p) for h in index.heads.values() for k, g in h.groups.items() for p in g} == heads
+    for h in index.heads.values():  # no empty one kept; the order names each group once, sorted
+        assert h.groups and all(h.groups.values()) and sorted(h.order) == h.order
+        assert sorted(k for _, k in h.order) == sorted(h.groups)
     assert sum(len(g) for g in index.by_start.values()) == sum(1 for e in entries if not e.blocks)
 
 

@@ -16,7 +16,7 @@ from .. import blocks
 from .. import format as fmt
 from ..codecs.rules import cut_floor
 from ..entries import Block, Entry, identity_fingerprint
-from ..matching import start_key
+from ..matching import Heads, start_key
 
 
 def ns_dir(path: str) -> str:
@@ -44,6 +44,7 @@ class Index:
         self.by_start: dict[tuple[str, int], dict[str, Entry]] = {}  # (namespace, first token): lookup candidates
         self.blocks: dict[bytes, Block] = {}
         self.by_last: dict[bytes, dict[str, Entry]] = {}  # entries with blocks, by their last block
+        self.heads: dict[tuple[str, str, str], Heads] = {}  # those that can be cut, per prompt space: by first block
         self.checkpoints: dict[str, dict[str, Entry]] = {}  # generation checkpoints, by their namespace (their key)
         self.roots: dict[tuple[str, str, str], dict[bytes, tuple[int, bool]]] = {}  # layouts per prompt space
         self.entry_bytes = 0  # running sums: the cap is checked on every put
@@ -92,6 +93,8 @@ class Index:
             self.checkpoints.setdefault(e.namespace, {})[path] = e
         if e.blocks:  # found through its chain; supersede finds it through its last block
             self.by_last.setdefault(e.blocks[-1], {})[path] = e
+            if e.trimmable:  # and by its first block, by a prompt sharing less than a block with it
+                self.heads.setdefault((e.fingerprint, e.namespace, e.codec_provider), Heads()).add(e)
         else:
             self.by_start.setdefault(start_key(e.namespace, e.tokens), {})[path] = e
         return e
@@ -107,6 +110,9 @@ class Index:
             _pop(self.checkpoints, e.namespace, e.path)
         if e.blocks:
             _pop(self.by_last, e.blocks[-1], e.path)
+            space = (e.fingerprint, e.namespace, e.codec_provider)
+            if (heads := self.heads.get(space)) is not None and heads.remove(e):
+                del self.heads[space]
         else:
             _pop(self.by_start, start_key(e.namespace, e.tokens), e.path)
         named = []

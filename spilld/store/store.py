@@ -354,7 +354,8 @@ class Store:
         count it twice (found in review)."""
         for _ in range(LOOKUP_ATTEMPTS):
             q = self._query(ident, namespace, tokens, codec_provider, counted)
-            found = await off_loop(q.match, compute=True) if q.by_start or q.evicted or q.roots or q.ask else Found()
+            busy = q.by_start or q.heads is not None or q.evicted or q.roots or q.ask
+            found = await off_loop(q.match, compute=True) if busy else Found()
             # Its best entry superseded while the comparison ran (the same prompt spilled again): compare again,
             # against the index as it is now, rather than miss an entry that is still there under a new name.
             if found.best is None or found.best.entry.path in self.index.by_path:
@@ -372,9 +373,10 @@ class Store:
         group = self.index.by_start.get(start_key(namespace, want), {}) if len(want) > 1 else {}
         roots = [(r, size, whole) for r, (size, whole) in self.index.roots.get((fp, namespace, prov), {}).items()]
         evicted = list(self._evicted.get((fp, namespace), ()))
+        heads = self.index.heads.get((fp, namespace, prov)) if len(want) > 1 else None
         return Query(
             want, fp, prov, group, evicted, roots if len(want) > 1 else [], self.index.blocks, self.index.by_path,
-            self.index.by_last, ask,
+            self.index.by_last, ask, heads,
         )  # fmt: skip
 
     def _settle(self, q: Query, found: Found) -> Hit | Miss:
