@@ -204,6 +204,25 @@ async def test_past_the_disk_cap_a_tenant_evicts_its_own_pins_beyond_the_pin_cap
     assert kept.path in s.index.by_path and pinned.path not in s.index.by_path
 
 
+@pytest.mark.asyncio
+async def test_a_quota_judges_a_tenants_pins_against_the_pin_cap_of_the_whole_store(tmp_path: Path) -> None:
+    """The pin cap is the store's: another tenant's newer pin fills it, so this tenant's older pin is beyond it and
+    goes first (least recently used) when its quota binds, as it does past the disk cap. Found in review: the quota
+    judged the tenant's pins against the cap alone, kept that pin, and evicted a newer entry instead."""
+    tenant, other = spilld.Identity("wear", namespace="tenant"), spilld.Identity("wear", namespace="other")
+    s = Store(tmp_path, disk_cap=2**40, block_tokens=0)
+    pin = await s.put(list(range(8)), caches(8), tenant, pin=True)
+    one = s.total_bytes  # every entry below is as big
+    s.pin_cap, s.namespace_quota = one, 3 * one
+    newer = await s.put([100, *range(7)], caches(8, seed=1), tenant)
+    await s.put([200, *range(7)], caches(8, seed=2), tenant)
+    theirs = await s.put([300, *range(7)], caches(8, seed=3), other, pin=True)  # the newest pin: it fills the cap
+    await s.put([400, *range(7)], caches(8, seed=4), tenant)  # past the quota: one of the tenant's goes
+    paths = {e.path for e in s.entries}
+    assert s.counters.quota_evicted == 1 and s.count == 4 and s.total_bytes == 4 * one
+    assert pin.path not in paths and newer.path in paths and theirs.path in paths
+
+
 def entry_bytes(s: Store) -> int:
     return s.total_bytes // max(1, s.count)
 

@@ -9,12 +9,20 @@ from ..entries import Entry
 Parts = Callable[[Entry], tuple[int, Mapping[bytes, int]]]  # an entry's own bytes on disk, and its blocks' by key
 
 
-def evict_order(entries: Iterable[Entry], pinned: Collection[str], parts: Parts, pin_cap: int) -> list[Entry]:
+def evict_order(
+    entries: Iterable[Entry],
+    pinned: Collection[str],
+    parts: Parts,
+    pin_cap: int,
+    among: Iterable[Entry] | None = None,
+) -> list[Entry]:
     """Least recently used first, pinned entries last: the newest pins, as long as what they hold on disk fits
     ``pin_cap`` together (``parts``: an entry's own bytes, and its blocks' by key: a block two pins share counts
-    once, found in review); older pins beyond it take their place among the others."""
+    once, found in review); older pins beyond it take their place among the others. ``among``: every entry whose
+    pins share the cap, when ``entries`` are some of them (one namespace's: found in review, its pins were judged
+    against the cap alone, and a pin beyond it outlived newer entries of its own tenant)."""
     order = sorted(entries, key=lambda x: x.last_used)
-    kept = protected(order, pinned, parts, pin_cap)
+    kept = protected(order if among is None else among, pinned, parts, pin_cap)
     return [e for e in order if e.path not in kept] + [e for e in order if e.path in kept]
 
 

@@ -1044,8 +1044,9 @@ class Store:
         self._doomed.release(path)
 
     def _evict_order(self, entries: Iterable[Entry]) -> list[Entry]:
-        """Least recently used first, the newest pins (within the pin cap, with their blocks) last."""
-        return evict_order(entries, self._pins, self._on_disk, self.pin_cap)
+        """Least recently used first, the newest pins of the whole store (within the pin cap, with their blocks)
+        last."""
+        return evict_order(entries, self._pins, self._on_disk, self.pin_cap, self.index.by_path.values())
 
     def _on_disk(self, e: Entry) -> tuple[int, dict[bytes, int]]:
         """``e``'s own bytes, and its blocks' by key."""
