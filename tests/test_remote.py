@@ -2221,3 +2221,22 @@ async def test_a_reply_declared_longer_than_its_read_allows_is_refused_before_it
     finally:
         await tier.close()
         server.close()
+
+
+def test_a_manifest_naming_too_many_blocks_is_given_up_on_without_walking_it_whole() -> None:
+    """Found in review: the blocks a fetched manifest names were all checked against the store, on the loop, before
+    their count was: a hostile manifest of 500,000 keys held the loop about 150 ms on every lookup of its prompt.
+    The walk stops once more than ``MAX_FILL_BLOCKS`` are lacking; below that it keeps each lacking key once, in order."""
+    from spilld.remote import link
+
+    asked: list[bytes] = []
+
+    def held(k: bytes) -> bool:
+        asked.append(k)
+        return k.startswith(b"h")
+
+    keys = [i.to_bytes(32, "big") for i in range(500_000)]
+    assert link._lacking(keys, held, link.MAX_FILL_BLOCKS) is None
+    assert len(asked) == link.MAX_FILL_BLOCKS + 1
+    mixed = [b"a" * 32, b"h" * 32, b"b" * 32, b"a" * 32]
+    assert link._lacking(mixed, held, 2) == [b"a" * 32, b"b" * 32]

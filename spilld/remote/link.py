@@ -475,8 +475,8 @@ class RemoteLink:
             else:  # the block's reference names a manifest that does not name the block
                 self.tier.bad_value(namespace, asked, Kind.REF)
             return self._missed("wrong_manifest")
-        want = list(dict.fromkeys(k for k in keys if not self.store.has_block(k)))
-        if len(want) > MAX_FILL_BLOCKS:
+        want = _lacking(keys, self.store.has_block, MAX_FILL_BLOCKS)
+        if want is None:
             return self._missed("too_many_blocks")
         if bound > MAX_FILL_BLOCK_BYTES:
             return self._missed("block_too_large")
@@ -557,6 +557,18 @@ class RemoteLink:
             "pushes_skipped": self._turns.skipped,
             "fills_shared": self.fills_shared,
         }
+
+
+def _lacking(keys: list[bytes], held: Callable[[bytes], bool], most: int) -> list[bytes] | None:
+    """The keys not ``held``, each once, in order; None as soon as there are more than ``most`` (on the loop: a
+    hostile manifest of 500,000 keys is given up on after ``most`` of them, not walked whole)."""
+    want: dict[bytes, None] = {}
+    for k in keys:
+        if k not in want and not held(k):
+            want[k] = None
+            if len(want) > most:
+                return None
+    return list(want)
 
 
 def _named_blocks(manifest: bytes) -> tuple[list[bytes], int]:
