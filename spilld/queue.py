@@ -381,6 +381,14 @@ class SpillQueue:
         lost = sum(1 for f in futs if f.done() and not _durable(f.result().outcome))
         return DrainReport(not left, self.pending_items, self.pending_bytes, lost)
 
+    def after_writer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the writer has ended (now if none runs): from then on nothing of this queue's is written.
+        A close cancelled, or past its timeout with a step stuck in a thread, returns before the writer ends."""
+        if self._worker is None or self._worker.done():
+            fn()
+        else:
+            self._worker.add_done_callback(lambda _: fn())
+
     async def close(self, timeout: float | None = None) -> DrainReport:
         """Refuse new items, drain, then stop the writer; what is left at the timeout is cancelled. ``timeout``
         bounds the whole call."""

@@ -300,8 +300,10 @@ class Spiller:
         return await self.queue.drain(timeout)
 
     async def close(self, timeout: float | None = None) -> DrainReport:
-        """Let the queue finish (up to ``timeout``), then stop taking spills and let the folder's lock go. A second
-        close gives the first one's report (found in review: it said done, nothing lost, after the first gave up)."""
+        """Let the queue finish (up to ``timeout``), then stop taking spills and let the folder's lock go once the
+        writer has ended. A second close gives the first one's report (found in review: it said done, nothing lost,
+        after the first gave up). Found in review: a close cancelled during its drain let the lock go at once while
+        the writer went on writing the items queued before it, into a folder another spilld could then own."""
         if self._close_report is not None:
             return self._close_report
         deadline = api.Deadline(timeout)
@@ -312,7 +314,7 @@ class Spiller:
             return self._close_report
         finally:
             self._closed = True
-            self.store.close()
+            self.queue.after_writer(self.store.close)
 
     async def status(self) -> dict[str, Any]:
         """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""

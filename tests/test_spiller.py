@@ -359,3 +359,43 @@ async def test_a_threadsafe_spill_whose_caller_cancelled_its_future_logs_no_erro
         assert errors_seen == []
     finally:
         loop.set_exception_handler(None)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_close_keeps_the_folders_lock_until_the_writer_has_ended(tmp_path: Any) -> None:
+    """Found in review: a close cancelled during its drain let the folder's lock go at once, while the writer went
+    on writing the spills queued before it: into a folder another spilld could then own (and scan, and reap)."""
+    from mlx_lm.models import cache as C
+
+    from spilld.lockfile import LOCK_NAME, FileLock
+    from tests.caches import fill
+
+    gate = threading.Event()
+    unlocked: list[int] = []
+
+    def free() -> bool:
+        probe = FileLock(str(tmp_path / LOCK_NAME), "probe")
+        if probe.try_acquire():  # nobody holds it: another spilld could own the folder now
+            probe.release()
+            return True
+        return False
+
+    async def lease(fn: Any) -> Any:
+        await spilld.lease.off_loop(lambda: gate.wait(10))
+        if free():
+            unlocked.append(1)
+        return await spilld.lease.off_loop(fn)
+
+    sp = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=lease)
+    futs = [sp.spill(list(range(100 * i, 100 * i + 32)), [fill(C.KVCache(), 32, seed=i)]) for i in range(3)]
+    closing = asyncio.ensure_future(sp.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not free()
+    gate.set()
+    assert [r.outcome for r in await asyncio.wait_for(asyncio.gather(*futs), 10)] == [Outcome.STORED] * 3
+    assert unlocked == []
+    await asyncio.sleep(0.05)
+    assert free()  # let go once the writer ended
