@@ -123,6 +123,30 @@ async def outlast(fut: asyncio.Future[Any]) -> None:
             await asyncio.wait([fut])
 
 
+class Droppable:
+    """``fn`` for a worker thread, which its caller may give up until a thread begins it: a step queued behind
+    threads that hung writes hold (their syscalls past their deadline, still stuck) is dropped, never run later."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._begun = False
+        self._dropped = False
+
+    def __call__(self) -> Any:
+        with self._lock:  # begun or dropped, never both
+            if self._dropped:
+                raise errors.StorageTimeout("a step given up before a thread began it")
+            self._begun = True
+        return self._fn()
+
+    def drop(self) -> bool:
+        """Give the step up if no thread has begun it; True when it never will."""
+        with self._lock:
+            self._dropped = not self._begun
+            return self._dropped
+
+
 class Begun:
     """When a step's work began (``time.monotonic()``), set by the thread that runs it: the loop is not woken
     for it, ``within`` reads it when its wait ends."""

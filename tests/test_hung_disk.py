@@ -813,6 +813,28 @@ async def test_every_spill_fails_at_the_deadline_when_hung_writes_hold_every_thr
 
 
 @pytest.mark.asyncio
+async def test_a_granting_clients_spills_fail_at_the_grants_timeout_when_hung_writes_hold_every_thread() -> None:
+    """Found in review: a granted step's deadline counts from when a thread begins it, and the grantor's lease waited
+    for its step without a bound, so once hung writes held both of the granted steps' threads, the next granting
+    client's spill never settled, and the daemon's one writer held every client's spills behind it for good."""
+    grant_s = 1.0
+    async with (
+        writer_held(block_tokens=16, io_timeout=DEADLINE_S, request_timeout=grant_s) as (socket, ops),
+        AsyncClient(socket, identity=IDENT, name="granting", shm=False, grant_lease=True, lease=spilld.NoLease()) as c,
+    ):
+        ops.hanging.set()
+        for i in range(4):  # more hung writes than the granted steps have threads
+            t0 = time.monotonic()
+            fut = c.spill(list(range(100 * i, 100 * i + 40)), caches(40, seed=i), droppable=False)
+            settled = await asyncio.wait_for(asyncio.shield(fut), grant_s + DEADLINE_S + 10)
+            assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.StorageTimeout), i
+            assert time.monotonic() - t0 < grant_s + DEADLINE_S + 5, i
+        ops.hanging.clear()
+        ops.release.set()
+        assert (await asyncio.wait_for(c.spill(list(range(900, 940)), caches(40, seed=9)), 30)).stored
+
+
+@pytest.mark.asyncio
 async def test_a_hung_scrub_read_holds_no_writers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found in review: the scrub's reads ran on the writers' threads with no deadline; one a hung disk held, beside a
     timed-out write, left spills no thread. Idle-time reads have a thread of their own now."""

@@ -16,7 +16,7 @@ import numpy as np
 from .. import __version__, blocks, errors, mlxthreads, shm
 from .. import format as fmt
 from .. import protocol as P
-from ..lease import off_loop
+from ..lease import Droppable, off_loop
 from ..queue import SpillItem
 from ..saver import BytesSource, waits_for_grant
 from .listen import PeerRefused, peer_uid
@@ -646,25 +646,37 @@ def bad_params(method: str, exc: Exception) -> P.BadParams:
 class GrantorLease:
     """A lease granted by a client's engine: before each step the daemon asks; the engine answers between two
     of its decode steps and holds its lease until the daemon says the step is done. A grant that does not come
-    within the timeout fails the step (never run unheld); a grantor that is gone has no engine to keep out."""
+    within the timeout fails the step (never run unheld); a grantor that is gone has no engine to keep out. A step
+    no thread has begun within the timeout (hung writes hold every one) fails too (``StorageTimeout``), and is never
+    run later: found in review, the saver's deadline counts from a granted step's start, so it waited for ever."""
 
     def __init__(self, conn: Connection, timeout: float) -> None:
         self.conn, self.timeout = conn, timeout
 
     async def __call__(self, fn: Any, /) -> Any:
         grant = await self.conn.ask_lease(self.timeout)
-        if grant is None:
-            return await off_loop(fn, background=True)
-        step = asyncio.ensure_future(off_loop(fn, held=True))  # the engine waits: never behind background work
+        work = Droppable(fn)
+        # granted: the engine waits, so never behind background work; no grantor: no engine to keep out
+        step = asyncio.ensure_future(off_loop(work, held=grant is not None, background=grant is None))
         try:
             done, _ = await asyncio.wait([step], timeout=self.timeout)
         except asyncio.CancelledError:
-            self.conn.lease_done(grant)
-            await asyncio.wait([step])
+            if grant is not None:
+                self.conn.lease_done(grant)
+            if not work.drop():
+                await asyncio.wait([step])
             raise
+        finally:
+            step.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a dropped step's error: retrieved)
         # The engine decodes again after the grant's timeout whatever the step does: a step held up by a hung
         # disk goes on unheld (it is no decode's competitor while it waits), it never holds the engine.
-        self.conn.lease_done(grant)
+        if grant is not None:
+            self.conn.lease_done(grant)
+        if not done and work.drop():
+            raise errors.StorageTimeout(
+                f"no writer thread began a write step within {self.timeout:g} s: hung writes hold them all (the disk "
+                "is hung or failing)"
+            )
         if not done:
             log.warning(
                 "client %d: a write step outlasted its %g s grant; the engine goes on", self.conn.id, self.timeout

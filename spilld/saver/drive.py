@@ -211,7 +211,7 @@ async def save_async(
                 else:
                     step.materialize()  # bytes already ours (the daemon's): nothing of an engine's to keep out
                 fn = _marking(begun, step.write)
-            work = lease(fn) if write_in_lease else off_loop(fn, background=True)
+            work = asyncio.ensure_future(lease(fn) if write_in_lease else off_loop(fn, background=True))
             # only a grant's wait is the lease's to bound; a wait for a thread counts (found in review: hung writes
             # held every thread, and the next step, never begun, waited a whole deadline more, for ever)
             if not (write_in_lease and waits_for_grant(lease)):
@@ -223,6 +223,8 @@ async def save_async(
                 late = True
                 if batch is not None:
                     batch.stopped = True
+                if work.done():  # the step failed so itself (a lease that no thread began it for): nothing runs it
+                    _close_later(loop, gen)
                 raise
             if batch is not None and batch.result is not None:
                 return batch.result
