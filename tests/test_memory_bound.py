@@ -4,12 +4,14 @@ tensors; payloads get no buffer unless the accounting admitted their bytes. Real
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -399,6 +401,41 @@ def test_a_headers_cache_entries_and_attachments_count_against_the_cap(small: Da
     assert w.call("status", {}).result["ingest"]["receiving"] >= 15_000 * PARSED_BYTES_PER_ENTRY
 
 
+class _ParseGate:
+    """``ingest.parsed_bytes`` held at its start until ``go_on`` is set, the threads it ran on recorded."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.where: list[threading.Thread] = []
+        self.parsing, self.go_on = threading.Event(), threading.Event()
+        real = ingest.parsed_bytes
+
+        def measured(*args: Any) -> int:
+            self.where.append(threading.current_thread())
+            self.parsing.set()
+            self.go_on.wait(20)
+            return real(*args)
+
+        monkeypatch.setattr(ingest, "parsed_bytes", measured)
+
+    async def reached(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.parsing.wait, 20)
+
+
+@contextlib.asynccontextmanager
+async def _in_process(tmp_path: Path, gate: _ParseGate) -> AsyncIterator[Any]:
+    """A daemon on this test's loop (its connections can be looked at), and a client identity for it."""
+    from spilld.config import Config
+    from spilld.daemon.server import Daemon as InProcess
+
+    daemon = InProcess(Config(dir=str(tmp_path / "store"), socket=str(tmp_path / "s.sock")))
+    await daemon.start()
+    try:
+        yield daemon
+    finally:
+        gate.go_on.set()
+        await daemon.stop()
+
+
 @pytest.mark.asyncio
 async def test_a_spills_header_is_parsed_and_measured_off_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -406,48 +443,27 @@ async def test_a_spills_header_is_parsed_and_measured_off_the_loop(
     """Found in review: parsing a spill's header and measuring what it holds walk all of it in Python on the event
     loop; a 4 MiB header of small ints (a provider without rules here: its fields taken as sent) took 1.5 s there,
     in which no other client was answered. Both run on a compute thread now, the message counted until then."""
-    import asyncio
-    import threading
-
     from mlx_lm.models.cache import KVCache
 
     import spilld
-    from spilld.config import Config
-    from spilld.daemon.server import Daemon as InProcess
     from tests.caches import fill
 
-    where: list[threading.Thread] = []
-    real = ingest.parsed_bytes
-    parsing, go_on = threading.Event(), threading.Event()
-
-    def measured(*args: Any) -> int:
-        where.append(threading.current_thread())
-        parsing.set()
-        go_on.wait(20)
-        return real(*args)
-
-    monkeypatch.setattr(ingest, "parsed_bytes", measured)
-    cfg = Config(dir=str(tmp_path / "store"), socket=str(tmp_path / "s.sock"))
-    daemon = InProcess(cfg)
-    await daemon.start()
-    try:
-        ident = spilld.Identity(model_id="m")
+    gate = _ParseGate(monkeypatch)
+    async with _in_process(tmp_path, gate) as daemon:
+        ident, sock = spilld.Identity(model_id="m"), daemon.cfg.socket
         async with (
-            spilld.AsyncClient(cfg.socket, identity=ident) as client,
-            spilld.AsyncClient(cfg.socket, identity=ident) as probe,
+            spilld.AsyncClient(sock, identity=ident) as client,
+            spilld.AsyncClient(sock, identity=ident) as probe,
         ):
             n = 30_000  # a header of over BIG_MSG_BYTES: counted while it is received, decoded and parsed
             spill = client.spill(list(range(70_000, 70_000 + n)), [fill(KVCache(), n, heads=1, dim=4)], droppable=False)
-            await asyncio.get_running_loop().run_in_executor(None, parsing.wait, 20)
+            await gate.reached()
             st = await probe.status()  # answered while the header is parsed: the loop is free
-            go_on.set()
+            gate.go_on.set()
             assert (await spill).stored
             assert st["ingest"]["buffers"] >= ingest.BIG_MSG_BYTES, st["ingest"]  # still counted meanwhile
             assert (await probe.status())["ingest"]["buffers"] == 0
-    finally:
-        go_on.set()
-        await daemon.stop()
-    assert where and all(t is not threading.current_thread() for t in where)
+    assert gate.where and all(t is not threading.current_thread() for t in gate.where)
 
 
 @pytest.mark.asyncio
@@ -456,42 +472,24 @@ async def test_a_client_gone_while_its_spills_header_is_parsed_leaves_nothing_he
 ) -> None:
     """Found when the parse moved off the loop (the kill test of test_shm_safety): a connection lost while its
     spill's header was parsed got that spill opened after its cleanup, its room held forever."""
-    import asyncio
-    import threading
-
     from mlx_lm.models.cache import KVCache
 
     import spilld
-    from spilld.config import Config
-    from spilld.daemon.server import Daemon as InProcess
     from tests.caches import fill
 
-    real, parsing, go_on = ingest.parsed_bytes, threading.Event(), threading.Event()
-
-    def measured(*args: Any) -> int:
-        parsing.set()
-        go_on.wait(20)
-        return real(*args)
-
-    monkeypatch.setattr(ingest, "parsed_bytes", measured)
-    cfg = Config(dir=str(tmp_path / "store"), socket=str(tmp_path / "s.sock"))
-    daemon = InProcess(cfg)
-    await daemon.start()
-    try:
-        ident = spilld.Identity(model_id="m")
-        async with spilld.AsyncClient(cfg.socket, identity=ident) as probe:
+    gate = _ParseGate(monkeypatch)
+    async with _in_process(tmp_path, gate) as daemon:
+        ident, sock = spilld.Identity(model_id="m"), daemon.cfg.socket
+        async with spilld.AsyncClient(sock, identity=ident) as probe:
             before = set(daemon.connections)
-            client = await spilld.AsyncClient.open(cfg.socket, identity=ident)
+            client = await spilld.AsyncClient.open(sock, identity=ident)
             (conn,) = daemon.connections - before
             spill = client.spill(list(range(1, 9)), [fill(KVCache(), 8)], droppable=False)
-            await asyncio.get_running_loop().run_in_executor(None, parsing.wait, 20)
+            await gate.reached()
             conn.transport.abort()  # lost mid-parse, as a write to a killed client ends it
             await conn.closed
-            go_on.set()
+            gate.go_on.set()
             assert not (await spill).stored
             await client.close(timeout=5)
             st = (await probe.status())["ingest"]
             assert (st["open_spills"], st["receiving"], st["reserved"], st["buffers"]) == (0, 0, 0, 0), st
-    finally:
-        go_on.set()
-        await daemon.stop()
