@@ -12,6 +12,7 @@ yields frames; it never does I/O, so it is tested (and fuzzed) without sockets.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,14 +66,22 @@ class Message:
     discarded: int = 0  # payload bytes the receiver refused to hold (read and thrown away)
 
 
+_CONTAINERS = frozenset({list, tuple, dict})
+
+
 def _depth_ok(obj: Any, depth: int = 0) -> bool:
+    """``obj`` nests at most ``MAX_NESTING`` deep. Only containers are walked into, picked from a container's items
+    by C calls alone (found in review: a walk of every item in Python held the loop 0.75 s for a 4 MiB
+    message of 4 M small ints)."""
     if depth > MAX_NESTING:
         return False
-    if isinstance(obj, (list, tuple)):
-        return all(_depth_ok(x, depth + 1) for x in obj)
-    if isinstance(obj, dict):
-        return all(_depth_ok(v, depth + 1) for v in obj.values())
-    return True
+    if type(obj) not in _CONTAINERS:
+        return True
+    if depth == MAX_NESTING:  # its items would be one level too deep
+        return not obj
+    items = obj.values() if type(obj) is dict else obj
+    inner = itertools.compress(items, map(_CONTAINERS.__contains__, map(type, items)))  # (C calls only)
+    return all(_depth_ok(x, depth + 1) for x in inner)
 
 
 def _message(raw: Any, payload: memoryview | bytes | bytearray) -> Message:
