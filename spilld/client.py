@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
-from . import blocks, errors
+from . import blocks, errors, fileio
 from . import format as fmt
 from . import protocol as P
 from .api import Deadline, Hit
@@ -672,7 +672,13 @@ class AsyncClient:
             loaded = await within(
                 off_loop(
                     lambda: load(
-                        path, expect=ident, upto=matched, provider=self.provider, blocks_only=only, blocks=resolve
+                        path,
+                        expect=ident,
+                        upto=matched,
+                        provider=self.provider,
+                        blocks_only=only,
+                        blocks=resolve,
+                        ops=fileio.OWN_OPS,  # the store's own files: a link put in place of one is never read
                     )
                 ),
                 self._read_timeout(),

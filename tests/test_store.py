@@ -1517,3 +1517,34 @@ async def test_a_link_swapped_in_for_a_stored_file_is_never_read(tmp_path: Path,
     got = await s.restore_async(hit, IDENT)
     assert isinstance(got, Miss)
     assert os.path.islink(victim) and os.listdir(theirs) == [copy.name] and quarantined(root) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("which", ["manifest", "block"])
+async def test_a_client_restore_never_reads_a_link_swapped_in_for_a_stored_file(tmp_path: Path, which: str) -> None:
+    """Found in review: the link refusal covered the daemon's and a Spiller's own reads, but a daemon's client reads
+    the hit's files itself, and its load served the file a link put in place of the manifest or a block pointed at.
+    It is a miss there too, and the file pointed at is left as it was."""
+    from spilld.client import AsyncClient
+    from spilld.daemon import Daemon
+    from tests.daemons import cleanup, new_root, quiet_config
+
+    root = new_root()
+    cfg = quiet_config(root, block_tokens=16)
+    daemon = Daemon(cfg)
+    await daemon.start()
+    try:
+        async with AsyncClient(cfg.socket, identity=IDENT, name="reader") as c:
+            assert (await c.spill(toks(40), kv_layers(40), droppable=False)).stored
+            assert await c.load(toks(40)) is not None
+            store = daemon.store
+            victim = store.entries[0].path if which == "manifest" else next(iter(store.index.blocks.values())).path
+            theirs = tmp_path / os.path.basename(victim)
+            shutil.copyfile(victim, theirs)  # the same bytes: only the link itself is wrong
+            os.unlink(victim)
+            os.symlink(theirs, victim)
+            assert await c.load(toks(40)) is None
+        assert os.path.islink(victim) and os.listdir(tmp_path) == [theirs.name]
+    finally:
+        await daemon.stop()
+        cleanup(root)
