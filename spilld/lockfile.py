@@ -119,6 +119,7 @@ def updating(root: str, wait_s: float = UPDATE_WAIT_S) -> Iterator[None]:
     flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
     with io_errors("lock file", path):
         fd = os.open(path, flags, 0o600)
+    _UPDATING.add(fd)  # a child forked meanwhile closes its copy (``_let_go_in_child``)
     try:
         with io_errors("lock file", path):
             st = os.fstat(fd)
@@ -127,7 +128,9 @@ def updating(root: str, wait_s: float = UPDATE_WAIT_S) -> Iterator[None]:
         _lock_within(fd, path, wait_s)
         yield
     finally:
-        os.close(fd)  # the flock goes with it
+        if fd in _UPDATING:  # (else this is a forked child, which closed its copy at once)
+            _UPDATING.discard(fd)
+            os.close(fd)  # the flock goes with it
 
 
 def _lock_within(fd: int, path: str, wait_s: float) -> None:
@@ -157,15 +160,20 @@ def _close_quietly(fd: int) -> None:
 
 
 _HELD: weakref.WeakSet[FileLock] = weakref.WeakSet()  # the locks this process holds
+_UPDATING: set[int] = set()  # the descriptors of the update locks open now (``updating``, on any thread)
 
 
 def _let_go_in_child() -> None:
     """A forked child (a worker pool's process) holds none of its parent's locks: its copies of their descriptors
     are closed (the parent's hold stays: a flock goes with the last descriptor), so that a child outliving its
     parent never keeps the folder or the socket from their next owner (found in review: a daemon's start there
-    was refused while such a child lived)."""
+    was refused while such a child lived; and a child forked during a pins or wear rewrite held the update lock,
+    so every later rewrite of the folder's stores failed with io_timeout while it lived)."""
     for lock in list(_HELD):
         lock.release()
+    for fd in list(_UPDATING):
+        _close_quietly(fd)
+    _UPDATING.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -486,6 +486,30 @@ def test_the_update_lock_waits_a_bounded_time_and_takes_no_file_it_did_not_make(
         path.unlink()
 
 
+def test_a_child_forked_during_a_rewrite_keeps_no_update_lock(tmp_path: Path) -> None:
+    """Found in review: the update lock is a flock, which goes with the open file a fork shares; a worker process
+    forked while a pins or wear rewrite held it kept it for its life, and every later rewrite of the folder's stores
+    waited ``UPDATE_WAIT_S`` and failed with ``io_timeout``. A child closes its copy at once, as it does the
+    folder's lock."""
+    from spilld.lockfile import updating
+
+    root = str(tmp_path)
+    r, w = os.pipe()
+    with updating(root):
+        pid = os.fork()
+        if pid == 0:  # the child: lives until told to end
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+    os.close(r)
+    try:
+        with updating(root, wait_s=0.5):
+            pass
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
 @pytest.mark.asyncio
 async def test_the_wear_file_is_synced_before_it_replaces_the_old_one(tmp_path: Path) -> None:
     """Found in review: the wear file was renamed over the old one unsynced, so a power loss could leave an empty
