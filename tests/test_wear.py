@@ -510,6 +510,35 @@ def test_a_child_forked_during_a_rewrite_keeps_no_update_lock(tmp_path: Path) ->
         os.waitpid(pid, 0)
 
 
+def test_a_wear_file_that_cannot_be_read_is_left_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: a store's stop read the wear file to add its run's bytes, and a read that failed (EIO, EMFILE)
+    was taken for no file: the week's earlier counts were replaced by the run's alone. Now such a file is left as it
+    is (``StorageError``: the store says the run's bytes were not recorded), as the pins file is never rebuilt from
+    less than it holds."""
+    import errno
+
+    from spilld import fileio
+    from spilld.fileio import DEFAULT_OPS, Durability
+    from spilld.store import wearfile
+
+    root, now = str(tmp_path), Wear().hour()
+    wearfile.add_wear(root, {now - 5: 1000, now - 1: 2000}, now, DEFAULT_OPS, Durability.NONE)
+    real = fileio.open_regular
+
+    def eio(path: str, flags: int = 0) -> int:
+        if path.endswith(wearfile.WEAR_FILE):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, flags)
+
+    monkeypatch.setattr(fileio, "open_regular", eio)
+    with pytest.raises(errors.StorageError):
+        wearfile.add_wear(root, {now: 10}, now, DEFAULT_OPS, Durability.NONE)
+    monkeypatch.undo()
+    assert wearfile.read_wear(root, now) == {now - 5: 1000, now - 1: 2000}
+    wearfile.add_wear(root, {now: 10}, now, DEFAULT_OPS, Durability.NONE)  # readable again: added as before
+    assert wearfile.read_wear(root, now) == {now - 5: 1000, now - 1: 2000, now: 10}
+
+
 @pytest.mark.asyncio
 async def test_the_wear_file_is_synced_before_it_replaces_the_old_one(tmp_path: Path) -> None:
     """Found in review: the wear file was renamed over the old one unsynced, so a power loss could leave an empty

@@ -3,7 +3,8 @@
 ``<root>/.spilld-wear`` is a msgpack map of hour (seconds since the epoch // 3600) to bytes written in it, at most
 the last 7 days. A store reads it at its scan and adds what it wrote when it stops, the new file synced as the
 store's durability says before it replaces the old (a crash loses that run's count:
-the budget then errs short by it; stores of one folder add theirs one at a time). Anything but a regular
+the budget then errs short by it; stores of one folder add theirs one at a time; a file there that cannot be
+read then is left as it is, that run's count not added). Anything but a regular
 file at that name is someone else's: never read through, never replaced. A file that is too big, malformed or names
 an hour in the future is ignored, said; hours older than the week are dropped.
 """
@@ -31,13 +32,27 @@ def read_wear(root: str, now_hour: int) -> dict[int, int]:
     """The hours of the last week the file records, each with its bytes; none if it is absent or not valid."""
     path = os.path.join(root, WEAR_FILE)
     try:
-        fd = fileio.open_regular(path, os.O_NOFOLLOW)  # a FIFO is refused, a symbolic link never followed
-        with open(fd, "rb") as f:
-            data = f.read(WEAR_MAX_BYTES + 1)
-    except FileNotFoundError:
-        return {}
+        data = _read_bytes(path)
     except OSError as exc:
         log.warning("cannot read %s: %s; the write budget counts from now", path, exc)
+        return {}
+    return _valid(data, path, now_hour)
+
+
+def _read_bytes(path: str) -> bytes | None:
+    """The file's bytes, at most one past ``WEAR_MAX_BYTES`` (None if it is absent); ``OSError`` if it is there
+    but cannot be read."""
+    try:
+        fd = fileio.open_regular(path, os.O_NOFOLLOW)  # a FIFO is refused, a symbolic link never followed
+        with open(fd, "rb") as f:
+            return f.read(WEAR_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+
+
+def _valid(data: bytes | None, path: str, now_hour: int) -> dict[int, int]:
+    """``data``'s hours of the last week (no file: none); none, said, if they are not valid."""
+    if data is None:
         return {}
     hours = _checked(data, now_hour)
     if hours is None:
@@ -69,12 +84,15 @@ def add_wear(
 ) -> None:
     """Add ``written`` to what the file holds now (another store of the folder may have added its own since this
     one read it), dropping hours out of the window, and replace it atomically. ``StorageError`` if something other
-    than a regular file is at its name: that is left as it is. One writer at a time across processes
-    (``lockfile.updating``)."""
+    than a regular file is at its name, or if a file there cannot be read (EIO, EMFILE): that is left as it is
+    (found in review: it was replaced by this run's count alone, and the week's earlier counts were lost). One
+    writer at a time across processes (``lockfile.updating``)."""
     path = os.path.join(root, WEAR_FILE)
     fileio.check_replaceable(path)
     with updating(root):
-        hours = read_wear(root, now_hour)
+        with fileio.io_errors("read", path):
+            data = _read_bytes(path)
+        hours = _valid(data, path, now_hour)
         for h, n in written.items():
             if h >= now_hour - WEAR_HOURS:
                 hours[h] = hours.get(h, 0) + n
