@@ -513,6 +513,33 @@ def test_verify_dir_checks_the_stores_own_files_and_never_follows_a_link(tmp_pat
     assert r.returncode == 0 and "1 entry" in r.stdout and "BAD" not in r.stdout, r.stdout
 
 
+def test_verify_dir_refuses_a_block_swapped_for_a_link_as_the_store_does(tmp_path: Path) -> None:
+    """Found in review: verify --dir read a manifest's blocks with the default file layer, so a block that someone
+    replaced by a link to a copy elsewhere was checked through it and the entry said good, where the store's own
+    reads (restore, scrub, scan: ``fileio.OWN_OPS``) refuse it. It is bad there too; the file it points at is left
+    as it is."""
+    import asyncio
+
+    from mlx_lm.models.cache import KVCache
+
+    import spilld as sd
+    from spilld.store import Store
+    from tests.caches import fill
+
+    root, theirs = tmp_path / "store", tmp_path / "theirs"
+    store = Store(root, block_tokens=16, durability="none")
+    asyncio.run(store.put(list(range(40)), [fill(KVCache(), 40)], sd.Identity("m")))
+    store.close()
+    block = Path(sorted(b.path for b in store.blocks)[0])
+    theirs.mkdir()
+    shutil.copyfile(block, theirs / block.name)  # the same bytes: only the link itself is wrong
+    block.unlink()
+    block.symlink_to(theirs / block.name)
+    r = spilld("verify", "--dir", str(root))
+    assert r.returncode == 1 and f"in its block {block}" in r.stdout and "1 bad" in r.stdout, r.stdout
+    assert block.is_symlink() and os.listdir(theirs) == [block.name]
+
+
 def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
     import pty
 

@@ -156,12 +156,15 @@ def store_files(root: str) -> list[tuple[str, str]]:
 
 def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Header | None]:
     """(why it is bad or None, its header): every hash, and for a store's file, that it sits in its identity's
-    folder."""
+    folder and is read as the store reads its own files (``fileio.OWN_OPS``: a block that is a symbolic link is
+    refused, never checked through it; found in review, verify said such an entry good where the store's scan
+    quarantined it)."""
     from ..entries import identity_fingerprint
+    from ..fileio import DEFAULT_OPS, OWN_OPS
     from ..loader import verify_file
 
     try:
-        h = verify_file(path)
+        h = verify_file(path, DEFAULT_OPS if folder_fp is None else OWN_OPS)
     except errors.SpillError as exc:  # a manifest's bad block is named (found in review: only the manifest was)
         where = f" in its block {exc.path}" if exc.path and os.path.abspath(exc.path) != os.path.abspath(path) else ""
         return f"{exc.reason}{where} [{exc.code}]", None
