@@ -468,6 +468,11 @@ class Connection(asyncio.BufferedProtocol):
         self.daemon.ingest.release(hold[0])
         hold[0] = 0
 
+    def holds_message(self) -> bool:
+        """The message of the request being handled (this task's) is a big one, counted until ``release_message``."""
+        hold = _MESSAGE_HOLD.get()
+        return hold is not None and hold[0] > 0
+
     def release_message(self) -> None:
         """The message of the request being handled (this task's) is no longer held: a spill's handler has counted
         the header it parsed from it."""
