@@ -43,13 +43,21 @@ class Heads:
         self.order: list[tuple[bytes, bytes]] = []  # (its tokens, ``head_bytes``; its key) of each group, sorted
         self.longest = 0  # tokens of the longest first block (stores of another block size may have left some)
 
-    def add(self, e: Entry) -> None:
+    def add(self, e: Entry, *, sort: bool = True) -> None:
+        """``e`` in; ``sort=False`` (a scan's many adds) appends its group unsorted: ``sort`` puts them in order once."""
         key = e.blocks[0]
         if key not in self.groups:
             self.groups[key] = {}
             self.longest = max(self.longest, e.block_size)
-            bisect.insort(self.order, (head_bytes(e.tokens[: e.block_size]), key))
+            item = (head_bytes(e.tokens[: e.block_size]), key)
+            if sort:
+                bisect.insort(self.order, item)
+            else:
+                self.order.append(item)
         self.groups[key][e.path] = e
+
+    def sort(self) -> None:
+        self.order.sort()
 
     def remove(self, e: Entry) -> bool:
         """``e`` out (if it is in); True once no entry is left."""

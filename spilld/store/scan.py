@@ -74,7 +74,8 @@ def scan_root(
         elif missing:
             found.bad.append((path, errors.BlockMissing(f"{len(missing)} of its blocks are not on disk", path=path)))
         else:
-            found.index.add(path, header, mtime, owned=reap)  # found alone: ours; else another writer's too
+            found.index.add(path, header, mtime, owned=reap, bulk=True)  # alone: ours; else another writer's too
+    found.index.sort_heads()
     # A block no manifest names is an orphan, unless a manifest beside it could not be read: it may name it. Such a
     # folder's blocks are not ours to unlink this run (a readable entry's eviction must not take them either).
     for b in [b for b in found.index.blocks.values() if os.path.dirname(b.path) in found.unsure]:
