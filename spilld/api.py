@@ -6,7 +6,8 @@ names, same parameters, same typed results:
 - ``spill(...)``: clones (or plans a live snapshot) on the caller's thread and returns at once with a future of a
   ``Settled`` (its ``value`` a ``SaveResult`` once stored). ``Spiller``/``AsyncClient``: an ``asyncio.Future``,
   called on their event loop's thread (an engine that decodes in another thread uses ``spill_threadsafe``,
-  a ``concurrent.futures.Future``); ``Client``: a ``concurrent.futures.Future``, from any thread.
+  a ``concurrent.futures.Future``); ``Client``: a ``concurrent.futures.Future``, from any thread. A spill of no
+  token or no cache raises ``BadParams`` at the call; one whose token ids are not u32 ints settles failed with it.
 - ``lookup(tokens, namespace)``: ``Hit | Miss``, without reading the file.
 - ``load(tokens, namespace, *, longer_than=0)``: the longest usable prefix as ``Loaded`` (cut to the match), or
   None (also when it holds no more than ``longer_than`` tokens: the engine has that much in memory). A read past

@@ -90,8 +90,11 @@ def new_item(
     ident = dataclasses.replace(identity, namespace=ns)
     meta = dict(meta) if meta else None  # the caller's dict as it is now: the header is built later
     live = live and leased
+    tokens = token_ids_now(tokens)
+    if len(tokens) == 0:  # (found in review: stored as a file that no lookup can ever use)
+        raise errors.BadParams("a spill needs at least one token: the token list is empty")
     item = SpillItem(
-        tokens=token_ids_now(tokens),
+        tokens=tokens,
         attachments=clone_attachments(attachments),
         namespace=ns,
         key=key or (checkpoint.key if checkpoint else ""),

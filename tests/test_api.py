@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -664,7 +665,8 @@ async def test_a_spill_without_caches_is_refused_and_such_a_file_serves_no_promp
 ) -> None:
     """Found in review: ``spill(tokens, [])`` was stored, and the next load of those tokens handed the engine a
     ``Loaded`` of every token and no cache at all (its model then failed, IndexError). Refused at the call on every
-    way in (``BadParams``); a file of no caches already in a store restores no token (a miss, not a hit)."""
+    way in (``BadParams``), as is a spill of no token; a file of no caches already in a store restores no token (a
+    miss, not a hit)."""
     from mlx_lm.models.cache import KVCache
 
     from spilld.client import Client
@@ -678,6 +680,13 @@ async def test_a_spill_without_caches_is_refused_and_such_a_file_serves_no_promp
         for call in (lambda: way.spill(tokens, []), lambda: way.checkpoint(tokens, [], _ck())):
             with pytest.raises(errors.BadParams, match="caches"):
                 await asyncio.to_thread(call) if sync else call()
+        # nor a spill of no token (found in review: stored as a file no lookup can use)
+        import numpy as np
+
+        for empty in ([], np.array([], dtype=np.int32)):
+            with pytest.raises(errors.BadParams, match="token"):
+                spill = functools.partial(way.spill, empty, [fill(KVCache(), 8)])
+                await asyncio.to_thread(spill) if sync else spill()
 
     async with spilld.Spiller(tmp_path / "own", identity=ident) as sp:
         await refused(sp)

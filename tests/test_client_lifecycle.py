@@ -449,3 +449,21 @@ def test_a_close_from_the_thread_that_holds_the_engines_lock_keeps_to_its_timeou
     finally:
         d.kill()
         cleanup(d.root)
+
+
+def test_the_tier_passes_over_an_empty_prompt_quietly(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A spill of no token is refused (``BadParams``: a file of none serves no prompt, found in review); the engine's
+    tier never hands one over: it settles cancelled without a warning, and a load of none is a miss."""
+    from mlx_lm.models.cache import KVCache
+
+    from spilld.integrations.tier import EmbeddedTier
+    from tests.caches import fill
+
+    tier = EmbeddedTier(str(tmp_path), IDENT)
+    try:
+        with caplog.at_level("WARNING", logger="spilld"):
+            settled = tier.spill([], [fill(KVCache(), 4)]).result(10)
+            assert settled.outcome is Outcome.CANCELLED and tier.load([]) is None
+        assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
+    finally:
+        tier.close(5)
