@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from . import errors
-from .unpack import unpack
+from .unpack import COUNT_FROM_BYTES, unpack
 
 PROTOCOL_VERSION = 1
 FRAME_HEAD = struct.Struct("<II")
@@ -34,6 +34,10 @@ UNZEROED_MIN_BYTES = 64 * 1024  # frame parts this large are allocated without z
 DISCARD_CHUNK = 64 * 1024  # a payload the receiver refuses is read through a scratch buffer of this size
 MAX_PENDING_FRAMES = 1024  # decoded but not yet consumed: a client that floods is cut off
 MAX_NESTING = 32  # msgpack container depth
+DEPTH_SCAN_ITEMS = 16 * 1024  # the nesting check looks at a container's items this many per C call
+# A msgpack part this large is not decoded by the decoder that lends its buffer (``defer``): the daemon decodes it on a
+# worker thread (found in review: 4 MiB of small arrays decoded on the event loop held every client 0.5 s)
+OFF_LOOP_MSG_BYTES = COUNT_FROM_BYTES
 MAX_METHOD_LEN = 64
 MAX_INFLIGHT_REQUESTS = 64  # requests of one connection being served at once
 MAX_ERROR_MESSAGE = 1024  # error text sent back (it may echo what a client sent)
@@ -72,23 +76,40 @@ _CONTAINERS = frozenset({list, tuple, dict})
 def _depth_ok(obj: Any, depth: int = 0) -> bool:
     """``obj`` nests at most ``MAX_NESTING`` deep. Only containers are walked into, picked from a container's items
     by C calls alone (found in review: a walk of every item in Python held the loop 0.75 s for a 4 MiB
-    message of 4 M small ints)."""
+    message of 4 M small ints), ``DEPTH_SCAN_ITEMS`` at a time (one C call over 4 M items held the interpreter's
+    lock 0.1 s, every other thread stopped)."""
     if depth > MAX_NESTING:
         return False
     if type(obj) not in _CONTAINERS:
         return True
     if depth == MAX_NESTING:  # its items would be one level too deep
         return not obj
-    items = obj.values() if type(obj) is dict else obj
-    inner = itertools.compress(items, map(_CONTAINERS.__contains__, map(type, items)))  # (C calls only)
-    return all(_depth_ok(x, depth + 1) for x in inner)
+    items = list(obj.values()) if type(obj) is dict else obj
+    for at in range(0, len(items), DEPTH_SCAN_ITEMS):
+        part = items[at : at + DEPTH_SCAN_ITEMS]
+        inner = itertools.compress(part, map(_CONTAINERS.__contains__, map(type, part)))  # (C calls only)
+        if not all(_depth_ok(x, depth + 1) for x in inner):
+            return False
+    return True
+
+
+def decode(data: bytes | bytearray | memoryview) -> Any:
+    """A frame's msgpack part, decoded (at most ``MAX_EXPANSION`` x its size in objects) and its nesting checked;
+    ``ProtocolError`` otherwise. Pure: the daemon runs it on a worker thread for a part of ``OFF_LOOP_MSG_BYTES``
+    or more."""
+    try:
+        raw = unpack(data)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+    if not _depth_ok(raw):
+        raise ProtocolError(f"message nested deeper than {MAX_NESTING}")
+    return raw
 
 
 def _message(raw: Any, payload: memoryview | bytes | bytearray) -> Message:
+    """The message ``raw`` (as ``decode`` returns it: its nesting checked) holds, or ``ProtocolError``."""
     if not isinstance(raw, list) or not raw or raw[0] not in (REQUEST, RESPONSE, NOTIFICATION):
         raise ProtocolError("a frame must hold a msgpack-RPC array")
-    if not _depth_ok(raw):
-        raise ProtocolError(f"message nested deeper than {MAX_NESTING}")
     kind = raw[0]
     try:
         if kind == REQUEST:
@@ -126,13 +147,20 @@ class FrameDecoder:
         *,
         admit_msg: Callable[[int], None] | None = None,
         admit_payload: Callable[[Any, int], bool] | None = None,
+        defer: int | None = None,
     ) -> None:
         """``admit_msg(size)`` runs before a message part of ``size`` bytes is allocated (it may raise to refuse);
         ``admit_payload(raw, size)`` before a payload is: False reads the payload through a small scratch buffer
         and throws it away (the message then says how many bytes, ``discarded``). Receivers that account for
-        memory use them so that no buffer is allocated for bytes they did not admit."""
+        memory use them so that no buffer is allocated for bytes they did not admit.
+
+        ``defer``: a msgpack part of at least this many bytes is left undecoded by ``buffer_updated``, as
+        ``deferred``; the caller decodes it (``decode``, off its event loop), reads nothing meanwhile, and hands the
+        result to ``resume``."""
         self.max_msg, self.max_payload = max_msg, max_payload
         self.admit_msg, self.admit_payload = admit_msg, admit_payload
+        self.defer = defer
+        self.deferred: bytearray | memoryview | None = None  # the msgpack part waiting for ``resume``
         self._raw: Any = None  # None: reading a frame head; _UNSET: reading the msgpack part; else decoded
         self._buf: bytearray | memoryview = bytearray(FRAME_HEAD.size)  # the part being filled
         self._n = 0
@@ -141,7 +169,7 @@ class FrameDecoder:
         self._out: list[Message] = []
 
     def get_buffer(self) -> memoryview:
-        """Where the next bytes go (never empty)."""
+        """Where the next bytes go (never empty; never asked for while a part is ``deferred``)."""
         if self._discard:
             return memoryview(self._buf)[: min(self._discard, len(self._buf))]
         return memoryview(self._buf)[self._n :]
@@ -171,6 +199,8 @@ class FrameDecoder:
             buf[:n] = view[pos : pos + n]
             pos += n
             out += self.buffer_updated(n)
+            if self.deferred is not None:
+                out += self.resume(decode(self.deferred))
             if len(out) > MAX_PENDING_FRAMES:
                 raise ProtocolError(f"more than {MAX_PENDING_FRAMES} frames queued unread")
         return out
@@ -189,20 +219,29 @@ class FrameDecoder:
             self._raw, self._plen = _UNSET, plen
             self._start(mlen)
         elif self._raw is _UNSET:  # the msgpack part
-            try:
-                raw = unpack(self._buf)  # at most MAX_EXPANSION x its size in objects
-            except Exception as exc:  # msgpack raises several unrelated types
-                raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
-            if self._plen:
-                self._raw = raw
-                if self.admit_payload is None or self.admit_payload(raw, self._plen):
-                    self._start(self._plen)
-                else:
-                    self._buf, self._n, self._discard = bytearray(min(DISCARD_CHUNK, self._plen)), 0, self._plen
+            if self.defer is not None and len(self._buf) >= self.defer:
+                self.deferred = self._buf
             else:
-                self._emit(raw, b"")
+                self._decoded(decode(self._buf))
         else:  # the payload
             self._emit(self._raw, self._buf)
+
+    def resume(self, raw: Any) -> list[Message]:
+        """``raw``, the ``deferred`` part decoded, goes on through the frame; the messages completed."""
+        self.deferred = None
+        self._decoded(raw)
+        out, self._out = self._out, []
+        return out
+
+    def _decoded(self, raw: Any) -> None:
+        if self._plen:
+            self._raw = raw
+            if self.admit_payload is None or self.admit_payload(raw, self._plen):
+                self._start(self._plen)
+            else:
+                self._buf, self._n, self._discard = bytearray(min(DISCARD_CHUNK, self._plen)), 0, self._plen
+        else:
+            self._emit(raw, b"")
 
     def _start(self, size: int) -> None:
         # Payloads are filled by the socket: no need to zero them first (a memset of every byte received).
