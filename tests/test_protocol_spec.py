@@ -219,6 +219,7 @@ WRONG_PARAMS = [
     ("abort", {"spill": -1}, "spill must be an int >= 0"),
     ("lookup", {"identity": {"model_id": 1}, "tokens": b""}, "identity.model_id must be a str"),
     ("lookup", {"identity": {}, "tokens": [1, 2]}, "tokens must be bin"),
+    ("lookup", {"identity": {}, "tokens": b"abc"}, "tokens must be u32 token ids, a multiple of 4 bytes"),
     ("resume", {"identity": {}}, "missing 'key'"),
     ("resume", {"identity": {"tokenizer_hash": 9}, "key": "k"}, "identity.tokenizer_hash must be a str"),
     ("spill", {"header": {}, "droppable": "yes"}, "droppable must be a bool"),

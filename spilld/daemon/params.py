@@ -98,6 +98,7 @@ METHODS: dict[str, dict[str, Param]] = {
 
 # The identity map of a lookup or a resume: each field a str when given.
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash")
+TOKEN_BYTES = 4  # a token id in a lookup's ``tokens``: u32, little-endian
 
 
 def check(method: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -111,4 +112,6 @@ def check(method: str, params: dict[str, Any]) -> dict[str, Any]:
         for name in IDENTITY_FIELDS:
             Param(str).check(method, f"identity.{name}", ident.get(name))
         params = params | {"identity": {k: ident[k] for k in IDENTITY_FIELDS if ident.get(k) is not None}}
+    if method == "lookup" and len(params["tokens"]) % TOKEN_BYTES:  # (found in review: answered header_malformed)
+        raise P.BadParams(f"{method}: bad params: tokens must be u32 token ids, a multiple of {TOKEN_BYTES} bytes")
     return {k: v for k in table if (v := params.get(k)) is not None}
