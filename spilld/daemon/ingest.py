@@ -40,6 +40,9 @@ PARSED_BYTES_PER_TENSOR = 1024
 # a cache entry (children too) or an attachment, with or without tensors: its objects (~330 B measured for an empty
 # kv entry); found in review: 50,000 empty entries held 15.7 MiB counted as nothing
 PARSED_BYTES_PER_ENTRY = 512
+# the header's own objects (its dataclass, identity, lists) and what its decode leaves behind: a few hundred bytes
+# measured (tracemalloc, a header decoded in slices)
+PARSED_BYTES_PER_HEADER = 4096
 DECODED_BYTES_PER_MSG_BYTE = MAX_EXPANSION
 OBJECT_ALIGN = 16  # CPython's allocator gives each object a multiple of this (an int of 28 bytes takes 32)
 BIG_MSG_BYTES = 64 * 1024  # messages this large are counted against the cap while received and decoded
@@ -79,7 +82,8 @@ def object_bytes(v: Any) -> int:
 def parsed_bytes(header: fmt.Header, key: str) -> int:
     """What a spill's parsed header holds in memory, counted against the cap from its ``spill`` on: its tokens, its
     tensors, its entries and attachments, and its text (found in review: a header of 4 MiB of meta held 17 MB)."""
-    parsed = PARSED_BYTES_PER_TOKEN * len(header.tokens) + PARSED_BYTES_PER_TENSOR * len(header.slots())
+    parsed = PARSED_BYTES_PER_HEADER + PARSED_BYTES_PER_TOKEN * len(header.tokens)
+    parsed += PARSED_BYTES_PER_TENSOR * len(header.slots())
     parsed += PARSED_BYTES_PER_ENTRY * (entry_count(header.caches) + len(header.attachments))
     return parsed + text_bytes(header, key)
 
