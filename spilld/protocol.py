@@ -68,6 +68,7 @@ class Message:
     result: Any = None
     payload: memoryview | bytes | bytearray = b""
     discarded: int = 0  # payload bytes the receiver refused to hold (read and thrown away)
+    size: int = 0  # bytes of its msgpack part
 
 
 _CONTAINERS = frozenset({list, tuple, dict})
@@ -165,6 +166,7 @@ class FrameDecoder:
         self._buf: bytearray | memoryview = bytearray(FRAME_HEAD.size)  # the part being filled
         self._n = 0
         self._plen = 0
+        self._mlen = 0  # the msgpack part's bytes, of the frame being read
         self._discard = 0  # payload bytes still to read and throw away
         self._out: list[Message] = []
 
@@ -216,7 +218,7 @@ class FrameDecoder:
                 raise ProtocolError("empty message")
             if self.admit_msg is not None:
                 self.admit_msg(mlen)
-            self._raw, self._plen = _UNSET, plen
+            self._raw, self._plen, self._mlen = _UNSET, plen, mlen
             self._start(mlen)
         elif self._raw is _UNSET:  # the msgpack part
             if self.defer is not None and len(self._buf) >= self.defer:
@@ -252,6 +254,7 @@ class FrameDecoder:
         self._raw, self._plen = None, 0
         self._start(FRAME_HEAD.size)
         self._out.append(_message(raw, payload))
+        self._out[-1].size = self._mlen
 
     @property
     def buffered(self) -> int:

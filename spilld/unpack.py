@@ -22,6 +22,8 @@ import msgpack
 BYTES_PER_CONTAINER = 16  # at most one map or array per this many bytes of input
 CONTAINER_SLACK = 64  # and this many more, so a short message of a few small maps is never refused
 MAX_EXPANSION = 48  # bytes of objects per byte of input, at most: 43 for scalars + 72.5 / BYTES_PER_CONTAINER
+# and for input not counted (under COUNT_FROM_BYTES): an array of empty maps, 72.5x (the measured worst case)
+MAX_UNCOUNTED_EXPANSION = 73
 # Input shorter than this is decoded without counting: at most ~4.6 MiB of objects, and the count's own cost (a
 # call per map or array: +80 us on a block file's 7 KiB header, read for every block a restore loads) is saved
 COUNT_FROM_BYTES = 64 * 1024

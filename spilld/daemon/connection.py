@@ -477,6 +477,12 @@ class Connection(asyncio.BufferedProtocol):
                 too_big = P.BadParams(f"{msg.method}: only spill and lookup take params this large")
                 self._respond(msg.msgid, error=too_big)
                 return None
+            if msg.method == "spill" and not held:  # a big one is counted from its frame head
+                try:
+                    held = self.daemon.ingest.hold_spill_message(msg.size)
+                except errors.SpillError as exc:
+                    self._respond(msg.msgid, error=exc)
+                    return None
             hold = [held]  # released once: when the handler starts, or when the task ends if it never started
             call = self._call(handler, msg.method, msg.msgid, msg.params, hold)
             task = asyncio.get_running_loop().create_task(call, name=msg.method)
@@ -498,11 +504,6 @@ class Connection(asyncio.BufferedProtocol):
     def _release(self, hold: list[int]) -> None:
         self.daemon.ingest.release(hold[0])
         hold[0] = 0
-
-    def holds_message(self) -> bool:
-        """The message of the request being handled (this task's) is a big one, counted until ``release_message``."""
-        hold = _MESSAGE_HOLD.get()
-        return hold is not None and hold[0] > 0
 
     def release_message(self) -> None:
         """The message of the request being handled (this task's) is no longer held: a spill's handler has counted
