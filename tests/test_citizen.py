@@ -637,22 +637,14 @@ def test_a_forked_child_keeps_none_of_its_parents_locks(tmp_path: Path) -> None:
     """Found in review: a flock goes with the open file, which a fork shares, so a child that outlived its parent
     (a worker pool's process forked by an engine with an open Spiller) kept the folder's lock, and a daemon's start
     there was refused while it lived. A child closes its copies at once; the parent's hold stays as it was."""
+    from tests.forks import child_alive
+
     lock = FileLock(str(tmp_path / LOCK_NAME), "the folder")
     assert lock.try_acquire()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: lives until told to end
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    os.close(r)
-    try:
+    with child_alive():
         time.sleep(0.2)  # the child has run its fork hooks
         other = FileLock(str(tmp_path / LOCK_NAME), "the folder")
         assert not other.try_acquire()  # still the parent's
         lock.release()  # the parent lets go while its child lives
         assert other.try_acquire()
         other.release()
-    finally:
-        os.close(w)
-        os.waitpid(pid, 0)

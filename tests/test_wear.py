@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -492,22 +493,14 @@ def test_a_child_forked_during_a_rewrite_keeps_no_update_lock(tmp_path: Path) ->
     waited ``UPDATE_WAIT_S`` and failed with ``io_timeout``. A child closes its copy at once, as it does the
     folder's lock."""
     from spilld.lockfile import updating
+    from tests.forks import child_alive
 
     root = str(tmp_path)
-    r, w = os.pipe()
-    with updating(root):
-        pid = os.fork()
-        if pid == 0:  # the child: lives until told to end
-            os.close(w)
-            os.read(r, 1)
-            os._exit(0)
-    os.close(r)
-    try:
+    with contextlib.ExitStack() as alive:
+        with updating(root):
+            alive.enter_context(child_alive())  # forked while the lock is held; lives on after
         with updating(root, wait_s=0.5):
             pass
-    finally:
-        os.close(w)
-        os.waitpid(pid, 0)
 
 
 def test_a_wear_file_that_cannot_be_read_is_left_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
