@@ -606,6 +606,28 @@ async def test_a_client_gone_while_its_big_message_is_decoded_is_counted_until_t
         probe.close()
 
 
+@pytest.mark.asyncio
+async def test_a_client_is_not_timed_out_while_the_daemon_decodes_its_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the connection's timer ran on while its whole big message waited for a compute thread, so a
+    slow decode (the threads busy with other clients' headers) cut the client off as silent, or as a message "not
+    received" in time. Nothing is read meanwhile: the wait is the daemon's, and the request is answered."""
+    gate = _DecodeGate(monkeypatch)
+    async with _in_process(tmp_path, gate, request_timeout=0.5, idle_timeout=0.5) as daemon:
+        r, w = await asyncio.open_unix_connection(daemon.cfg.socket)
+        w.write(frames(P.request(1, "hello", {"version": P.PROTOCOL_VERSION})))
+        await _answers(r, {1}, 5)
+        w.write(_big_lookup(2))
+        await gate.reached()
+        await asyncio.sleep(1.5)  # three timeouts of the decode's wait
+        gate.go_on.set()
+        got = await _answers(r, {2}, 10)
+        assert got[2].error is None and got[2].result["hit"] is False
+        assert daemon.ingest.buffers == 0
+        w.close()
+
+
 def test_a_message_of_4_mib_of_small_arrays_keeps_other_clients_answered(small: Daemon) -> None:
     """End to end: another client's ``status`` round trip while a 4 MiB message of small arrays (one per 16 bytes,
     the container bound) is received and decoded. Measured here: 0.52 s with the decode on the loop, 0.05 s off it."""

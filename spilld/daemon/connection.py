@@ -211,9 +211,12 @@ class Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.transport.pause_reading()
         self._decoding = fut = asyncio.ensure_future(off_loop(functools.partial(P.decode, part), compute=True))
+        started = asyncio.get_running_loop().time()
 
         def decoded(f: asyncio.Future[Any]) -> None:
             self._decoding = None
+            if self._msg_by is not None:  # the decode's wait was ours, not the client's: its deadline moves with it
+                self._msg_by += asyncio.get_running_loop().time() - started
             if self._closing or f.cancelled():  # gone meanwhile: nothing to dispatch (connection_lost lets it go)
                 f.cancelled() or f.exception()
                 return
@@ -309,6 +312,8 @@ class Connection(asyncio.BufferedProtocol):
             self._timer = None
         if self._closing or ((self.tasks or self.asked) and not self.decoder.buffered):
             return  # the client waits on us (a long commit or drain): silence is not idleness
+        if self._decoding is not None:  # nothing is read while its message is decoded (found in review: a decode
+            return  # waiting for a compute thread timed the client out as silent); re-armed once it ends
         cfg, now = self.daemon.cfg, asyncio.get_running_loop().time()
         timeout = cfg.request_timeout if self.decoder.buffered else cfg.idle_timeout
         why = f"client silent for {timeout:g} s"
