@@ -83,6 +83,11 @@ class Found:
     evicted: bool = False
     asked: list[bytes] = field(default_factory=list)  # the write gate's digests of the prompt's prefixes
 
+    @property
+    def matched(self) -> int:
+        """Tokens the best hit so far serves (0: none yet)."""
+        return self.best.matched if self.best is not None else 0
+
 
 @dataclass
 class Query:
@@ -174,8 +179,7 @@ class Query:
         its first block's tokens, so its first entry that may be cut that far serves as well as any (the same rows).
         Found in review: no chain reached them, so a prompt of at most B tokens missed every entry with blocks, and
         so did one sharing fewer than B tokens with them, though a cut of one served it."""
-        best = found.best.matched if found.best is not None else 0
-        if self.heads is None or best >= min(self.heads.longest, limit):  # (none of them could serve more)
+        if self.heads is None or found.matched >= min(self.heads.longest, limit):  # (none of them could serve more)
             return
         order, groups = list(self.heads.order), self.heads.groups  # (one C call: the loop cannot change it meanwhile)
         at = bisect.bisect_left(order, (head_bytes(self.want[: self.heads.longest]),))
@@ -183,7 +187,7 @@ class Query:
         left, right = at - 1, at
         below = shared(left) if left >= 0 else 0
         above = shared(right) if right < len(order) else 0
-        while min(max(below, above), limit) > (found.best.matched if found.best is not None else 0):
+        while min(max(below, above), limit) > found.matched:
             if below >= above:
                 j, n, left = left, below, left - 1
                 below = shared(left) if left >= 0 else 0
@@ -199,7 +203,7 @@ class Query:
         more than ``found``."""
         for e in group:
             usable = min(shared, e.held)
-            if usable > (found.best.matched if found.best is not None else 0) and usable >= e.min_reusable:
+            if usable > found.matched and usable >= e.min_reusable:
                 found.best = Hit(e, usable)
                 return
 

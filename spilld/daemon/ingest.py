@@ -197,24 +197,21 @@ class Ingest:
         to hand to ``release``. A big message that does not fit the budget is refused with ``busy``."""
         if size < BIG_MSG_BYTES:
             return 0  # small ones: at most one per connection at a time, within the slack of the bound
-        need = size * DECODED_BYTES_PER_MSG_BYTE
-        if not self.room_for(need):
-            raise P.Busy(
-                f"a message of {format_size(size)} does not fit: the daemon holds {format_size(self.held())} "
-                f"of {format_size(self.budget)} for spills being received; retry later"
-            )
-        self.buffers += need
-        return need
+        return self._count_buffer(size * DECODED_BYTES_PER_MSG_BYTE, f"a message of {format_size(size)} does not fit: ")
 
     def hold_spill_message(self, size: int) -> int:
         """Count a small ``spill`` message (``size`` bytes, under ``BIG_MSG_BYTES``: not counted while received) from
         its dispatch until its header is parsed: its handler may wait meanwhile for a compute thread, every spill of
         every client behind it (found in review: 20 clients pipelining 64 spills of 64 KiB each held 3 GB with a cap
         of 64 MiB). The bytes held, for ``release``; ``busy`` when they do not fit the budget."""
-        need = size * MAX_UNCOUNTED_EXPANSION
+        return self._count_buffer(size * MAX_UNCOUNTED_EXPANSION)
+
+    def _count_buffer(self, need: int, why: str = "") -> int:
+        """``need`` bytes counted among ``buffers`` (returned, for ``release``), or ``busy`` (``why`` opening its
+        message) when they do not fit the budget."""
         if not self.room_for(need):
             raise P.Busy(
-                f"the daemon holds {format_size(self.held())} of {format_size(self.budget)} for spills being "
+                f"{why}the daemon holds {format_size(self.held())} of {format_size(self.budget)} for spills being "
                 "received; retry later"
             )
         self.buffers += need

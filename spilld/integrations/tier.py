@@ -45,9 +45,9 @@ class ColdTier(Protocol):
 
 def storable(tokens: Sequence[int]) -> bool:
     """Token ids a file can hold (u32), at least one (a file of none serves no prompt); engines use negative ids for
-    image placeholders. Read as an array, on the
-    engine's thread (found in review: an mlx int32 array's ids compared with 2**32 raised ValueError into the
-    engine); a lazy mlx array is evaluated here, where the loop's thread that loads it later could not."""
+    image placeholders. Read as an array, on the engine's thread (found in review: an mlx int32 array's ids compared
+    with 2**32 raised ValueError into the engine); a lazy mlx array is evaluated here, where the loop's thread that
+    loads it later could not."""
     ids = np.asarray(token_ids_now(tokens))
     return ids.size > 0 and ids.dtype.kind in "iu" and int(ids.min()) >= 0 and int(ids.max()) < 1 << 32
 

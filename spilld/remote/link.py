@@ -445,20 +445,20 @@ class RemoteLink:
         failed)."""
         why: list[Reason | None] = []
         failed: list[Reason] = []
-        (m,) = await self.tier.fetch(namespace, [key], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES, why=why)
-        if m is not None:
+
+        async def read(k: bytes, kind: Kind, most: int, timeout_s: float | None = None) -> bytes | None:
+            (v,) = await self.tier.fetch(namespace, [k], kind, most, why=why, timeout_s=timeout_s)
+            failed.extend(r for r in why if r not in (None, Reason.ABSENT))  # (none when it read a value)
+            return v
+
+        if (m := await read(key, Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)) is not None:
             return m, key
-        failed += [r for r in why if r not in (None, Reason.ABSENT)]
-        (ref,) = await self.tier.fetch(namespace, [key], Kind.REF, BLOCK_KEY_BYTES, why=why, timeout_s=self._small_s)
-        failed += [r for r in why if r not in (None, Reason.ABSENT)]
+        ref = await read(key, Kind.REF, BLOCK_KEY_BYTES, self._small_s)
         if ref is not None and len(ref) != BLOCK_KEY_BYTES:
             self.tier.bad_value(namespace, key, Kind.REF)
             failed.append(Reason.BAD_BYTES)
-        elif ref is not None:
-            (m,) = await self.tier.fetch(namespace, [ref], Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES, why=why)
-            if m is not None:
-                return m, ref
-            failed += [r for r in why if r not in (None, Reason.ABSENT)]
+        elif ref is not None and (m := await read(ref, Kind.MANIFEST, MAX_MANIFEST_VALUE_BYTES)) is not None:
+            return m, ref
         return failed[0] if failed else Reason.ABSENT  # (a reference to a manifest gone heals with the next push)
 
     async def _adopt(self, ident: fmt.Identity, namespace: str, manifest: bytes, under: bytes, asked: bytes) -> bool:
