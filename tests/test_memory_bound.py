@@ -695,3 +695,56 @@ async def test_a_small_spill_message_is_counted_until_its_header_is_parsed(
         assert st["ingest"]["buffers"] == 0 and st["ingest"]["open_spills"] == 1, st["ingest"]
         w.close()
         probe.close()
+
+
+@pytest.mark.asyncio
+async def test_lookups_being_served_hold_at_most_their_share_of_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a lookup's message was counted nowhere, yet it is held until answered, behind every lookup
+    waiting for a compute thread: 400 clients pipelining lookups of 15,000 tokens made a daemon at --cap 64MiB peak
+    at 250 MB. Lookups are counted from their dispatch until answered, within --cap / LOOKUP_SHARE; one that does
+    not fit is answered busy at once (a miss to an engine), and one alone always goes in."""
+    import msgpack
+
+    import spilld
+    from spilld import format as fmt
+    from spilld.daemon import budget
+    from tests.hostile_memory import AsyncWire
+
+    go_on = asyncio.Event()
+    async with _in_process(tmp_path, _ParseGate(monkeypatch), cap=MiB) as daemon:
+        real = daemon.store.lookup_async
+
+        async def held(*args: Any, **kw: Any) -> Any:  # every lookup waits here, as it would for a busy thread
+            await go_on.wait()
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(daemon.store, "lookup_async", held)
+        ident = spilld.Identity("m", "c", "t", "").to_wire()
+        params = {"identity": ident, "tokens": fmt.encode_tokens(list(range(15_000)))}
+        size = len(msgpack.packb([P.REQUEST, 2, "lookup", params], use_bin_type=True))
+        each = budget.lookup_bytes(size)
+        fit = 1 + (MiB // budget.LOOKUP_SHARE - each) // each  # the first always, then while the share holds
+        assert 1 < fit < 6
+        probe = await AsyncWire.open(daemon.cfg.socket, "probe")
+        r, w = await asyncio.open_unix_connection(daemon.cfg.socket)
+        w.write(frames(P.request(1, "hello", {"version": P.PROTOCOL_VERSION})))
+        await _answers(r, {1}, 5)
+        w.write(frames(*[P.request(i, "lookup", params) for i in range(2, 8)]))
+        refused = set(range(2 + fit, 8))
+        got = await _answers(r, refused, 5)  # at once: the others still wait
+        assert all(got[i].error["code"] == "busy" for i in refused) and not got.keys() & set(range(2, 2 + fit)), got
+        st, _ = await probe.call("status", {})
+        assert st["lookup_bytes"] == fit * each, st["lookup_bytes"]
+        go_on.set()
+        got = await _answers(r, set(range(2, 2 + fit)), 10)
+        assert all(got[i].error is None and got[i].result["hit"] is False for i in range(2, 2 + fit)), got
+        st, _ = await probe.call("status", {})
+        assert st["lookup_bytes"] == 0
+        alone = {"identity": ident, "tokens": fmt.encode_tokens(list(range(300_000)))}  # more than the share
+        w.write(frames(P.request(9, "lookup", alone)))
+        got = await _answers(r, {9}, 10)
+        assert got[9].error is None, got[9]
+        w.close()
+        probe.close()

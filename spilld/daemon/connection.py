@@ -20,6 +20,7 @@ from .. import protocol as P
 from ..lease import Droppable, off_loop
 from ..queue import SpillItem
 from ..saver import BytesSource, waits_for_grant
+from .budget import lookup_bytes
 from .listen import PeerRefused, peer_uid
 from .params import check as check_params
 
@@ -482,16 +483,21 @@ class Connection(asyncio.BufferedProtocol):
                 too_big = P.BadParams(f"{msg.method}: only spill and lookup take params this large")
                 self._respond(msg.msgid, error=too_big)
                 return None
-            if msg.method == "spill" and not held:  # a big one is counted from its frame head
-                try:
+            looking = 0  # a lookup holds its tokens until answered, however long it waits for a thread
+            try:
+                if msg.method == "spill" and not held:  # a big one is counted from its frame head
                     held = self.daemon.ingest.hold_spill_message(msg.size)
-                except errors.SpillError as exc:
-                    self._respond(msg.msgid, error=exc)
-                    return None
+                elif msg.method == "lookup":
+                    looking = self.daemon.looking.take(lookup_bytes(msg.size))
+            except errors.SpillError as exc:  # (a big message's frame-head count: released by _dispatch)
+                self._respond(msg.msgid, error=exc)
+                return None
             hold = [held]  # released once: when the handler starts, or when the task ends if it never started
             call = self._call(handler, msg.method, msg.msgid, msg.params, hold)
             task = asyncio.get_running_loop().create_task(call, name=msg.method)
             task.add_done_callback(lambda _: self._release(hold))
+            if looking:
+                task.add_done_callback(lambda _: self.daemon.looking.give(looking))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
             return task
