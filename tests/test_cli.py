@@ -388,6 +388,33 @@ def test_evict_through_the_daemon_says_which_folder(daemon: Daemon) -> None:
     assert st["store"]["entries"] == 0
 
 
+def _log_lines(d: Daemon) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in d.read_log().splitlines() if line.startswith("{")]
+
+
+def test_the_daemons_log_says_what_a_command_evicted_or_pinned_and_who_asked_it_to_stop(daemon: Daemon) -> None:
+    """Found in review: `spilld evict --all` emptied the store, `spilld pin` changed what the disk cap evicts, and a
+    client's shutdown request stopped the daemon, each without a line in its log (the command's connection is said at
+    info only the first time its name connects): an operator could not tell where the cache had gone, or why the
+    daemon had stopped."""
+    path = next(Path(daemon.dir).rglob("*.spilld"))
+    for argv in (["pin", str(path)], ["unpin", str(path)], ["evict", "--older-than", "1d"], ["evict", "--all"]):
+        r = spilld(*argv, "--socket", daemon.socket)
+        assert r.returncode == 0, (argv, r.stderr)
+    said = [line["msg"] for line in _log_lines(daemon)]
+    assert any(m.endswith(f"(spilld pin) pinned {path}") for m in said), said
+    assert any(m.endswith(f"(spilld unpin) unpinned {path}") for m in said), said
+    evicted = [line for line in _log_lines(daemon) if "(spilld evict) evicted" in line["msg"]]
+    assert [(e["evicted"], e["older_than_s"]) for e in evicted] == [(0, 86400.0), (3, None)], evicted
+    assert evicted[1]["bytes"] > 0
+    from spilld.control import Control
+
+    with Control(daemon.socket, name="a tool") as c:
+        assert c.call("shutdown", {}) == {"stopping": True}
+    assert daemon.stop() == 0
+    assert any("(a tool) asked it to stop" in line["msg"] for line in _log_lines(daemon)), daemon.read_log()
+
+
 def test_evict_from_a_folder_without_a_daemon(tmp_path: Path) -> None:
     files = place(tmp_path / "store", 1)
     sock = str(tmp_path / "none.sock")

@@ -459,7 +459,14 @@ class Daemon:
 
     async def _pin(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         """Pin (``on`` true, the default) or unpin the entry at ``path``: ``found`` false if there is none."""
-        return {"found": await self.store.pin_async(p["path"], p.get("on", True))}
+        on = p.get("on", True)
+        found = await self.store.pin_async(p["path"], on)
+        if found:  # said, as an evict is: a pin changes what the disk cap evicts
+            log.info(
+                "client %d (%s) %s %s", conn.id, conn.client_name, "pinned" if on else "unpinned", p["path"],
+                extra={"client": conn.id},
+            )  # fmt: skip
+        return {"found": found}
 
     async def _report_bad(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         path = p["path"]
@@ -504,12 +511,23 @@ class Daemon:
 
         older_s = None if older is None else float(older)
         n, nbytes = await self.store.evict_async(fp, older_s, progress=progress)  # unlinks: a worker
+        # the one trace in the daemon's log of what an operator's `spilld evict` removed, and who asked (found in
+        # review: none, and the command's connection is said at info only the first time its name connects)
+        log.info(
+            "client %d (%s) evicted %d entries (%d bytes)", conn.id, conn.client_name, n, nbytes,
+            extra={"client": conn.id, "fingerprint": fp, "older_than_s": older_s, "evicted": n, "bytes": nbytes},
+        )  # fmt: skip
         return {"evicted": n, "bytes": nbytes}
 
     async def _status(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         return self.status(asker=conn)
 
     async def _shutdown(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        if not self.stopping.is_set():  # why the daemon stops, as for a signal (found in review: only "stopped")
+            log.info(
+                "client %d (%s) asked it to stop: stopping (finishing queued work within %.0f s)",
+                conn.id, conn.client_name, self.cfg.drain_deadline, extra={"client": conn.id},
+            )  # fmt: skip
         self.stopping.set()
         return {"stopping": True}
 
