@@ -415,6 +415,33 @@ def test_the_daemons_log_says_what_a_command_evicted_or_pinned_and_who_asked_it_
     assert any("(a tool) asked it to stop" in line["msg"] for line in _log_lines(daemon)), daemon.read_log()
 
 
+def test_pin_finds_an_entry_named_through_a_link_or_from_inside_the_folder() -> None:
+    """Found in review: with the daemon's --dir a symbolic link, `cd DIR/... && spilld pin F` of an entry `spilld ls`
+    listed said "not an entry of the daemon's store" (exit 1): the current folder is spelled from the real folder,
+    and the daemon knows its entries by its own spelling only. So was the entry named through the real folder."""
+    d = Daemon(new_root())
+    real = Path(d.root) / "real"
+    (entry,) = place(real, 1)
+    os.symlink(real, d.dir)
+    d.start()
+    try:
+        listed = json.loads(spilld("ls", "--json", "--dir", d.dir).stdout)[0]["path"]
+        assert listed == os.path.join(d.dir, os.path.relpath(entry, real))
+        r = spilld("pin", "--socket", d.socket, str(entry))  # through the real folder
+        assert r.returncode == 0 and r.stdout.strip() == f"pinned {listed}", r
+        r = subprocess.run(
+            [sys.executable, "-m", "spilld", "unpin", "--socket", d.socket, entry.name],
+            capture_output=True, text=True, timeout=120, cwd=os.path.dirname(listed),
+            env=os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)},  # this checkout's spilld, from there
+        )  # fmt: skip
+        assert r.returncode == 0 and r.stdout.strip() == f"unpinned {listed}", r
+        r = spilld("pin", "--socket", d.socket, str(Path(d.root) / "elsewhere.spilld"))  # outside it: as before
+        assert r.returncode == 1 and "not an entry of the daemon's store" in r.stderr, r
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_evict_from_a_folder_without_a_daemon(tmp_path: Path) -> None:
     files = place(tmp_path / "store", 1)
     sock = str(tmp_path / "none.sock")

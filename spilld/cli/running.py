@@ -71,10 +71,24 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_TIMEOUT
 
 
+def as_the_daemon_names_it(path: str, served: str) -> str:
+    """``path`` spelled from ``served``, the daemon's folder as it names it, when the file lies in that folder under
+    another name: a symbolic link on the way, or a path relative to the current folder inside it, which the system
+    spells from the real folder (found in review: `cd DIR && spilld pin F` of a listed entry was "not an entry"
+    whenever DIR held a link, since the daemon knows its entries by its own spelling only)."""
+    if not served:
+        return path
+    real, root = os.path.realpath(path), os.path.realpath(served)
+    if os.path.commonpath([real, root]) != root:
+        return path  # not in its folder: refused as it is
+    return os.path.normpath(os.path.join(served, os.path.relpath(real, root)))
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     """Pin or unpin an entry through the daemon (evicted last, never superseded; kept across restarts)."""
-    path = os.path.abspath(args.path)
-    r = ask(args, "pin", {"path": path, "on": not args.unpin})
+    with control(args) as c:
+        path = as_the_daemon_names_it(os.path.abspath(args.path), str(c.server.get("dir") or ""))
+        r = c.call("pin", {"path": path, "on": not args.unpin})
     if not r["found"]:
         print(f"spilld: {path}: not an entry of the daemon's store (see spilld ls)", file=sys.stderr)
         return EXIT_BAD_FILE
