@@ -557,6 +557,7 @@ def short_home() -> Iterator[Path]:
 def fake_home(short_home: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, FakeRunner]:
     monkeypatch.setenv("HOME", str(short_home))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)  # the default --dir is the daemon's own (a test sets it)
     runner = FakeRunner()
     monkeypatch.setattr(install, "run_command", runner)
     return short_home, runner
@@ -1114,3 +1115,28 @@ def test_install_serves_spilld_socket_as_every_other_command_reaches_it(
     assert cli.main(["service", "install", "--manager", manager, "--dry-run"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "from SPILLD_SOCKET" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_install_keeps_the_files_where_xdg_cache_home_names_as_every_other_command_reads_them(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: with $XDG_CACHE_HOME set, `spilld service install` wrote no --dir, so the daemon, started by
+    a systemd user manager that seldom has the variable, kept its files in ~/.cache/spilld while `spilld ls` and
+    `verify` in the shell that installed it read $XDG_CACHE_HOME/spilld. The folder is written into the unit, as
+    $SPILLD_SOCKET is, and said; --dir still wins; launchd's default folder does not follow the variable."""
+    home, _ = fake_home
+    monkeypatch.setenv("XDG_CACHE_HOME", f"{home}/xdg")
+    assert cli.main(["service", "install", "--manager", "systemd", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert f" --dir {home}/xdg/spilld " in out and "$XDG_CACHE_HOME" in err, (out, err)
+    assert cli.main(["service", "install", "--manager", "systemd", "--dry-run", "--dir", f"{home}/kv"]) == 0
+    out, err = capsys.readouterr()
+    assert f" --dir {home}/kv " in out and "xdg" not in out and err == ""
+    assert cli.main(["service", "install", "--manager", "launchd", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "--dir" not in out and err == ""
+    (home / "file").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", f"{home}/file")  # no folder can be made there: refused now, not at start
+    assert cli.main(["service", "install", "--manager", "systemd", "--dry-run"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "from XDG_CACHE_HOME" in err and len(err.strip().splitlines()) == 1, err

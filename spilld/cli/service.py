@@ -16,7 +16,7 @@ def _service_spec(args: argparse.Namespace, manager: str, home: Path) -> Any:
     from ..service.units import ServiceSpec, launchd_socket, refuse_control_characters
 
     given = {k: v for k in ("cap", "drain_deadline", "socket_activation") if (v := getattr(args, k)) is not None}
-    folder = folder_arg(args.dir, default_dir, must_exist=False) if args.dir else None  # refused now, not at start
+    folder = folder_arg(args.dir, default_dir, must_exist=False) if args.dir else _env_dir(manager)  # refused now
     socket = _service_socket(args.socket, manager) if args.socket is not None else _env_socket(manager)
     try:  # a path a service file cannot carry (a newline: found in review, a line of its own in the unit)
         spec = ServiceSpec(dir=folder, socket=socket, **given)  # the rest: defaults
@@ -67,6 +67,26 @@ def _env_socket(manager: str) -> str | None:
         raise UsageError(f"{exc} (from {SOCKET_ENV})") from None
     print(f"spilld: the service will serve ${SOCKET_ENV}, {path} (unset it for the default)", file=sys.stderr)
     return path
+
+
+CACHE_ENV = "XDG_CACHE_HOME"  # the default --dir's base on Linux, which a systemd user manager rarely has
+
+
+def _env_dir(manager: str) -> str | None:
+    """``$XDG_CACHE_HOME/spilld``, where the variable is set, for a systemd service installed without ``--dir``:
+    written into the unit, so that the service keeps its files where every other command here looks (found in
+    review: it was left out, and the daemon, started by a manager whose environment seldom has the variable, filled
+    ~/.cache/spilld while `spilld ls` and `verify` read the folder the variable names); said on stderr."""
+    if manager != "systemd" or not os.environ.get(CACHE_ENV):
+        return None
+    try:
+        folder = folder_arg(None, default_dir, must_exist=False)
+    except UsageError as exc:
+        raise UsageError(f"{exc} (from {CACHE_ENV})") from None
+    print(
+        f"spilld: the service will keep its files in {folder}, from ${CACHE_ENV} (--dir names another)", file=sys.stderr
+    )
+    return folder
 
 
 INSTALL_ONLY = ("cap", "dir", "socket", "drain_deadline", "socket_activation")
