@@ -524,16 +524,25 @@ async def test_an_entry_larger_than_the_cap_is_kept_and_evicts_the_rest(tmp_path
 
 
 @pytest.mark.asyncio
-async def test_scan_evicts_down_to_a_smaller_cap(tmp_path: Path) -> None:
+async def test_scan_evicts_down_to_a_smaller_cap(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     size = entry_size(tmp_path)
     root = tmp_path / "root"
     s = Store(root, disk_cap=10 * size)
     for t in (A, B, Cc):
         await s.put(t, kv_layers(16), IDENT)
     s2 = Store(root, disk_cap=size + size // 2)
-    assert s2.scan() == 1
+    with caplog.at_level("WARNING", logger="spilld.store"):
+        assert s2.scan() == 1
     assert [e.tokens.tolist() for e in s2.entries] == [Cc]
     assert s2.counters.evicted == 2
+    # said, with what went (found in review: a daemon started with a lower, or mistyped, --disk-cap emptied its store
+    # with no line but the entry counts before and after)
+    said = [r.getMessage() for r in caplog.records if "to fit the disk cap" in r.getMessage()]
+    assert said == [f"{root}: evicted 2 entries ({2 * size} bytes) to fit the disk cap of {size + size // 2} bytes"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spilld.store"):
+        Store(root, disk_cap=size + size // 2).scan()  # nothing to evict: nothing said
+    assert not [r for r in caplog.records if "to fit the disk cap" in r.getMessage()]
 
 
 # --- 6. scan ----------------------------------------------------------------------------

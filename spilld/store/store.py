@@ -262,7 +262,12 @@ class Store:
             self._unjudged = named - self._pins
             log.info("%s: %d entries, %d bytes, cap %d bytes", self.root, self.count, self.total_bytes, self.disk_cap)
             if reap:  # another owner's files are never evicted to this store's cap
-                self.evict_to_cap()
+                before = self.total_bytes
+                if n := self.evict_to_cap():  # said: a --disk-cap lowered (or mistyped) empties a store at start
+                    log.warning(
+                        "%s: evicted %d entries (%d bytes) to fit the disk cap of %d bytes",
+                        self.root, n, before - self.total_bytes, self.disk_cap,
+                    )  # fmt: skip
                 self._delete_doomed()
         finally:
             if took:
