@@ -303,6 +303,36 @@ def test_an_extended_providers_built_in_kinds_keep_their_rules(tmp_path: Any) ->
         spilld.load(tmp_path / "bad", provider=mine)
 
 
+def test_a_provider_built_from_the_built_in_codecs_keeps_their_rules(tmp_path: Any) -> None:
+    """Found in review: a provider made with ``CodecProvider(id, codecs)`` from the built-in codecs, not through
+    ``extended``, registered no rules for its id. Its files skipped every rule of §5.1 (a quantized cache of 1 bit
+    in groups of 7 was loaded), and ``cut_floor`` knew no chunk size, so a chunked cache was cut short of the chunk
+    boundary after its ``start_position`` (on Llama 4, next-step logits off by ~1 from a fresh prefill's)."""
+    from spilld import format as fmt
+    from tests.hostile import join, split
+
+    base = default_provider()
+    mine = CodecProvider("engine-direct/1", [base.for_cache(C.ChunkedKVCache(8)), base.for_cache(C.QuantizedKVCache())])
+    cache = chunked(14)
+    start, size = cache.start_position, cache.chunk_size
+    assert start % size
+    spilld.save(tmp_path / "c", list(range(14)), [cache], provider=mine)
+    with pytest.raises(errors.NotReusable):
+        spilld.load(tmp_path / "c", upto=start + 1, provider=mine)
+    boundary = -(-start // size) * size
+    assert spilld.load(tmp_path / "c", upto=boundary, provider=mine).caches[0].offset == boundary
+    q = C.QuantizedKVCache(group_size=32, bits=4)
+    q.update_and_fetch(*kv(5, dim=32))
+    spilld.save(tmp_path / "q", [], [q], provider=mine)
+    with open(tmp_path / "q", "rb") as f:
+        wire, body = split(f.read())
+    wire["caches"][0]["fields"] = {"group_size": 7, "bits": 1}
+    with open(tmp_path / "bad", "wb") as f:
+        f.write(join(wire, body, version=fmt.FORMAT_VERSION))
+    with pytest.raises(errors.QuantizationInvalid):
+        spilld.load(tmp_path / "bad", provider=mine)
+
+
 def test_provider_rejects_duplicate_kinds() -> None:
     with pytest.raises(ValueError):
         CodecProvider("x", [_DoublingCodec(), _DoublingCodec()])

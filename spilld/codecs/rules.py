@@ -269,8 +269,8 @@ def unruled_kinds(provider_id: str) -> frozenset[str]:
 
 
 def register_rules(provider_id: str, table: Mapping[str, KindRule], unruled: frozenset[str] = frozenset()) -> None:
-    """Make a provider's rules known to this process's readers (``CodecProvider.extended`` registers the table of
-    the provider it makes: its built-in kinds keep their rules, found in review: they were skipped)."""
+    """Make a provider's rules known to this process's readers (each ``CodecProvider`` registers its codecs' rules,
+    so its built-in kinds keep theirs, found in review: they were skipped)."""
     with _REGISTERING:
         known = PROVIDER_RULES.get(provider_id)
         if known is not None and (dict(known), _UNRULED.get(provider_id, frozenset())) != (dict(table), unruled):
