@@ -523,7 +523,9 @@ def _cut(caches: list[Any], header: fmt.Header, upto: int, path: str, prov: Code
     """Cut loaded caches back to ``upto`` tokens (each by its codec), where the header says that is valid."""
     if upto > header.restorable_tokens or upto < 0:  # (past the least offset the caches hold nothing to cut to)
         raise errors.NotReusable(f"cannot cut to {upto} tokens: the caches hold {header.restorable_tokens}", path=path)
-    if upto == len(header.tokens):
+    # no cut: every offset is within the tokens recorded (the validator's rule), unless none are (a file saved
+    # without tokens, whose caches then hold any number: found in review, one was given back whole for ``upto=0``)
+    if upto == len(header.tokens) and (header.tokens or not header.caches):
         return
     if not header.trimmable:
         raise errors.NotReusable("entry is not trimmable (rotated ring, recurrent state or attachments)", path=path)

@@ -438,3 +438,17 @@ def test_a_load_cuts_no_further_than_the_tokens_its_caches_hold(tmp_path: Any) -
     for upto in (6, 8, 10):
         with pytest.raises(errors.NotReusable):
             spilld.load(path, upto=upto)
+
+
+def test_a_file_saved_without_tokens_is_cut_to_none_only_when_its_caches_can_be(tmp_path: Any) -> None:
+    """Found in review: ``upto=0`` of a file saved without tokens (the ``save_prompt_cache`` drop-in) took the
+    no-cut path for ``upto`` equal to the tokens recorded, and gave back every cache as saved: 10 rows beside 0
+    tokens, a wrapped ring included (which cannot be cut at all)."""
+    path = tmp_path / "tokenless.spilld"
+    spilld.save(path, [], [fill(C.KVCache(), 10)], durability="none")
+    got = spilld.load(path, upto=0)
+    assert got.tokens == [] and got.caches[0].offset == 0
+    spilld.save(path, [], [fill(C.KVCache(), 10), fill(C.RotatingKVCache(4), 10)], durability="none")
+    with pytest.raises(errors.NotReusable):
+        spilld.load(path, upto=0)
+    assert [c.offset for c in spilld.load(path).caches] == [10, 10]  # without ``upto``: the file as saved
