@@ -11,18 +11,21 @@ on these machines, and the fixed pool bounds what one client can have in flight.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import re
 import secrets
 import stat
 import sys
+import threading
 from multiprocessing import resource_tracker, shared_memory
 
-from . import errors
+from . import errors, mlxthreads
 
 SEGMENT_BYTES = 32 * 1024 * 1024
 POOL_SEGMENTS = 8
+READ_THREADS = 4  # the daemon's segment copies at once (each at memcpy speed), on threads of their own
 NAME = re.compile(r"spilld-[0-9a-f]{8}-[0-9]{1,4}")  # whole names only (fullmatch); short: macOS allows 31 bytes
 
 
@@ -121,6 +124,22 @@ def _reserve(name: str, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     finally:
         os.close(fd)
+
+
+_readers: concurrent.futures.ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+def reader_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for the daemon's segment copies alone (``read_segment``), which never touch a disk. Found in review:
+    they ran on the loop's default executor, where the store's file calls run too; on a hung disk those calls,
+    given up at their deadline but still stuck, held its every thread, and a spill's copy never began: its commit
+    never answered, and its room (kept while a copy is under way) never came back."""
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            _readers = mlxthreads.worker_pool(READ_THREADS, "spilld-shm")
+        return _readers
 
 
 def check_name(name: str) -> None:

@@ -421,3 +421,51 @@ async def test_a_spill_aborted_while_its_segment_copies_run_keeps_its_room_until
             assert (daemon.ingest.receiving, daemon.ingest.reserved) == (0, 0)
         finally:
             go.set()
+
+
+@pytest.mark.asyncio
+async def test_a_segment_copy_never_waits_behind_file_calls_a_hung_disk_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the daemon's segment copies ran on the loop's default executor, where the store's file calls
+    run too. A hung disk's calls (here, a ``touch``'s mtime) are given up at their deadline but their threads stay
+    stuck; once they held every thread, a ``put_shm``'s copy never began: its spill's commit never answered, and the
+    room the spill held (kept while a copy is under way, never expired) never came back."""
+    from spilld.store import store as store_mod
+    from tests.hostile_memory import in_process
+
+    hung = threading.Event()
+    real_set_mtime = store_mod._set_mtime
+
+    def hung_set_mtime(path: str, when: float) -> None:
+        hung.wait(60)  # a hung disk's utime: past the deadline, still stuck
+        real_set_mtime(path, when)
+
+    monkeypatch.setattr(store_mod, "_set_mtime", hung_set_mtime)
+    default_threads = min(32, (os.cpu_count() or 1) + 4)  # the default executor's (ThreadPoolExecutor's rule)
+    seg = None
+    async with in_process("hung-touches", io_timeout=0.2) as (daemon, wire):
+        try:
+            header, sizes = small_header()
+            r, err = await wire.call("spill", {"header": header, "droppable": False})
+            assert err is None, err
+            for i, n in enumerate(sizes):
+                wire.send(P.notification("put", {"spill": r["spill"], "index": i, "offset": 0}, b"\0" * n))
+            r, err = await wire.call("commit", {"spill": r["spill"]})
+            assert err is None and r["outcome"] == "stored", (r, err)
+            for _ in range(default_threads):  # each answered at the deadline, its thread left stuck
+                assert (await wire.call("touch", {"path": r["path"]}))[1] is None
+            header, sizes = small_header(9)
+            seg = segment(os.urandom(sizes[0]))
+            r, err = await wire.call("spill", {"header": header, "droppable": False})
+            assert err is None, err
+            sid = r["spill"]
+            put = {"spill": sid, "index": 0, "offset": 0, "shm": seg.name, "length": sizes[0]}
+            wire.send(P.notification("put_shm", put))
+            wire.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, b"\0" * sizes[1]))
+            r, err = await asyncio.wait_for(wire.call("commit", {"spill": sid}), 10)  # answered: never for ever
+            # (the store's own file calls wait behind the hung ones, so the disk's verdict may be its deadline)
+            assert err is None and (r["outcome"] == "stored" or r["code"] == "io_timeout"), (r, err)
+            assert (daemon.ingest.receiving, daemon.ingest.reserved) == (0, 0)
+        finally:
+            hung.set()
+            if seg is not None:
+                drop(seg)

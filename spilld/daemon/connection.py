@@ -634,7 +634,7 @@ class Connection(asyncio.BufferedProtocol):
         sp.chunks[index].append(buf)
         # releasing: no mlx runs in the daemon, but every hand-off to a pool goes through it (tests/test_mlxthreads.py)
         fut = asyncio.get_running_loop().run_in_executor(
-            None, mlxthreads.releasing(lambda: shm.read_segment(name, buf))
+            shm.reader_pool(), mlxthreads.releasing(lambda: shm.read_segment(name, buf))
         )
         sp.reads.add(fut)
 
