@@ -592,6 +592,9 @@ class AsyncClient:
             if self._pool_made is not made:  # the connection failed meanwhile: that pool is closed, not ours
                 return None
             self._pool = pool
+            # handed over: the daemon unlinks it once this connection ends, even if this process and its resource
+            # tracker die together (killed with their process group); a daemon that predates it ignores this
+            await self._send(P.notification("shm_pool", {"names": pool.names}))
         return self._pool
 
     def _drop_pool(self) -> None:

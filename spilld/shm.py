@@ -3,7 +3,10 @@
 The client copies a tensor's bytes into a free segment (memcpy speed, on a worker
 thread) and sends only the segment's name; the daemon reads it through a file
 descriptor into its own buffer (never a mapping: see ``read_segment``) and hands
-the segment back (``shm_free``) as soon as it is read. The pool is made once, off
+the segment back (``shm_free``) as soon as it is read. The client hands its pool over
+(``shm_pool``) as it makes it, and the daemon unlinks it once the connection ends
+(``unlink_segments``): a client killed with its whole process group, its resource
+tracker too, leaves nothing in /dev/shm. The pool is made once, off
 the event loop, with its room reserved, and reused: fresh pages are slow to fault in
 on these machines, and the fixed pool bounds what one client can have in flight.
 """
@@ -84,6 +87,10 @@ class ShmPool:
         return name, buf
 
     @property
+    def names(self) -> list[str]:
+        return list(self._segments)
+
+    @property
     def free(self) -> int:
         return self._ensure().qsize()
 
@@ -110,8 +117,12 @@ def _close_segment(seg: shared_memory.SharedMemory) -> None:
         # the mapping is the views' to end: its last one let go unmaps it (and its ``__del__`` says nothing then:
         # an engine's stderr got "Exception ignored ... BufferError" for every such segment)
         seg._fd, seg._mmap, seg._buf = -1, None, None  # type: ignore[attr-defined]
-    with contextlib.suppress(OSError):  # gone already, or refused: the next segments are still closed
+    try:
         seg.unlink()
+    except FileNotFoundError:  # the daemon unlinked it (its connection ended): Python's resource tracker must not
+        _untrack(seg)  # try again at exit (it would warn of leaked segments, with a traceback, on the engine's stderr)
+    except OSError:  # refused: the next segments are still closed
+        pass
 
 
 def _reserve(name: str, size: int) -> None:
@@ -175,6 +186,25 @@ def read_segment(name: str, into: memoryview) -> None:
             _copy_mapped(fd, into)
     finally:
         os.close(fd)
+
+
+def unlink_segments(names: set[str]) -> None:
+    """Unlink the segments of a client's pool (a worker thread's job), once the connection it handed them over on
+    (``shm_pool``) has ended. One gone already (its client unlinked it first) is skipped, and on Linux anything but
+    a regular file of our uid under such a name is left as it is."""
+    for name in names:
+        if not NAME.fullmatch(name):
+            continue
+        with contextlib.suppress(OSError):  # gone already, or refused: the next ones are still unlinked
+            if sys.platform.startswith("linux"):
+                path = f"/dev/shm/{name}"
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                    os.unlink(path)
+            else:
+                import _posixshmem
+
+                _posixshmem.shm_unlink("/" + name)
 
 
 def _open_segment(name: str) -> int:

@@ -469,3 +469,188 @@ async def test_a_segment_copy_never_waits_behind_file_calls_a_hung_disk_holds(mo
             hung.set()
             if seg is not None:
                 drop(seg)
+
+
+def untracked(data: bytes, name: str | None = None) -> shared_memory.SharedMemory:
+    """A segment nothing of this process unlinks (its resource tracker forgets it): a dead client's."""
+    seg = segment(data, name)
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    return seg
+
+
+def gone_within(paths: list[str], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(os.path.exists(p) for p in paths)
+
+
+def test_the_pool_a_client_handed_over_is_unlinked_when_its_connection_ends(daemon: Daemon) -> None:
+    """Found in review: a client killed with its process group (a closed terminal's SIGHUP, a container's or a
+    cgroup's kill) took Python's resource tracker with it, and its whole pool, 256 MiB of reserved pages, stayed in
+    /dev/shm for good. A client hands its pool over (``shm_pool``): the daemon unlinks those segments, used or not,
+    once the connection ends; never a segment it was not handed, nor anything but a regular file of ours."""
+    wire_header, sizes = small_header()
+    prefix = f"spilld-{secrets.token_hex(4)}"
+    pool = [untracked(b"\0" * sizes[0], f"{prefix}-{i}") for i in range(3)]
+    other = untracked(b"\0" * 16)  # never handed over
+    fifo = f"{prefix}-3"
+    os.mkfifo(f"/dev/shm/{fifo}", 0o600)  # handed over, but not a segment
+    kept = [f"/dev/shm/{other.name}", f"/dev/shm/{fifo}"]
+    try:
+        w = Wire(daemon.socket)
+        w.hello()
+        w.send(P.notification("shm_pool", {"names": [s.name for s in pool] + [fifo, "../x", 7]}))
+        sid = w.call("spill", {"header": wire_header, "droppable": False}).result["spill"]
+        pool[0].buf[: sizes[0]] = os.urandom(sizes[0])
+        put = {"spill": sid, "index": 0, "offset": 0, "shm": pool[0].name, "length": sizes[0]}
+        w.send(P.notification("put_shm", put))
+        w.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, os.urandom(sizes[1])))
+        assert w.call("commit", {"spill": sid}).result["outcome"] == "stored"
+        assert all(os.path.exists(f"/dev/shm/{s.name}") for s in pool)  # the connection goes on: kept
+        w.close()  # the client vanishes: nothing of its own unlinks its pool
+        assert gone_within([f"/dev/shm/{s.name}" for s in pool])
+        time.sleep(0.2)
+        assert all(os.path.exists(p) for p in kept)
+    finally:
+        for seg in [*pool, other]:
+            seg.close()
+        for p in [f"/dev/shm/{s.name}" for s in [*pool, other]] + [f"/dev/shm/{fifo}"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+GROUP_KILLED = textwrap.dedent(
+    """
+    import asyncio, sys
+    from mlx_lm.models import cache as C
+    import spilld
+    from spilld.client import AsyncClient
+    from tests.caches import fill
+
+    async def main():
+        c = await AsyncClient.open(sys.argv[1], identity=spilld.Identity("group-killed"), shm=True)
+        assert (await c.spill(list(range(64)), [fill(C.KVCache(), 64)], droppable=False)).stored
+        print(c._pool._prefix, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_client_killed_with_its_process_group_leaves_no_segment_behind(daemon: Daemon) -> None:
+    """The real client, its pool made and used, killed with its resource tracker (SIGKILL to its process group)."""
+    env = os.environ | {"PYTHONPATH": os.getcwd()}
+    kid = subprocess.Popen(
+        [sys.executable, "-c", GROUP_KILLED, daemon.socket], stdout=subprocess.PIPE, env=env, start_new_session=True
+    )
+    assert kid.stdout is not None
+    prefix = kid.stdout.readline().decode().strip()
+    try:
+        assert prefix.startswith("spilld-")
+        mine = [n for n in os.listdir("/dev/shm") if n.startswith(prefix + "-")]
+        assert len(mine) > 1  # the whole pool, most of it never used
+    finally:
+        os.killpg(kid.pid, signal.SIGKILL)
+        kid.wait()
+        kid.stdout.close()
+    assert gone_within([f"/dev/shm/{n}" for n in mine]), [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+@pytest.mark.asyncio
+async def test_a_pool_is_unlinked_only_once_the_copies_of_its_connection_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A committed spill's copy goes on after its connection ends (it opens the segment by name): the pool it was
+    handed over in is unlinked only once that copy is done."""
+    from spilld import shm
+    from tests.hostile_memory import in_process
+
+    started, go = threading.Event(), threading.Event()
+    real_read = shm.read_segment
+
+    def slow_read(name: str, into: memoryview) -> None:
+        started.set()
+        go.wait(10)
+        real_read(name, into)
+
+    monkeypatch.setattr(shm, "read_segment", slow_read)
+    header, sizes = small_header()
+    seg = untracked(os.urandom(sizes[0]))
+    path = f"/dev/shm/{seg.name}"
+    try:
+        async with in_process("copy-then-gone") as (daemon, wire):
+            wire.send(P.notification("shm_pool", {"names": [seg.name]}))
+            r, err = await wire.call("spill", {"header": header, "droppable": False})
+            assert err is None, err
+            sid = r["spill"]
+            put = {"spill": sid, "index": 0, "offset": 0, "shm": seg.name, "length": sizes[0]}
+            wire.send(P.notification("put_shm", put))
+            wire.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, b"\0" * sizes[1]))
+            wire.send(P.request(99, "commit", {"spill": sid}))
+            await wire.w.drain()
+            assert await asyncio.to_thread(started.wait, 10)
+            # the client vanishes with an answer unread (a status's): the daemon's read fails at once (ECONNRESET),
+            # while a clean EOF would let the commit end before the connection does
+            wire.w.transport.pause_reading()  # type: ignore[attr-defined]
+            wire.send(P.request(100, "status", {}))
+            await wire.w.drain()
+            await asyncio.sleep(0.3)
+            wire.w.transport.abort()
+            deadline = asyncio.get_running_loop().time() + 10
+            while daemon.connections and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            assert not daemon.connections
+            await asyncio.sleep(0.1)
+            assert os.path.exists(path)  # its copy still to come
+            go.set()
+            deadline = asyncio.get_running_loop().time() + 10
+            while os.path.exists(path) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            assert not os.path.exists(path)
+            while daemon.queue.stored < 1 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            assert daemon.queue.stored == 1  # the committed spill was read whole, then stored
+    finally:
+        go.set()
+        seg.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+OUTLIVES_ITS_POOL = textwrap.dedent(
+    """
+    import asyncio, sys
+    from mlx_lm.models import cache as C
+    import spilld
+    from spilld.client import AsyncClient
+    from tests.caches import fill
+
+    async def main():
+        c = await AsyncClient.open(sys.argv[1], identity=spilld.Identity("outlives"), shm=True)
+        assert (await c.spill(list(range(64)), [fill(C.KVCache(), 64)], droppable=False)).stored
+        print(c._pool._prefix, flush=True)
+        sys.stdin.readline()  # (on the loop: the lost connection is seen only after the daemon unlinked the pool)
+        await c.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_client_whose_pool_the_daemon_unlinked_closes_and_exits_quietly(daemon: Daemon) -> None:
+    """The daemon stops (its connections end) and unlinks the pool it was handed; the client, still running, closes
+    after it: its own unlink finds each segment gone, and Python's resource tracker must not try again at exit (it
+    printed a warning and an error for each segment on the engine's stderr)."""
+    env = os.environ | {"PYTHONPATH": os.getcwd()}
+    kid = subprocess.Popen(
+        [sys.executable, "-c", OUTLIVES_ITS_POOL, daemon.socket],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert kid.stdout is not None
+    prefix = kid.stdout.readline().decode().strip()
+    assert prefix.startswith("spilld-")
+    daemon.stop()
+    assert gone_within([f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix + "-")])
+    _, err = kid.communicate(b"\n", timeout=60)
+    assert kid.returncode == 0 and err == b"", err.decode()[-2000:]

@@ -54,6 +54,8 @@ COALESCED_CHUNK_BYTES = 1024**2
 # and a put_shm moves at least this many bytes, unless it ends its tensor (a client's segments are MiBs): each is a
 # buffer and a copy job of its own
 MIN_SHM_PUT_BYTES = 64 * 1024
+# the segments a client hands over with ``shm_pool`` that its connection's end unlinks, at most (a pool has 8)
+MAX_POOL_SEGMENTS = 1024
 # the bytes counted for the message of the request a task handles (see Connection._call, release_message)
 _MESSAGE_HOLD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("message_hold", default=None)
 
@@ -167,6 +169,10 @@ class Connection(asyncio.BufferedProtocol):
         self._hello_by = asyncio.get_running_loop().time() + daemon.cfg.hello_timeout
         self._msg_by: float | None = None  # the big message being received must be whole by then
         self._payload_by: float | None = None  # the put payload being read must be whole by then
+        # the client's pool (its ``shm_pool``), unlinked once the connection ends and its copies are done: found in
+        # review, a client killed with its process group (its resource tracker too) left 256 MiB in /dev/shm for good
+        self.segments: set[str] = set()
+        self._copies: set[asyncio.Future[None]] = set()  # segment copies under way (committed spills' included)
 
     # --- asyncio protocol -------------------------------------------------------------------
 
@@ -302,8 +308,22 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self.daemon.ingest.release(held)
         self.daemon.connections.discard(self)
+        self._unlink_segments()
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _unlink_segments(self) -> None:
+        """The connection ended: the pool its client handed over is unlinked once its copies are done (a committed
+        spill's copy goes on). The client never reuses a pool on another connection (``format.md``)."""
+        if self._copies:
+            next(iter(self._copies)).add_done_callback(lambda _: self._unlink_segments())
+            return
+        names, self.segments = self.segments, set()
+        if names:
+            fut = asyncio.get_running_loop().run_in_executor(
+                shm.reader_pool(), mlxthreads.releasing(lambda: shm.unlink_segments(names))
+            )
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # (unlink_segments raises nothing)
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -469,6 +489,8 @@ class Connection(asyncio.BufferedProtocol):
         if msg.kind == P.NOTIFICATION:
             if msg.method in ("put", "put_shm"):
                 self._put(msg)
+            elif msg.method == "shm_pool":
+                self._own_pool(msg.params)
             else:  # like an unknown request, it does not end the connection; it has no answer to carry an error
                 log.debug("client %d: unknown notification %r ignored", self.id, msg.method)
         elif msg.kind == P.REQUEST:
@@ -621,6 +643,14 @@ class Connection(asyncio.BufferedProtocol):
             self.fail_spill(p["spill"], sp, bad_params(msg.method, exc))
             self.free_shm([name] if name else [])
 
+    def _own_pool(self, p: dict[str, Any]) -> None:
+        """The client hands over its segments (``shm_pool``): unlinked when this connection ends. Names that are not
+        a pool's are ignored (a notification has no answer to refuse them with), as are those past the bound."""
+        names = p.get("names")
+        for name in names[:MAX_POOL_SEGMENTS] if isinstance(names, list) else []:
+            if isinstance(name, str) and shm.NAME.fullmatch(name) and len(self.segments) < MAX_POOL_SEGMENTS:
+                self.segments.add(name)
+
     def _put_shm(self, sid: int, sp: Incoming, at: tuple[int, int], name: str, length: int) -> None:
         """Copy ``length`` bytes of a client's segment into a buffer of the spill, on a worker thread; the
         segment goes back to the client once read, whatever the outcome."""
@@ -637,9 +667,11 @@ class Connection(asyncio.BufferedProtocol):
             shm.reader_pool(), mlxthreads.releasing(lambda: shm.read_segment(name, buf))
         )
         sp.reads.add(fut)
+        self._copies.add(fut)
 
         def done(f: asyncio.Future[None]) -> None:
             sp.reads.discard(f)
+            self._copies.discard(f)
             self.free_shm([name])
             exc = f.exception()
             if exc is not None:
