@@ -52,6 +52,7 @@ class ShmPool:
         self._segments: dict[str, shared_memory.SharedMemory] = {}
         self._count = segments
         self._free: asyncio.Queue[str] | None = None
+        self._closed = False
 
     def make(self) -> None:
         """Create the segments, their room reserved (blocking, ~0.1-0.5 s for the default pool: a worker thread's
@@ -68,7 +69,7 @@ class ShmPool:
 
     def _ensure(self) -> asyncio.Queue[str]:
         if self._free is None:
-            if not self._segments:
+            if not self._segments and not self._closed:
                 self.make()  # made here (on the caller's thread) only when ``make`` was not called first
             self._free = asyncio.Queue()
             for name in self._segments:
@@ -77,7 +78,11 @@ class ShmPool:
 
     def try_take(self) -> tuple[str, memoryview] | None:
         """A free segment, or None when the daemon holds them all (the caller then sends inline:
-        waiting could deadlock, since segments come back only once their spill is written)."""
+        waiting could deadlock, since segments come back only once their spill is written). A closed pool has none:
+        found in review, its connection lost while a tensor larger than a segment was sent, the next take found a
+        free name whose segment was gone, and the spill failed with ``KeyError`` instead of ``ConnectionLost``."""
+        if self._closed:
+            return None
         try:
             name = self._ensure().get_nowait()
         except asyncio.QueueEmpty:
@@ -99,6 +104,7 @@ class ShmPool:
             self._free.put_nowait(name)
 
     def close(self) -> None:
+        self._closed = True
         for seg in self._segments.values():
             _close_segment(seg)
         self._segments.clear()

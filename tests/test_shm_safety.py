@@ -654,3 +654,33 @@ def test_a_client_whose_pool_the_daemon_unlinked_closes_and_exits_quietly(daemon
     assert gone_within([f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix + "-")])
     _, err = kid.communicate(b"\n", timeout=60)
     assert kid.returncode == 0 and err == b"", err.decode()[-2000:]
+
+
+@pytest.mark.asyncio
+async def test_a_spill_whose_connection_drops_between_two_segments_fails_as_connection_lost(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a lost connection closes the pool while a tensor larger than a segment is being sent; the
+    next ``try_take`` found a free name whose segment was gone and raised ``KeyError``, so the spill settled failed
+    with ``KeyError('spilld-...-1')`` instead of ``ConnectionLost``. A closed pool has no segment to give."""
+    from spilld import client as client_mod
+    from spilld.client import AsyncClient
+    from spilld.queue import Outcome
+    from spilld.shm import ShmPool
+
+    monkeypatch.setattr(client_mod, "ShmPool", lambda: ShmPool(segments=4, size=64 * 1024))
+    c = await AsyncClient.open(daemon.socket, identity=spilld.Identity("dropped-mid-tensor"), shm=True)
+    try:
+        send = c._send
+
+        async def send_then_lose(bufs: list[bytes | memoryview]) -> None:
+            await send(bufs)
+            if b"put_shm" in bytes(bufs[0]):  # the reader saw the connection end while this send waited
+                c._fail_all(P.ConnectionLost("the daemon closed the connection"))
+
+        monkeypatch.setattr(c, "_send", send_then_lose)
+        cache = fill(C.KVCache(), 256, heads=2, dim=128)  # 128 KiB tensors: two segments each
+        settled = await asyncio.wait_for(c.spill(list(range(256)), [cache], droppable=False), 30)
+        assert settled.outcome is Outcome.FAILED and isinstance(settled.error, errors.ConnectionLost), settled
+    finally:
+        await c.close()
