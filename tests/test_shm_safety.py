@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -14,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 import time
@@ -478,6 +480,11 @@ def untracked(data: bytes, name: str | None = None) -> shared_memory.SharedMemor
     return seg
 
 
+def unread(sock: Any) -> int:
+    """Bytes waiting in ``sock``'s receive buffer (closed with some, the socket resets its peer's connection)."""
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4), sys.byteorder)
+
+
 def gone_within(paths: list[str], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
@@ -595,7 +602,10 @@ async def test_a_pool_is_unlinked_only_once_the_copies_of_its_connection_end(mon
             wire.w.transport.pause_reading()  # type: ignore[attr-defined]
             wire.send(P.request(100, "status", {}))
             await wire.w.drain()
-            await asyncio.sleep(0.3)
+            sock = wire.w.transport.get_extra_info("socket")
+            deadline = asyncio.get_running_loop().time() + 10
+            while unread(sock) == 0 and asyncio.get_running_loop().time() < deadline:  # the answer is here, unread
+                await asyncio.sleep(0.01)
             wire.w.transport.abort()
             deadline = asyncio.get_running_loop().time() + 10
             while daemon.connections and asyncio.get_running_loop().time() < deadline:
