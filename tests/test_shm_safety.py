@@ -457,12 +457,7 @@ async def test_a_segment_copy_never_waits_behind_file_calls_a_hung_disk_holds(mo
                 assert (await wire.call("touch", {"path": r["path"]}))[1] is None
             header, sizes = small_header(9)
             seg = segment(os.urandom(sizes[0]))
-            r, err = await wire.call("spill", {"header": header, "droppable": False})
-            assert err is None, err
-            sid = r["spill"]
-            put = {"spill": sid, "index": 0, "offset": 0, "shm": seg.name, "length": sizes[0]}
-            wire.send(P.notification("put_shm", put))
-            wire.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, b"\0" * sizes[1]))
+            sid = await send_small_spill(wire, header, sizes, seg.name)
             r, err = await asyncio.wait_for(wire.call("commit", {"spill": sid}), 10)  # answered: never for ever
             # (the store's own file calls wait behind the hung ones, so the disk's verdict may be its deadline)
             assert err is None and (r["outcome"] == "stored" or r["code"] == "io_timeout"), (r, err)
@@ -478,6 +473,18 @@ def untracked(data: bytes, name: str | None = None) -> shared_memory.SharedMemor
     seg = segment(data, name)
     resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
     return seg
+
+
+async def send_small_spill(wire: Any, header: dict[str, Any], sizes: list[int], segment: str) -> int:
+    """Open a spill of ``small_header``'s two tensors and send them: the first from ``segment``, the second inline;
+    its id."""
+    r, err = await wire.call("spill", {"header": header, "droppable": False})
+    assert err is None, err
+    sid: int = r["spill"]
+    put = {"spill": sid, "index": 0, "offset": 0, "shm": segment, "length": sizes[0]}
+    wire.send(P.notification("put_shm", put))
+    wire.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, b"\0" * sizes[1]))
+    return sid
 
 
 def unread(sock: Any) -> int:
@@ -588,12 +595,7 @@ async def test_a_pool_is_unlinked_only_once_the_copies_of_its_connection_end(mon
     try:
         async with in_process("copy-then-gone") as (daemon, wire):
             wire.send(P.notification("shm_pool", {"names": [seg.name]}))
-            r, err = await wire.call("spill", {"header": header, "droppable": False})
-            assert err is None, err
-            sid = r["spill"]
-            put = {"spill": sid, "index": 0, "offset": 0, "shm": seg.name, "length": sizes[0]}
-            wire.send(P.notification("put_shm", put))
-            wire.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, b"\0" * sizes[1]))
+            sid = await send_small_spill(wire, header, sizes, seg.name)
             wire.send(P.request(99, "commit", {"spill": sid}))
             await wire.w.drain()
             assert await asyncio.to_thread(started.wait, 10)
