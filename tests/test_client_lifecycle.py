@@ -331,7 +331,9 @@ def test_two_threads_closing_one_client_at_once_both_get_its_report(daemon: Daem
     for trial in range(4):
         tier = EmbeddedTier(str(tmp_path / str(trial)), spilld.Identity("two-closes"))
         a, b = _close_from_two_threads_at_once(lambda: tier.close(5))  # noqa: B023
-        assert a is None and b is None, (trial, a, b)
+        # the drain's report (a close that came once the loop was stopping has none to give)
+        reports = [r for r in (a, b) if r is not None]
+        assert reports and all(isinstance(r, DrainReport) and r.done for r in reports), (trial, a, b)
         assert tier._lt.loop.is_closed()
 
 

@@ -368,6 +368,41 @@ def test_a_hung_daemon_costs_the_engine_one_short_wait_not_one_a_request(
         cleanup(d.root)
 
 
+def test_an_exit_drain_that_leaves_spills_unwritten_says_so(
+    tiny: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: with the daemon stopped (SIGSTOP) when the server exited, the entries spilled at exit were
+    dropped at --spilld-drain-timeout and the log went from 'draining the cold tier (3 more entries)' to the
+    counters, exit 0: lost in silence. The drain's report is read now; a drain that finishes says nothing."""
+    from spilld.integrations.mlx_lm import ServerTiers
+    from spilld.integrations.tier import DaemonTier
+
+    model, tokenizer = tiny
+    ident = model_identity(model, tokenizer, model_id="tiny")
+    key = ("m", None, None)
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        tiers = ServerTiers(None, socket=None, folder=None)
+        tiers.tiers[key] = tier = DaemonTier(d.socket, ident)
+        p = [4, *range(200, 240)]
+        assert tier.spill(p, _prefilled(model, p), droppable=False).result(30).stored
+        tiers.close(10)
+        assert "did not drain" not in caplog.text  # all stored: nothing to say
+        tiers.tiers[key] = tier = DaemonTier(d.socket, ident)
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            q = [5, *range(300, 340)]
+            tier.spill(q, _prefilled(model, q), droppable=False)
+            tiers.close(1.0)
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert "the cold tier of ('m', None, None) did not drain: 1 spills" in caplog.text, caplog.text
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_the_tiers_of_several_models_drain_within_one_timeout() -> None:
     """The exit drain's --spilld-drain-timeout is the server's, not each model's (found in review: a server that had
     loaded k models could drain for k times it)."""

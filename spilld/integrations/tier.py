@@ -23,7 +23,7 @@ from ..client import Client
 from ..lease import RunStep
 from ..loader import Loaded
 from ..loopthread import LoopThread
-from ..queue import Outcome, Settled
+from ..queue import DrainReport, Outcome, Settled
 from ..saver import token_ids_now
 from ..snapshot import Handoffs
 from ..spiller import Spiller
@@ -40,7 +40,7 @@ class ColdTier(Protocol):
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None: ...
 
-    def close(self, timeout: float | None = None) -> None: ...
+    def close(self, timeout: float | None = None) -> DrainReport | None: ...  # None: nothing to report
 
 
 def storable(tokens: Sequence[int]) -> bool:
@@ -142,14 +142,15 @@ class EmbeddedTier:
     def stats(self) -> dict[str, Any]:
         return self.spiller.stats()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> DrainReport | None:
+        """Drain (up to ``timeout``) and close; the drain's report, None when it cannot be waited for here."""
         if self._lt.on_own_thread:  # a spill future's callback: the close runs once it returns (none can be waited)
             self._lt.stop(first=self.spiller.close(timeout))
-            return
+            return None
         try:
-            self._run(self.spiller.close(timeout))
+            return self._run(self.spiller.close(timeout))
         except concurrent.futures.CancelledError:  # a close from the loop's own thread runs it: stop waits for it
-            pass
+            return None
         finally:
             self._lt.stop(wait=timeout)  # (as long as this close may take: the caller may hold the engine's lock)
 
@@ -205,7 +206,11 @@ class DaemonTier:
         client = self._connect()
         return client.status() if client is not None else {}
 
-    def close(self, timeout: float | None = None) -> None:
-        if self._client is not None:
-            self._client.close(timeout)
-            self._client = None
+    def close(self, timeout: float | None = None) -> DrainReport | None:
+        """Ship what is queued and hear the daemon's answers (up to ``timeout``); the report, None if never connected
+        (every spill was refused on the spot, and said so)."""
+        if self._client is None:
+            return None
+        report = self._client.close(timeout)
+        self._client = None
+        return report
