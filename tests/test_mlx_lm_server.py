@@ -711,6 +711,35 @@ def test_a_rank_other_than_0_stops_its_generation_before_the_tier_drains(model_d
     assert "mlx_lm.server failed" not in _read(log) and "cold tier counters:" in _read(log)
 
 
+def test_a_stop_signal_before_the_server_serves_is_a_clean_stop(model_dir: str, tmp_path: Any) -> None:
+    """Found in review: SIGTERM sent as soon as the start line ('cold tier: embedded ...') was logged reached the
+    wrapper before mlx-lm's serving loop, which alone takes it: 'mlx_lm.server failed' with a traceback, exit 1,
+    and the drain ran beside a generation thread never stopped. The signal here comes at the last moment before
+    that loop (the HTTP server about to bind), every time."""
+    log = tmp_path / "early.log"
+    script = (
+        "import os, signal\n"
+        "from mlx_lm import server\n"
+        "serve = server._run_http_server\n"
+        "def early(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    serve(*a, **k)\n"
+        "server._run_http_server = early\n"
+        "from spilld.integrations.mlx_lm import main\n"
+        f"main(['--model', {model_dir!r}, '--port', '0', '--spilld-dir', {str(tmp_path / 'store')!r}])\n"
+    )
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=f)
+    try:
+        assert proc.wait(120) == 0, _read(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = _read(log)
+    assert "mlx_lm.server failed" not in text and "Traceback" not in text, text
+    assert "stopped before serving" in text and "cold tier counters:" in text
+
+
 def test_an_embedded_tier_closed_from_a_spill_futures_callback_closes_once_it_returns(tmp_path: Any) -> None:
     """As the daemon's client (tests/test_client_lifecycle.py): a close on the tier's own loop thread is run once
     the callback returns, never waited for there (it blocked that thread on itself, then failed to join it)."""

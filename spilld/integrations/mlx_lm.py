@@ -439,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 state.setdefault("stop", threading.Event()),
             )
             state["metrics"] = mlxthreads.start_thread(lambda: _write_counters_every(*args), "spilld-metrics")
-        generator = server.ResponseGenerator(model_provider, prompt_cache)
+        generator = state["generator"] = server.ResponseGenerator(model_provider, prompt_cache)
         if group.rank() == 0:
             server._run_http_server(host, port, generator, **kwargs)  # a stop signal ends its generation first
         else:
@@ -464,6 +464,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         server.main()
     except SystemExit as exc:  # --help, or a usage error
         code = exc.code
+    except KeyboardInterrupt:  # a stop before mlx-lm's serving loop could take it: a stop all the same (found in
+        # review: SIGTERM as the server started logged 'mlx_lm.server failed' with a traceback, and exit was 1)
+        log.info("stopped before serving")
+        if "generator" in state:
+            state["generator"].stop_and_join()
     except BaseException:
         log.exception("mlx_lm.server failed")
         code = 1
