@@ -485,6 +485,18 @@ def test_both_spilld_dir_and_socket_are_refused(tmp_path: Any) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "exclude" in r.stderr, r.stderr
 
 
+def test_a_spilld_dir_that_cannot_be_a_folder_is_refused_at_start(tmp_path: Any) -> None:
+    """Found in review: --spilld-dir under a regular file started the server, whose start line said 'files in
+    FOLDER'; the first request logged 'no cold tier' once and every request after was served without one."""
+    (tmp_path / "file").write_text("")
+    folder = str(tmp_path / "file" / "store")
+    # (a host no server can bind: a server started anyway ends at once, rather than serving until the timeout)
+    cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", "x", "--host", "256.0.0.0"]
+    r = subprocess.run([*cmd, "--spilld-dir", folder], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (r.returncode, r.stderr[-2000:])
+    assert f"--spilld-dir {folder}:" in r.stderr and "create folder failed" in r.stderr, r.stderr
+
+
 def test_a_spilld_dir_a_daemon_serves_is_refused_at_start() -> None:
     """Found in review: with --spilld-dir set to a daemon's folder, the embedded tier (made on the first request)
     waited a minute on the generation thread for the folder's lock, then served without a cold tier. Refused at

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from mlx_lm.models.cache import CacheList, LRUPromptCache, PromptTrie
 
-from .. import errors, mlxthreads
+from .. import errors, fileio, mlxthreads
 from .. import format as fmt
 from ..config import default_socket, parse_duration
 from ..daemon.listen import is_served
@@ -374,6 +374,16 @@ def _served(folder: str) -> int | None:
     return None
 
 
+def _check_folder(folder: str) -> None:
+    """Refuse (exit 2) a --spilld-dir that cannot be made a folder. Found in review: the tier is made on the first
+    request, so the server started, logged 'files in FOLDER', and served every request without a cold tier after
+    one warning (a path under a file, a folder it may not create)."""
+    try:
+        fileio.make_dirs(fileio.DEFAULT_OPS, folder, fileio.Durability.FSYNC)
+    except errors.SpillError as exc:
+        _refuse(f"--spilld-dir {folder}: {exc}")
+
+
 def _refuse(message: str) -> NoReturn:
     print(f"spilld.integrations.mlx_lm: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -425,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if {"-h", "--help"} & set(rest):
         parser.print_help()
         print("\nmlx_lm.server's options follow.\n")
+    elif opts.spilld_dir:
+        _check_folder(opts.spilld_dir)
     state: dict[str, Any] = {}
 
     def run(host: str, port: int, model_provider: Any, **kwargs: Any) -> None:
