@@ -531,6 +531,22 @@ def test_wrapper_help_lists_both_option_sets() -> None:
     assert "--spilld-dir" in out.stdout and "--prompt-cache-size" in out.stdout
 
 
+def test_the_help_and_mlx_lms_errors_name_this_command_and_the_default_socket() -> None:
+    """Found in review: mlx-lm's half of --help, and its errors (a mistyped --spilld-... option among them), named
+    the command 'mlx_lm.py', a file the user never ran; --spilld-socket's default was 'the daemon's default socket'
+    where the spilld command names the path."""
+    cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm"]
+    env = {**os.environ, "SPILLD_SOCKET": "/srv/engine/spilld.sock"}  # (no hyphen: the help wraps there)
+    out = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "(default /srv/engine/spilld.sock)" in " ".join(out.stdout.split())
+    assert "mlx_lm.py" not in out.stdout and out.stdout.count("usage: python -m spilld.integrations.mlx_lm") == 2
+    bad = subprocess.run([*cmd, "--model", "x", "--spilld-dri", "d"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "python -m spilld.integrations.mlx_lm: error: unrecognized arguments: --spilld-dri"
+    ), bad.stderr
+
+
 def test_a_model_whose_caches_are_cache_lists_is_spilled_and_restored(tmp_path: Any) -> None:
     """Found in review: a ``CacheList`` has no offset of its own, so the integration never spilled models built of
     them (falcon_h1, deepseek_v32, ...), though spilld stores them exactly."""

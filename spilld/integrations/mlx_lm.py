@@ -321,18 +321,22 @@ def _parser() -> argparse.ArgumentParser:
         "Every other option is mlx_lm.server's own (see `mlx_lm.server --help`).",
         add_help=False,
     )
-    parser.add_argument("--spilld-socket", help="the daemon's socket (default: the daemon's default socket)")
-    parser.add_argument("--spilld-dir", help="no daemon: write the files from this process, into this folder")
+    parser.add_argument("--spilld-socket", metavar="PATH", help=f"the daemon's socket (default {default_socket()})")
+    parser.add_argument(
+        "--spilld-dir", metavar="FOLDER", help="no daemon: write the files from this process, into this folder"
+    )
     parser.add_argument(
         "--spilld-drain-timeout",
         type=_duration,
         default=30.0,
+        metavar="DURATION",
         help="at exit, how long to wait for queued spills (default 30 s; e.g. 90, 2m)",
     )
     parser.add_argument(
         "--spilld-metrics-file",
         default=None,
-        help="write the cold tier's counters (Prometheus text) to this file every few seconds, atomically",
+        metavar="PATH",
+        help=f"write the cold tier's counters (Prometheus text) to this file every {METRICS_EVERY_S:g} s, atomically",
     )
     return parser
 
@@ -470,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     server.run = run  # type: ignore[assignment]  # mlx-lm's own run, with our prompt cache
-    sys.argv = [sys.argv[0], *rest]
+    sys.argv = [parser.prog, *rest]  # mlx-lm's usage and errors name this command (found in review: 'mlx_lm.py')
     code: int | str | None = 0
     try:
         server.main()
