@@ -9,6 +9,7 @@ The in-process tests cover the eviction path without HTTP.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -398,6 +399,45 @@ def test_an_exit_drain_that_leaves_spills_unwritten_says_so(
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
         assert "the cold tier of ('m', None, None) did not drain: 1 spills" in caplog.text, caplog.text
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+def test_a_daemon_gone_under_a_connected_tier_is_asked_again_each_interval_not_each_request(
+    tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: with the daemon killed under a running server, every request's lookup and spills tried to
+    reconnect, each failure a warning (15 lines for 5 requests, and so on for as long as the daemon stayed down).
+    Now the first failure is said once and the daemon is asked again after RECONNECT_INTERVAL_S, as one that was
+    unreachable at the first try; once it is back, lookups and spills go through again."""
+    from spilld.integrations import tier as tier_mod
+    from spilld.integrations.tier import DaemonTier
+
+    monkeypatch.setattr(tier_mod, "RECONNECT_INTERVAL_S", 0.5)
+    model, tokenizer = tiny
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
+        p = [4, *range(200, 240)]
+        cache = _prefilled(model, p)
+        assert tier.spill(p, cache, droppable=False).result(30).stored
+        d.kill()
+        caplog.clear()
+        t0, requests = time.monotonic(), 0
+        while time.monotonic() - t0 < 2.0:  # a request: its lookup, then its spill
+            assert tier.load([*p, 1]) is None
+            tier.spill([*p, requests], cache).result(30)
+            requests += 1
+            time.sleep(0.02)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert requests >= 20 and len(warnings) <= 8, (requests, warnings)  # 2 s at 0.5 s apart, one late spill
+        d.start()
+        time.sleep(0.6)
+        loaded = tier.load([*p, 1])
+        assert loaded is not None and loaded.tokens == p
+        assert tier.spill([*p, 7], cache, droppable=False).result(30).stored
+        tier.close(10)
     finally:
         d.kill()
         cleanup(d.root)

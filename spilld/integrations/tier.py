@@ -173,7 +173,9 @@ class DaemonTier:
         self._next_try = 0.0
 
     def _connect(self) -> Client | None:
-        if self._client is not None or time.monotonic() < self._next_try:
+        if time.monotonic() < self._next_try:  # unreachable at the last try, or lost since: not asked yet
+            return None
+        if self._client is not None:
             return self._client
         try:  # on the engine's thread: a daemon that accepts and never answers holds it CONNECT_TIMEOUT_S a try
             self._client = Client(self.socket_path, identity=self.identity, **self.kwargs)
@@ -188,19 +190,43 @@ class DaemonTier:
             self._retry_s = RECONNECT_INTERVAL_S
         return self._client
 
+    def _lost(self, exc: BaseException | None) -> None:
+        """The daemon went away under the connected client (stopped, crashed, restarting): not asked again for
+        ``RECONNECT_INTERVAL_S``, as one unreachable at the first try. Found in review: every request's lookup and
+        spills reconnected in vain, each failure a warning line (3 a request while the daemon was down)."""
+        lost = isinstance(exc, errors.ConnectionLost) and not isinstance(exc, errors.Closed)  # (closed: our exit)
+        if lost and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
+            log.warning("spilld daemon unreachable (%s); retrying in %.0f s", exc, RECONNECT_INTERVAL_S)
+
+    def _settled(self, f: concurrent.futures.Future[Settled]) -> None:
+        """A spill's outcome, on the client's thread: one the daemon's going away failed stops the asking."""
+        if not f.cancelled():
+            self._lost(f.result().error)
+
     def spill(
         self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
     ) -> concurrent.futures.Future[Settled]:
         client = self._connect()
         if client is None:
             return settled_now(Outcome.FAILED, errors.SpillError("the daemon is unreachable"))
-        return guarded_spill(lambda: client.spill(tokens, caches, droppable=droppable), tokens)
+        future = guarded_spill(lambda: client.spill(tokens, caches, droppable=droppable), tokens)
+        future.add_done_callback(self._settled)
+        return future
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
         client = self._connect()
         if client is None:
             return None
-        return self._backoff.load(lambda: client.load(tokens, longer_than=longer_than), tokens)  # (reconnects later)
+
+        def asked() -> Loaded | None:
+            try:
+                return client.load(tokens, longer_than=longer_than)  # (the client reconnects first if it must)
+            except errors.ConnectionLost as exc:
+                self._lost(exc)
+                return None
+
+        return self._backoff.load(asked, tokens)
 
     def stats(self) -> dict[str, Any]:
         client = self._connect()
