@@ -269,9 +269,12 @@ def test_a_draft_models_cache_list_is_stored_as_of_the_tokens_every_cache_holds(
     loaded = tier.load([*p, 99])
     assert loaded is not None and loaded.tokens == p[:-1]
     assert all(c.offset == len(p) - 1 for c in loaded.caches) and len(loaded.caches) == 2 * len(main)
-    got = model(mx.array([[p[-1], 99]]), cache=loaded.caches[: len(main)])
-    want = model(mx.array([[p[-1], 99]]), cache=_prefilled(model, p[:-1]))
-    assert mx.array_equal(got, want).item()
+    # the rows restored are the server's own first len(p) - 1, bit for bit (found in review: compared with a prefill
+    # of p[:-1] alone, which with OpenBLAS differs in the last bits, a matmul of 40 rows blocked unlike one of 41)
+    n = len(p) - 1
+    for got, own in zip(loaded.caches, [*main, *draft], strict=True):
+        assert mx.array_equal(got.keys[..., :n, :], own.keys[..., :n, :]).item()
+        assert mx.array_equal(got.values[..., :n, :], own.values[..., :n, :]).item()
 
 
 def test_evicted_entries_are_spilled_and_come_back(
