@@ -54,16 +54,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Server:
-    """``python -m spilld.integrations.mlx_lm`` as a subprocess on a loopback port."""
+OPENED = "cold tier ready:"  # the embedded tier's line once its folder is open (its requests go without it until then)
 
-    def __init__(self, model: str, log: str, *spilld_args: str) -> None:
+
+class Server:
+    """``python -m spilld.integrations.mlx_lm`` as a subprocess on a loopback port. ``prelude``: Python run in the
+    server's process first (to slow a part down); ``opened``: with --spilld-dir, wait for the tier too."""
+
+    def __init__(self, model: str, log: str, *spilld_args: str, prelude: str = "", opened: bool = True) -> None:
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", model, "--port", str(self.port)]
+        main = ["-m", "spilld.integrations.mlx_lm"]
+        if prelude:
+            main = ["-c", f"{prelude}\nfrom spilld.integrations.mlx_lm import main\nmain()\n"]
+        cmd = [sys.executable, *main, "--model", model, "--port", str(self.port)]
+        self.log = log
+        self.log_from = os.path.getsize(log) if os.path.exists(log) else 0  # this server's lines
         with open(log, "ab") as f:
             self.proc = subprocess.Popen([*cmd, *spilld_args], stdout=f, stderr=f)
-        self.log = log
         self._wait_ready()
+        if opened and "--spilld-dir" in spilld_args:
+            self.wait_for(OPENED)
+
+    def own_log(self) -> str:
+        with open(self.log, "rb") as f:
+            f.seek(self.log_from)
+            return f.read().decode(errors="replace")
+
+    def wait_for(self, line: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while line not in self.own_log():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.own_log()
+            time.sleep(0.05)
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -77,14 +98,14 @@ class Server:
                 time.sleep(0.2)
         raise TimeoutError(_read(self.log))
 
-    def complete(self, prompt: str) -> dict[str, Any]:
+    def complete(self, prompt: str, timeout: float = 120) -> dict[str, Any]:
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": True, "top_logprobs": 3}
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return dict(json.loads(r.read()))
 
     def stop(self) -> int:
@@ -136,6 +157,65 @@ def test_embedded_server_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -
     assert "spilld_mlx_lm_restores_total 1.0" in _read(prom)  # the second server's counters, written at exit
     _assert_identical_from_cold_tier(a, b, c)
     assert "cold tier: restored" in _read(tmp_path / "server.log")
+
+
+def _gated_scan(gate: str) -> str:
+    """A server prelude: the store's folder scan waits until the file ``gate`` exists (a store of many entries)."""
+    return (
+        "import os, time\n"
+        "from spilld.store import Store\n"
+        "scan = Store.scan\n"
+        "def gated(self, *a, **k):\n"
+        f"    while not os.path.exists({gate!r}):\n"
+        "        time.sleep(0.05)\n"
+        "    return scan(self, *a, **k)\n"
+        "Store.scan = gated\n"
+    )
+
+
+def test_the_first_request_does_not_wait_for_the_embedded_folder_scan(model_dir: str, tmp_path: Any) -> None:
+    """Found in review: the embedded tier was made on the first request, so the scan of its folder ran on the
+    generation thread before the first answer (1.6 s for a store of 3,000 entries, more with more files). It runs
+    from the server's start on a thread of its own; a request before it is done goes without a cold tier (a miss,
+    nothing written), and what it left in memory is spilled once the tier is open: here, at exit. The next server
+    restores it."""
+    store, log, gate = str(tmp_path / "store"), str(tmp_path / "server.log"), str(tmp_path / "gate")
+    s = Server(model_dir, log, "--spilld-dir", store, prelude=_gated_scan(gate), opened=False)
+    try:
+        t0 = time.monotonic()
+        a = s.complete(PROMPT, timeout=20)  # (before: held until the gate opened, and timed out)
+        assert time.monotonic() - t0 < 10 and _cached(a) == 0
+        assert OPENED not in s.own_log()
+        with open(gate, "w"):
+            pass
+        s.wait_for(OPENED)
+    finally:
+        with open(gate, "w"):  # (before the fix, the generation thread waits on it)
+            pass
+        assert s.stop() == 0, _read(log)
+    text = s.own_log()
+    assert "draining the cold tier (1 more entries" in text, text  # the first request's entry, spilled at exit
+    assert "'cold_misses': 1, 'spills': 1," in text, text
+    again = Server(model_dir, log, "--spilld-dir", store)
+    try:
+        b = again.complete(PROMPT)
+    finally:
+        assert again.stop() == 0, _read(log)
+    assert _cached(b) == a["usage"]["prompt_tokens"] - 1
+    assert b["choices"][0]["logprobs"] == a["choices"][0]["logprobs"]
+
+
+def test_a_folder_still_scanning_at_exit_is_waited_for_up_to_the_drain_timeout(model_dir: str, tmp_path: Any) -> None:
+    """The exit waits for a tier still opening only as long as --spilld-drain-timeout, then says what is lost."""
+    log = str(tmp_path / "server.log")
+    prelude = _gated_scan(str(tmp_path / "never"))
+    s = Server(model_dir, log, "--spilld-dir", str(tmp_path / "store"), "--spilld-drain-timeout", "1", prelude=prelude,
+               opened=False)  # fmt: skip
+    s.complete(PROMPT, timeout=20)
+    t0 = time.monotonic()
+    assert s.stop() == 0, _read(log)
+    assert time.monotonic() - t0 < 20
+    assert "was still opening at the timeout: its entries in memory are lost" in _read(log)
 
 
 def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:

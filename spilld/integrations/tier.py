@@ -116,11 +116,19 @@ class Backoff:
 
 
 class EmbeddedTier:
-    """A ``Spiller`` on a private event-loop thread: no daemon, the engine's process writes the files."""
+    """A ``Spiller`` on a private event-loop thread: no daemon, the engine's process writes the files.
 
-    def __init__(self, folder: str, identity: fmt.Identity, *, lease: RunStep | None = None, **kwargs: Any) -> None:
+    Made with ``identity`` None, the folder is opened (scanned) now and the identity is given later by ``bind``:
+    until then every spill is refused and every lookup misses (mlx-lm's server opens its folder at start, before
+    the model it serves is loaded)."""
+
+    def __init__(
+        self, folder: str, identity: fmt.Identity | None, *, lease: RunStep | None = None, **kwargs: Any
+    ) -> None:
+        self._bound = identity is not None
+        ident = identity if identity is not None else fmt.Identity()
         self._lt, self.spiller = LoopThread.start_with(
-            "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=identity, lease=lease, **kwargs))
+            "spilld-embedded", lambda lt: lt.run(Spiller.open(folder, identity=ident, lease=lease, **kwargs))
         )
         self._backoff = Backoff()
         # spills handed to the loop: settled cancelled if it stops before it runs them
@@ -129,14 +137,25 @@ class EmbeddedTier:
     def _run(self, coro: Any) -> Any:
         return self._lt.run(coro)
 
+    def bind(self, identity: fmt.Identity) -> None:
+        """Give a tier made without one its identity, before its first spill or lookup (on the engine's thread)."""
+        if self._bound:
+            raise errors.BadParams("this tier has its identity already")
+        self.spiller.identity = identity
+        self._bound = True
+
     def spill(
         self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
     ) -> concurrent.futures.Future[Settled]:
+        if not self._bound:
+            return settled_now(Outcome.CANCELLED)
         return guarded_spill(
             lambda: self._handoffs.track(self.spiller.spill_threadsafe(tokens, caches, droppable=droppable)), tokens
         )
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
+        if not self._bound:
+            return None
         return self._backoff.load(lambda: self._run(self.spiller.load(tokens, longer_than=longer_than)), tokens)
 
     def stats(self) -> dict[str, Any]:
