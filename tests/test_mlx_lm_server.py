@@ -218,6 +218,39 @@ def test_a_folder_still_scanning_at_exit_is_waited_for_up_to_the_drain_timeout(m
     assert "was still opening at the timeout: its entries in memory are lost" in _read(log)
 
 
+def test_an_entry_whose_write_behind_is_in_flight_at_exit_is_not_written_again(model_dir: str, tmp_path: Any) -> None:
+    """Found in review: at exit every entry in memory not yet stored was spilled again, not droppable, though its
+    write-behind was still queued: the same tokens written twice (the first file then superseded). The exit now
+    waits for that write-behind; here each write takes a second, and SIGTERM comes as the answer does."""
+    store, log = str(tmp_path / "store"), str(tmp_path / "server.log")
+    prelude = (
+        "import asyncio\n"
+        "from spilld.spiller import Spiller\n"
+        "write = Spiller._write\n"
+        "async def slow(self, item):\n"
+        "    await asyncio.sleep(1.0)\n"
+        "    return await write(self, item)\n"
+        "Spiller._write = slow\n"
+    )
+    s = Server(model_dir, log, "--spilld-dir", store, prelude=prelude)
+    try:
+        a = s.complete(PROMPT)
+    finally:
+        assert s.stop() == 0, _read(log)
+    text = s.own_log()
+    # the request's two write-behinds (its prompt, then prompt and answer), none again (before: 1 more, 3 spills)
+    assert "draining the cold tier (0 more entries" in text and "'spills': 2," in text, text
+    assert "did not drain" not in text
+    assert sum(name.endswith(".spilld") for _, _, names in os.walk(store) for name in names) == 1
+    again = Server(model_dir, log, "--spilld-dir", store)
+    try:
+        b = again.complete(PROMPT)
+    finally:
+        assert again.stop() == 0, _read(log)
+    assert _cached(b) == a["usage"]["prompt_tokens"] - 1
+    assert b["choices"][0]["logprobs"] == a["choices"][0]["logprobs"]
+
+
 def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
     d = Daemon(new_root(), ["--cap", "256MiB"]).start()
     try:
@@ -407,6 +440,29 @@ def test_spill_unstored_writes_what_the_queue_shed(
     assert lru.spill_unstored() == len(prompts)
     tier._run(tier.spiller.drain(30))
     assert all(tier.load([*p, 1]) is not None for p in prompts)
+
+
+def test_spill_unstored_waits_for_a_write_behind_in_flight_up_to_its_timeout(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """At exit a write-behind still queued is waited for, not spilled a second time; one still queued at the
+    timeout is left to the drain (found in review: each was written twice)."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine))
+    lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
+    p = [6, *range(30, 110)]
+    with engine:  # the writer waits for the engine's lock: the write-behind stays queued
+        lru.insert_cache("m", [*p, 1], _prefilled(model, p))
+        t0 = time.monotonic()
+        assert lru.spill_unstored(0.3) == 0 and time.monotonic() - t0 >= 0.3  # left to the drain
+    assert lru.spill_unstored(30) == 0  # waited for: stored, not written again
+    tier._run(tier.spiller.drain(30))
+    assert tier.spiller.store.counters.stored == 1 and tier.spiller.store.counters.superseded == 0
 
 
 def test_a_hung_daemon_costs_the_engine_one_short_wait_not_one_a_request(

@@ -160,18 +160,29 @@ class ColdTierPromptCache(LRUPromptCache):
         self._spill(model, tokens, prompt_cache, droppable=True)  # first: the insert itself may evict it
         super().insert_cache(model, tokens, prompt_cache, **kwargs)
 
-    def spill_unstored(self) -> int:
-        """Spill, not droppable, every entry in memory whose write-behind is not on disk (call before exit). A
-        daemon that was away is asked again now, whatever its retry wait (found in review: one back inside that
-        wait got none of them)."""
+    def spill_unstored(self, timeout: float | None = None) -> int:
+        """Spill, not droppable, every entry in memory whose write-behind is not on disk (call before exit, once no
+        insert can come). A write-behind still in flight is waited for first, up to ``timeout``, and only one that
+        ended not stored (shed, failed) is spilled again: found in review, each was spilled a second time, its tail
+        blocks and manifest written twice and the first file then superseded. One still queued at the timeout is
+        left to the drain (no spill made now could be written sooner). A daemon that was away is asked again now,
+        whatever its retry wait (found in review: one back inside that wait got none of them)."""
         n = 0
         for model in {model for lru in self._lru._lrus.values() for model, _ in lru}:
             retry = getattr(self._tier_for(model), "retry_now", None)
             if retry is not None:
                 retry()
+        with self._lock:
+            behind = dict(self._behind)
+        # (nothing is queued meanwhile: a spill of ours now could make the queue shed one of these)
+        concurrent.futures.wait(behind.values(), timeout)
         for lru in self._lru._lrus.values():
             for model, tokens in list(lru):
-                if not self._is_stored((model, tuple(tokens))):
+                key = (model, tuple(tokens))
+                f = behind.get(key)
+                if f is not None and (not f.done() or _stored(f)):
+                    continue  # written, or queued still: its own outcome (read here; the record may lag)
+                if not self._is_stored(key):
                     cache = self._trie.get(model, tokens).prompt_cache
                     n += self._spill(model, tokens, cache, droppable=False) is not None
         return n
@@ -240,6 +251,11 @@ class ColdTierPromptCache(LRUPromptCache):
         with self._lock:
             self._behind.pop(key, None)
             self._stored.discard(key)
+
+
+def _stored(f: concurrent.futures.Future[Settled]) -> bool:
+    """Whether a settled spill's outcome is stored."""
+    return not f.cancelled() and f.exception() is None and f.result().stored
 
 
 def _readable_later(caches: list[Any]) -> None:
@@ -599,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if "tiers" in state:
                 end = time.monotonic() + opts.spilld_drain_timeout
                 state["tiers"].wait_opened(opts.spilld_drain_timeout)  # a tier still scanning: its entries go there
-                unstored = state["cache"].spill_unstored()
+                unstored = state["cache"].spill_unstored(max(0.0, end - time.monotonic()))
                 log.info("draining the cold tier (%d more entries; up to %.0f s)", unstored, opts.spilld_drain_timeout)
                 state["tiers"].close(max(0.0, end - time.monotonic()))
                 log.info("cold tier counters: %s", dict(state["cache"].stats))
