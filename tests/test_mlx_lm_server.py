@@ -25,6 +25,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from spilld import errors
 from spilld.identity import model_identity
 from spilld.integrations.mlx_lm import ColdTierPromptCache, covered_tokens
 from spilld.integrations.tier import EmbeddedTier, settled_now
@@ -619,6 +620,36 @@ def test_a_daemon_gone_under_a_connected_tier_is_asked_again_each_interval_not_e
         cleanup(d.root)
 
 
+def test_a_daemon_restarted_at_once_under_a_connected_tier_is_asked_at_once(tiny: tuple[Any, Any]) -> None:
+    """Found in review: any call failed by a lost connection made the tier miss and refuse spills for
+    RECONNECT_INTERVAL_S, even with the daemon back already (a service manager's restart, socket activation): a
+    lookup 0.3 s after the restart missed, and an evicted cache's spill was refused (that cache lost). Only a daemon
+    that accepts no connection is waited for."""
+    from spilld.integrations.tier import DaemonTier
+
+    model, tokenizer = tiny
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
+        p = [4, *range(200, 240)]
+        assert tier.spill(p, _prefilled(model, p), droppable=False).result(30).stored
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)  # a spill under way when the daemon dies (a crash)
+        q = [5, *range(300, 340)]
+        lost = tier.spill(q, _prefilled(model, q), droppable=False)
+        d.kill()
+        d.start()  # and back at once
+        assert isinstance(lost.result(30).error, errors.ConnectionLost), lost.result()
+        time.sleep(0.3)
+        loaded = tier.load([*p, 1])
+        assert loaded is not None and loaded.tokens == p
+        assert tier.spill(q, _prefilled(model, q), droppable=False).result(30).stored
+        tier.close(10)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_the_tiers_of_several_models_drain_within_one_timeout() -> None:
     """The exit drain's --spilld-drain-timeout is the server's, not each model's (found in review: a server that had
     loaded k models could drain for k times it)."""
@@ -1057,6 +1088,7 @@ import threading
 from mlx_lm.models import cache as C
 from tests.caches import fill
 from spilld.integrations.tier import EmbeddedTier
+from spilld import errors
 from spilld.identity import model_identity
 from spilld.lease import FairLock, ThreadLockLease
 
