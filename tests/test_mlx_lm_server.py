@@ -744,6 +744,16 @@ def test_a_spilld_dir_that_cannot_be_a_folder_is_refused_at_start(tmp_path: Any)
     assert f"--spilld-dir {folder}:" in r.stderr and "create folder failed" in r.stderr, r.stderr
 
 
+def test_a_usage_error_creates_no_spilld_dir(tmp_path: Any) -> None:
+    """Found in review: the --spilld-dir check made the folder before mlx-lm read its own options, so a mistyped
+    option (exit 2, a usage line) left the folders it named behind; before that check, a refusal created nothing."""
+    folder = tmp_path / "new" / "store"
+    cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", "x", "--spilld-dir", str(folder), "--bogus"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_spilld_dir_a_daemon_serves_is_refused_at_start() -> None:
     """Found in review: with --spilld-dir set to a daemon's folder, the embedded tier (made on the first request)
     waited a minute on the generation thread for the folder's lock, then served without a cold tier. Refused at

@@ -586,11 +586,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if {"-h", "--help"} & set(rest):
         parser.print_help()
         print("\nmlx_lm.server's options follow.\n")
-    elif opts.spilld_dir:
-        _check_folder(opts.spilld_dir)
     state: dict[str, Any] = {}
 
     def run(host: str, port: int, model_provider: Any, **kwargs: Any) -> None:
+        if opts.spilld_dir:  # once mlx-lm took its options: a usage error creates nothing (found in review)
+            _check_folder(opts.spilld_dir)
         group = mx.distributed.init()
         log.info(describe_tier(opts.spilld_socket, opts.spilld_dir))  # mlx-lm's server has set up logging by now
         tiers = state["tiers"] = ServerTiers(model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir)
