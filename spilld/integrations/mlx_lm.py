@@ -129,8 +129,8 @@ class ColdTierPromptCache(LRUPromptCache):
         self._stored: set[Key] = set()  # entries in the LRU whose write-behind is on disk
         self._last_copies: set[concurrent.futures.Future[Settled]] = set()  # evictions' spills, not droppable
         self._evicting: set[concurrent.futures.Future[Settled]] = set()  # evictions' spills in flight, any kind
-        # each cache the server held at exit, with the spills that may store it (see ``unstored_at_exit``)
-        self._at_exit: list[tuple[concurrent.futures.Future[Settled], ...]] = []
+        # each cache the server held at exit, by the spill that may store it (see ``unstored_at_exit``)
+        self._at_exit: list[concurrent.futures.Future[Settled]] = []
         self.stats = {"restores": 0, "restored_tokens": 0, "cold_misses": 0, "spills": 0, "evictions_spilled": 0}
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
@@ -177,7 +177,7 @@ class ColdTierPromptCache(LRUPromptCache):
                 retry()
         with self._lock:  # the evicted caches whose spill is still under way are held at exit too
             behind = dict(self._behind)
-            self._at_exit = [(f,) for f in self._evicting]
+            self._at_exit = list(self._evicting)
         # (nothing is queued meanwhile: a spill of ours now could make the queue shed one of these)
         concurrent.futures.wait(behind.values(), timeout)
         for lru in self._lru._lrus.values():
@@ -185,14 +185,14 @@ class ColdTierPromptCache(LRUPromptCache):
                 key = (model, tuple(tokens))
                 f = behind.get(key)
                 if f is not None and (not f.done() or _stored(f)):
-                    self._at_exit.append((f,))  # written, or queued still: its own outcome (the record may lag)
+                    self._at_exit.append(f)  # written, or queued still: its own outcome (the record may lag)
                     continue
                 if not self._is_stored(key):
                     cache = self._trie.get(model, tokens).prompt_cache
                     future = self._spill(model, tokens, cache, droppable=False)
                     if future is not None:
                         n += 1
-                        self._at_exit.append((future,))
+                        self._at_exit.append(future)
         return n
 
     def unstored_at_exit(self) -> tuple[int, int]:
@@ -201,7 +201,7 @@ class ColdTierPromptCache(LRUPromptCache):
         no loss when the exit's spill of its entry is stored (found in review: with a daemon's write budget spent,
         the droppable write-behinds in flight were shed at exit, and a drain that stored every cache said 'those
         caches are lost')."""
-        stored = sum(any(map(_stored, fs)) for fs in self._at_exit)
+        stored = sum(map(_stored, self._at_exit))
         return len(self._at_exit), len(self._at_exit) - stored
 
     def _evicted(self, model: Any, tokens: list[int], entry: Any) -> None:
