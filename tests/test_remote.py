@@ -31,7 +31,7 @@ import tests.redis_servers as tests_redis
 from spilld import fileio
 from spilld import format as fmt
 from spilld import protocol as P
-from spilld.entries import Hit
+from spilld.entries import Hit, checkpoint_namespace
 from spilld.loader import Loaded
 from spilld.remote import EventKind, Kind, RemoteConfig, RemoteConfigError, RemoteTier, keys
 from spilld.remote import link as link_module
@@ -1266,6 +1266,39 @@ def test_the_push_queue_knows_what_it_has_not_finished() -> None:
     assert not q.pending("", a.key, Kind.REF)  # a value of another kind under the same key
     q.clear()
     assert not any(q.pending("", p.key) for p in (a, b, c))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("push", ["all", "evicted"])
+async def test_a_generations_checkpoints_never_reach_the_shared_tier(
+    server: RedisServer, tmp_path: Any, push: str
+) -> None:
+    """Found in review: a checkpoint was pushed whole (its blocks chain from its own namespace's root: none shared
+    with its conversation), stored, then evicted, as events on a stream of its own, under a namespace no lookup,
+    and so no fill, ever asks for: every generation left a stream key on the server, and without a TTL its blocks."""
+    n = 16 * 3 + 3
+    ns = checkpoint_namespace("gen-1")
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store, push=push)
+    try:
+        caches = [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)]
+        ck = spilld.GenerationCheckpoint("gen-1", "", n - 3, 3, 7, 1, True)
+        await store.put(list(range(n)), caches, replace(FILL_IDENT, namespace=ns), checkpoint=ck)
+        store.disk_cap = store.total_bytes + 1024  # the next entry evicts the checkpoint
+        other = [fill(C.KVCache(), n, heads=2, dim=8, seed=7 + s) for s in range(2)]
+        await store.put([5000 + t for t in range(n)], other, FILL_IDENT)
+        assert store.find_checkpoint(FILL_IDENT, "gen-1") is None and store.count == 1
+        await asyncio.sleep(0)  # the reclaimed blocks' event is published in the next turn
+        assert await link.drain(10)
+        with server.client() as c:
+            names = [k.decode() for k in c.keys("*")]
+            stored = [f[b"kind"] for _, f in c.xrange(keys.events_key(""))]
+        assert not [k for k in names if k.startswith(keys.namespace_prefix(ns))], names
+        assert stored == [b"stored"]  # the conversation's entry: the link works
+        assert tier.counters()["pushed"] == (2 * 3 + 2 if push == "all" else 0)
+    finally:
+        await link.close(1)
 
 
 @pytest.mark.asyncio

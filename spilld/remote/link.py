@@ -35,7 +35,7 @@ from .. import blocks, errors
 from .. import format as fmt
 from ..assemble import Expected
 from ..config import Config
-from ..entries import Block, Entry, identity_fingerprint, token_array
+from ..entries import CHECKPOINT_NS_PREFIX, Block, Entry, identity_fingerprint, token_array
 from ..lease import off_loop
 from ..store import Store
 from ..unpack import unpack
@@ -79,6 +79,16 @@ UNFETCHED: dict[Reason, str] = {r: f"blocks_{r.value}" for r in Reason if r is n
 # said ``no_root`` or ``no_longer_chain``, as though nothing had been pushed)
 UNREAD: dict[Reason, str] = {r: r.value for r in Reason if r not in (Reason.ABSENT, Reason.OOM)}
 _SPACE_DOMAIN = "spilld-remote-roots/1"
+
+
+def _shared(namespace: str) -> bool:
+    """Whether the shared tier takes a namespace's entries and events: not a generation's checkpoints, which only
+    ``resume`` on the host that wrote them reads (a lookup, and so a fill, never asks for them). Found in review:
+    each checkpoint was pushed whole (its blocks chain from a root of its own namespace, so none is shared with its
+    conversation's), under a namespace of its own that no host reads, with an events stream of its own that nothing
+    trims away: a stream key left on the server for every generation, and every block and manifest for good without
+    a TTL."""
+    return not namespace.startswith(CHECKPOINT_NS_PREFIX)
 
 
 def root_space(fingerprint: str, namespace: str, provider: str, size: int) -> bytes:
@@ -167,14 +177,16 @@ class RemoteLink:
 
     def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
         """A store listener: queue the pushes of ``entry`` (its files are read off the loop); with ``evicted``,
-        only say on the stream that this host holds its new blocks."""
+        only say on the stream that this host holds its new blocks. Not a generation's checkpoint (``_shared``)."""
+        if not _shared(entry.namespace):
+            return
         self._spawn(self._stored(entry, list(written), root), self._pushing)
 
     def evicted(self, entry: Entry, named: list[Block]) -> None:
         """A store listener: with ``evicted``, push the entry and the blocks it names, its files kept from their
         unlink until they are read (at most ``EVICTED_IN_FLIGHT`` entries at once; a tier not taking pushes
         gets none)."""
-        if self.push != "evicted" or not entry.blocks:
+        if self.push != "evicted" or not entry.blocks or not _shared(entry.namespace):
             return
         if len(self._evicting) >= EVICTED_IN_FLIGHT or not self.tier.taking_pushes:
             self.evicted_skipped += 1
@@ -313,7 +325,9 @@ class RemoteLink:
 
     def reclaimed(self, block: Block) -> None:
         """A store listener: say on the namespace's stream that this host no longer holds ``block`` (batched:
-        one event per namespace for the blocks an eviction reclaims at once)."""
+        one event per namespace for the blocks an eviction reclaims at once). Not a checkpoint's (``_shared``)."""
+        if not _shared(block.namespace):
+            return
         if not self._gone:
             asyncio.get_running_loop().call_soon(self._publish_gone)
         self._gone.setdefault(block.namespace, []).append(block.key)
