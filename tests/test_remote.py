@@ -1219,6 +1219,32 @@ async def test_an_evicted_entrys_files_go_as_its_push_reads_them(server: RedisSe
 
 
 @pytest.mark.asyncio
+async def test_an_operators_evict_pushes_nothing_and_unlinks_at_once(server: RedisServer, tmp_path: Any) -> None:
+    """``--remote-push evicted`` pushes what the disk cap or a quota evicts. Found in review: ``spilld evict``
+    (``Store.evict_async``), an operator removing entries, pushed up to ``EVICTED_IN_FLIGHT`` of them to the shared
+    tier, their files kept on disk until read."""
+    n = 16 * 3 + 3
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store, push="evicted")
+    try:
+        for c in range(2):
+            caches = [fill(C.KVCache(), n, heads=2, dim=8, seed=10 * c + s) for s in range(2)]
+            await store.put([1000 * c + t for t in range(n)], caches, FILL_IDENT)
+        files = [str(p) for p in tmp_path.rglob("*") if p.is_file() and p.name.endswith(("spilld", ".spilld-block"))]
+        size = sum(os.path.getsize(p) for p in files)
+        assert len(files) == 2 * 4 and await store.evict_async() == (2, size)
+        assert [p for p in files if os.path.exists(p)] == []  # gone when the evict says so
+        await asyncio.sleep(0)
+        assert await link.drain(10)
+        assert tier.counters()["pushed"] == 0 and link.counters()["evicted_skipped"] == 0
+        with server.client() as c:
+            assert [k for k in c.keys("*") if not k.endswith(b":events")] == []
+    finally:
+        await link.close(1)
+
+
+@pytest.mark.asyncio
 async def test_an_evicted_push_cancelled_before_its_first_step_lets_its_files_go(
     server: RedisServer, tmp_path: Any
 ) -> None:

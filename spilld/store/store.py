@@ -1031,7 +1031,8 @@ class Store:
 
     def _evict(self, e: Entry, tell: bool = True) -> None:
         """Out of the index (remembered, to explain misses), its file and the blocks no other entry names doomed;
-        listeners told (``StoreListener.evicted``) unless ``tell`` is False (room for a write: unlinked at once)."""
+        listeners told (``StoreListener.evicted``) unless ``tell`` is False (room for a write, or an operator's
+        ``evict``: unlinked at once)."""
         listeners = self.listeners if tell else []
         named = self.named_blocks(e) if listeners else []
         self._remember_evicted(e)
@@ -1282,7 +1283,9 @@ class Store:
         gone = [e for e in match if self.index.by_path.get(e.path) is e]
         named |= {id(rec): rec for e in gone for k in e.blocks if (rec := self.index.blocks.get(k)) is not None}
         for e in gone:
-            self._evict(e)
+            # an operator's removal, not the cap's nor a quota's: no listener keeps its files (found in review: with
+            # --remote-push evicted, ``spilld evict`` pushed up to 8 of the entries it removed to the shared tier)
+            self._evict(e, tell=False)
         return gone
 
     def remove_empty_folders(self) -> None:
