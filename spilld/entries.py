@@ -139,7 +139,8 @@ class Block:
     refs: set[str] = field(default_factory=set)  # paths of the manifests that name it
     pins: int = 0  # puts that will name it once their manifest is published
     namespace: str = ""  # of the manifests that name it (keys include the namespace: one per block)
-    named: bool = False  # a manifest has named it (only then was it announced as stored: StoreListener.stored)
+    # a manifest has named it (only then was it announced as stored: StoreListener.stored, or .adopted)
+    named: bool = False
     # Ours to reuse and unlink: written by this store, or found by a scan made alone. A block file another writer
     # of the folder put there may be named by entries this store never saw: it is never unlinked here, and a put
     # writes a copy of its own rather than name it.
@@ -169,6 +170,10 @@ class StoreListener(Protocol):
     def stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
         """``entry`` (a manifest) was stored and indexed; ``written``: the blocks its put wrote; ``root``: the
         root key of its chain. Called on the store's loop; must not block."""
+
+    def adopted(self, entry: Entry, fetched: list[Block]) -> None:
+        """``entry`` (a manifest) was kept from another tier (``Store.adopt``: a fill) and indexed; ``fetched``: the
+        blocks it wrote. Called on the store's loop; must not block."""
 
     def reclaimed(self, block: Block) -> None:
         """``block`` left the store (no manifest names it any more). Called on the store's loop; must not block."""

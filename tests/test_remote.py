@@ -1078,6 +1078,35 @@ async def test_a_fill_that_fails_for_a_local_reason_removes_nothing_remote(serve
         await tier_a.close()
 
 
+@pytest.mark.asyncio
+async def test_a_host_that_filled_a_prefix_tells_routers_it_holds_it(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: only a put announced its blocks, so a host that filled a prefix from the tier was never
+    said to hold it (a router sent it none of that prefix's prompts), and its eviction then announced blocks it had
+    never been said to hold. Its fill announces the blocks it fetched, without pushing anything back."""
+    n = 16 * 3 + 3
+    store_a = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    link_a = RemoteLink(await started(relaxed(server.url)), store_a, host="host-a")
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store, host="host-b")  # pushes all it stores: nothing of a fill
+    try:
+        await store_a.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        assert await link_a.drain(10)
+        assert await link.fill(FILL_IDENT, "", [*range(n), 9], store.provider_id), link.fill_misses
+        assert await link.drain(10)
+        assert (await store.evict_async())[0] == 1
+        await asyncio.sleep(0)  # the reclaimed blocks' event is published in the next turn
+        assert await link.drain(10)
+        with server.client() as c:
+            events = [(f[b"kind"], f[b"host"], f[b"keys"]) for _, f in c.xrange(keys.events_key(""))]
+        held = ",".join(k.hex() for k in store_a.entries[0].blocks).encode()
+        assert events == [(b"stored", b"host-a", held), (b"stored", b"host-b", held), (b"evicted", b"host-b", held)]
+        assert tier.counters()["pushed"] == 0 and tier.counters()["push_present"] == 0  # nothing pushed back
+    finally:
+        await link.close(1)
+        await link_a.close(1)
+
+
 async def filled_whole(tmp_path: Any, url: str, tokens: list[int], caches: list[Any]) -> None:
     """A host with an empty disk fills ``tokens`` from the tier and restores every one of them, equal."""
     store = Store(str(tmp_path), disk_cap=2**30, block_tokens=16)

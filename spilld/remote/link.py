@@ -182,6 +182,17 @@ class RemoteLink:
             return
         self._spawn(self._stored(entry, list(written), root), self._pushing)
 
+    def adopted(self, entry: Entry, fetched: list[Block]) -> None:
+        """A store listener: a fill kept ``entry``; say on the stream that this host holds the blocks it fetched
+        (never pushed back: they came from the tier). Found in review: a host that filled a prefix was never
+        announced as holding it, so no router sent it that prefix's prompts, and its eviction later announced blocks
+        it had never been said to hold."""
+        if fetched and _shared(entry.namespace):
+            self._spawn(
+                self.tier.publish_event(EventKind.STORED, entry.namespace, [r.key for r in fetched], self.host),
+                self._pushing,
+            )  # fmt: skip
+
     def evicted(self, entry: Entry, named: list[Block]) -> None:
         """A store listener: with ``evicted``, push the entry and the blocks it names, its files kept from their
         unlink until they are read (at most ``EVICTED_IN_FLIGHT`` entries at once; a tier not taking pushes

@@ -735,12 +735,14 @@ class Store:
         # counted the prompt as unique again, and write amplification read below 1)
         lead = next((i for i, k in enumerate(m.blocks.keys) if not self.index.owns(k)), len(m.blocks.keys))
         held, named = {rec.key for rec in pinned}, set(m.blocks.keys)
+        written: list[Block] = []  # the blocks this adopt wrote (its listeners are told of them)
         self.claim_folder(folder)
         try:
             await self._make_folder(folder)
             async for batch in fetched:
                 new = {k: v for k, v in batch.items() if k not in held and k in named}
-                pinned += await self._adopt_blocks(new, scope, folder, on_bad)
+                pinned += (got := await self._adopt_blocks(new, scope, folder, on_bad))
+                written += got
                 held.update(new)
             if missing := [k for k in m.blocks.keys if k not in held]:
                 raise errors.BlockMissing(f"block {missing[0].hex()} is neither held nor fetched")
@@ -765,6 +767,8 @@ class Store:
         self.counters.adopted += 1
         self._wrote(len(manifest))  # a fill's files wear the disk as a put's do (found in review: not counted)
         self._added(entry, blocks.cache_bytes(m), max(lead * m.blocks.size, self._settle_new(entry, m)))
+        for listener in self.listeners:  # this host holds them now (the shared tier's routers hear of it)
+            listener.adopted(entry, written)
         await self.delete_doomed_async()
         return entry
 
