@@ -291,6 +291,29 @@ def test_secrets_only_from_private_files_or_the_environment(tmp_path: Any) -> No
         RemoteTier(RemoteConfig(url, password_file=secret_file(tmp_path, "pw-bin", b"\xff\xfe\n")), environ={})
 
 
+def test_a_tls_client_key_is_taken_only_from_a_private_file(tmp_path: Any) -> None:
+    """Found in review: the password and key files had to be 0600 files of our own, not links, but the TLS
+    client's private key (``ssl_keyfile``, or ``ssl_certfile`` when it holds the key) was taken open to every
+    user, or through a link, and authenticated the tier to a server requiring client certificates."""
+    base = "rediss://127.0.0.1:1/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem"
+    cert = secret_file(tmp_path, "client.pem", b"cert", 0o644)  # a certificate is public
+    private = secret_file(tmp_path, "client.key", b"key")
+    RemoteTier(RemoteConfig(f"{base}&ssl_certfile={cert}&ssl_keyfile={private}"), environ={})
+    RemoteTier(RemoteConfig(f"{base}&ssl_certfile={private}"), environ={})  # the key in the certificate's file
+    open_key = secret_file(tmp_path, "open.key", b"key", 0o644)
+    link = str(tmp_path / "link.key")
+    os.symlink(private, link)
+    for url, why in (
+        (f"{base}&ssl_certfile={cert}&ssl_keyfile={open_key}", "chmod 600"),
+        (f"{base}&ssl_certfile={open_key}", "chmod 600"),  # no key file: the certificate's holds the key
+        (f"{base}&ssl_certfile={cert}&ssl_keyfile={link}", "cannot be opened"),
+        (f"{base}&ssl_certfile={cert}&ssl_keyfile={tmp_path / 'missing.key'}", "cannot be opened"),
+    ):
+        with pytest.raises(RemoteConfigError, match=why):
+            RemoteTier(RemoteConfig(url), environ={})
+    RemoteTier(RemoteConfig("redis://127.0.0.1:1/0"), environ={})  # no TLS: no key
+
+
 # --- one server -----------------------------------------------------------------------------------------------
 
 

@@ -73,6 +73,16 @@ class RemoteConfig:
         return urlsplit(self.url).scheme == "rediss"
 
     @property
+    def tls_key_file(self) -> str | None:
+        """The file holding the TLS client's private key, if the URL names one: ``ssl_keyfile``, else
+        ``ssl_certfile`` (a certificate named without a key file holds the key too)."""
+        if not self.tls:
+            return None
+        params = parse_qs(urlsplit(self.url).query)
+        named = params.get("ssl_keyfile") or params.get("ssl_certfile")
+        return named[0] if named else None  # (the first, as redis-py takes it)
+
+    @property
     def connect_bound_s(self) -> float:
         """How long a new connection may take: the TCP connect, and the handshake over TLS."""
         return self.tls_connect_timeout_s if self.tls else self.connect_timeout_s

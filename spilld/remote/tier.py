@@ -89,6 +89,8 @@ class RemoteTier:
         config.check()
         self.config = config
         self._password = credentials.password(config.password_file, environ)
+        if (tls_key := config.tls_key_file) is not None:  # a secret as the password is (found in review: any file)
+            credentials.check_private_file(tls_key, "the TLS client key file")
         self._sealer = Sealer.from_file(config.key_file) if config.key_file else None
         self.key_tag = self._sealer.tag if self._sealer is not None else None  # names its sealed space (keys.py)
         self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock)
