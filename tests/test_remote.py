@@ -1130,6 +1130,31 @@ async def test_a_host_that_filled_a_prefix_tells_routers_it_holds_it(server: Red
         await link_a.close(1)
 
 
+@pytest.mark.asyncio
+async def test_a_block_found_bad_is_announced_gone(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: a block the scrub (or a restore) found bad left the store, with every entry naming it, but
+    only the other blocks, reclaimed with them, were announced evicted: the stream still said this host held the
+    bad one, and a router sent the prompts starting with it here, to miss."""
+    n = 16 * 3 + 3
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(server.url)), store, push="none", host="host-a")
+    try:
+        await store.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+        (entry,) = store.entries
+        bad = str(store.block_path(entry.blocks[0]))
+        assert await store.found_bad_async(bad, spilld.errors.TensorHashMismatch("injected", path=bad))
+        assert store.count == 0 and not store.index.blocks
+        await asyncio.sleep(0)  # the reclaimed blocks' event is published in the next turn
+        assert await link.drain(10)
+        said: dict[bytes, bytes] = {}  # what a router reading the stream last heard of each block
+        with server.client() as c:
+            for _, f in c.xrange(keys.events_key("")):
+                said |= dict.fromkeys(f[b"keys"].split(b","), f[b"kind"])
+        assert said == {k.hex().encode(): b"evicted" for k in entry.blocks}
+    finally:
+        await link.close(1)
+
+
 async def filled_whole(tmp_path: Any, url: str, tokens: list[int], caches: list[Any]) -> None:
     """A host with an empty disk fills ``tokens`` from the tier and restores every one of them, equal."""
     store = Store(str(tmp_path), disk_cap=2**30, block_tokens=16)

@@ -325,7 +325,8 @@ class Store:
 
     def _reclaim_if_unused(self, rec: Block) -> None:
         """A block no manifest names and no put is about to name goes; listeners are told of one that a manifest
-        named (announced as stored), never of one a failed put wrote, nor of one already out (found bad)."""
+        named (announced as stored), never of one a failed put wrote, nor of one already out (found bad: told
+        then, by ``_take_out_block``)."""
         if not rec.refs and not rec.pins and self._drop_block(rec):
             self.counters.blocks_reclaimed += 1
             for listener in self.listeners if rec.named else []:
@@ -463,8 +464,12 @@ class Store:
         return rec if rec is not None and rec.path == path else None
 
     def _take_out_block(self, rec: Block) -> None:
-        """A bad block out of the index, with every entry naming it (the file is the caller's to move aside)."""
-        self.index.drop_block(rec)  # out first: it is moved aside, never unlinked with the manifests' own
+        """A bad block out of the index, with every entry naming it (the file is the caller's to move aside);
+        listeners are told it left, as of a block reclaimed, if a manifest named it (it was announced stored)."""
+        # out first: it is moved aside, never unlinked with the manifests' own
+        if self.index.drop_block(rec) and rec.named:
+            for listener in self.listeners:  # found in review: routers were never told, and sent its prompts here
+                listener.reclaimed(rec)
         self._remove_naming(rec)
 
     async def found_bad_async(self, path: str, exc: errors.FileFormatError) -> bool:
