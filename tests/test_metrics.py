@@ -164,3 +164,56 @@ def test_the_write_budget_gauge_is_there_only_with_a_budget() -> None:
         }  # fmt: skip
         got = samples(exposition(st).decode())
         assert got.get(("spilld_write_budget_bytes", ())) == budget
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_filled_from_the_shared_tier_never_takes_a_miss_back() -> None:
+    """Found in review: a lookup that missed locally counted its miss, asked the shared tier, and took the miss back
+    once the fill kept the prompt; a status (or the metrics file) made while the fill ran read the miss, the next
+    one read it gone, and ``spilld_misses_total`` went down: a counter reset to Prometheus. A miss is counted once
+    the answer kept is known."""
+    from mlx_lm.models import cache as C
+
+    from spilld.daemon import Daemon as InProcess
+    from tests.caches import fill
+    from tests.daemons import quiet_config
+
+    root = new_root()
+    daemon = InProcess(quiet_config(root, block_tokens=16))
+    await daemon.start()
+    ident, prompt = spilld.Identity("fill"), list(range(40))
+    asked, fetched = asyncio.Event(), asyncio.Event()
+
+    class SlowTier:
+        """A shared tier whose fill takes a while, then keeps the prompt (as one fetched would be)."""
+
+        async def fill(self, ident: Any, namespace: str, tokens: Any, provider: str) -> bool:
+            if [int(t) for t in tokens] != [*prompt, 1]:
+                return False  # not held there either
+            asked.set()
+            await fetched.wait()
+            await daemon.store.put(prompt, [fill(C.KVCache(), len(prompt))], ident)
+            return True
+
+        def counters(self) -> dict[str, Any]:
+            return {"state": "closed"}
+
+    def misses() -> float:
+        got = samples(exposition(daemon.status()).decode())
+        return sum(v for (name, _), v in got.items() if name == "spilld_misses_total")
+
+    daemon.remote = SlowTier()  # type: ignore[assignment]
+    try:
+        async with AsyncClient(daemon.cfg.socket, identity=ident, shm=False) as c:
+            looking = asyncio.ensure_future(c.lookup([*prompt, 1]))
+            await asyncio.wait_for(asked.wait(), 30)
+            during = misses()
+            fetched.set()
+            assert isinstance(await looking, spilld.Hit)
+            assert during <= misses() == 0  # the answer was a hit: no miss was ever counted
+            assert isinstance(await c.lookup([999, 998, 997]), spilld.Miss)
+            assert misses() == 1  # a miss the shared tier did not fill is counted, once
+    finally:
+        daemon.remote = None
+        await daemon.stop()
+        cleanup(root)

@@ -394,7 +394,10 @@ class Daemon:
         ns, provider = p.get("namespace", ""), p.get("codec_provider")
         if ns.startswith(CHECKPOINT_NS_PREFIX):  # checkpoints are found by ``resume`` only, never by a lookup (review)
             raise P.BadParams("lookup: namespaces starting with the checkpoint prefix are reserved")
-        hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider)  # compared off the loop
+        # compared off the loop; a miss not counted yet: the answer may be the next lookup's, after a fill (found in
+        # review: counted, then taken back once the fill kept the prompt, `misses` went down under a status or a
+        # metrics write made while the fill ran, and Prometheus read that as a counter reset)
+        hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, tally=False)
         filled = (
             self.remote is not None
             and not self._served_here(hit, len(tokens))
@@ -402,9 +405,9 @@ class Daemon:
         )
         stale = isinstance(hit, Hit) and self.store.entry_at(hit.entry.path) is not hit.entry
         if filled or stale:  # held now; or the entry found went while the fill ran (superseded, evicted: review)
-            if isinstance(hit, Miss):  # one lookup, one answer counted: the next one's (found in review: a filled
-                self.store.uncount_miss(hit)  # lookup read as a miss and a hit)
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)
+        elif isinstance(hit, Miss):  # one lookup, one answer counted (found in review: a filled lookup read as a
+            self.store.tally_miss(hit)  # miss and a hit)
         return self._answer_lookup(conn, hit, len(tokens))
 
     def _served_here(self, hit: Hit | Miss, ntokens: int) -> bool:

@@ -354,10 +354,12 @@ class Store:
         *,
         codec_provider: str | None = None,
         counted: bool = True,
+        tally: bool = True,
     ) -> Hit | Miss:
         """``lookup`` with the token comparisons on a worker thread; the index is read on the loop only.
         ``counted`` False: the prompt was asked for already (a lookup again after a fill): the write gate does not
-        count it twice (found in review)."""
+        count it twice (found in review). ``tally`` False: a miss is not counted in ``misses`` (the caller may look
+        again, and counts the answer it keeps with ``tally_miss``)."""
         for _ in range(LOOKUP_ATTEMPTS):
             q = self._query(ident, namespace, tokens, codec_provider, counted)
             busy = q.by_start or q.heads is not None or q.evicted or q.roots or q.ask
@@ -366,7 +368,7 @@ class Store:
             # against the index as it is now, rather than miss an entry that is still there under a new name.
             if found.best is None or found.best.entry.path in self.index.by_path:
                 break
-        return self._settle(q, found)
+        return self._settle(q, found, tally)
 
     def _query(
         self, ident: fmt.Identity, namespace: str, tokens: Tokens, provider: str | None, counted: bool = True
@@ -385,30 +387,32 @@ class Store:
             self.index.by_last, ask, heads,
         )  # fmt: skip
 
-    def _settle(self, q: Query, found: Found) -> Hit | Miss:
+    def _settle(self, q: Query, found: Found, tally: bool = True) -> Hit | Miss:
         if self.admission is not None:  # the prompt's asks, hashed with the comparisons (off the loop, async)
             self.admission.count(found.asked)
         if found.best is not None:
             if found.best.entry.path in self.index.by_path:
                 return found.best
-            return self._miss(MissReason.EVICTED)  # removed while the comparison ran
-        if found.untrimmable:
-            return self._miss(MissReason.UNTRIMMABLE)
-        if found.codec:
-            return self._miss(MissReason.CODEC_MISMATCH)
-        if found.foreign:
-            return self._miss(MissReason.IDENTITY_MISMATCH)
-        if found.evicted:
-            return self._miss(MissReason.EVICTED)
-        return self._miss(MissReason.NO_ENTRY)
+            reason = MissReason.EVICTED  # removed while the comparison ran
+        elif found.untrimmable:
+            reason = MissReason.UNTRIMMABLE
+        elif found.codec:
+            reason = MissReason.CODEC_MISMATCH
+        elif found.foreign:
+            reason = MissReason.IDENTITY_MISMATCH
+        elif found.evicted:
+            reason = MissReason.EVICTED
+        else:
+            reason = MissReason.NO_ENTRY
+        return self._miss(reason) if tally else Miss(reason)
 
     def _miss(self, reason: MissReason) -> Miss:
         self.counters.misses[reason.value] += 1
         return Miss(reason)
 
-    def uncount_miss(self, miss: Miss) -> None:
-        """Take back a miss a lookup counted: the caller looks again (after a fill) and that answer is the one."""
-        self.counters.misses[miss.reason.value] -= 1
+    def tally_miss(self, miss: Miss) -> None:
+        """Count a miss a lookup made with ``tally`` False, once its caller keeps it as the answer."""
+        self.counters.misses[miss.reason.value] += 1
 
     def restore(self, hit: Hit, ident: fmt.Identity) -> Loaded | Miss:
         """Load a hit, cut back to its matched length; a file that fails is quarantined (a miss)."""
