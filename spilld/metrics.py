@@ -156,8 +156,10 @@ def _ingest(i: dict[str, Any]) -> list[Metric]:
         _gauge("ingest_open_spills", "spills being received", i.get("open_spills", 0)),
         _gauge("ingest_receiving_bytes", "bytes held for spills being received", i.get("receiving", 0)),
         _gauge("ingest_buffer_bytes", "bytes held for big messages being received", i.get("buffers", 0)),
-        _gauge(
-            "ingest_held_bytes", "bytes clients did not send: the daemon holds them as blocks", i.get("held_bytes", 0)
+        _counter(  # a running total since the start (found in review: a gauge, whose rate() a restart breaks)
+            "ingest_held_bytes",
+            "tensor bytes clients left out of their spills since the start, because the daemon held their blocks",
+            i.get("held_bytes", 0),
         ),
         _counter("ingest_expired", "open spills aborted for silence or a pace too slow", i.get("expired", 0)),
     ]

@@ -19,6 +19,7 @@ import spilld
 from spilld.client import AsyncClient
 from spilld.metrics import METRICS_EVERY_S, LatencyHistogram, exposition
 from tests.daemons import Daemon, cleanup, new_root
+from tests.promtext import parse
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -68,6 +69,7 @@ def test_metrics_file_status_prometheus_and_debug_logs(daemon: Daemon) -> None:
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
+    parse(r.stdout)  # the exposition format's every rule (tests/promtext.py), not only what prometheus_client reads
     got = samples(r.stdout)
     assert got[("spilld_hits_total", ())] == 1 and got[("spilld_lookups_total", ())] == 3
     assert got[("spilld_misses_total", (("reason", "no_entry"),))] == 1
@@ -80,7 +82,7 @@ def test_metrics_file_status_prometheus_and_debug_logs(daemon: Daemon) -> None:
     assert got[("spilld_written_week_bytes", ())] >= got[("spilld_written_day_bytes", ())] > 0
     assert ("spilld_write_budget_bytes", ()) not in got  # no budget, no gauge (found in review: 0 fired alerts)
     assert got[("spilld_ingest_open_spills", ())] == 0
-    assert got[("spilld_ingest_expired_total", ())] == 0 and ("spilld_ingest_held_bytes", ()) in got
+    assert got[("spilld_ingest_expired_total", ())] == 0 and ("spilld_ingest_held_bytes_total", ()) in got
     # the textfile catches up within a few seconds, and is never seen half written
     prom = os.path.join(daemon.root, "spilld.prom")
     deadline = time.monotonic() + 3 * METRICS_EVERY_S
@@ -90,6 +92,7 @@ def test_metrics_file_status_prometheus_and_debug_logs(daemon: Daemon) -> None:
             break
         time.sleep(0.2)
     assert samples(text)[("spilld_restore_seconds_count", ())] == 1
+    parse(text)
     assert [n for n in os.listdir(daemon.root) if n.startswith("spilld.prom")] == ["spilld.prom"]  # no temp left
     assert daemon.stop() == 0
     lines = log_lines(daemon)
@@ -217,3 +220,41 @@ async def test_a_lookup_filled_from_the_shared_tier_never_takes_a_miss_back() ->
         daemon.remote = None
         await daemon.stop()
         cleanup(root)
+
+
+def test_the_exposition_keeps_the_format_in_every_state_and_types_running_totals_as_counters() -> None:
+    """Read by a strict reader of the text format: a daemon's first status (no restore yet, no shared tier), one
+    with every section, counters past 2**53 and label values to escape. Found in review: ``ingest_held_bytes``, a
+    running total since the start, was a gauge (its ``rate()`` wrong across a restart, its HELP read as a level)."""
+    from spilld.metrics import RESTORE_BUCKETS_S
+
+    first = {
+        "version": "0.1",
+        "queue": {"pending_items": 0, "pending_bytes": 0},
+        "store": {"entries": 0, "bytes": 0, "disk_cap": 1, "hits": 0, "misses": {}},
+        "restore_seconds": LatencyHistogram(RESTORE_BUCKETS_S).to_wire(),
+    }
+    huge = 2**70
+    h = LatencyHistogram(RESTORE_BUCKETS_S)
+    for s in (0.0, 0.001, 0.3, 100.0):
+        h.observe(s)
+    full = first | {
+        "version": 'a "quoted" \\ version\nline',
+        "ingest": {"open_spills": 1, "receiving": 2, "buffers": 3, "expired": huge, "held_bytes": huge},
+        "store": first["store"] | {
+            "hits": huge, "misses": {"no_entry": huge}, "errors": {'odd"code\\\n': 1}, "blocks": 3,
+            "bytes_written": huge, "write_budget": 10, "quarantine_removed": 2,
+        },
+        "remote": {"state": "half_open", "misses": {"down": 1}, "fill_misses": {}, "push_failed": {"oom": huge},
+                   "queue": {"len": 1, "dropped": huge}},
+        "scrub": {"passes": huge, "files": 1, "bytes": 2, "planned_files": 3, "bad": 0, "unreadable": 0},
+        "warm": {"planned_bytes": 1, "read_bytes": 1, "files": 1, "done": True},
+        "restore_seconds": h.to_wire(),
+    }  # fmt: skip
+    for st in (first, full):
+        fams = parse(exposition(st).decode())
+        assert fams["spilld_restore_seconds"].type == "histogram" and fams["spilld_hits_total"].type == "counter"
+    fams = parse(exposition(full).decode())
+    held = fams["spilld_ingest_held_bytes_total"]
+    assert held.type == "counter" and held.samples == [("spilld_ingest_held_bytes_total", {}, float(huge))]
+    assert fams["spilld_info"].samples[0][1] == {"version": full["version"]}  # escaped, and read back whole
