@@ -619,14 +619,18 @@ class AsyncClient:
         """The daemon's longest usable prefix for ``tokens`` (the file is not read)."""
         return (await self._lookup(tokens, namespace))[0]
 
-    async def _lookup(self, tokens: Sequence[int], namespace: str) -> tuple[Hit | Miss, dict[str, str]]:
-        """The hit, and the files of its blocks the daemon named (key hex -> path; may be empty)."""
+    async def _lookup(
+        self, tokens: Sequence[int], namespace: str, longer_than: int = 0
+    ) -> tuple[Hit | Miss, dict[str, str]]:
+        """The hit, and the files of its blocks the daemon named (key hex -> path; may be empty). ``longer_than``:
+        told to the daemon, which then waits for no read of a hit that short (this client reads none)."""
         await self._connected_within()
         params = {
             "identity": self.identity.to_wire() | {"namespace": check_namespace(namespace)},
             "namespace": namespace,
             "tokens": fmt.encode_tokens(token_list(tokens)),  # (ints that fit u32, else BadParams)
             "codec_provider": self.provider.id,
+            **({"longer_than": longer_than} if longer_than > 0 else {}),
         }
         return _hit_of(dict(await self.call("lookup", params, timeout=self._lookup_timeout())))
 
@@ -652,7 +656,7 @@ class AsyncClient:
         ``longer_than``: a prefix of at most this many tokens is not worth reading (the engine has as much in
         memory): None, and the daemon does not count it as a hit."""
         t0 = time.perf_counter()
-        found, named = await self._lookup(tokens, namespace)
+        found, named = await self._lookup(tokens, namespace, longer_than)
         if isinstance(found, Miss) or found.matched <= longer_than:
             return None
         return await self._restore(found, named, dataclasses.replace(self.identity, namespace=namespace), t0)

@@ -397,3 +397,35 @@ async def test_background_reads_wait_while_a_client_reads_a_hit_until_it_says_it
     finally:
         await daemon.stop()
         cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_a_hit_the_client_will_not_read_holds_background_reads_no_longer_than_a_lookup() -> None:
+    """Found in review: a lookup whose hit the client does not read (no longer than what its engine holds in memory:
+    ``load(longer_than=...)``, mlx-lm's every request of a conversation it holds) counted as a hit being read until
+    the read's deadline (``--io-timeout``, 30 s) with no touch to end it: against a real daemon, one such request
+    every 4 s held the scrub paused for good (0 bytes checked in 16 s; misses at the same pace: 23 MB). The
+    client now tells its lookup ``longer_than``."""
+    import asyncio
+
+    from spilld.client import AsyncClient
+    from spilld.daemon import Daemon as InProcess
+    from spilld.daemon.server import BUSY_AFTER_LOOKUP_S
+    from tests.daemons import quiet_config
+
+    root = new_root()
+    daemon = InProcess(quiet_config(root, block_tokens=16, io_timeout=30))
+    await daemon.start()
+    try:
+        async with AsyncClient(daemon.cfg.socket, identity=spilld.Identity("bg"), shm=False) as c:
+            tokens = list(range(40))
+            assert (await c.spill(tokens, caches(40), droppable=False)).stored
+            assert await c.load([*tokens, 1], longer_than=len(tokens)) is None  # the engine holds as much: not read
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert not daemon._clients_active()  # nobody reads it: the scrub goes on
+            assert await c.load([*tokens, 1], longer_than=len(tokens) - 8) is not None  # longer: read, then touched
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert not daemon._clients_active()
+    finally:
+        await daemon.stop()
+        cleanup(root)

@@ -84,6 +84,7 @@ METHODS: dict[str, dict[str, Param]] = {
         "namespace": Param(str),
         "tokens": Param(bytes, required=True),
         "codec_provider": Param(str),
+        "longer_than": Param(int),
     },
     "resume": {"identity": Param(dict, required=True), "key": Param(str, required=True), "codec_provider": Param(str)},
     "touch": {"path": Param(str, required=True), "restore_s": Param(float)},

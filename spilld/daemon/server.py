@@ -408,7 +408,7 @@ class Daemon:
             hit = await self.store.lookup_async(ident, ns, tokens, codec_provider=provider, counted=False)
         elif isinstance(hit, Miss):  # one lookup, one answer counted (found in review: a filled lookup read as a
             self.store.tally_miss(hit)  # miss and a hit)
-        return self._answer_lookup(conn, hit, len(tokens))
+        return self._answer_lookup(conn, hit, len(tokens), p.get("longer_than") or 0)
 
     def _served_here(self, hit: Hit | Miss, ntokens: int) -> bool:
         """The local hit covers every block a fill could fetch for the prompt: the shared tier is not asked (found
@@ -421,12 +421,18 @@ class Daemon:
         e = self.store.find_checkpoint(_identity(p["identity"]), p["key"], codec_provider=p.get("codec_provider"))
         return self._answer_lookup(conn, Hit(e, e.ntokens) if e is not None else Miss(MissReason.NO_ENTRY), None)
 
-    def _answer_lookup(self, conn: Connection, hit: Hit | Miss, ntokens: int | None) -> dict[str, Any]:
+    def _answer_lookup(
+        self, conn: Connection, hit: Hit | Miss, ntokens: int | None, longer_than: int = 0
+    ) -> dict[str, Any]:
+        """``longer_than``: the client reads no hit of at most that many tokens (its engine has them in memory)."""
         self.lookups += 1
         self.last_lookup = time.monotonic()
         if isinstance(hit, Hit):
             e = hit.entry
-            if len(self.restoring) < MAX_RESTORING:  # (a client that never says it has read them: their deadline)
+            # a hit the client will read holds background reads until its touch, or the read's deadline (a client
+            # that never says it has read them); one it will not read, none (found in review: an engine's lookups
+            # of prefixes it held in memory each held the scrub for --io-timeout, and one every 4 s starved it)
+            if hit.matched > longer_than and len(self.restoring) < MAX_RESTORING:
                 self.restoring[(conn.id, e.path)] = time.monotonic() + self.cfg.io_timeout
             log.debug(
                 "lookup: hit", extra={"client": conn.id, "tokens": ntokens, "matched": hit.matched, "path": e.path}
