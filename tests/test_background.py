@@ -429,3 +429,23 @@ async def test_a_hit_the_client_will_not_read_holds_background_reads_no_longer_t
     finally:
         await daemon.stop()
         cleanup(root)
+
+
+def test_status_text_says_the_files_the_scrub_could_not_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found in review: the scrub counts stored files it could not read (EIO, a failing disk: what a scrub is for)
+    in ``status``'s ``scrub.unreadable``, but ``spilld status`` printed only "0 bad files found"."""
+    from spilld.cli.running import _print_status
+
+    queue = {k: 0 for k in ("pending_items", "pending_bytes", "stored", "dropped", "cancelled", "failed")}
+    store = {k: 0 for k in ("entries", "bytes", "disk_cap", "hits", "store_errors", "quarantined", "evicted")}
+    st: dict[str, Any] = {
+        "version": spilld.__version__, "pid": 1, "uptime_s": 1.0, "clients": 0, "socket": "s", "dir": "d", "cap": 1,
+        "lookups": 0, "queue": queue | {"bytes_written": 0}, "store": store | {"misses": {}},
+        "scrub": {"passes": 1, "files": 3, "bytes": 10, "planned_files": 3, "bad": 0, "unreadable": 2, "paused": False},
+    }  # fmt: skip
+    _print_status(st)
+    out = capsys.readouterr().out
+    assert "0 bad files found, 2 stored files could not be read" in out, out
+    st["scrub"]["unreadable"] = 0
+    _print_status(st)
+    assert "could not be read" not in capsys.readouterr().out

@@ -138,9 +138,12 @@ def _print_status(st: dict[str, Any]) -> None:
     if "scrub" in st:
         s = st["scrub"]
         state = "paused (serving)" if s["paused"] else f"{s['files']} of {s['planned_files']} files checked"
+        # files still stored that it could not read (EIO: a failing disk) are said too (found in review: only in
+        # --json and the log, the text said "0 bad files found")
+        unreadable = f", {s['unreadable']} stored files could not be read" if s.get("unreadable") else ""
         print(
             f"scrub   {state} in this pass ({format_size(s['bytes'])}), {s['passes']} passes done, "
-            f"{s['bad']} bad files found"
+            f"{s['bad']} bad files found{unreadable}"
         )
     if "remote" in st:
         r = st["remote"]
