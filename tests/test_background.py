@@ -449,3 +449,49 @@ def test_status_text_says_the_files_the_scrub_could_not_read(capsys: pytest.Capt
     st["scrub"]["unreadable"] = 0
     _print_status(st)
     assert "could not be read" not in capsys.readouterr().out
+
+
+@pytest.mark.asyncio
+async def test_background_reads_wait_while_a_lookup_is_being_answered() -> None:
+    """Found in review: the daemon counted a lookup as serving only from its answer on, so while the shared tier
+    filled one (two real daemons on a redis-server: 33 MB of blocks fetched and written in 0.3 s) the scrub read
+    beside the fill's writes, its client waiting for the answer."""
+    import asyncio
+
+    from spilld.client import AsyncClient
+    from spilld.daemon import Daemon as InProcess
+    from spilld.daemon.server import BUSY_AFTER_LOOKUP_S
+    from tests.daemons import quiet_config
+
+    root = new_root()
+    daemon = InProcess(quiet_config(root, block_tokens=16))
+    await daemon.start()
+    filling, done = asyncio.Event(), asyncio.Event()
+
+    class SlowTier:
+        """A shared tier whose fill lasts until the test says, longer than a lookup counts as recent."""
+
+        async def fill(self, *args: Any) -> bool:
+            filling.set()
+            await done.wait()
+            return False
+
+        def counters(self) -> dict[str, Any]:
+            return {"state": "closed"}
+
+    daemon.remote = SlowTier()  # type: ignore[assignment]
+    try:
+        async with AsyncClient(daemon.cfg.socket, identity=IDENT, shm=False) as c:
+            looking = asyncio.ensure_future(c.lookup(list(range(40))))
+            await asyncio.wait_for(filling.wait(), 30)
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert daemon._busy() and daemon._clients_active()  # the fill is serving: the scrub waits
+            done.set()
+            assert isinstance(await looking, spilld.Miss)
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert not daemon._clients_active()
+    finally:
+        done.set()  # a lookup left waiting would hold the stop
+        daemon.remote = None
+        await daemon.stop()
+        cleanup(root)
