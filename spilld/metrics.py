@@ -174,6 +174,7 @@ def _background(scrub: dict[str, Any] | None, warm: dict[str, Any] | None) -> li
             _gauge("scrub_pass_files", "files checked in the current pass", scrub.get("files", 0)),
             _counter("scrub_bad_files", "files the scrub found bad and quarantined", scrub.get("bad", 0)),
             _counter("scrub_unreadable_files", "stored files the scrub could not read", scrub.get("unreadable", 0)),
+            _counter("scrub_gone_files", "stored files the scrub found gone from the disk", scrub.get("gone", 0)),
         ]
     if warm is not None:
         out += [

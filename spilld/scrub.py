@@ -3,7 +3,8 @@
 
 Each pass lists the store's files (blocks, manifests, whole entries) and checks each one whole (header, rules,
 every tensor hash) on a low-priority thread, paced to ``rate`` bytes a second on average, pausing while the daemon
-is serving (``busy()``). A bad file is quarantined through the store (a bad block takes every entry naming it).
+is serving (``busy()``). A bad file is quarantined through the store (a bad block takes every entry naming it); a
+file gone from the disk leaves the index the same way.
 Passes start at most every ``interval`` seconds.
 """
 
@@ -39,6 +40,7 @@ class ScrubStats:
     planned_files: int = 0  # files listed for the current pass
     bad: int = 0  # files found bad and quarantined, all passes
     unreadable: int = 0  # files still stored that could not be read (EIO, a hung disk), all passes
+    gone: int = 0  # files the store indexed that were gone from the disk, taken out of the index, all passes
     paused: bool = False  # waiting for the daemon to be idle
 
 
@@ -105,6 +107,11 @@ class Scrub:
             except (errors.SpillError, OSError) as exc:  # gone (evicted, superseded), or unreadable now
                 if not self.store.holds(path):  # not the store's any more: listed, and nothing read
                     st.files += 1
+                    continue
+                if await self.store.lost_async(path):  # removed from under the store (found in review: counted
+                    st.gone += 1  # unreadable each pass, and its entries stayed hits that no client could read)
+                    st.files += 1
+                    log.warning("scrub: %s is gone from the disk: taken out of the store", path)
                     continue
                 st.unreadable += 1  # an unreadable sector is what a scrub is for: said (found in review: hidden)
                 log.warning("scrub: %s could not be read: %s", path, exc)

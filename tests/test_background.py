@@ -495,3 +495,28 @@ async def test_background_reads_wait_while_a_lookup_is_being_answered() -> None:
         daemon.remote = None
         await daemon.stop()
         cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_takes_a_file_gone_from_the_disk_out_of_the_store(tmp_path: Path) -> None:
+    """Found in review: a block removed from under a running daemon (by hand, or a cleaner of old files) was counted
+    unreadable and logged on every pass, never taken out: its entry stayed a hit that every client read missed. The
+    scrub now takes it out as a restore that finds it gone does, a block with every entry naming it."""
+    s, convs = await three_conversations(tmp_path)
+    by_last = {int(e.tokens[-1]): e for e in s.entries}
+    first, second, third = (by_last[c[-1]] for c in convs)
+    own = s.block_path(first.blocks[2])  # the first conversation's own block (0 and 1 are shared)
+    assert own is not None
+    os.unlink(own)
+    os.unlink(second.path)
+    t = FakeTime()
+    scrub = Scrub(s, 2**40, clock=t.clock, sleep=t.sleep)
+    await scrub.scrub_pass()
+    st = scrub.stats
+    assert [e.path for e in s.entries] == [third.path] and not os.path.exists(first.path)  # its manifest went too
+    assert (st.gone, st.unreadable, st.bad) == (2, 0, 0) and st.files == st.planned_files
+    assert quarantined(tmp_path) == []  # nothing there to move aside
+    got = s.restore(s.lookup(IDENT, "", [*convs[2], 1]), IDENT)  # type: ignore[arg-type]
+    assert isinstance(got, spilld.Loaded) and got.tokens == convs[2]
+    await scrub.scrub_pass()  # nothing left to find
+    assert (st.gone, st.unreadable) == (2, 0)

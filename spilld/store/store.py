@@ -487,6 +487,25 @@ class Store:
         await self.delete_doomed_async()
         return True
 
+    async def lost_async(self, path: str) -> bool:
+        """A stored file a read could not open, if it is known gone from the disk (removed by hand, or by a cleaner
+        of old files under /var/tmp): out of the index, a block with every entry naming it, as a restore that finds
+        it gone does. False if it may still be there (EIO, a hung disk), or is not the store's any more."""
+        try:
+            gone = await self._io(lambda: fileio.known_absent(path), "a check")
+        except errors.StorageTimeout:
+            return False
+        if not gone:
+            return False
+        if (rec := self._block_at(path)) is not None:
+            self._take_out_block(rec)
+        elif (e := self.index.by_path.get(path)) is not None:
+            self._forget(e)  # its file is not there to remove
+        else:
+            return False  # evicted or superseded meanwhile
+        await self.delete_doomed_async()
+        return True
+
     def _remove_naming(self, rec: Block) -> None:
         """Every entry that names ``rec`` out of the index (its block is bad or gone: none of them can be read)."""
         for p in list(rec.refs):
