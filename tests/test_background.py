@@ -3,8 +3,11 @@ newest entries at a bounded rate) and the scrub (every stored file checked in id
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 import spilld
+from spilld.daemon.server import BUSY_AFTER_LOOKUP_S
 from spilld.readahead import READ_CHUNK, ReadAhead, warm_order
 from spilld.scrub import Scrub
 from spilld.store import Store
@@ -369,16 +373,12 @@ async def test_the_scan_never_indexes_a_fifo_named_like_a_block(tmp_path: Path) 
     assert isinstance(got, spilld.Loaded) and got.tokens == tokens
 
 
-@pytest.mark.asyncio
-async def test_background_reads_wait_while_a_client_reads_a_hit_until_it_says_it_has() -> None:
-    """Found in review: the daemon counted a client busy for one second after a lookup only, so a restore that read
-    longer (a long prefix from a cold disk) had the scrub reading beside it. A hit counts as being read until its
-    client's touch (a restore done), or the read's deadline."""
-    import asyncio
-
+@contextlib.asynccontextmanager
+async def _a_stored_entry() -> AsyncIterator[tuple[Any, Any, list[int]]]:
+    """An in-process daemon (blocks of 16 tokens, --io-timeout 30 s), a client of it, and the 40 tokens of an entry
+    that client stored."""
     from spilld.client import AsyncClient
     from spilld.daemon import Daemon as InProcess
-    from spilld.daemon.server import BUSY_AFTER_LOOKUP_S
     from tests.daemons import quiet_config
 
     root = new_root()
@@ -388,15 +388,24 @@ async def test_background_reads_wait_while_a_client_reads_a_hit_until_it_says_it
         async with AsyncClient(daemon.cfg.socket, identity=spilld.Identity("bg"), shm=False) as c:
             tokens = list(range(40))
             assert (await c.spill(tokens, caches(40), droppable=False)).stored
-            assert isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # a hit, its files read by the client now
-            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
-            assert daemon._clients_active()  # still being read: the scrub waits
-            assert await c.load([*tokens, 1]) is not None  # read, and said so (touch)
-            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
-            assert not daemon._clients_active()
+            yield daemon, c, tokens
     finally:
         await daemon.stop()
         cleanup(root)
+
+
+@pytest.mark.asyncio
+async def test_background_reads_wait_while_a_client_reads_a_hit_until_it_says_it_has() -> None:
+    """Found in review: the daemon counted a client busy for one second after a lookup only, so a restore that read
+    longer (a long prefix from a cold disk) had the scrub reading beside it. A hit counts as being read until its
+    client's touch (a restore done), or the read's deadline."""
+    async with _a_stored_entry() as (daemon, c, tokens):
+        assert isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # a hit, its files read by the client now
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert daemon._clients_active()  # still being read: the scrub waits
+        assert await c.load([*tokens, 1]) is not None  # read, and said so (touch)
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert not daemon._clients_active()
 
 
 @pytest.mark.asyncio
@@ -406,29 +415,13 @@ async def test_a_hit_the_client_will_not_read_holds_background_reads_no_longer_t
     the read's deadline (``--io-timeout``, 30 s) with no touch to end it: against a real daemon, one such request
     every 4 s held the scrub paused for good (0 bytes checked in 16 s; misses at the same pace: 23 MB). The
     client now tells its lookup ``longer_than``."""
-    import asyncio
-
-    from spilld.client import AsyncClient
-    from spilld.daemon import Daemon as InProcess
-    from spilld.daemon.server import BUSY_AFTER_LOOKUP_S
-    from tests.daemons import quiet_config
-
-    root = new_root()
-    daemon = InProcess(quiet_config(root, block_tokens=16, io_timeout=30))
-    await daemon.start()
-    try:
-        async with AsyncClient(daemon.cfg.socket, identity=spilld.Identity("bg"), shm=False) as c:
-            tokens = list(range(40))
-            assert (await c.spill(tokens, caches(40), droppable=False)).stored
-            assert await c.load([*tokens, 1], longer_than=len(tokens)) is None  # the engine holds as much: not read
-            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
-            assert not daemon._clients_active()  # nobody reads it: the scrub goes on
-            assert await c.load([*tokens, 1], longer_than=len(tokens) - 8) is not None  # longer: read, then touched
-            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
-            assert not daemon._clients_active()
-    finally:
-        await daemon.stop()
-        cleanup(root)
+    async with _a_stored_entry() as (daemon, c, tokens):
+        assert await c.load([*tokens, 1], longer_than=len(tokens)) is None  # the engine holds as much: not read
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert not daemon._clients_active()  # nobody reads it: the scrub goes on
+        assert await c.load([*tokens, 1], longer_than=len(tokens) - 8) is not None  # longer: read, then touched
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert not daemon._clients_active()
 
 
 def test_status_text_says_the_files_the_scrub_could_not_read(capsys: pytest.CaptureFixture[str]) -> None:
