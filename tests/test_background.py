@@ -513,3 +513,23 @@ async def test_a_scrub_takes_a_file_gone_from_the_disk_out_of_the_store(tmp_path
     assert isinstance(got, spilld.Loaded) and got.tokens == convs[2]
     await scrub.scrub_pass()  # nothing left to find
     assert (st.gone, st.unreadable) == (2, 0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("interval", "first"), [(86_400.0, 600.0), (120.0, 120.0)])
+async def test_the_first_scrub_pass_waits_ten_minutes_or_one_interval_if_shorter(
+    tmp_path: Path, interval: float, first: float
+) -> None:
+    """As `spilld --help` and the README say of --scrub-every (found in review: they said 10 minutes alone)."""
+    from spilld.scrub import FIRST_AFTER_S
+
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+        raise asyncio.CancelledError  # the first wait is all this test reads
+
+    scrub = Scrub(Store(tmp_path, disk_cap=2**40), interval=interval, sleep=sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await scrub.run()
+    assert FIRST_AFTER_S == 600.0 and waits == [first]

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scrub-every",
         type=positive_duration_arg,
         default=DEFAULT_SCRUB_INTERVAL_S,
-        help="a scrub pass starts at most this often (default 1d); the first one 10 minutes after a start",
+        help="a scrub pass starts at most this often (default 1d); the first one 10 minutes after a start, or one interval if shorter",
     )
     srv.add_argument(
         "--remote",
