@@ -117,7 +117,6 @@ class Daemon:
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
         self.looking = Budget(max(cfg.cap // LOOKUP_SHARE, 1), "lookups")  # what lookups being served hold
         self.last_lookup = -math.inf  # monotonic time of the last one: a client restore follows a lookup
-        self.lookups_running = 0  # lookups being answered (one the shared tier fills writes its blocks meanwhile)
         # hits whose client is reading them (until its touch, or the read's deadline): (client, path) -> when it ends
         self.restoring: dict[tuple[int, str], float] = {}
         self.readahead: ReadAhead | None = None  # warm start (--warm-bytes), once the scan is done
@@ -310,7 +309,9 @@ class Daemon:
         ``BUSY_AFTER_LOOKUP_S``, or a hit its client is still reading (found in review: a restore longer than that
         second had the scrub reading beside it). Background readers (warm start) wait meanwhile."""
         now = time.monotonic()
-        recent = self.lookups_running > 0 or now - self.last_lookup < BUSY_AFTER_LOOKUP_S
+        # a lookup counts in ``looking`` from its dispatch until answered (found in review: a fill from the shared
+        # tier, 0.3 s, ran with the scrub reading beside it and its client waiting for the answer)
+        recent = self.looking.held > 0 or now - self.last_lookup < BUSY_AFTER_LOOKUP_S
         for k in [k for k, ends in self.restoring.items() if ends <= now]:
             del self.restoring[k]
         return recent or bool(self.restoring) or self.writing > 0 or self.queue.pending_items > 0
@@ -390,13 +391,6 @@ class Daemon:
         return {"cancelled": self.queue.cancel_where(lambda it: which(it) and sent_by(it, conn))}
 
     async def _lookup(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
-        self.lookups_running += 1  # serving: background reads wait (found in review: a fill of 33 MB from the
-        try:  # shared tier, 0.3 s, ran with the scrub reading beside it and its client waiting for the answer)
-            return await self._looked_up(conn, p)
-        finally:
-            self.lookups_running -= 1
-
-    async def _looked_up(self, conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
         ident = _identity(p["identity"])  # its namespace, if sent, is not used
         tokens = token_array(p["tokens"])
         ns, provider = p.get("namespace", ""), p.get("codec_provider")

@@ -491,11 +491,7 @@ class Store:
         """A stored file a read could not open, if it is known gone from the disk (removed by hand, or by a cleaner
         of old files under /var/tmp): out of the index, a block with every entry naming it, as a restore that finds
         it gone does. False if it may still be there (EIO, a hung disk), or is not the store's any more."""
-        try:
-            gone = await self._io(lambda: fileio.known_absent(path), "a check")
-        except errors.StorageTimeout:
-            return False
-        if not gone:
+        if not await self._known_gone(path):
             return False
         if (rec := self._block_at(path)) is not None:
             self._take_out_block(rec)
@@ -532,14 +528,16 @@ class Store:
                 return self._miss(MissReason.EVICTED)
             await self.bad_read_async(e, outcome)
             return self._miss(MissReason.CORRUPT)
-        where = self._read_path(e, outcome)
-        try:
-            gone = isinstance(outcome, errors.StorageError) and await self._io(
-                lambda: fileio.known_absent(where), "a check"
-            )
-        except errors.StorageTimeout:  # a hung disk: the file is not known gone
-            gone = False
+        gone = isinstance(outcome, errors.StorageError) and await self._known_gone(self._read_path(e, outcome))
         return self._failed_read(e, outcome, gone)
+
+    async def _known_gone(self, path: str) -> bool:
+        """Whether ``path`` is known gone from the disk, checked on a worker thread within the I/O deadline (a hung
+        disk: not known gone)."""
+        try:
+            return await self._io(lambda: fileio.known_absent(path), "a check")
+        except errors.StorageTimeout:
+            return False
 
     def _read_path(self, e: Entry, exc: errors.SpillError) -> str:
         """The file a failed read of ``e`` was reading: one of its blocks, or the entry's own file."""
