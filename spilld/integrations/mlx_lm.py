@@ -338,8 +338,11 @@ class ServerTiers:
     def wait_opened(self, timeout: float | None) -> None:
         """Wait (up to ``timeout``) for the tiers still opening, and the one opened at start: at exit, the entries in
         memory are spilled into them."""
-        futures = [f for f, _ in self._opening.values()] + ([self._ahead] if self._ahead is not None else [])
-        concurrent.futures.wait(futures, timeout)
+        concurrent.futures.wait(self._unopened(), timeout)
+
+    def _unopened(self) -> list[concurrent.futures.Future[EmbeddedTier]]:
+        """The tiers still opening: a model's, and the one opened at start that no model took yet."""
+        return [f for f, _ in self._opening.values()] + ([self._ahead] if self._ahead is not None else [])
 
     def _open_in_background(self, ident: fmt.Identity | None = None) -> concurrent.futures.Future[EmbeddedTier]:
         assert self.folder is not None
@@ -421,12 +424,12 @@ class ServerTiers:
         tiers: dict[Any, ColdTier | None] = dict(self.tiers)
         for key in self._opening:
             log.warning("the cold tier of %r was still opening at the timeout: its entries in memory are lost", key)
-        left = [f for f, _ in self._opening.values()] + ([self._ahead] if self._ahead is not None else [])
+        left = self._unopened()
         self._opening.clear()
         self._ahead = None
-        for future in left:
+        for i, future in enumerate(left):
             if future.done() and future.exception() is None:
-                tiers["(no model yet)"] = future.result()  # opened at start; no model came
+                tiers[f"(no model yet {i})"] = future.result()  # opened, and no request had it
             else:
                 future.add_done_callback(_close_once_open)
         for key, tier in tiers.items():

@@ -207,8 +207,7 @@ class DaemonTier:
         try:  # on the engine's thread: a daemon that accepts and never answers holds it CONNECT_TIMEOUT_S a try
             self._client = Client(self.socket_path, identity=self.identity, **self.kwargs)
         except errors.SpillError as exc:
-            self._next_try = time.monotonic() + self._retry_s
-            log.warning("spilld daemon unreachable (%s); retrying in %.0f s", exc, self._retry_s)
+            self._wait_out(exc, self._retry_s)
             # a daemon that answered nothing in time costs each try a wait: tried less and less often; one that
             # is not there (not started yet, restarting) costs nothing: tried every RECONNECT_INTERVAL_S
             hung = isinstance(exc, errors.Timeout)
@@ -229,10 +228,13 @@ class DaemonTier:
         failure a warning line). One that is back already (restarted by its service manager, or held by socket
         activation) is asked at once: found in review, a blanket wait after any loss had a daemon restarted within
         0.3 s miss every lookup, and refuse every evicted cache's spill, for 5 s."""
-        if time.monotonic() < self._next_try or is_served(self.socket_path or default_socket(), PROBE_S):
-            return
-        self._next_try = time.monotonic() + RECONNECT_INTERVAL_S
-        log.warning("spilld daemon unreachable (%s); retrying in %.0f s", lost, RECONNECT_INTERVAL_S)
+        if time.monotonic() >= self._next_try and not is_served(self.socket_path or default_socket(), PROBE_S):
+            self._wait_out(lost, RECONNECT_INTERVAL_S)
+
+    def _wait_out(self, why: BaseException, wait_s: float) -> None:
+        """The daemon is not asked again for ``wait_s`` seconds; said at warning."""
+        self._next_try = time.monotonic() + wait_s
+        log.warning("spilld daemon unreachable (%s); retrying in %.0f s", why, wait_s)
 
     def _settled(self, f: concurrent.futures.Future[Settled]) -> None:
         """A spill's outcome, on the client's thread: one the daemon's going away failed stops the asking."""
