@@ -1025,6 +1025,43 @@ def test_a_stop_signal_before_the_server_serves_is_a_clean_stop(model_dir: str, 
     assert "stopped before serving" in text and "cold tier counters:" in text
 
 
+def test_a_stop_signal_inside_the_generators_start_stops_its_thread_before_the_drain(
+    model_dir: str, tmp_path: Any
+) -> None:
+    """Found in review: SIGTERM landing inside mlx-lm's ``ResponseGenerator()``, once its generation thread had
+    started, lost the generator; that thread ran on through the drain. The signal here comes as that thread's
+    start returns, every time; the drain must find it stopped."""
+    log = tmp_path / "inside.log"
+    script = (
+        "import os, signal, threading\n"
+        "from mlx_lm import server\n"
+        "started = []\n"
+        "class Signalling(threading.Thread):\n"
+        "    def start(self):\n"
+        "        super().start()\n"
+        "        started.append(self)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "server.Thread = Signalling\n"
+        "import spilld.integrations.mlx_lm as integration\n"
+        "drain = integration.drain_at_exit\n"
+        "def seen(*a, **k):\n"
+        "    print('generation threads alive at drain:', sum(t.is_alive() for t in started), flush=True)\n"
+        "    drain(*a, **k)\n"
+        "integration.drain_at_exit = seen\n"
+        f"integration.main(['--model', {model_dir!r}, '--port', '0', '--spilld-dir', {str(tmp_path / 'store')!r}])\n"
+    )
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=f)
+    try:
+        assert proc.wait(120) == 0, _read(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = _read(log)
+    assert "generation threads alive at drain: 0" in text, text
+    assert "stopped before serving" in text and "Traceback" not in text, text
+
+
 def test_an_embedded_tier_closed_from_a_spill_futures_callback_closes_once_it_returns(tmp_path: Any) -> None:
     """As the daemon's client (tests/test_client_lifecycle.py): a close on the tier's own loop thread is run once
     the callback returns, never waited for there (it blocked that thread on itself, then failed to join it)."""

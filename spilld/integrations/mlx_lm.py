@@ -596,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _check_folder(opts.spilld_dir)
         group = mx.distributed.init()
         log.info(describe_tier(opts.spilld_socket, opts.spilld_dir))  # mlx-lm's server has set up logging by now
+        state["starting"] = True  # a stop signal from here is held until the generator is kept (``on_stop``)
         tiers = state["tiers"] = ServerTiers(model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir)
         tiers.open_ahead()  # embedded: the folder's scan runs meanwhile, on a thread of its own
         prompt_cache = state["cache"] = ColdTierPromptCache(model_provider.cli_args.prompt_cache_size, tier_for=tiers)
@@ -607,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             state["metrics"] = mlxthreads.start_thread(lambda: _write_counters_every(*args), "spilld-metrics")
         generator = state["generator"] = server.ResponseGenerator(model_provider, prompt_cache)
+        state["starting"] = False
+        if state.get("stopping"):  # a stop that came while starting: now the generator can be stopped and joined
+            raise KeyboardInterrupt
         if group.rank() == 0:
             server._run_http_server(host, port, generator, **kwargs)  # a stop signal ends its generation first
         else:
@@ -620,7 +624,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             log.warning("already stopping (%s): the server's requests end, then the cold tier drains", signum)
             return
         state["stopping"] = True
-        raise KeyboardInterrupt  # mlx-lm's server stops cleanly on it; then our queue drains
+        # Raised inside ResponseGenerator(), it would lose the generator whose thread has started: that thread
+        # ran on through the drain (found in review). ``run`` raises it once the generator is kept.
+        if not state.get("starting"):
+            raise KeyboardInterrupt  # mlx-lm's server stops cleanly on it; then our queue drains
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
