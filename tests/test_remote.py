@@ -2016,10 +2016,99 @@ async def test_fill_limits_on_blocks_and_their_size_each_at_and_one_over(
                     got = await link.fill(FILL_IDENT, "", prompt, store.provider_id)
                     assert got is (missed is None) and dict(link.fill_misses) == ({missed: 1} if missed else {})
                     assert asked == ([] if missed else [1, 1, 1]), asked  # nothing read when missed
+                    if missed:  # the manifest refused is not read again: the same miss at once
+                        hits = tier.counters()["hits"]
+                        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+                        assert link.fill_misses == {missed: 2} and tier.counters()["hits"] == hits
                 finally:
                     await link.close(1)
     finally:
         await tier_a.close()
+
+
+def commands(server: RedisServer, name: str) -> int:
+    """How many ``name`` commands ``server`` has run (INFO commandstats)."""
+    with server.client() as c:
+        return int(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("newer", ["manifest", "block"])
+async def test_a_manifest_refused_and_left_on_the_tier_is_read_again_only_after_refused_kept_s(
+    server: RedisServer, tmp_path: Any, newer: str
+) -> None:
+    """Found in review: a manifest a fill fetched, checked and refused while leaving it on the tier (here a newer
+    writer's, or one naming a newer writer's block; or naming more blocks than a fill takes, or larger ones) was
+    fetched again by every lookup of its prompt (up to 256 MiB each), to be refused again. Now a lookup that reaches
+    it misses at once, by the same reason, without reading it (no GETRANGE reaches Redis); once ``REFUSED_KEPT_S``
+    has passed it is read again, so what was put under its key meanwhile (pushed again once the old one went) fills."""
+    store_a, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 3 + 3)
+    (entry,) = store_a.entries
+    mname = keys.manifest_key("", entry.blocks[-1]) if newer == "manifest" else keys.block_key("", entry.blocks[0])
+    with server.client() as c:
+        good = c.get(mname)
+        bumped = bytearray(good)
+        bumped[8:12] = (4).to_bytes(4, "little")  # a format version this build does not read
+        c.set(mname, bytes(bumped))
+    now = [0.0]
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store, push="none", clock=lambda: now[0])
+    prompt = [*range(16 * 3 + 3), 999]
+    try:
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert link.fill_misses == {"bad_bytes": 1}
+        reads, fetched = commands(server, "getrange"), tier.counters()["bytes_fetched"]
+        for _ in range(3):
+            assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        with server.client() as c:
+            c.set(mname, good)  # replaced: a manifest this host reads
+        now[0] = link_module.REFUSED_KEPT_S - 0.01
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert link.fill_misses == {"bad_bytes": 5}
+        assert commands(server, "getrange") == reads and tier.counters()["bytes_fetched"] == fetched
+        now[0] = link_module.REFUSED_KEPT_S
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id)  # read again: the one put there since
+        assert commands(server, "getrange") > reads and link.fills == 1
+    finally:
+        await link.close(1)
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
+async def test_at_most_refused_kept_keys_refusals_are_remembered_the_oldest_forgotten(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``REFUSED_KEPT_KEYS`` bounds the manifests remembered as refused: past it the oldest is forgotten, and a lookup
+    that reaches it reads it again (and refuses it again: here it names more blocks than ``MAX_FILL_BLOCKS``)."""
+    monkeypatch.setattr(link_module, "REFUSED_KEPT_KEYS", 1)
+    monkeypatch.setattr(link_module, "MAX_FILL_BLOCKS", 2)
+    n = 16 * 3 + 3
+    convs = [list(range(n)), [5000 + t for t in range(n)]]
+    store_a, _, link_a = await pushing(tmp_path / "a", server.url)
+    for s, conv in enumerate(convs):
+        await store_a.put(conv, [fill(C.KVCache(), n, heads=2, dim=8, seed=10 * s + i) for i in range(2)], FILL_IDENT)
+    assert await link_a.drain(10)
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url))
+    link = RemoteLink(tier, store, push="none")
+    reads: list[int] = []
+
+    async def lookup(conv: list[int]) -> None:
+        before = commands(server, "getrange")
+        assert not await link.fill(FILL_IDENT, "", [*conv, 999], store.provider_id)
+        reads.append(commands(server, "getrange") - before)
+
+    try:
+        await lookup(convs[0])  # (its first lookup reads the layout's root too)
+        await lookup(convs[0])
+        await lookup(convs[1])  # the second refusal: the first is forgotten
+        await lookup(convs[1])
+        await lookup(convs[0])
+        assert reads == [2, 0, 1, 0, 1] and link.fill_misses == {"too_many_blocks": 5}
+    finally:
+        await link.close(1)
+        await link_a.close(1)
 
 
 @pytest.mark.asyncio

@@ -24,7 +24,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
@@ -67,6 +67,12 @@ FILLS_AT_ONCE = 2
 # Refusals that say the bytes are a newer writer's (a rolling upgrade), not wrong: a miss here, never removed
 NEWER_WRITER = (errors.UnsupportedVersion, errors.CodecVersionUnsupported, errors.CodecProviderMismatch)
 ROOT_KEPT_S = 300.0  # a root fetched from the remote tier is used this long, then read again
+# A manifest fetched, checked and refused for a reason that leaves it on the tier (more blocks than a fill takes,
+# blocks larger than it reads, a newer writer's file): a lookup that reaches it again misses at once, by the same
+# reason, for this long, rather than fetch it again (found in review: every lookup of such a prompt fetched the
+# manifest again, up to 256 MiB, to refuse it again). Then it is read again: one put there meanwhile is used.
+REFUSED_KEPT_S = 60.0
+REFUSED_KEPT_KEYS = 1024  # manifests remembered so at most; past it the oldest refusal is forgotten
 MAX_ROOT_VALUE_BYTES = 64  # a namespace's root value: msgpack of [32-byte key, bool], 36 bytes; longer is hostile
 # A manifest's header (at most 64 MiB) and its tail (rows under one block, and any non-positional state): a value
 # larger than this is refused unread. A block's bound comes from its manifest (``_named_blocks``).
@@ -149,10 +155,25 @@ class _Absent(Exception):
         self.reason = reason
 
 
+class _Refused(Exception):
+    """A manifest a fill would fetch was refused lately (``RemoteLink.refusal``): the fill misses at once, by ``why``."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 class RemoteLink:
     """Binds a ``RemoteTier`` to a ``Store``: registered as its listener (pushes), and asked by lookups (fills)."""
 
-    def __init__(self, tier: RemoteTier, store: Store, push: str = "all", host: str | None = None) -> None:
+    def __init__(
+        self,
+        tier: RemoteTier,
+        store: Store,
+        push: str = "all",
+        host: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if push not in PUSH_MODES:
             raise ValueError(f"remote push is one of {', '.join(PUSH_MODES)}, not {push!r}")
         self.tier, self.store, self.push = tier, store, push
@@ -171,6 +192,9 @@ class RemoteLink:
         self._fetching = 0  # fetches and adopts under way (at most FILLS_AT_ONCE)
         self._filling: dict[tuple[str, str, str, bytes], asyncio.Future[bool]] = {}  # under way, by prompt
         self._adopting: dict[bytes, asyncio.Future[bool]] = {}  # under way, by the last block asked for
+        self._clock = clock
+        # manifests refused and left on the tier, by (namespace, key): (when, the fill miss), the oldest first
+        self._refused: OrderedDict[tuple[str, bytes], tuple[float, str]] = OrderedDict()
         store.listeners.append(self)  # with push "none" too: its events still tell routers what it holds
 
     # --- push ---------------------------------------------------------------------------------------------
@@ -424,13 +448,34 @@ class RemoteLink:
         return await task
 
     async def _fetch_and_adopt(self, ident: fmt.Identity, namespace: str, asked: bytes) -> bool:
-        got = await self._manifest_for(namespace, asked)
+        try:
+            got = await self._manifest_for(namespace, asked)
+        except _Refused as kept:
+            return self._missed(kept.why)
         if isinstance(got, Reason):
             return self._missed("no_manifest") if got is Reason.ABSENT else self._unread(got)
         return await self._adopt(ident, namespace, *got, asked)
 
     def _unread(self, reason: Reason) -> bool:
         return self._missed(UNREAD.get(reason, UNREAD[Reason.DOWN]))
+
+    def refusal(self, namespace: str, key: bytes) -> str | None:
+        """Why the manifest under ``key`` was fetched and refused, if that was less than ``REFUSED_KEPT_S`` ago."""
+        got = self._refused.get((namespace, key))
+        if got is None:
+            return None
+        if self._clock() - got[0] >= REFUSED_KEPT_S:
+            del self._refused[(namespace, key)]
+            return None
+        return got[1]
+
+    def _refuse(self, namespace: str, key: bytes, why: str) -> bool:
+        """A miss, by ``why``, of the manifest under ``key``, which stays on the tier: remembered (``refusal``)."""
+        self._refused.pop((namespace, key), None)
+        self._refused[(namespace, key)] = (self._clock(), why)
+        while len(self._refused) > REFUSED_KEPT_KEYS:
+            self._refused.popitem(last=False)
+        return self._missed(why)
 
     async def _root(self, namespace: str, space: bytes) -> bytes | Reason:
         """The root key of a layout, from our own pushes or fetched (a fetched one is read again after
@@ -467,11 +512,13 @@ class RemoteLink:
     async def _manifest_for(self, namespace: str, key: bytes) -> tuple[bytes, bytes] | Reason:
         """The manifest that ends at block ``key``, else the one its reference names (which names ``key`` too),
         with the key it is stored under; else why there is none (``ABSENT``: none there; else the first read that
-        failed)."""
+        failed). ``_Refused`` for a manifest refused lately, not read again."""
         why: list[Reason | None] = []
         failed: list[Reason] = []
 
         async def read(k: bytes, kind: Kind, most: int, timeout_s: float | None = None) -> bytes | None:
+            if kind is Kind.MANIFEST and (refused := self.refusal(namespace, k)) is not None:
+                raise _Refused(refused)
             (v,) = await self.tier.fetch(namespace, [k], kind, most, why=why, timeout_s=timeout_s)
             failed.extend(r for r in why if r not in (None, Reason.ABSENT))  # (none when it read a value)
             return v
@@ -492,8 +539,9 @@ class RemoteLink:
         try:  # a header and a key chain of up to 64 MiB: checked off the loop
             keys, bound = await off_loop(functools.partial(_named_blocks, manifest), compute=True)
         except errors.SpillError as exc:
-            self.tier.bad_value(namespace, under, Kind.MANIFEST, remove=not isinstance(exc, NEWER_WRITER))
-            return self._missed("bad_bytes")
+            left = isinstance(exc, NEWER_WRITER)  # (a newer writer's: left on the tier, remembered)
+            self.tier.bad_value(namespace, under, Kind.MANIFEST, remove=not left)
+            return self._refuse(namespace, under, "bad_bytes") if left else self._missed("bad_bytes")
         if asked not in keys:  # another prompt's manifest put under this key: nothing of it serves this one
             if under == asked:
                 self.tier.bad_value(namespace, under, Kind.MANIFEST)
@@ -502,12 +550,15 @@ class RemoteLink:
             return self._missed("wrong_manifest")
         want = _lacking(keys, self.store.has_block, MAX_FILL_BLOCKS)
         if want is None:
-            return self._missed("too_many_blocks")
+            return self._refuse(namespace, under, "too_many_blocks")
         if bound > MAX_FILL_BLOCK_BYTES:
-            return self._missed("block_too_large")
+            return self._refuse(namespace, under, "block_too_large")
+        newer: list[bytes | None] = []  # files of a newer writer: refused here, left on the tier
 
         def bad(key: bytes | None, exc: errors.FileFormatError) -> None:  # a fetched file, bad in itself
             remove = not isinstance(exc, NEWER_WRITER)
+            if not remove:
+                newer.append(key)
             self.tier.bad_value(
                 namespace, under if key is None else key, Kind.MANIFEST if key is None else Kind.BLOCK, remove=remove
             )
@@ -521,7 +572,7 @@ class RemoteLink:
             return self._missed("local_block_gone")
         except errors.FileFormatError as exc:  # (files that disagree, or one held here: nothing is removed)
             log.warning("refused a manifest or block from the remote tier: %s", exc)
-            return self._missed("bad_bytes")
+            return self._refuse(namespace, under, "bad_bytes") if newer else self._missed("bad_bytes")
         except errors.SpillError as exc:
             log.warning("could not keep what the remote tier sent: %s", exc)
             return self._missed("store_error")
