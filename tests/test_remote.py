@@ -774,6 +774,66 @@ async def test_a_fill_the_tier_could_not_answer_is_counted_by_why_never_as_nothi
 
 
 @pytest.mark.asyncio
+async def test_one_slow_fill_counts_once_towards_the_breaker(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: each pipeline of a fill's block reads that timed out counted as a failure, so one large fill on
+    a slow link (here Redis stopped for longer than a fetch's bound while the fill reads 8 blocks: 4 pipelines) opened
+    the breaker for every lookup and push. A fill counts one failure at most; a second, independent one (a read of
+    another caller) still opens a breaker of threshold 2."""
+    _, tier_a, _ = await pushed_store(tmp_path / "a", server.url, 16 * 8 + 3)
+    await tier_a.close()
+    bound_s = 1.0
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url, fetch_timeout_s=bound_s, breaker_threshold=2, breaker_cooldown_s=60))
+    link = RemoteLink(tier, store, push="none")
+    real = tier.fetch
+    stopped: list[asyncio.TimerHandle] = []
+
+    async def slow(ns: str, ks: Any, kind: Any = Kind.BLOCK, *a: Any, **kw: Any) -> Any:
+        if kind is Kind.BLOCK and not stopped:  # Redis hangs while the fill's blocks are read, then answers again
+            server.signal(signal.SIGSTOP)
+            stopped.append(asyncio.get_running_loop().call_later(2.5 * bound_s, server.signal, signal.SIGCONT))
+        return await real(ns, ks, kind, *a, **kw)
+
+    tier.fetch = slow  # type: ignore[method-assign]
+    try:
+        assert not await link.fill(FILL_IDENT, "", [*range(16 * 8 + 3), 9], store.provider_id)
+        assert link.fill_misses == {"blocks_timeout": 1} and tier.counters()["misses"]["timeout"] == 8  # every block
+        assert tier.state == "closed" and tier.counters()["breaker_opened"] == 0
+        server.signal(signal.SIGSTOP)
+        assert await real(NS, chain(1), timeout_s=0.2) == [None]  # another failure: the threshold's second
+        assert tier.state == "open"
+    finally:
+        for h in stopped:
+            h.cancel()
+        server.signal(signal.SIGCONT)
+        await link.close(1)
+
+
+@pytest.mark.asyncio
+async def test_within_one_piece_of_work_a_half_open_trial_that_fails_still_opens_the_breaker(
+    server: RedisServer,
+) -> None:
+    """``one_failure``: the calls of one piece of work count one failure at most, but the half-open trial is the
+    breaker's one verdict: one that fails opens it again, even after its work counted a failure (else the trial
+    stayed out and no call was let through again)."""
+    now = [0.0]
+    tier = await started(relaxed(server.url, breaker_cooldown_s=10), clock=lambda: now[0])
+    server.signal(signal.SIGSTOP)
+    try:
+        with tier_module.one_failure():
+            for _ in range(tier.config.breaker_threshold):
+                assert await tier.fetch(NS, chain(1), timeout_s=0.2) == [None]
+            assert tier.state == "closed"  # one failure for all of them
+            tier.breaker.trip()
+            now[0] = 10.0  # half-open: the next call is the trial
+            assert await tier.fetch(NS, chain(1), timeout_s=0.2) == [None]
+            assert tier.state == "open"
+    finally:
+        server.signal(signal.SIGCONT)
+        await tier.close()
+
+
+@pytest.mark.asyncio
 async def test_maxmemory_noeviction_pushes_fail_and_are_counted() -> None:
     ks = chain(100)
     with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "noeviction") as s:

@@ -43,7 +43,7 @@ from ..validate import header_from_bytes
 from .config import RemoteConfig
 from .keys import BLOCK_KEY_BYTES, Kind
 from .stats import Reason
-from .tier import EventKind, RemoteTier
+from .tier import EventKind, RemoteTier, one_failure
 
 log = logging.getLogger("spilld.remote")
 
@@ -402,7 +402,8 @@ class RemoteLink:
         if (task := self._filling.get(sig)) is not None:
             self.fills_shared += 1
         else:
-            task = asyncio.ensure_future(self._fill(ident, namespace, tokens, provider))
+            with one_failure():  # its calls (in its task and the tasks it starts) count one failure at most
+                task = asyncio.ensure_future(self._fill(ident, namespace, tokens, provider))
             self._filling[sig] = task
             task.add_done_callback(lambda _: self._filling.pop(sig, None))
         try:

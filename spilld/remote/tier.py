@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -70,6 +71,29 @@ class _Failed:
 
 
 _EMPTY = _Failed(Reason.BAD_BYTES)  # a read of ``fetch`` that found its key there, holding an empty value
+
+
+@dataclass
+class _Work:
+    """The calls made for one piece of work (``one_failure``): whether one of them counted a failure yet."""
+
+    failed: bool = False
+
+
+_WORK: contextvars.ContextVar[_Work | None] = contextvars.ContextVar("spilld_remote_work", default=None)
+
+
+@contextlib.contextmanager
+def one_failure() -> Iterator[None]:
+    """The calls made within, and in the tasks started within (each takes a copy of the context), are one piece of
+    work: they count one failure at most towards the breaker, however many of them fail (found in review: each
+    pipeline of a fill's block reads that timed out counted, so one large fill on a slow link opened the breaker for
+    every lookup and push). A half-open trial's failure still counts: it is the breaker's one verdict."""
+    token = _WORK.set(_Work())
+    try:
+        yield
+    finally:
+        _WORK.reset(token)
 
 
 class RemoteTier:
@@ -474,7 +498,7 @@ class RemoteTier:
             # the deadline: the server may have answered in time; found in review), is no verdict on the server
             late = asked and loop.time() - due > timeout_s * LATE_LOOP_SHARE
             if asked and not late and not isinstance(e, rx.MaxConnectionsError):
-                self.breaker.failure()
+                self._failed(trial)
             else:
                 no_verdict()
             return _Failed(Reason.TIMEOUT)
@@ -483,7 +507,7 @@ class RemoteTier:
             # already (closed by the renewal itself) no verdict on the new ones (found in review: it reopened a
             # half-open breaker, a cooldown more of misses)
             if client is self._client:
-                self.breaker.failure()
+                self._failed(trial)
             else:
                 no_verdict()
             return _Failed(Reason.DOWN)
@@ -502,6 +526,15 @@ class RemoteTier:
         else:
             self.breaker.success()
         return result
+
+    def _failed(self, trial: bool) -> None:
+        """A call failed for want of the server: a failure for the breaker, unless an earlier call of the same piece
+        of work (``one_failure``) counted one already and this one is not the half-open trial."""
+        work = _WORK.get()
+        if trial or work is None or not work.failed:
+            self.breaker.failure()
+        if work is not None:
+            work.failed = True
 
     def _not_primary(self, client: Client, no_verdict: Callable[[], None]) -> None:
         """The server refused a write as a replica: open the breaker (every call misses at once meanwhile) and
