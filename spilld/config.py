@@ -29,6 +29,7 @@ _UNITS = {
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")  # ASCII digits only (\d takes any script's)
 MAX_SIZE = 1 << 62  # larger than any disk; keeps every sum of sizes inside an int64
 MAX_DURATION_S = 100 * 365 * 86400  # a century: past this a number is a typo, and timers overflow
+MAX_HOST_NAME_BYTES = 255  # --remote-host-name, UTF-8 (a DNS name is at most 253): it goes in every event
 
 
 def parse_size(text: str, *, minimum: int = 1) -> int:
@@ -168,6 +169,7 @@ class Config:
     remote_ttl: int | None = None  # seconds a pushed key lives unless used (refreshed on every fetch)
     remote_password_file: str | None = None  # else $SPILLD_REMOTE_PASSWORD (never on the command line)
     remote_key_file: str | None = None  # encrypt everything pushed (AES-GCM, a key per namespace)
+    remote_host_name: str | None = None  # this daemon's name in the shared tier's events (None: the machine's)
 
     def __post_init__(self) -> None:
         self.dir = os.path.abspath(os.path.expanduser(self.dir or default_dir()))
@@ -202,7 +204,13 @@ class Config:
     def _check_remote_given(self) -> None:
         """A remote setting is None (not given) or a value: an empty one (``--remote-key-file "$UNSET"``) is refused,
         never taken as not given (found in review: the shared tier then ran unencrypted)."""
-        for name in ("remote", "remote_password_file", "remote_key_file"):
+        for name in ("remote", "remote_password_file", "remote_key_file", "remote_host_name"):
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"{name.replace('_', ' ')} is empty (an unset variable?): leave it out for none")
+        host = self.remote_host_name
+        if host is not None and (not host.isprintable() or len(host.encode()) > MAX_HOST_NAME_BYTES):
+            # (a router reads it as UTF-8 text; a byte argv cannot decode is a lone surrogate, not printable)
+            raise ValueError(
+                f"remote host name {host!r} is not printable UTF-8 text of at most {MAX_HOST_NAME_BYTES} bytes"
+            )

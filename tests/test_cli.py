@@ -50,6 +50,7 @@ def test_remote_options_without_remote_are_refused() -> None:
         ["--remote-ttl", "1h"],
         ["--remote-push", "none"],
         ["--remote-cluster"],
+        ["--remote-host-name", "gpu-0"],
     ):
         r = spilld(*opt, "--socket", "/tmp/x-never.sock", "--dir", "/tmp/x-never-dir")
         assert r.returncode == 2 and "without --remote" in r.stderr and "Traceback" not in r.stderr, (opt, r)
@@ -745,11 +746,11 @@ def test_an_empty_remote_option_is_refused_never_taken_as_not_given(
     monkeypatch.setattr(daemon, "setup_logging", lambda *a: None)
     sock, url = ["--socket", str(tmp_path / "s.sock"), "--dir", str(tmp_path / "d")], "redis://127.0.0.1:1/0"
     for given in (["--remote", ""], ["--remote", url, "--remote-key-file", ""], ["--remote", url,
-                  "--remote-password-file", " "]):  # fmt: skip
+                  "--remote-password-file", " "], ["--remote", url, "--remote-host-name", ""]):  # fmt: skip
         assert cli.main([*given, *sock]) == cli.EXIT_USAGE, (given, served)
         err = capsys.readouterr().err
         assert "empty" in err and len(err.strip().splitlines()) == 1, (given, err)
-    for name in ("remote", "remote_key_file", "remote_password_file"):  # the API's way in, too
+    for name in ("remote", "remote_key_file", "remote_password_file", "remote_host_name"):  # the API's way in, too
         with pytest.raises(ValueError, match="empty"):
             Config(socket=str(tmp_path / "s.sock"), **{"remote": url, name: ""})  # type: ignore[arg-type]
     assert not (tmp_path / "d").exists()

@@ -98,6 +98,20 @@ def test_config_checks_every_value(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
     assert cfg.socket == sock and cfg.dir == str(tmp_path / "store")
 
 
+def test_a_remote_host_name_is_printable_utf8_of_at_most_max_host_name_bytes(tmp_path: Any) -> None:
+    """``--remote-host-name`` goes in every event a router reads as UTF-8 text: a name with a control character, one
+    that is not UTF-8 (argv's bytes that do not decode come as lone surrogates) or one longer than
+    ``MAX_HOST_NAME_BYTES`` is refused at start, never an event that fails to encode or to read."""
+    from spilld.config import MAX_HOST_NAME_BYTES, Config
+
+    sock = str(tmp_path / "s.sock")
+    for good in ("gpu-0", "a" * MAX_HOST_NAME_BYTES, "hôte"):
+        assert Config(socket=sock, remote="redis://h:1/0", remote_host_name=good).remote_host_name == good
+    for bad in ("a" * (MAX_HOST_NAME_BYTES + 1), "é" * (MAX_HOST_NAME_BYTES // 2 + 1), "gpu\n0", "\udcff"):
+        with pytest.raises(ValueError, match="remote host name"):
+            Config(socket=sock, remote="redis://h:1/0", remote_host_name=bad)
+
+
 def test_the_remote_ttl_is_a_duration_in_whole_seconds() -> None:
     # README: every duration goes through one parser; Redis takes a TTL in whole seconds, so it is rounded up
     from spilld.cli.parser import build_parser

@@ -350,6 +350,44 @@ async def test_the_example_router_sends_a_prompt_to_the_host_that_holds_it(serve
 
 
 @pytest.mark.asyncio
+async def test_two_daemons_on_one_machine_are_told_apart_by_their_remote_host_names(
+    server: RedisServer, model: Any
+) -> None:
+    """Found in review: a daemon's events named it by the machine's host name alone, so two daemons on one machine
+    (one a GPU, say) were one host to a router, which sent either's prompts to whichever it listed first.
+    ``--remote-host-name`` names each: its events carry it, status shows it, and a router tells them apart."""
+    import msgpack
+
+    from spilld.entries import identity_fingerprint
+    from spilld.remote.keys import Kind, events_key, value_key
+    from spilld.remote.link import root_space
+    from spilld.remote.router import PrefixRouter
+
+    names = ["gpu-0", "gpu-1"]
+    async with hosts(model, *([server.url, "--remote-host-name", n] for n in names)) as pairs:
+        convs, header = [], None
+        for (_d, c), seed in zip(pairs, (81, 82), strict=True):
+            conv = random_tokens(2 * B + 2, seed=seed)
+            stored = await c.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
+            assert stored.stored
+            await pushed(c, 2 + 2 + 2)
+            convs.append(conv)
+            header = stored.value.header
+        assert [(await c.status())["remote"]["host"] for _d, c in pairs] == names
+        assert header is not None
+        space = root_space(
+            identity_fingerprint(spilld.model_identity(model, model_id="m")), "", header.codec_provider, B
+        )
+        with server.client() as r:
+            events = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(events_key(""))]
+            assert sorted(e["host"] for e in events if e["kind"] == "stored") == names
+            root, _ = msgpack.unpackb(r.get(value_key("", space, Kind.ROOT)))
+            router = PrefixRouter(r, "", root, B)
+            for conv, name in zip(convs, names, strict=True):
+                assert router.route([*conv, 5], names) == name and router.route([*conv, 5], names[::-1]) == name
+
+
+@pytest.mark.asyncio
 async def test_a_wrong_password_disables_the_tier_with_one_log_line_and_the_daemon_serves(
     model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -231,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         "namespace): a host without it gets misses, never plaintext",
     )
     srv.add_argument(
+        "--remote-host-name",
+        type=text_arg,
+        default=None,
+        metavar="NAME",
+        help="this daemon's name in the shared tier's events, which routers read to send a prompt to the daemon "
+        "holding it (default: the machine's host name); give each daemon on one machine a name of its own",
+    )
+    srv.add_argument(
         "--drain-deadline",
         type=positive_duration_arg,
         default=60.0,

@@ -53,6 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             remote_ttl=args.remote_ttl,
             remote_password_file=args.remote_password_file,
             remote_key_file=args.remote_key_file,
+            remote_host_name=args.remote_host_name,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -81,7 +82,7 @@ def _check_remote(cfg: Config) -> None:
             opt for opt, on in (
                 ("--remote-cluster", cfg.remote_cluster), ("--remote-push", cfg.remote_push != "all"),
                 ("--remote-ttl", cfg.remote_ttl is not None), ("--remote-password-file", cfg.remote_password_file),
-                ("--remote-key-file", cfg.remote_key_file),
+                ("--remote-key-file", cfg.remote_key_file), ("--remote-host-name", cfg.remote_host_name),
             ) if on
         ]  # fmt: skip
         if given:

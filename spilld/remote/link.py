@@ -626,6 +626,7 @@ class RemoteLink:
     def counters(self) -> dict[str, Any]:
         return self.tier.counters() | {
             "push": self.push,
+            "host": self.host,
             "fills": self.fills,
             "fill_misses": dict(self.fill_misses),
             "pushing": len(self._pushing) + len(self._evicting),
@@ -667,7 +668,7 @@ async def open_link(cfg: Config, store: Store) -> RemoteLink:
     cannot work (a password in the URL, a key file open to others)."""
     tier = RemoteTier(remote_config(cfg))
     await tier.start()
-    return RemoteLink(tier, store, cfg.remote_push)
+    return RemoteLink(tier, store, cfg.remote_push, cfg.remote_host_name)
 
 
 def remote_config(cfg: Config) -> RemoteConfig:
