@@ -19,7 +19,7 @@ import pytest
 
 from spilld import protocol as P
 from spilld.daemon import ingest
-from tests.daemons import Daemon, cleanup, new_root
+from tests.daemons import Daemon, cleanup, new_root, serving
 from tests.hostile_memory import kv_header
 from tests.wire import Wire, frames
 
@@ -697,6 +697,57 @@ async def test_a_small_spill_message_is_counted_until_its_header_is_parsed(
         probe.close()
 
 
+async def _lookups_on(
+    socket_path: str, sends: list[list[dict[str, Any]]]
+) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A connection (said hello) per entry of ``sends``, each pipelining its lookups' params (msgids from 2 on),
+    one connection after the other."""
+    conns = []
+    for lookups in sends:
+        r, w = await asyncio.open_unix_connection(socket_path)
+        w.write(frames(P.request(1, "hello", {"version": P.PROTOCOL_VERSION})))
+        await _answers(r, {1}, 5)
+        w.write(frames(*[P.request(i, "lookup", p) for i, p in enumerate(lookups, 2)]))
+        await w.drain()
+        conns.append((r, w))
+    return conns
+
+
+@contextlib.asynccontextmanager
+async def _held_lookups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: int) -> AsyncIterator[Any]:
+    """An in-process daemon whose lookups wait (as for a busy compute thread) until the event it yields is set;
+    each of its connections counts as a client of its own (in-process, every one has this test's pid)."""
+    from spilld.daemon import connection
+
+    go_on = asyncio.Event()
+    monkeypatch.setattr(connection, "peer_pid", lambda sock: None)
+    async with _in_process(tmp_path, _ParseGate(monkeypatch), cap=cap) as daemon:
+        real = daemon.store.lookup_async
+
+        async def held(*args: Any, **kw: Any) -> Any:
+            await go_on.wait()
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(daemon.store, "lookup_async", held)
+        try:
+            yield daemon, go_on
+        finally:
+            go_on.set()
+
+
+def _lookup_params(ntokens: int) -> tuple[dict[str, Any], int]:
+    """A lookup's params of ``ntokens`` tokens, and what it is counted as while served."""
+    import msgpack
+
+    import spilld
+    from spilld import format as fmt
+    from spilld.daemon import budget
+
+    ident = spilld.Identity("m", "c", "t", "").to_wire()
+    params = {"identity": ident, "tokens": fmt.encode_tokens(list(range(ntokens)))}
+    return params, budget.lookup_bytes(len(msgpack.packb([P.REQUEST, 2, "lookup", params], use_bin_type=True)))
+
+
 @pytest.mark.asyncio
 async def test_lookups_being_served_hold_at_most_their_share_of_the_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -704,47 +755,103 @@ async def test_lookups_being_served_hold_at_most_their_share_of_the_cap(
     """Found in review: a lookup's message was counted nowhere, yet it is held until answered, behind every lookup
     waiting for a compute thread: 400 clients pipelining lookups of 15,000 tokens made a daemon at --cap 64MiB peak
     at 250 MB. Lookups are counted from their dispatch until answered, within --cap / LOOKUP_SHARE; one that does
-    not fit is answered busy at once (a miss to an engine), and one alone always goes in."""
-    import msgpack
-
-    import spilld
-    from spilld import format as fmt
+    not fit is answered busy at once (a miss to an engine), and one alone always goes in. (Each lookup here is its
+    own client's first: larger than a client's share, LOOKUP_CLIENT_SHARE, which the next test hits.)"""
     from spilld.daemon import budget
     from tests.hostile_memory import AsyncWire
 
-    go_on = asyncio.Event()
-    async with _in_process(tmp_path, _ParseGate(monkeypatch), cap=MiB) as daemon:
-        real = daemon.store.lookup_async
-
-        async def held(*args: Any, **kw: Any) -> Any:  # every lookup waits here, as it would for a busy thread
-            await go_on.wait()
-            return await real(*args, **kw)
-
-        monkeypatch.setattr(daemon.store, "lookup_async", held)
-        ident = spilld.Identity("m", "c", "t", "").to_wire()
-        params = {"identity": ident, "tokens": fmt.encode_tokens(list(range(15_000)))}
-        size = len(msgpack.packb([P.REQUEST, 2, "lookup", params], use_bin_type=True))
-        each = budget.lookup_bytes(size)
+    async with _held_lookups(tmp_path, monkeypatch, MiB) as (daemon, go_on):
+        params, each = _lookup_params(15_000)
+        assert each > daemon.looking.share
         fit = 1 + (MiB // budget.LOOKUP_SHARE - each) // each  # the first always, then while the share holds
         assert 1 < fit < 6
         probe = await AsyncWire.open(daemon.cfg.socket, "probe")
-        r, w = await asyncio.open_unix_connection(daemon.cfg.socket)
-        w.write(frames(P.request(1, "hello", {"version": P.PROTOCOL_VERSION})))
-        await _answers(r, {1}, 5)
-        w.write(frames(*[P.request(i, "lookup", params) for i in range(2, 8)]))
-        refused = set(range(2 + fit, 8))
-        got = await _answers(r, refused, 5)  # at once: the others still wait
-        assert all(got[i].error["code"] == "busy" for i in refused) and not got.keys() & set(range(2, 2 + fit)), got
+        conns = await _lookups_on(daemon.cfg.socket, [[params]] * 6)
+        got = [await _answers(r, {2}, 5) for r, _ in conns[fit:]]  # at once: the others still wait
+        assert all(g[2].error["code"] == "busy" and "the daemon holds" in g[2].error["message"] for g in got), got
         st, _ = await probe.call("status", {})
         assert st["lookup_bytes"] == fit * each, st["lookup_bytes"]
         go_on.set()
-        got = await _answers(r, set(range(2, 2 + fit)), 10)
-        assert all(got[i].error is None and got[i].result["hit"] is False for i in range(2, 2 + fit)), got
+        got = [await _answers(r, {2}, 10) for r, _ in conns[:fit]]
+        assert all(g[2].error is None and g[2].result["hit"] is False for g in got), got
         st, _ = await probe.call("status", {})
         assert st["lookup_bytes"] == 0
-        alone = {"identity": ident, "tokens": fmt.encode_tokens(list(range(300_000)))}  # more than the share
+        alone, _ = _lookup_params(300_000)  # more than the share
+        r, w = conns[0]
         w.write(frames(P.request(9, "lookup", alone)))
         got = await _answers(r, {9}, 10)
         assert got[9].error is None, got[9]
-        w.close()
+        for _, w in conns:
+            w.close()
         probe.close()
+
+
+@pytest.mark.asyncio
+async def test_one_client_holds_at_most_its_share_of_the_lookup_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: one client pipelining lookups could fill the whole lookup budget, and another engine's
+    lookups, one at a time, were answered busy (the next test, against a real daemon). Beyond its first lookup, a
+    client holds at most 1 / LOOKUP_CLIENT_SHARE of the budget; the next one is busy for it alone, and another
+    client's lookup goes in beside them."""
+    from spilld.daemon import budget
+    from tests.hostile_memory import AsyncWire
+
+    cap = 4 * MiB
+    async with _held_lookups(tmp_path, monkeypatch, cap) as (daemon, go_on):
+        params, each = _lookup_params(1_000)
+        share = cap // budget.LOOKUP_SHARE // budget.LOOKUP_CLIENT_SHARE
+        assert daemon.looking.share == share
+        fit = 1 + (share - each) // each
+        assert 2 < fit < 8
+        probe = await AsyncWire.open(daemon.cfg.socket, "probe")
+        [(r, w)] = await _lookups_on(daemon.cfg.socket, [[params] * 8])
+        refused = set(range(2 + fit, 10))
+        got = await _answers(r, refused, 5)  # at once: the others still wait
+        assert all("its share" in got[i].error["message"] for i in refused), got
+        assert not got.keys() & set(range(2, 2 + fit)), got
+        [(r2, w2)] = await _lookups_on(daemon.cfg.socket, [[params]])  # another client: it goes in
+        st, _ = await probe.call("status", {})
+        assert st["lookup_bytes"] == (fit + 1) * each, st["lookup_bytes"]
+        go_on.set()
+        got = await _answers(r, set(range(2, 2 + fit)), 10) | await _answers(r2, {2}, 10)
+        assert all(m.error is None for m in got.values()), got
+        st, _ = await probe.call("status", {})
+        assert st["lookup_bytes"] == 0 and not daemon.looking.clients
+        w.close()
+        w2.close()
+        probe.close()
+
+
+def test_a_client_flooding_lookups_does_not_make_anothers_busy() -> None:
+    """Found in review: lookups were refused busy against one budget for all clients, so one that flooded it made
+    another's busy (a miss, and a warning in its engine's log each time). Against a real daemon (--cap 1MiB) a
+    process keeping 32 lookups in flight on each of 4 connections, each a quarter of the budget, made 195 of 200
+    lookups of another client busy. Each client (a process, whatever its connections) now holds at most its share
+    beyond its first lookup: none of the other's lookups is busy."""
+    import subprocess
+    import sys
+
+    from spilld import format as fmt
+
+    with serving("--cap", "1MiB") as d:
+        flood = subprocess.Popen(
+            [sys.executable, "-m", "tests.lookup_flood", d.socket, "12200", "32", "4"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert flood.stdout is not None and flood.stdout.readline().strip() == "ready"
+            w = Wire(d.socket)
+            w.hello(client="polite")
+            params = {"identity": {"model_id": "polite"}, "tokens": fmt.encode_tokens(list(range(64)))}
+            answers = []
+            for _ in range(100):
+                answers.append(w.call("lookup", params))
+                time.sleep(0.005)
+            assert flood.poll() is None  # still flooding
+            busy = [m.error for m in answers if m.error is not None]
+            assert not busy, f"{len(busy)} of 100 busy: {busy[0]}"
+        finally:
+            flood.kill()
+            flood.wait()

@@ -18,6 +18,7 @@ from .. import __version__, blocks, errors, mlxthreads, shm
 from .. import format as fmt
 from .. import protocol as P
 from ..lease import Droppable, off_loop
+from ..peer import peer_pid
 from ..queue import SpillItem
 from ..saver import BytesSource, waits_for_grant
 from .budget import lookup_bytes
@@ -159,6 +160,8 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.lease_grantor = False
         self.session = f"connection {self.id}"  # who sent a spill, for ``cancel`` (the hello may name the client's)
+        # whose share of the lookup budget its lookups take: its process, whatever its connections (connection_made)
+        self.lookup_client = f"connection {self.id}"
         self.asked: dict[int, asyncio.Future[errors.SpillError | None]] = {}  # our requests to the client, by msgid
         self._eof = False  # the client sent EOF: it reads our answers, but sends (and grants) nothing more
         self._grant_missed: str | None = None  # why this client's engine is asked for no more grants
@@ -186,6 +189,8 @@ class Connection(asyncio.BufferedProtocol):
         if uid is not None and uid != os.getuid():
             self._fail(PeerRefused(f"peer uid {uid} is not ours"))  # before a single frame is read
             return
+        if sock is not None and (pid := peer_pid(sock)) is not None:  # the kernel's word, not the hello's
+            self.lookup_client = f"pid {pid}"
         self.daemon.connections.add(self)
         self._arm_timer()
 
@@ -510,7 +515,7 @@ class Connection(asyncio.BufferedProtocol):
                 if msg.method == "spill" and not held:  # a big one is counted from its frame head
                     held = self.daemon.ingest.hold_spill_message(msg.size)
                 elif msg.method == "lookup":
-                    looking = self.daemon.looking.take(lookup_bytes(msg.size))
+                    looking = self.daemon.looking.take(lookup_bytes(msg.size), self.lookup_client)
             except errors.SpillError as exc:  # (a big message's frame-head count: released by _dispatch)
                 self._respond(msg.msgid, error=exc)
                 return None
@@ -519,7 +524,7 @@ class Connection(asyncio.BufferedProtocol):
             task = asyncio.get_running_loop().create_task(call, name=msg.method)
             task.add_done_callback(lambda _: self._release(hold))
             if looking:
-                task.add_done_callback(lambda _: self.daemon.looking.give(looking))
+                task.add_done_callback(lambda _: self.daemon.looking.give(looking, self.lookup_client))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
             return task

@@ -36,7 +36,7 @@ from ..scrub import Scrub
 from ..service.activation import inherited_listener, socket_path
 from ..service.lifecycle import Lifecycle, Progress
 from ..store import Store
-from .budget import LOOKUP_SHARE, Budget
+from .budget import LOOKUP_CLIENT_SHARE, LOOKUP_SHARE, Budget
 from .connection import BackgroundLease, Connection, GrantorLease, Received, StepLog, received_bytes, sent_by
 from .ingest import MAX_OPEN_SPILLS, MAX_OPEN_TENSORS, MAX_OPEN_TOKENS, Ingest
 from .listen import bind, claim, serve_inherited, socket_lock
@@ -115,7 +115,8 @@ class Daemon:
         self.writing = 0  # saves under way (a drain that is writing is making progress)
         self.started = time.monotonic()  # uptime: a clock a step of the wall clock (NTP at boot) does not move
         self.lookups = 0  # lookup requests answered (hits are counted when the client reports its restore: touch)
-        self.looking = Budget(max(cfg.cap // LOOKUP_SHARE, 1), "lookups")  # what lookups being served hold
+        looking = max(cfg.cap // LOOKUP_SHARE, 1)  # what lookups being served hold, and one client of them
+        self.looking = Budget(looking, "lookups", share=max(looking // LOOKUP_CLIENT_SHARE, 1))
         self.last_lookup = -math.inf  # monotonic time of the last one: a client restore follows a lookup
         # hits whose client is reading them (until its touch, or the read's deadline): (client, path) -> when it ends
         self.restoring: dict[tuple[int, str], float] = {}
