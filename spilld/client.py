@@ -701,8 +701,12 @@ class AsyncClient:
             return None
         except errors.StorageTimeout:
             raise  # a hung disk: said, so that the caller can stop asking for a while (each ask would wait as long)
-        except errors.SpillError:
-            return None  # evicted between lookup and open, or a file this model cannot use
+        except errors.SpillError as exc:  # evicted between lookup and open, or a file this model cannot use
+            try:  # the daemon's background reads wait for this read no more (an older daemon: unknown_method)
+                await self.call("read_failed", {"path": path}, timeout=LOOKUP_TIMEOUT_S)
+            except errors.SpillError as why:
+                log.debug("a failed read's report was not answered: %s (the read: %s)", why, exc)
+            return None
         try:  # the daemon's LRU and histogram: the restore is done and good, whatever becomes of this report
             params = {"path": path, "restore_s": time.perf_counter() - t0}
             await self.call("touch", params, timeout=min(self.timeout, LOOKUP_TIMEOUT_S))

@@ -533,3 +533,40 @@ async def test_the_first_scrub_pass_waits_ten_minutes_or_one_interval_if_shorter
     with pytest.raises(asyncio.CancelledError):
         await scrub.run()
     assert FIRST_AFTER_S == 600.0 and waits == [first]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["gone", "bad"])
+async def test_a_hit_whose_read_fails_holds_background_reads_no_longer_than_a_lookup(how: str) -> None:
+    """Found in review: a hit held background reads until its client's touch or the read's deadline
+    (``--io-timeout``, 30 s), and a read that failed sent no touch: a file gone since the lookup (or one the client
+    cannot use) and a bad file (``report_bad``) each held the scrub and the warm start for the whole deadline. The
+    client says ``read_failed`` now, and ``report_bad`` ends the hold too."""
+    async with _a_stored_entry() as (daemon, c, tokens):
+        hit = await c.lookup([*tokens, 1])
+        assert isinstance(hit, spilld.Hit)
+        if how == "gone":
+            os.unlink(hit.path)  # removed by hand: the index still holds it, the client's read fails
+        else:
+            flip(hit.path, os.path.getsize(hit.path) - 1)
+        assert await c.load([*tokens, 1]) is None  # a miss to the engine
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert not daemon._clients_active(), daemon.restoring
+
+
+@pytest.mark.asyncio
+async def test_a_client_gone_before_its_touch_holds_background_reads_no_longer_than_a_lookup() -> None:
+    """Found in review: a client that looked up a hit and went away (killed mid-restore, or closed) held background
+    reads for the read's deadline (``--io-timeout``, 30 s), no touch coming. Its connection's end ends its holds."""
+    from spilld.client import AsyncClient
+
+    async with _a_stored_entry() as (daemon, c, tokens):
+        other = await AsyncClient.open(daemon.cfg.socket, identity=spilld.Identity("bg"), shm=False)
+        assert isinstance(await other.lookup([*tokens, 1]), spilld.Hit)
+        assert daemon.restoring  # its client reads it now
+        await other.close()
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert not daemon._clients_active(), daemon.restoring
+        assert isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # another's hit still holds them
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert daemon._clients_active()

@@ -313,6 +313,7 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self.daemon.ingest.release(held)
         self.daemon.connections.discard(self)
+        self.daemon.restores_gone(self)
         self._unlink_segments()
         if not self.closed.done():
             self.closed.set_result(None)

@@ -51,6 +51,7 @@ SERVED_METHODS = (
     "lookup",
     "resume",
     "touch",
+    "read_failed",
     "delete",
     "report_bad",
     "drain",
@@ -460,6 +461,17 @@ class Daemon:
             log.debug("restored", extra={"client": conn.id, "path": e.path, "restore_s": seconds})
         return {"found": e is not None}
 
+    async def _read_failed(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
+        """The client could not read a hit (gone since its lookup, or a file it cannot use): background reads wait
+        for it no more (found in review: they waited for --io-timeout, no touch coming)."""
+        return {"released": self.restoring.pop((conn.id, p["path"]), None) is not None}
+
+    def restores_gone(self, conn: Connection) -> None:
+        """``conn`` is gone: background reads wait for none of the hits it was reading (found in review: a client
+        gone before its touch held them for --io-timeout)."""
+        for k in [k for k in self.restoring if k[0] == conn.id]:
+            del self.restoring[k]
+
     async def _delete(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         if "path" in p:
             n = await self.store.remove_where_async(lambda e: e.path == p["path"])
@@ -482,6 +494,7 @@ class Daemon:
 
     async def _report_bad(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         path = p["path"]
+        self.restoring.pop((conn.id, path), None)  # its read ended (found in review: it held background reads on)
         e = self.store.entry_at(path)
         if e is None:
             return {"quarantined": False}
