@@ -703,7 +703,7 @@ class AsyncClient:
             raise  # a hung disk: said, so that the caller can stop asking for a while (each ask would wait as long)
         except errors.SpillError as exc:  # evicted between lookup and open, or a file this model cannot use
             try:  # the daemon's background reads wait for this read no more (an older daemon: unknown_method)
-                await self.call("read_failed", {"path": path}, timeout=LOOKUP_TIMEOUT_S)
+                await self.call("read_failed", {"path": path, "file": exc.path or path}, timeout=LOOKUP_TIMEOUT_S)
             except errors.SpillError as why:
                 log.debug("a failed read's report was not answered: %s (the read: %s)", why, exc)
             return None

@@ -555,6 +555,24 @@ async def test_a_hit_whose_read_fails_holds_background_reads_no_longer_than_a_lo
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("what", ["entry", "block"])
+async def test_a_file_a_clients_read_finds_gone_leaves_the_index(what: str) -> None:
+    """Found in review: a file removed by hand under a running daemon stayed a hit, and every lookup of it a failed
+    read (a prefill for the engine), until the scrub came by (a day apart by default). The client's ``read_failed``
+    names the file; the daemon checks it is gone itself, and takes it out of its index."""
+    async with _a_stored_entry() as (daemon, c, tokens):
+        hit = await c.lookup([*tokens, 1])
+        assert isinstance(hit, spilld.Hit)
+        e = daemon.store.entry_at(hit.path)
+        assert e is not None and e.blocks
+        gone = daemon.store.block_path(e.blocks[0]) if what == "block" else hit.path
+        os.unlink(gone)  # removed by hand: the index still holds it
+        assert await c.load([*tokens, 1]) is None  # a miss to the engine
+        assert not isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # and no hit any more
+        assert not isinstance(await c.lookup(tokens[:20]), spilld.Hit)  # nor a shorter prefix of the same blocks
+
+
+@pytest.mark.asyncio
 async def test_a_client_gone_before_its_touch_holds_background_reads_no_longer_than_a_lookup() -> None:
     """Found in review: a client that looked up a hit and went away (killed mid-restore, or closed) held background
     reads for the read's deadline (``--io-timeout``, 30 s), no touch coming. Its connection's end ends its holds."""

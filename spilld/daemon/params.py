@@ -88,7 +88,7 @@ METHODS: dict[str, dict[str, Param]] = {
     },
     "resume": {"identity": Param(dict, required=True), "key": Param(str, required=True), "codec_provider": Param(str)},
     "touch": {"path": Param(str, required=True), "restore_s": Param(float)},
-    "read_failed": {"path": Param(str, required=True)},
+    "read_failed": {"path": Param(str, required=True), "file": Param(str)},
     "delete": {"path": Param(str), "key": Param(str)},
     "pin": {"path": Param(str, required=True), "on": Param(bool)},
     "report_bad": {"path": Param(str, required=True), "code": Param(str), "file": Param(str)},

@@ -463,8 +463,14 @@ class Daemon:
 
     async def _read_failed(self, conn: Connection, p: dict[str, Any], msgid: int) -> dict[str, Any]:
         """The client could not read a hit (gone since its lookup, or a file it cannot use): background reads wait
-        for it no more (found in review: they waited for --io-timeout, no touch coming)."""
-        return {"released": self.restoring.pop((conn.id, p["path"]), None) is not None}
+        for it no more (found in review: they waited for --io-timeout, no touch coming). The file it could not
+        read, if this daemon finds it gone from the disk, leaves the index (found in review: a file removed by hand
+        stayed a hit, and every lookup of it a failed read, until the scrub came by)."""
+        released = self.restoring.pop((conn.id, p["path"]), None) is not None
+        gone = await self.store.lost_async(p.get("file", p["path"]))  # the daemon's own check, not the client's word
+        if gone:
+            log.warning("a stored file is gone from the disk (a client's read found it): %s", p.get("file"))
+        return {"released": released, "gone": gone}
 
     def restores_gone(self, conn: Connection) -> None:
         """``conn`` is gone: background reads wait for none of the hits it was reading (found in review: a client
