@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
@@ -69,6 +68,7 @@ class Spiller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
         self._closed = False  # close has run: the folder's lock is let go, and nothing more is answered
+        self._wear: asyncio.Future[None] | None = None  # the last record of the run's bytes in the wear file
 
     @classmethod
     async def open(cls, folder: str | os.PathLike[str], **kwargs: Any) -> Spiller:
@@ -309,12 +309,18 @@ class Spiller:
         deadline = api.Deadline(timeout)
         try:
             self._close_report = await self.queue.close(deadline.left())
-            with contextlib.suppress(TimeoutError):  # (the call's timeout bounds it too: the count is then lost)
-                await asyncio.wait_for(self.store.record_wear(), deadline.left())
+            await self._record_wear(deadline.left())
             return self._close_report
         finally:
             self._closed = True
             self.queue.after_writer(self.store.close)
+
+    async def _record_wear(self, wait_s: float | None) -> None:
+        """Add the run's bytes to the wear file, waiting for that at most ``wait_s`` (the store's I/O deadline bounds
+        the record itself). Past it the record goes on alone, never cancelled: a cancel waits for its thread, which a
+        hung disk holds (found in review: ``close(timeout=1)`` took as long as the hung write of the wear file)."""
+        self._wear = asyncio.ensure_future(self.store.record_wear())  # (held: a task nobody holds may be collected)
+        await asyncio.wait([self._wear], timeout=wait_s)
 
     async def status(self) -> dict[str, Any]:
         """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""

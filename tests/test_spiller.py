@@ -399,3 +399,42 @@ async def test_a_cancelled_close_keeps_the_folders_lock_until_the_writer_has_end
     assert unlocked == []
     await asyncio.sleep(0.05)
     assert free()  # let go once the writer ended
+
+
+class _HungWearFile(spilld.fileio.FileOps):
+    """A disk that hangs on the wear file's write until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def open_new(self, path: str, flags: int = 0) -> int:
+        if ".spilld-wear" in path:
+            self.release.wait(60)
+        return super().open_new(path, flags)
+
+
+@pytest.mark.asyncio
+async def test_a_close_keeps_to_its_timeout_while_the_wear_file_hangs(tmp_path: Any) -> None:
+    """Found in review: close gave the wear record what was left of its timeout through ``wait_for``, whose cancel
+    waited for the record's thread: ``close(timeout=1)`` took as long as the hung write of the wear file."""
+    from mlx_lm.models import cache as C
+
+    from spilld.store import Store
+    from tests.caches import fill
+
+    sp = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"))
+    assert (await sp.spill(list(range(16)), [fill(C.KVCache(), 16)])).stored
+    written = sp.store.stats()["written_day"]
+    sp.store.ops = hung = _HungWearFile()
+    closing = asyncio.ensure_future(sp.close(timeout=0.5))
+    try:
+        done, _ = await asyncio.wait([closing], timeout=5)
+        assert closing in done
+    finally:
+        hung.release.set()
+        await closing
+    assert sp._wear is not None
+    await asyncio.wait_for(sp._wear, 10)  # the record went on alone, and landed once the disk came back
+    again = Store(tmp_path)
+    again.scan()
+    assert again.stats()["written_day"] == written > 0
