@@ -36,6 +36,7 @@ log = logging.getLogger("spilld.spiller")
 # alone longer, the folder is a daemon's (it holds the lock for its life)
 SHARE_WAIT_S = 60.0
 SHARE_RETRY_S = 0.05
+CANCELLED_WEAR_S = 5.0  # the most a cancelled close waits for the run's bytes to reach the wear file
 
 
 class Spiller:
@@ -68,7 +69,7 @@ class Spiller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
         self._closed = False  # close has run: the folder's lock is let go, and nothing more is answered
-        self._wear: asyncio.Future[None] | None = None  # the last record of the run's bytes in the wear file
+        self._records: set[asyncio.Future[None]] = set()  # additions of the run's bytes to the wear file under way
 
     @classmethod
     async def open(cls, folder: str | os.PathLike[str], **kwargs: Any) -> Spiller:
@@ -311,16 +312,35 @@ class Spiller:
             self._close_report = await self.queue.close(deadline.left())
             await self._record_wear(deadline.left())
             return self._close_report
+        except asyncio.CancelledError:
+            # found in review: a close cancelled while it drained recorded none of the run's bytes, which the next
+            # run's write budget then never counted. What was written so far is recorded before the cancel goes on
+            await self._record_wear(deadline.within(CANCELLED_WEAR_S))
+            raise
         finally:
             self._closed = True
-            self.queue.after_writer(self.store.close)
+            self.queue.after_writer(self._release)
+
+    def _record(self) -> None:
+        """Start adding the bytes written since the last record to the wear file (none: nothing to add)."""
+        if self.store.wear.written:
+            record = asyncio.ensure_future(self.store.record_wear())
+            self._records.add(record)  # (held: a task nobody holds may be collected)
+            record.add_done_callback(self._records.discard)
 
     async def _record_wear(self, wait_s: float | None) -> None:
         """Add the run's bytes to the wear file, waiting for that at most ``wait_s`` (the store's I/O deadline bounds
         the record itself). Past it the record goes on alone, never cancelled: a cancel waits for its thread, which a
         hung disk holds (found in review: ``close(timeout=1)`` took as long as the hung write of the wear file)."""
-        self._wear = asyncio.ensure_future(self.store.record_wear())  # (held: a task nobody holds may be collected)
-        await asyncio.wait([self._wear], timeout=wait_s)
+        self._record()
+        if self._records:
+            await asyncio.wait(self._records, timeout=wait_s)
+
+    def _release(self) -> None:
+        """The writer has ended: what it wrote after the close's record (a cancelled close's writer goes on with the
+        items queued before it) is recorded too, on its own, and the folder's lock goes."""
+        self._record()
+        self.store.close()
 
     async def status(self) -> dict[str, Any]:
         """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""

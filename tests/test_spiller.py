@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -433,8 +434,49 @@ async def test_a_close_keeps_to_its_timeout_while_the_wear_file_hangs(tmp_path: 
     finally:
         hung.release.set()
         await closing
-    assert sp._wear is not None
-    await asyncio.wait_for(sp._wear, 10)  # the record went on alone, and landed once the disk came back
+    assert sp._records
+    await asyncio.wait(sp._records, timeout=10)  # the record went on alone, and landed once the disk came back
     again = Store(tmp_path)
     again.scan()
     assert again.stats()["written_day"] == written > 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_close_records_the_runs_wear(tmp_path: Any) -> None:
+    """Found in review: a close cancelled while it drained never added the run's bytes to the wear file, so the
+    next run's write budget lost them. Those written before the cancel are recorded before it goes on; those the
+    writer still writes after it (the items queued before the close) once the writer ends."""
+    from mlx_lm.models import cache as C
+
+    from spilld.store import Store
+    from tests.caches import fill
+
+    gate = threading.Event()
+    gate.set()
+
+    async def lease(fn: Any) -> Any:
+        await spilld.lease.off_loop(lambda: gate.wait(10))
+        return await spilld.lease.off_loop(fn)
+
+    def recorded() -> int:
+        again = Store(tmp_path)
+        again.scan()
+        return int(again.stats()["written_day"])
+
+    sp = await spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=lease)
+    assert (await sp.spill(list(range(32)), [fill(C.KVCache(), 32)])).stored
+    before = sp.store.stats()["written_day"]
+    gate.clear()  # the next two wait in their write
+    futs = [sp.spill(list(range(100 * i, 100 * i + 32)), [fill(C.KVCache(), 32, seed=i)]) for i in (1, 2)]
+    closing = asyncio.ensure_future(sp.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert recorded() == before > 0
+    gate.set()
+    assert [r.outcome for r in await asyncio.wait_for(asyncio.gather(*futs), 10)] == [Outcome.STORED] * 2
+    end = time.monotonic() + 10
+    while recorded() < sp.store.stats()["written_day"] and time.monotonic() < end:  # the writer ends, then records
+        await asyncio.sleep(0.05)  # what it wrote since
+    assert recorded() == sp.store.stats()["written_day"] > before
