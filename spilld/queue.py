@@ -56,9 +56,9 @@ class Settled:
         return self.outcome is Outcome.STORED
 
     @classmethod
-    def closed(cls) -> Settled:
+    def closed(cls, why: str = "queue is closed") -> Settled:
         """What a closed queue (or a client closed, or closing) answers an item with."""
-        return cls(Outcome.CANCELLED, error=errors.Closed("queue is closed"))
+        return cls(Outcome.CANCELLED, error=errors.Closed(why))
 
 
 @dataclass(eq=False)

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import errors
+from . import errors, mlxthreads
 from . import format as fmt
 from .codecs import CodecProvider
 from .entries import check_namespace, checkpoint_namespace
@@ -33,6 +35,9 @@ from .saver import (
 )
 
 Plan = tuple[fmt.Header, list[AnySource]]
+
+LOOP_WATCH_S = 0.1  # how often the hand-offs to a loop its caller runs look whether it still does (``watching``)
+NOT_RUNNING = "the event loop this spill was handed to is not running (stopped, its thread ended, or closed)"
 
 
 @dataclass(eq=False)
@@ -152,18 +157,23 @@ def on_loop(loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Futur
 def threadsafe(
     loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future[Settled]]
 ) -> concurrent.futures.Future[Settled]:
-    """Run ``enqueue`` on ``loop`` from any thread; a concurrent future of its outcome."""
+    """Run ``enqueue`` on ``loop`` from any thread; a concurrent future of its outcome. A loop that does not run
+    (stopped or closed: it would never run it) settles it cancelled at once, as a closed queue's item."""
     out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
 
     def settle(f: asyncio.Future[Settled]) -> None:
-        if out.set_running_or_notify_cancel():  # False: its caller cancelled it (the item goes on regardless)
-            out.set_result(f.result())
+        _settle(out, f.result())  # (a caller that cancelled it gave up the answer; the item goes on regardless)
 
     def run() -> None:
+        if out.done() and not out.cancelled():  # settled cancelled while the loop stood (``Handoffs``): never queued
+            return
         enqueue().add_done_callback(settle)
 
     if _running() is loop:
         run()
+        return out
+    if not loop.is_running():  # found in review: handed to a stopped loop, a spill waited for ever
+        settle_closed(out, NOT_RUNNING)
         return out
     try:
         loop.call_soon_threadsafe(run)
@@ -172,10 +182,21 @@ def threadsafe(
     return out
 
 
-def settle_closed(fut: concurrent.futures.Future[Settled]) -> None:
-    """Settle ``fut`` as a closed queue's item, unless it is settled or its caller cancelled it."""
-    if not fut.done() and fut.set_running_or_notify_cancel():
-        fut.set_result(Settled.closed())
+def _settle(fut: concurrent.futures.Future[Settled], result: Settled) -> None:
+    """Settle ``fut`` with ``result`` unless it is settled or its caller cancelled it; from any thread (a loop run
+    again after a ``Handoffs`` watch settled its hand-offs settles them too: ignored, and never logged as a future
+    in an unexpected state)."""
+    if fut.done():
+        return
+    with contextlib.suppress(RuntimeError, concurrent.futures.InvalidStateError):  # (the other one came first)
+        if fut.set_running_or_notify_cancel():
+            fut.set_result(result)
+
+
+def settle_closed(fut: concurrent.futures.Future[Settled], why: str = "") -> None:
+    """Settle ``fut`` as a closed queue's item (``why``: said in its error), unless it is settled or its caller
+    cancelled it."""
+    _settle(fut, Settled.closed(why) if why else Settled.closed())
 
 
 class Handoffs:
@@ -186,10 +207,20 @@ class Handoffs:
     and any tracked after, at once. Its caller is never left waiting.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, watch: asyncio.AbstractEventLoop | None = None) -> None:
         self._lock = threading.Lock()
         self._open: set[concurrent.futures.Future[Settled]] = set()
         self._abandoned = False
+        self._watch = watch  # a loop whose end no hook tells of (``watching``)
+        self._watching = False  # a thread watches it now
+
+    @classmethod
+    def watching(cls, loop: asyncio.AbstractEventLoop) -> Handoffs:
+        """The hand-offs to a loop its caller runs (a ``Spiller``'s), whose stop or close nothing tells of: while
+        any is open a thread looks every ``LOOP_WATCH_S`` whether the loop still runs, and once it does not settles
+        them cancelled (found in review: an engine's spill handed over as the loop stopped waited for ever). Not for
+        good: a loop run again takes hand-offs again (``threadsafe`` refuses them only while it does not run)."""
+        return cls(watch=loop)
 
     @classmethod
     def closed_by(cls, on_close: Callable[[Callable[[], None]], None]) -> Handoffs:
@@ -200,15 +231,39 @@ class Handoffs:
         return out
 
     def track(self, fut: concurrent.futures.Future[Settled]) -> concurrent.futures.Future[Settled]:
+        if fut.done():  # (refused at once, or settled already: nothing to wait for)
+            return fut
         with self._lock:
             tracked = not self._abandoned
             if tracked:
                 self._open.add(fut)
+            watch = tracked and self._watch is not None and not self._watching
+            self._watching = self._watching or watch
+        if watch:
+            mlxthreads.start_thread(self._look, "spilld-loop-watch", daemon=True)
         if tracked:  # (outside the lock: a settled future runs the callback here, and it takes the lock)
             fut.add_done_callback(self._forget)
         else:
             settle_closed(fut)
         return fut
+
+    def _look(self) -> None:
+        """The watch's thread: it ends once no hand-off is open, or once the loop no longer runs, having settled
+        those that were (their callbacks run here)."""
+        loop = self._watch
+        assert loop is not None
+        left: list[concurrent.futures.Future[Settled]] = []
+        while True:
+            time.sleep(LOOP_WATCH_S)
+            stopped = loop.is_closed() or not loop.is_running()
+            with self._lock:
+                if stopped or not self._open:
+                    left = list(self._open) if stopped else []
+                    self._open.difference_update(left)
+                    self._watching = False
+                    break
+        for fut in left:
+            settle_closed(fut, NOT_RUNNING)
 
     def _forget(self, fut: concurrent.futures.Future[Settled]) -> None:
         with self._lock:

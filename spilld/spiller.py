@@ -27,7 +27,7 @@ from .loader import Loaded
 from .lockfile import FileLock, holder_pid
 from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import Attachment, Staging, token_list
-from .snapshot import item_bytes, new_item, on_loop, planned, threadsafe
+from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned, threadsafe
 from .store import Store
 
 log = logging.getLogger("spilld.spiller")
@@ -67,6 +67,8 @@ class Spiller:
         self.queue = SpillQueue(queue_cap, self._write, bytes_of=self._bytes_of)
         self._staging = Staging()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # spill_threadsafe's futures, settled cancelled if the loop stops before they settle (watched once bound)
+        self._handoffs = Handoffs()
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
         self._closed = False  # close has run: the folder's lock is let go, and nothing more is answered
         self._records: set[asyncio.Future[None]] = set()  # additions of the run's bytes to the wear file under way
@@ -109,6 +111,7 @@ class Spiller:
                 self.store.close()
                 raise
         self._loop = asyncio.get_running_loop()
+        self._handoffs = Handoffs.watching(self._loop)
         return self
 
     async def _share(self, lock: FileLock) -> None:
@@ -192,10 +195,12 @@ class Spiller:
     def spill_threadsafe(
         self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
     ) -> concurrent.futures.Future[Settled]:
-        """``spill`` from any thread (the engine's own): the clones are made here, the item is queued on the loop."""
+        """``spill`` from any thread (the engine's own): the clones are made here, the item is queued on the loop.
+        Settled cancelled (``Closed``) if the loop does not run it: stopped or closed at the call, or before the item
+        settled (found in review: the engine waited for ever on a loop that had stopped without a close)."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        return threadsafe(self._bound(), lambda: self.queue.enqueue(item))
+        return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.enqueue(item)))
 
     def barrier(self, key: str = "", *, action: Callable[[], Any] | None = None) -> asyncio.Future[Settled]:
         """A future that settles once every item queued before it has settled.

@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+import uvloop
 
 import spilld
 import spilld.saver
@@ -480,3 +481,54 @@ async def test_a_cancelled_close_records_the_runs_wear(tmp_path: Any) -> None:
     while recorded() < sp.store.stats()["written_day"] and time.monotonic() < end:  # the writer ends, then records
         await asyncio.sleep(0.05)  # what it wrote since
     assert recorded() == sp.store.stats()["written_day"] > before
+
+
+async def test_a_threadsafe_spill_settles_when_its_loop_stops_without_a_close(tmp_path: Any) -> None:
+    """Found in review: the Spiller's loop stopped (its thread ended) with no close, and the engine thread waited
+    for ever on the futures of its spills still queued or in their write, and of any made after. Each settles
+    cancelled with ``Closed``: those handed over before the stop once it is seen, those after it at once."""
+    uv = isinstance(asyncio.get_running_loop(), uvloop.Loop)  # the Spiller's loop of the same kind as the test's
+    await asyncio.to_thread(_engine_outlives_its_spillers_loop, tmp_path, uvloop.new_event_loop if uv else None)
+
+
+def _engine_outlives_its_spillers_loop(tmp_path: Any, new_loop: Any) -> None:
+    from mlx_lm.models import cache as C
+
+    from spilld.queue import Settled
+    from tests.caches import fill
+
+    loop = (new_loop or asyncio.new_event_loop)()
+    th = mlxthreads.start_thread(loop.run_forever, "spiller-loop", daemon=True)
+    gate = threading.Event()
+
+    async def lease(fn: Any) -> Any:  # the write waits until the end of the test
+        await spilld.lease.off_loop(lambda: gate.wait(20))
+        return await spilld.lease.off_loop(fn)
+
+    def closed(r: Settled) -> bool:
+        return r.outcome is Outcome.CANCELLED and isinstance(r.error, spilld.errors.Closed)
+
+    try:
+        opening = spilld.Spiller.open(tmp_path, identity=spilld.Identity("m"), lease=lease)
+        sp = asyncio.run_coroutine_threadsafe(opening, loop).result(30)
+        cache = fill(C.KVCache(), 16)
+        waiting = [sp.spill_threadsafe(list(range(i, i + 16)), [cache]) for i in range(3)]
+        end = time.monotonic() + 10
+        while sp.queue.pending_items < 3 and time.monotonic() < end:  # one in its write, two queued behind it
+            time.sleep(0.01)
+        waiting.append(sp.spill_threadsafe(list(range(50, 66)), [cache]))  # handed over as the loop stops
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+        assert not th.is_alive()
+        assert all(closed(f.result(timeout=5)) for f in waiting)
+        after = sp.spill_threadsafe(list(range(100, 116)), [cache])
+        assert after.done() and closed(after.result())  # at once, never a wait
+        loop.close()
+        after_close = sp.spill_threadsafe(list(range(200, 216)), [cache])
+        assert after_close.done() and closed(after_close.result())
+    finally:
+        gate.set()
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+            th.join(10)
+            loop.close()
