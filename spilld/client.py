@@ -116,6 +116,7 @@ class AsyncClient:
         self._connect_lock = asyncio.Lock()
         self._send_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoffs = Handoffs()  # spill_threadsafe's futures (watched once a loop is bound: ``_ensure``)
         self._commits: set[asyncio.Future[Any]] = set()
         self._grants: set[asyncio.Task[None]] = set()
         self._holds: dict[int, threading.Event] = {}  # grants being held, until the daemon's lease_done
@@ -155,7 +156,9 @@ class AsyncClient:
             if self._writer is not None and not self._writer.is_closing():
                 return
             await self._old_reader_gone()
-            self._loop = asyncio.get_running_loop()
+            if (loop := asyncio.get_running_loop()) is not self._loop:
+                self._loop = loop
+                self._handoffs = Handoffs.watching(loop)  # spill_threadsafe's, settled if the loop ends first
             self._told = None
             limit = min(self.timeout, CONNECT_TIMEOUT_S)
             try:
@@ -428,7 +431,7 @@ class AsyncClient:
         """``spill`` from any thread (the engine's own): clones here, queued and shipped on the loop."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        return threadsafe(self._bound(), lambda: self._enqueue(item))
+        return self._handoffs.track(threadsafe(self._bound(), lambda: self._enqueue(item)))
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""

@@ -157,8 +157,10 @@ def on_loop(loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Futur
 def threadsafe(
     loop: asyncio.AbstractEventLoop, enqueue: Callable[[], asyncio.Future[Settled]]
 ) -> concurrent.futures.Future[Settled]:
-    """Run ``enqueue`` on ``loop`` from any thread; a concurrent future of its outcome. A loop that does not run
-    (stopped or closed: it would never run it) settles it cancelled at once, as a closed queue's item."""
+    """Run ``enqueue`` on ``loop`` from any thread; a concurrent future of its outcome. A closed loop (it would never
+    run it) settles it cancelled at once, as a closed queue's item; one that does not run now is left to a
+    ``Handoffs.watching`` of it (not running may be not running yet: between ``run_until_complete`` and
+    ``run_forever``, say)."""
     out: concurrent.futures.Future[Settled] = concurrent.futures.Future()
 
     def settle(f: asyncio.Future[Settled]) -> None:
@@ -172,7 +174,7 @@ def threadsafe(
     if _running() is loop:
         run()
         return out
-    if not loop.is_running():  # found in review: handed to a stopped loop, a spill waited for ever
+    if loop.is_closed():  # found in review: handed to a loop that had ended, a spill waited for ever
         settle_closed(out, NOT_RUNNING)
         return out
     try:
@@ -213,13 +215,15 @@ class Handoffs:
         self._abandoned = False
         self._watch = watch  # a loop whose end no hook tells of (``watching``)
         self._watching = False  # a thread watches it now
+        self._runner = threading.current_thread()  # the thread last seen running that loop (``watching``)
 
     @classmethod
     def watching(cls, loop: asyncio.AbstractEventLoop) -> Handoffs:
-        """The hand-offs to a loop its caller runs (a ``Spiller``'s), whose stop or close nothing tells of: while
-        any is open a thread looks every ``LOOP_WATCH_S`` whether the loop still runs, and once it does not settles
-        them cancelled (found in review: an engine's spill handed over as the loop stopped waited for ever). Not for
-        good: a loop run again takes hand-offs again (``threadsafe`` refuses them only while it does not run)."""
+        """The hand-offs to a loop its caller runs (a ``Spiller``'s), made on that loop, whose stop or close nothing
+        tells of: while any is open a thread looks every ``LOOP_WATCH_S`` whether the loop has ended (closed, or not
+        running and the thread last seen running it gone), and then settles them cancelled (found in review: an
+        engine's spill handed over as the loop stopped waited for ever). A loop that does not run while the thread
+        that ran it lives may run again (``run_until_complete`` then ``run_forever``): its hand-offs wait."""
         return cls(watch=loop)
 
     @classmethod
@@ -255,7 +259,10 @@ class Handoffs:
         left: list[concurrent.futures.Future[Settled]] = []
         while True:
             time.sleep(LOOP_WATCH_S)
-            stopped = loop.is_closed() or not loop.is_running()
+            stopped = loop.is_closed() or (not loop.is_running() and not self._runner.is_alive())
+            if not stopped:
+                with contextlib.suppress(RuntimeError):  # (closed meanwhile: seen at the next look)
+                    loop.call_soon_threadsafe(self._seen_running)
             with self._lock:
                 if stopped or not self._open:
                     left = list(self._open) if stopped else []
@@ -264,6 +271,9 @@ class Handoffs:
                     break
         for fut in left:
             settle_closed(fut, NOT_RUNNING)
+
+    def _seen_running(self) -> None:
+        self._runner = threading.current_thread()  # (on the loop: whichever thread runs it now)
 
     def _forget(self, fut: concurrent.futures.Future[Settled]) -> None:
         with self._lock:

@@ -469,3 +469,22 @@ def test_the_tier_passes_over_an_empty_prompt_quietly(tmp_path: Any, caplog: pyt
         assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
     finally:
         tier.close(5)
+
+
+def test_an_async_clients_threadsafe_spill_settles_once_its_loop_has_ended(daemon: Daemon) -> None:
+    """As the Spiller's (tests/test_spiller.py): an AsyncClient on a loop whose thread stopped it and ended, without
+    a close, left the engine waiting for ever on a spill handed over then. It settles cancelled (``Closed``)."""
+    from spilld import mlxthreads
+
+    loop = asyncio.new_event_loop()
+    th = mlxthreads.start_thread(loop.run_forever, "client-loop", daemon=True)
+    try:
+        c = asyncio.run_coroutine_threadsafe(AsyncClient.open(daemon.socket, identity=IDENT), loop).result(30)
+        assert c.spill_threadsafe(list(range(8)), [fill(C.KVCache(), 8)]).result(30).stored
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+        settled = c.spill_threadsafe(list(range(8, 16)), [fill(C.KVCache(), 8)]).result(5)
+        assert settled.outcome is Outcome.CANCELLED and isinstance(settled.error, errors.Closed)
+        loop.run_until_complete(c.close(5))  # the loop run again, here: the client winds down
+    finally:
+        loop.close()

@@ -486,7 +486,8 @@ async def test_a_cancelled_close_records_the_runs_wear(tmp_path: Any) -> None:
 async def test_a_threadsafe_spill_settles_when_its_loop_stops_without_a_close(tmp_path: Any) -> None:
     """Found in review: the Spiller's loop stopped (its thread ended) with no close, and the engine thread waited
     for ever on the futures of its spills still queued or in their write, and of any made after. Each settles
-    cancelled with ``Closed``: those handed over before the stop once it is seen, those after it at once."""
+    cancelled with ``Closed``: those handed over before the stop, or after it, once it is seen; those after the
+    loop's close at once."""
     uv = isinstance(asyncio.get_running_loop(), uvloop.Loop)  # the Spiller's loop of the same kind as the test's
     await asyncio.to_thread(_engine_outlives_its_spillers_loop, tmp_path, uvloop.new_event_loop if uv else None)
 
@@ -522,7 +523,7 @@ def _engine_outlives_its_spillers_loop(tmp_path: Any, new_loop: Any) -> None:
         assert not th.is_alive()
         assert all(closed(f.result(timeout=5)) for f in waiting)
         after = sp.spill_threadsafe(list(range(100, 116)), [cache])
-        assert after.done() and closed(after.result())  # at once, never a wait
+        assert closed(after.result(timeout=5))  # once the watch sees the loop still stopped
         loop.close()
         after_close = sp.spill_threadsafe(list(range(200, 216)), [cache])
         assert after_close.done() and closed(after_close.result())
@@ -532,3 +533,28 @@ def _engine_outlives_its_spillers_loop(tmp_path: Any, new_loop: Any) -> None:
             loop.call_soon_threadsafe(loop.stop)
             th.join(10)
             loop.close()
+
+
+async def test_a_threadsafe_spill_handed_before_the_loop_runs_is_stored(tmp_path: Any) -> None:
+    """A loop not running yet is not a stopped one: a Spiller opened with ``run_until_complete``, its loop then run
+    by a thread of its own, takes a spill handed over in between (the thread that ran the loop lives on)."""
+    await asyncio.to_thread(_handed_before_the_loop_runs, tmp_path)
+
+
+def _handed_before_the_loop_runs(tmp_path: Any) -> None:
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+
+    loop = asyncio.new_event_loop()
+    sp = loop.run_until_complete(spilld.Spiller.open(tmp_path, identity=spilld.Identity("m")))
+    fut = sp.spill_threadsafe(list(range(16)), [fill(C.KVCache(), 16)])  # the loop does not run now
+    time.sleep(5 * spilld.snapshot.LOOP_WATCH_S)  # the watch has looked, and the thread that ran the loop lives
+    th = mlxthreads.start_thread(loop.run_forever, "spiller-loop", daemon=True)
+    try:
+        assert fut.result(timeout=10).stored
+    finally:
+        asyncio.run_coroutine_threadsafe(sp.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+        loop.close()
