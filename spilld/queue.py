@@ -224,6 +224,8 @@ class SpillQueue:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Settled] = loop.create_future()
         rec = _Rec(item, fut, loop.create_future())
+        if not self._closed and self._worker is not None and self._worker.cancelled():
+            self._stopped_from_outside()
         if self._closed:
             self._finish(rec, Settled.closed())
             return fut
@@ -244,6 +246,14 @@ class SpillQueue:
         self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
         self._kick(loop)
         return fut
+
+    def _stopped_from_outside(self) -> None:
+        """The writer was cancelled, and not by ``close``: its loop is winding down (``asyncio.run`` cancels every
+        task, then shuts its threads down). The queue takes nothing more, and what waits in it is cancelled (found
+        in review: the next spill started a new writer, whose first step failed with a plain RuntimeError from the
+        executor already shut down)."""
+        self._closed = True
+        self.cancel_where(lambda _: True, barriers=True)
 
     def _shed(self, keep: _Rec) -> None:
         while self.pending_bytes > self.cap_bytes:

@@ -471,3 +471,23 @@ async def test_a_cancel_inside_an_item_cancels_that_item_and_the_writer_goes_on(
     assert (await barrier).outcome is Outcome.CANCELLED
     assert (await asyncio.wait_for(after, 5)).outcome is Outcome.STORED
     assert (await q.drain(5)).done
+
+
+async def test_a_writer_cancelled_from_outside_closes_the_queue() -> None:
+    """As ``asyncio.run`` winds a loop down: every task cancelled (the writer with them), then the loop's threads
+    shut down. Found in review: a spill enqueued then started a new writer, which failed on the executor already
+    shut down with a plain RuntimeError. Now the queue is closed: the new item, and those left waiting, cancelled."""
+    from spilld import errors
+
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    first, waiting = q.enqueue(item("a")), q.enqueue(item("b"))
+    await rec.started.wait()
+    assert q._worker is not None
+    q._worker.cancel()  # from outside the queue
+    await asyncio.sleep(0)
+    late = q.enqueue(item("c"))
+    results = await asyncio.wait_for(asyncio.gather(first, waiting, late), 5)
+    assert [r.outcome for r in results] == [Outcome.CANCELLED] * 3
+    assert isinstance(results[2].error, errors.Closed) and rec.order == []
