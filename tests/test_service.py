@@ -1092,6 +1092,22 @@ def test_a_control_character_in_a_path_is_refused_never_written_into_a_service_f
 
 
 @pytest.mark.parametrize("manager", ["systemd", "launchd"])
+@pytest.mark.parametrize("option", ["--dir", "--socket"])
+def test_a_path_that_is_not_utf8_is_refused_never_an_internal_error(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str], manager: str, option: str
+) -> None:
+    """Found in review: a byte that is not UTF-8 in --dir (argv holds it as a lone surrogate) passed every check and
+    failed as the file was encoded: exit 70, with launchd's dry run too. Refused with exit 2 and nothing written."""
+    home, runner = fake_home
+    bad = os.fsdecode(os.fsencode(str(home)) + b"/a\xff.sock")
+    for dry in (["--dry-run"], []):
+        assert cli.main(["service", "install", "--manager", manager, option, bad, *dry]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "not UTF-8" in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(home) == [] and runner.calls == []
+
+
+@pytest.mark.parametrize("manager", ["systemd", "launchd"])
 def test_install_serves_spilld_socket_as_every_other_command_reaches_it(
     fake_home: tuple[Path, FakeRunner],
     capsys: pytest.CaptureFixture[str],

@@ -36,10 +36,17 @@ CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
 
 
 def refuse_control_characters(value: str, what: str) -> str:
-    """``value``, if it holds no control character; else ValueError naming ``what`` (found in review: a newline
-    in ``--dir`` wrote a line of its own, ``ExecStartPre=...``, into the unit)."""
+    """``value``, if it holds no control character and is UTF-8 text; else ValueError naming ``what`` (found in
+    review: a newline in ``--dir`` wrote a line of its own, ``ExecStartPre=...``, into the unit; a byte that is not
+    UTF-8, which Python's argv holds as a lone surrogate, was an internal error, exit 70, as the file was encoded)."""
     if CONTROL_CHARACTERS.search(value):
         raise ValueError(f"{what} {value!r} holds a control character (a newline?): a service file cannot carry it")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{what} {value!r} holds a byte that is not UTF-8 text: a service file cannot carry it"
+        ) from None
     return value
 
 
