@@ -989,7 +989,8 @@ def test_the_drain_deadline_a_unit_writes_is_one_the_daemon_reads_back_exactly(d
 
 @pytest.mark.parametrize("action", ["status", "uninstall"])
 @pytest.mark.parametrize(
-    "extra", [["--cap", "9GiB"], ["--dir", "/x"], ["--drain-deadline", "5"], ["--no-socket-activation"]]
+    "extra",
+    [["--cap", "9GiB"], ["--dir", "/x"], ["--drain-deadline", "5"], ["--no-socket-activation"], ["--", "--log-level"]],
 )
 def test_options_only_install_uses_are_refused_by_the_other_actions(action: str, extra: list[str]) -> None:
     """Found in review: status and uninstall ignored them (the README says an option is refused, never ignored)."""
@@ -1156,3 +1157,204 @@ def test_install_keeps_the_files_where_xdg_cache_home_names_as_every_other_comma
     assert cli.main(["service", "install", "--manager", "systemd", "--dry-run"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "from XDG_CACHE_HOME" in err and len(err.strip().splitlines()) == 1, err
+
+
+# --- daemon options passed through `spilld service install -- OPTIONS` ----------------------------------------
+
+ODD_WORDS = ["a b", 'x"y', "it's", "back\\slash", "%h", "%%", "$X", "${X}", "$$", ";", "", "é", "--", "#x"]
+
+
+def test_a_units_exec_start_splits_back_into_the_words_it_was_made_of() -> None:
+    """systemd_split is the inverse of systemd_quote: what `service status` reads back is what the unit runs."""
+    words = (*(f"--remote-host-name={w}" for w in ODD_WORDS), *ODD_WORDS)
+    spec = ServiceSpec(command=("/opt/a b/spilld",), dir="/tmp/d %i", serve_args=words)
+    line = next(ln for ln in units.systemd_service(spec).splitlines() if ln.startswith("ExecStart="))
+    assert units.systemd_split(line.removeprefix("ExecStart=")) == spec.argv()
+    assert spec.argv()[-len(words) :] == list(words)  # after install's own, --drain-deadline first of its name
+
+
+def test_units_with_serve_options_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    spec = ServiceSpec(serve_args=("--metrics-file", "/tmp/a dir/%h $X;.prom", "--log-level", "debug"))
+    (tmp_path / units.SERVICE_NAME).write_text(units.systemd_service(spec))
+    (tmp_path / units.SOCKET_NAME).write_text(units.systemd_socket(spec))
+    r = analyze(tmp_path)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+@pytest.fixture
+def elsewhere(fake_home: tuple[Path, FakeRunner], monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A working folder other than the home (so that nothing an install writes hides among its files), with a
+    folder for a metrics file and a 0600 password file."""
+    cwd = Path(tempfile.mkdtemp(prefix="spilld-cwd-", dir="/tmp"))
+    (cwd / "prom dir").mkdir()
+    (cwd / "pw").write_text("secret\n")
+    (cwd / "pw").chmod(0o600)
+    monkeypatch.chdir(cwd)
+    yield cwd
+    shutil.rmtree(cwd, ignore_errors=True)
+
+
+def serve_args_of(argv: list[str]) -> Any:
+    """``argv`` (a service's command) as `spilld serve` parses it: the round trip."""
+    assert argv[1] == "serve", argv
+    args = cli.build_parser().parse_args(argv[1:])
+    assert args.func.__name__ == "cmd_serve"
+    return args
+
+
+@pytest.mark.parametrize("manager", ["systemd", "launchd"])
+def test_install_passes_the_options_after_dashes_to_the_daemon(
+    fake_home: tuple[Path, FakeRunner], elsewhere: Path, capsys: pytest.CaptureFixture[str], manager: str
+) -> None:
+    """`spilld service install -- OPTIONS`: every daemon option reaches the service, quoted for systemd, a word of
+    ProgramArguments for launchd, a file's relative path made absolute (the service runs elsewhere); --dry-run shows
+    them, `service status` says what the service runs, and the command parses back through serve's own parser."""
+    from spilld.config import parse_size
+
+    home, runner = fake_home
+    metrics = "prom dir/%h $X;.prom"
+    options = [
+        "--write-budget", "50GiB", "--durability=full", "--metrics-file", metrics, "--block-tokens", "128",
+        "--remote", "redis://cache.local:6379/0", "--remote-password-file=pw", "--remote-host-name", 'a "b" c',
+    ]  # fmt: skip
+    argv = ["service", "install", "--manager", manager, "--cap", "2GiB"]
+    assert cli.main([*argv, "--dry-run", "--", *options]) == 0
+    shown = capsys.readouterr().out
+    assert not list(home.iterdir()) and runner.calls == []
+    assert cli.main([*argv, "--", *options]) == 0
+    if manager == "systemd":
+        text = (home / ".config" / "systemd" / "user" / units.SERVICE_NAME).read_text()
+        line = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
+        assert f'--metrics-file "{elsewhere}/prom dir/%%h $$X;.prom"' in line, line  # quoted, literal
+        assert '--remote-host-name "a \\"b\\" c"' in line, line
+        written = units.systemd_split(line.removeprefix("ExecStart="))
+    else:
+        text = (home / "Library" / "LaunchAgents" / units.PLIST_NAME).read_text()
+        written = plistlib.loads(text.encode())["ProgramArguments"]
+    assert text.rstrip() in shown  # what --dry-run showed is what was written
+    tail = written[written.index("--drain-deadline") + 2 :]
+    assert tail == [
+        "--write-budget", "50GiB", "--durability=full", "--metrics-file", f"{elsewhere}/{metrics}", "--block-tokens",
+        "128", "--remote", "redis://cache.local:6379/0", "--remote-password-file", f"{elsewhere}/pw",
+        "--remote-host-name", 'a "b" c',
+    ]  # fmt: skip
+    assert "secret" not in text  # the password file's path, never its password
+    args = serve_args_of(written)
+    assert (args.cap, args.write_budget, args.durability, args.block_tokens) == (
+        2 << 30,
+        parse_size("50GiB"),
+        "full",
+        128,
+    )
+    assert args.metrics_file == f"{elsewhere}/{metrics}" and args.remote_host_name == 'a "b" c'
+    capsys.readouterr()
+    assert cli.main(["service", "status", "--manager", manager]) == 0
+    out = capsys.readouterr().out
+    assert "runs: " in out and "--write-budget 50GiB" in out and f"{elsewhere}/pw" in out, out
+
+
+@pytest.mark.parametrize("manager", ["systemd", "launchd"])
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--durability", "bogus"], "invalid choice: 'bogus'"),
+        (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+        (["--write", "5G"], "each option in full"),  # serve takes the abbreviation; a unit must not
+        (["--write-budget", "0"], "at least 1 byte"),
+        (["--block-tokens", "3"], "block tokens must be"),  # refused by Config, as serve refuses it
+        (["--metrics-file", "no/such/folder/m.prom"], "its folder does not exist"),
+        (["--remote-key-file", "pw"], "without --remote"),
+        (["--remote", "redis://user:hunter2@cache.local:6379/0"], "holds a password"),
+        (["--remote", "redis://cache.local/0", "--remote-password-file", "no-such-file"], "cannot be opened"),
+        (["--remote", "rediss://cache.local/0?ssl_ca_certs=ca.pem"], "ssl_ca_certs=ca.pem is a relative path"),
+        (["--remote", "rediss://cache.local/0?ssl_keyfile=k.pem"], "ssl_keyfile=k.pem is a relative path"),
+        (["--cap", "2GiB"], "--cap is an option of install's own"),
+        (["--drain-deadline", "5"], "--drain-deadline is an option of install's own"),
+        (["--dir", "/tmp/x", "--socket=/tmp/x.sock"], "--dir, --socket are options of install's own"),
+        (["--metrics-file", "prom dir/a\nExecStartPre=x.prom"], "control character"),
+        (["--metrics-file", os.fsdecode(b"prom dir/\xff.prom")], "not UTF-8"),
+        (["--log-level", "debug", "--"], "unrecognized arguments: --"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_install_refuses_options_after_dashes_the_daemon_would_refuse_or_install_owns(
+    fake_home: tuple[Path, FakeRunner],
+    elsewhere: Path,
+    capsys: pytest.CaptureFixture[str],
+    manager: str,
+    options: list[str],
+    said: str,
+) -> None:
+    """A daemon option passed to the service is checked at install by serve's own parser and settings, or the
+    service would fail at every start (launchd restarts it every 30 s): one line, exit 2, nothing written or run.
+    install's own options are refused there too, naming the option to use; a password never lands in a file."""
+    home, runner = fake_home
+    for dry in (["--dry-run"], []):
+        argv = ["service", "install", "--manager", manager, *dry, "--", *options]
+        assert cli.main(argv) == cli.EXIT_USAGE, argv
+        out, err = capsys.readouterr()
+        assert said in err and len(err.strip().splitlines()) == 1 and out == "", (out, err)
+        assert "hunter2" not in err
+    assert list(home.iterdir()) == [] and runner.calls == []
+
+
+def test_install_refuses_options_after_dashes_in_a_real_process(short_home: Path) -> None:
+    """The same through the console entry point (argv split before argparse sees it): one line, exit 2."""
+    env = {**os.environ, "HOME": str(short_home), "PYTHONPATH": str(ROOT)}
+    for tail in (["--", "--durability", "bogus"], ["--", "--cap", "1G"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "spilld", "--socket", f"{short_home}/s.sock", "service", "install", "--manager",
+             "systemd", *tail],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "after --" in r.stderr and r.stdout == ""
+    assert list(short_home.iterdir()) == []
+
+
+def test_install_dashes_help_shows_serves_options_and_installs_nothing(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]
+) -> None:
+    home, runner = fake_home
+    assert cli.main(["service", "install", "--manager", "systemd", "--", "--help"]) == 0
+    assert "usage: spilld serve" in capsys.readouterr().out
+    assert list(home.iterdir()) == [] and runner.calls == []
+
+
+def test_a_reinstall_with_other_options_after_dashes_replaces_them(
+    fake_home: tuple[Path, FakeRunner], elsewhere: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each install states the whole service: a reinstall writes its own options (none without `--`) in place of
+    the old ones, and restarts a running daemon with them, as a reinstall with another --cap does."""
+    home, runner = fake_home
+    unit = home / ".config" / "systemd" / "user" / units.SERVICE_NAME
+    base = ["service", "install", "--manager", "systemd"]
+    assert cli.main([*base, "--", "--durability", "none"]) == 0
+    assert "--durability none" in unit.read_text()
+    runner.calls.clear()
+    assert cli.main([*base, "--", "--log-level", "debug"]) == 0
+    text = unit.read_text()
+    assert "--log-level debug" in text and "--durability" not in text
+    assert ["systemctl", "--user", "try-restart", units.SERVICE_NAME] in runner.calls
+    assert cli.main(base) == 0
+    assert "--log-level" not in unit.read_text()
+
+
+def test_install_says_the_service_does_not_see_the_shells_remote_password(
+    fake_home: tuple[Path, FakeRunner],
+    elsewhere: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """$SPILLD_REMOTE_PASSWORD of the installing shell is never written into a service file: install says so,
+    and names the way to give the service a password."""
+    home, _ = fake_home
+    monkeypatch.setenv("SPILLD_REMOTE_PASSWORD", "hunter2")
+    assert cli.main(["service", "install", "--manager", "systemd", "--", "--remote", "redis://cache.local/0"]) == 0
+    err = capsys.readouterr().err
+    assert "$SPILLD_REMOTE_PASSWORD" in err and "--remote-password-file" in err, err
+    for path in (home / ".config" / "systemd" / "user").iterdir():
+        assert "hunter2" not in path.read_text()
+    args = ["service", "install", "--manager", "systemd", "--", "--remote", "redis://cache.local/0"]
+    assert cli.main([*args, "--remote-password-file", "pw"]) == 0
+    assert "SPILLD_REMOTE_PASSWORD" not in capsys.readouterr().err

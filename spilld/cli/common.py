@@ -125,9 +125,15 @@ size_text_arg = _arg_type(_checked_text, "size")  # checked, kept as written (se
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line refusals (exit 2) instead of a usage block."""
+    """argparse with one-line refusals (exit 2) instead of a usage block. ``raise_errors``: a refusal is a
+    ``UsageError`` of its message instead (``service install`` checks the options it passes to ``serve`` with
+    ``serve``'s parser, and says where they came from)."""
+
+    raise_errors = False
 
     def error(self, message: str) -> NoReturn:
+        if self.raise_errors:
+            raise UsageError(message)
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 

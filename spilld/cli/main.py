@@ -21,7 +21,7 @@ from .common import (
     EXIT_USAGE,
     UsageError,
 )
-from .parser import build_parser, with_command
+from .parser import build_parser, split_serve_options, with_command
 
 DEBUG_ENV = "SPILLD_DEBUG"  # set to 1: an internal error shows its traceback
 UNREACHABLE_CODES = {"connection_lost", "busy", "timeout", "not_a_daemon"}  # gone, stopping, silent, or not spilld
@@ -49,11 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr and an exit code (never a traceback)."""
     parser = build_parser()
     commands = [c for a in parser._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
-    args_list = with_command(list(sys.argv[1:] if argv is None else argv), commands)
+    args_list, serve_options = split_serve_options(with_command(list(sys.argv[1:] if argv is None else argv), commands))
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # --help, --version, or a refusal already printed
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    if serve_options is not None:  # `spilld service ... -- OPTIONS`
+        args.serve_options = serve_options
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

@@ -349,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         "install, remove or show spilld as a user service (launchd on macOS, systemd on Linux); "
         "the service files run `spilld serve` with the options below",
     )
+    svc.description = (
+        f"{svc.description}, and with any other daemon option given after `--` (spilld service install --cap 8GiB "
+        "-- --remote redis://HOST:6379/0 --write-budget 50GiB): checked now as `spilld serve` checks them, each "
+        "given in full, a file's path made absolute"
+    )
+    svc.usage = "%(prog)s [-h] [OPTIONS] {install,uninstall,status} [-- SERVE_OPTIONS]"
     svc.add_argument(
         "action",
         choices=["install", "uninstall", "status"],
@@ -376,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the manager own the socket and hand it to the daemon (default: on)",
     )
     svc.add_argument("--manager", choices=["launchd", "systemd"], default=None, help="default: the platform's own")
-    svc.set_defaults(func=cmd_service)
+    svc.set_defaults(func=cmd_service, serve_options=None)  # the words after `--` (split_serve_options)
     return p
 
 
@@ -400,3 +406,19 @@ def with_command(argv: list[str], commands: Sequence[str]) -> list[str]:
         else:
             return argv  # not a command: argparse says so
     return [*argv[:i], "serve", *argv[i:]]
+
+
+SERVE_OPTIONS_MARK = "--"  # `spilld service install [OPTIONS] -- SERVE OPTIONS`
+
+
+def split_serve_options(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``argv`` without the daemon options of ``spilld service ... -- OPTIONS`` (the words after the first ``--``
+    that follows ``service``), and those options; None where there is no such ``--``. argparse cannot take them:
+    a list of positionals after ``install`` is matched, empty, before the parser reaches the ``--``."""
+    i = 0
+    while i < len(argv) and argv[i].split("=", 1)[0] in GLOBAL_OPTIONS:
+        i += 1 if "=" in argv[i] else 2
+    if argv[i : i + 1] == ["service"] and SERVE_OPTIONS_MARK in argv[i + 1 :]:
+        mark = argv.index(SERVE_OPTIONS_MARK, i + 1)
+        return argv[:mark], argv[mark + 1 :]
+    return argv, None

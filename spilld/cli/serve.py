@@ -22,9 +22,30 @@ from .common import (
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..config import default_dir
     from ..daemon import AlreadyRunning, run, setup_logging
     from ..service.activation import ActivationError
+
+    cfg = serve_config(args)
+    _check_socket_target(cfg.socket)
+    setup_logging(args.log_level, {"json": True, "text": False, "auto": None}[args.log_format])
+    try:
+        return run(cfg)
+    except AlreadyRunning as exc:
+        print(f"spilld: {exc}", file=sys.stderr)
+        return EXIT_ALREADY_RUNNING
+    except (ActivationError, errors.UnusableFolder) as exc:  # a wrong socket passed, or a folder we must not use
+        raise UsageError(str(exc)) from None
+    except errors.StorageError as exc:  # a folder the OS refuses at start (EACCES, EROFS, ENOENT under /proc...)
+        raise UsageError(f"cannot serve: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot serve: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}") from None
+
+
+def serve_config(args: argparse.Namespace) -> Config:
+    """The daemon's settings from ``serve``'s options, checked as far as they can be without serving (the shared
+    tier's URL, password and key files included): ``UsageError`` names the bad one. ``service install`` checks the
+    options it passes to ``serve`` here too, so a service never fails at every start on one."""
+    from ..config import default_dir
 
     try:
         cfg = Config(
@@ -57,20 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _check_socket_target(cfg.socket)
     _check_remote(cfg)
-    setup_logging(args.log_level, {"json": True, "text": False, "auto": None}[args.log_format])
-    try:
-        return run(cfg)
-    except AlreadyRunning as exc:
-        print(f"spilld: {exc}", file=sys.stderr)
-        return EXIT_ALREADY_RUNNING
-    except (ActivationError, errors.UnusableFolder) as exc:  # a wrong socket passed, or a folder we must not use
-        raise UsageError(str(exc)) from None
-    except errors.StorageError as exc:  # a folder the OS refuses at start (EACCES, EROFS, ENOENT under /proc...)
-        raise UsageError(f"cannot serve: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"cannot serve: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}") from None
+    return cfg
 
 
 def _check_remote(cfg: Config) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
-from ..config import default_dir
+from ..config import default_dir, parse_size
 from .common import EXIT_NOT_INSTALLED, EXIT_OK, EXIT_SERVICE, EXIT_USAGE, UsageError, folder_arg
 
 
@@ -20,6 +23,8 @@ def _service_spec(args: argparse.Namespace, manager: str, home: Path) -> Any:
     socket = _service_socket(args.socket, manager) if args.socket is not None else _env_socket(manager)
     try:  # a path a service file cannot carry (a newline: found in review, a line of its own in the unit)
         spec = ServiceSpec(dir=folder, socket=socket, **given)  # the rest: defaults
+        if args.serve_options is not None:  # checked with install's own values, which the service runs with too
+            spec = replace(spec, serve_args=_serve_options(args.serve_options, spec))
         if manager == "launchd":
             refuse_control_characters(str(home), "the home folder")  # the plist's log and default socket are in it
     except ValueError as exc:
@@ -27,6 +32,77 @@ def _service_spec(args: argparse.Namespace, manager: str, home: Path) -> Any:
     if manager == "launchd" and args.socket is None:  # the default under a long home (found in review: unchecked)
         _checked_path(launchd_socket(spec, home), manager)
     return spec
+
+
+# `serve`'s options that `install` gives the service itself (its own options, or socket activation's)
+OWNED_OPTIONS = {"cap": "--cap", "dir": "--dir", "socket": "--socket", "drain_deadline": "--drain-deadline"}
+# `serve`'s options that name a file, each made absolute as `serve` resolves it (a service does not start in the
+# folder `install` ran in): only --metrics-file expands a ~
+FILE_OPTIONS: dict[str, Callable[[str], str]] = {
+    "--remote-password-file": os.path.abspath,
+    "--remote-key-file": os.path.abspath,
+    "--metrics-file": lambda path: os.path.abspath(os.path.expanduser(path)),
+}
+# the files a rediss:// URL may name (redis-py opens them from the daemon's folder): a relative one is refused
+URL_FILE_PARAMS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ca_path")
+_NOT_GIVEN = object()
+
+
+def _serve_options(words: list[str], spec: Any) -> tuple[str, ...]:
+    """The daemon options given after ``install --``, checked now by ``serve``'s own parser and settings (a bad one
+    would fail the service at every start: launchd starts it again every 30 s), each option named in full (an
+    abbreviation that is unique today may not be after an upgrade), none that ``install`` sets itself; a file's
+    path made absolute. ``UsageError`` for a refusal; SystemExit(0) after ``-- --help``."""
+    from .parser import build_parser
+    from .serve import serve_config
+
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    serve.raise_errors, serve.allow_abbrev = True, False  # this parser only, made for this check
+    try:
+        args = serve.parse_args(words, argparse.Namespace(**dict.fromkeys(OWNED_OPTIONS, _NOT_GIVEN)))
+    except UsageError as exc:
+        hint = " (each option in full, as `spilld serve --help` names it)" if "unrecognized" in str(exc) else ""
+        raise UsageError(f"after --: {exc}{hint}") from None
+    if owned := [opt for dest, opt in OWNED_OPTIONS.items() if getattr(args, dest) is not _NOT_GIVEN]:
+        raise UsageError(
+            f"after --: {', '.join(owned)} {'is an option' if len(owned) == 1 else 'are options'} of install's own: "
+            f"give {'it' if len(owned) == 1 else 'them'} before -- (spilld service install {owned[0]} ...)"
+        )
+    args.cap, args.dir, args.socket = parse_size(spec.cap), spec.dir, spec.socket  # what the service will run with
+    args.drain_deadline = spec.drain_deadline
+    _refuse_relative_url_files(args.remote)  # (before serve's checks, which open them from this folder)
+    cfg = serve_config(args)
+    if cfg.remote and not cfg.remote_password_file:
+        from ..remote.credentials import PASSWORD_ENV  # (the extra is there: serve_config checked)
+
+        if os.environ.get(PASSWORD_ENV):  # a service file never holds a password, nor passes this shell's on
+            print(
+                f"spilld: the service does not see ${PASSWORD_ENV}: to give it the password, add "
+                "--remote-password-file FILE (mode 0600) after --",
+                file=sys.stderr,
+            )
+    out: list[str] = []
+    at = iter(words)
+    for word in at:  # every option is named in full (no abbreviation), so each file option is found by its name
+        name, eq, value = word.partition("=")
+        if name in FILE_OPTIONS:
+            out += [name, FILE_OPTIONS[name](value if eq else next(at))]
+        else:
+            out.append(word)
+    return tuple(out)
+
+
+def _refuse_relative_url_files(url: str | None) -> None:
+    """A file a ``--remote`` URL names (a TLS CA or client key) by a relative path: ``UsageError``. The service
+    would open it from its own working folder, not this one; a URL is passed on as written."""
+    params = parse_qs(urlsplit(url or "").query)
+    for name in URL_FILE_PARAMS:
+        for path in params.get(name, []):
+            if not os.path.isabs(path):
+                raise UsageError(
+                    f"--remote: {name}={path} is a relative path, which a service would take from "
+                    "another folder: give it absolute"
+                )
 
 
 def _checked_path(path: str, manager: str) -> str:
@@ -97,6 +173,8 @@ def _refuse_install_options(args: argparse.Namespace) -> None:
     given = [f"--{n.replace('_', '-')}" for n in INSTALL_ONLY if getattr(args, n) is not None]
     if args.action == "status" and args.dry_run:
         given.append("--dry-run")
+    if args.serve_options is not None:  # (a reinstall drops them; uninstall needs none)
+        given.append("-- (daemon options)")
     if given:
         raise UsageError(f"service {args.action} takes no {', '.join(given)} (only install uses them)")
 
@@ -125,7 +203,11 @@ def cmd_service(args: argparse.Namespace) -> int:
     if args.action == "status":
         return _service_status(manager, home)
     if args.action == "install":
-        plan = svc.install_plan(manager, _service_spec(args, manager, home), home)
+        try:
+            spec = _service_spec(args, manager, home)
+        except SystemExit as exc:  # `install -- --help`: serve's options shown, nothing installed
+            return int(exc.code or 0)
+        plan = svc.install_plan(manager, spec, home)
     else:
         plan = svc.uninstall_plan(manager, home)
     if args.dry_run:

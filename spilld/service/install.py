@@ -139,13 +139,19 @@ def installed_files(manager: Manager, home: Path) -> list[Path]:
     return [unit_dir(home) / units.SERVICE_NAME, unit_dir(home) / units.SOCKET_NAME]
 
 
-def _drain_deadline(manager: Manager, path: Path) -> float:
-    """The ``--drain-deadline`` an installed plist or unit passes to the daemon."""
+def installed_argv(manager: Manager, path: Path) -> list[str]:
+    """The command an installed plist or unit runs (ProgramArguments, ExecStart=); an exception where there is none
+    to read (not a regular file, no such key or line, a quote left open)."""
     head = _head(path)  # (a unit or plist spilld wrote is small: a larger one is not ours)
     if manager == "launchd":
-        argv = [str(a) for a in plistlib.loads(head)["ProgramArguments"]]
-    else:
-        argv = next(ln for ln in head.decode().splitlines() if ln.startswith("ExecStart=")).split()
+        return [str(a) for a in plistlib.loads(head)["ProgramArguments"]]
+    line = next(ln for ln in head.decode().splitlines() if ln.startswith("ExecStart="))
+    return units.systemd_split(line.removeprefix("ExecStart="))
+
+
+def _drain_deadline(manager: Manager, path: Path) -> float:
+    """The ``--drain-deadline`` an installed plist or unit passes to the daemon."""
+    argv = installed_argv(manager, path)
     return check_duration(float(argv[argv.index("--drain-deadline") + 1]), "--drain-deadline")
 
 
@@ -443,14 +449,28 @@ def _ask(runner: Runner, argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(argv, 124, "", f"no answer within {QUERY_TIMEOUT_S} s")
 
 
+def _runs(manager: Manager, home: Path) -> list[str]:
+    """``runs: COMMAND``, the command the installed plist or unit of ours runs (its daemon options with it); none
+    where that file is missing, not ours, or unreadable."""
+    path = installed_files(manager, home)[0]
+    if not written_by_spilld(path):
+        return []
+    try:
+        return [f"runs: {shlex.join(installed_argv(manager, path))}"]
+    except Exception:  # edited into something we cannot read: status still answers
+        return []
+
+
 def status(manager: Manager, home: Path, runner: Runner) -> Status:
-    """Which files are in place and whether the manager has the job loaded (asks, changes nothing)."""
+    """Which files are in place, the command the service runs, and whether the manager has the job loaded (asks,
+    changes nothing)."""
     files = {p: file_state(p) for p in installed_files(manager, home)}
     if manager == "launchd":
         r = _ask(runner, ["launchctl", "print", f"{_domain()}/{units.LABEL}"])
         state = next((ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("state =")), "")
-        return Status(files, r.returncode == 0, [f"launchd: {'loaded' if r.returncode == 0 else 'not loaded'} {state}"])
-    detail, active = [], False
+        loaded = f"launchd: {'loaded' if r.returncode == 0 else 'not loaded'} {state}"
+        return Status(files, r.returncode == 0, [*_runs(manager, home), loaded])
+    detail, active = _runs(manager, home), False
     for unit in (units.SOCKET_NAME, units.SERVICE_NAME):
         enabled = _ask(runner, ["systemctl", "--user", "is-enabled", unit]).stdout.strip() or "unknown"
         state = _ask(runner, ["systemctl", "--user", "is-active", unit]).stdout.strip() or "unknown"

@@ -11,6 +11,7 @@ import math
 import os
 import plistlib
 import re
+import shlex
 import string
 import sys
 from dataclasses import dataclass, field
@@ -69,21 +70,25 @@ class ServiceSpec:
     socket: str | None = None  # None: the daemon's default (and %t/spilld/spilld.sock for systemd's socket unit)
     drain_deadline: float = DRAIN_DEADLINE_S
     socket_activation: bool = True
+    # the other daemon options (`service install -- OPTIONS`), word for word, checked by serve's parser already
+    serve_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         words = [("--cap", self.cap), ("--dir", self.dir), ("--socket", self.socket)]
-        for what, value in [*words, *(("the command", word) for word in self.command)]:
+        words += [("the command", word) for word in self.command]
+        for what, value in [*words, *(("the serve option", word) for word in self.serve_args)]:
             if value is not None:
                 refuse_control_characters(value, what)
 
     def argv(self) -> list[str]:
-        """ExecStart / ProgramArguments: the command, ``serve`` and the options."""
+        """ExecStart / ProgramArguments: the command, ``serve``, install's options, then the others (after
+        ``--drain-deadline``, which ``install`` finds as the first of its name when it reads an installed file)."""
         args = [*self.command, "serve", "--cap", self.cap]
         if self.dir:
             args += ["--dir", self.dir]
         if self.socket:
             args += ["--socket", self.socket]
-        return [*args, "--drain-deadline", seconds_arg(self.drain_deadline)]
+        return [*args, "--drain-deadline", seconds_arg(self.drain_deadline), *self.serve_args]
 
     @property
     def stop_timeout_s(self) -> int:
@@ -219,6 +224,12 @@ def systemd_quote(arg: str) -> str:
     if arg and not _SPECIAL & set(arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def systemd_split(exec_start: str) -> list[str]:
+    """The words of an ExecStart= value as ``systemd_quote`` wrote them (ValueError for a quote left open): the
+    inverse of joining ``systemd_quote`` of each word, for ``service status`` and the round-trip test."""
+    return [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(exec_start)]
 
 
 def systemd_service(spec: ServiceSpec) -> str:
