@@ -1358,3 +1358,17 @@ def test_install_says_the_service_does_not_see_the_shells_remote_password(
     args = ["service", "install", "--manager", "systemd", "--", "--remote", "redis://cache.local/0"]
     assert cli.main([*args, "--remote-password-file", "pw"]) == 0
     assert "SPILLD_REMOTE_PASSWORD" not in capsys.readouterr().err
+
+
+def test_a_daemon_option_given_to_install_without_dashes_is_refused_with_where_it_goes(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: `service install --remote URL` said only "unrecognized arguments"; the line now says that
+    the daemon's other options go after `--`. Other commands' refusals say no such thing."""
+    home, runner = fake_home
+    assert cli.main(["service", "install", "--dry-run", "--remote", "redis://h:6379/0"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --remote" in err and "go after `--`" in err and len(err.splitlines()) == 1, err
+    assert list(home.iterdir()) == [] and runner.calls == []
+    assert cli.main(["ls", "--remote", "x"]) == cli.EXIT_USAGE
+    assert "go after" not in capsys.readouterr().err

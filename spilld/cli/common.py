@@ -130,11 +130,13 @@ class Parser(argparse.ArgumentParser):
     ``serve``'s parser, and says where they came from)."""
 
     raise_errors = False
+    unrecognized_hint = ""  # said after "unrecognized arguments" (``main`` sets it for ``service``)
 
     def error(self, message: str) -> NoReturn:
         if self.raise_errors:
             raise UsageError(message)
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+        hint = self.unrecognized_hint if message.startswith("unrecognized arguments") else ""
+        self.exit(EXIT_USAGE, f"{self.prog}: {message}{hint} (see `{self.prog} --help`)\n")
 
 
 # --- paths ---------------------------------------------------------------------------------------------

@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     commands = [c for a in parser._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
     args_list, serve_options = split_serve_options(with_command(list(sys.argv[1:] if argv is None else argv), commands))
+    if "service" in args_list and serve_options is None:  # (found in review: `install --remote URL` said no more)
+        parser.unrecognized_hint = (
+            "; the daemon's other options go after `--` (`spilld service install -- --remote URL`)"
+        )
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # --help, --version, or a refusal already printed

@@ -61,7 +61,7 @@ GLOBAL_OPTIONS = ("--socket", "--dir")  # each takes one value; accepted before 
 # --- the parser ------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     from ..config import default_dir, default_socket
 
     p = Parser(
