@@ -595,6 +595,71 @@ def test_verify_dir_refuses_a_block_swapped_for_a_link_as_the_store_does(tmp_pat
     assert block.is_symlink() and os.listdir(theirs) == [block.name]
 
 
+def test_verify_dir_of_a_live_store_says_an_entry_evicted_during_the_check_is_gone_not_bad(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: ``verify --dir`` on a store a daemon serves reported an entry as bad when the daemon evicted
+    it during the check (its manifest gone before it was read, or its blocks gone after): a false alarm, exit 1.
+    Each race is made certain here by evicting through the real daemon from a hook at that point of the check. Such
+    an entry is said gone and counted apart; a block removed while its manifest stays is still bad."""
+    import asyncio
+
+    from mlx_lm.models.cache import KVCache
+
+    import spilld as sd
+    from spilld import loader
+    from spilld.entries import identity_fingerprint
+    from spilld.store import Store
+    from tests.caches import fill
+
+    d = Daemon(new_root(), ["--block-tokens", "16", "--scrub-rate", "0", "--warm-bytes", "0"])
+    try:
+        store = Store(d.dir, block_tokens=16, durability="none")
+        idents = {name: sd.Identity(name) for name in ("listed", "half_read", "kept")}
+        for i, ident in enumerate(idents.values()):
+            asyncio.run(store.put(list(range(i, i + 40)), [fill(KVCache(), 40)], ident))
+        store.close()
+        fps = {name: identity_fingerprint(ident) for name, ident in idents.items()}
+        manifest = {name: next(e.path for e in store.entries if e.fingerprint == fp) for name, fp in fps.items()}
+        d.start()
+
+        def evict(name: str) -> None:
+            r = d.cli("evict", "--fingerprint", fps[name], "--socket", d.socket)
+            assert r.returncode == 0 and "evicted 1 entry" in r.stdout, r
+
+        real, done = loader._verify_one, set()
+
+        def racing(p: str, ops: Any) -> Any:
+            """Evict "listed" just before its manifest is read, "half_read" once its manifest is read and before its
+            first block is."""
+            if p == manifest["listed"] and "listed" not in done:
+                done.add("listed")
+                evict("listed")
+            if p.endswith(".spilld-block") and os.path.dirname(p) == os.path.dirname(manifest["half_read"]):
+                if "half_read" not in done:
+                    done.add("half_read")
+                    evict("half_read")
+            return real(p, ops)
+
+        monkeypatch.setattr(loader, "_verify_one", racing)
+        capsys.readouterr()
+        assert cli.main(["verify", "--quiet", "--dir", d.dir]) == cli.EXIT_OK
+        out = capsys.readouterr().out
+        assert done == {"listed", "half_read"} and "BAD" not in out, out
+        assert "3 entries" in out and "0 bad, 2 evicted during the check" in out, out
+        assert f"gone {manifest['listed']}" in out and f"gone {manifest['half_read']}" in out, out
+        # a block missing while its manifest is still there, naming it: bad, as before
+        monkeypatch.setattr(loader, "_verify_one", real)
+        kept_dir = os.path.dirname(manifest["kept"])
+        os.unlink(next(os.path.join(kept_dir, n) for n in sorted(os.listdir(kept_dir)) if n.endswith("-block")))
+        assert cli.main(["verify", "--quiet", "--dir", d.dir]) == cli.EXIT_BAD_FILE
+        out = capsys.readouterr().out
+        assert f"BAD  {manifest['kept']}" in out and "1 bad" in out and "evicted" not in out, out
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
     import pty
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import json
 import os
 import stat
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
@@ -154,11 +156,20 @@ def store_files(root: str) -> list[tuple[str, str]]:
     return found
 
 
-def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Header | None]:
-    """(why it is bad or None, its header): every hash, and for a store's file, that it sits in its identity's
-    folder and is read as the store reads its own files (``fileio.OWN_OPS``: a block that is a symbolic link is
-    refused, never checked through it; found in review, verify said such an entry good where the store's scan
-    quarantined it)."""
+@dataclass
+class Checked:
+    """One file's check: why it is bad (None: good), its header where it read, and whether the failure was a file
+    not there (the file itself, or a block it names): on a live store, what an eviction during the check does."""
+
+    why: str | None
+    header: fmt.Header | None = None
+    missing: bool = False
+
+
+def _check_file(path: str, folder_fp: str | None) -> Checked:
+    """Every hash, and for a store's file, that it sits in its identity's folder and is read as the store reads its
+    own files (``fileio.OWN_OPS``: a block that is a symbolic link is refused, never checked through it; found in
+    review, verify said such an entry good where the store's scan quarantined it)."""
     from ..entries import identity_fingerprint
     from ..fileio import DEFAULT_OPS, OWN_OPS
     from ..loader import verify_file
@@ -167,15 +178,33 @@ def _check_file(path: str, folder_fp: str | None) -> tuple[str | None, fmt.Heade
         h = verify_file(path, DEFAULT_OPS if folder_fp is None else OWN_OPS)
     except errors.SpillError as exc:  # a manifest's bad block is named (found in review: only the manifest was)
         where = f" in its block {exc.path}" if exc.path and os.path.abspath(exc.path) != os.path.abspath(path) else ""
-        return f"{exc.reason}{where} [{exc.code}]", None
+        missing = isinstance(exc, errors.BlockMissing) or (
+            isinstance(exc, errors.StorageError) and exc.errno in (errno.ENOENT, errno.ENOTDIR)
+        )
+        return Checked(f"{exc.reason}{where} [{exc.code}]", missing=missing)
     if folder_fp is not None and identity_fingerprint(h.identity) != folder_fp:
-        return "sits in the folder of another identity [header_malformed]", h
-    return None, h
+        return Checked("sits in the folder of another identity [header_malformed]", h)
+    return Checked(None, h)
+
+
+def _size(path: str) -> int:
+    """A listed file's bytes; 0 once it is gone (a live store's eviction; found in review: an entry removed between
+    an exists and a getsize ended the whole verify with a misleading refusal, exit 2)."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
     """Check every entry of a store: (files checked, bad ones); bad ones are printed as they are found. A folder
-    that is not a store is a usage error (found in review: a mistyped --dir passed, "0 entries checked, 0 bad")."""
+    that is not a store is a usage error (found in review: a mistyped --dir passed, "0 entries checked, 0 bad").
+
+    A daemon may use the store meanwhile: an entry that failed for a file not there, its manifest found gone once
+    the failure is judged, was evicted or superseded during the check (found in review: reported bad, a false
+    alarm). It is said gone and counted apart, never bad. The store unlinks a manifest before its blocks and never
+    reuses a manifest's name, so a manifest still there still names the block found missing: that stays bad."""
+    from ..fileio import known_absent
     from ..store.folders import unlistable_folders
 
     unlistable = unlistable_folders(root)  # (a store's folder it cannot list: said below, a failed check)
@@ -183,22 +212,30 @@ def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
         refuse_not_a_store(root, "nothing to verify")
 
     files = store_files(root)
-    sizes = {p: os.path.getsize(p) if os.path.exists(p) else 0 for p, _ in files}
+    sizes = {p: _size(p) for p, _ in files}
     progress = Progress(f"verifying {root}", quiet=quiet)
-    left_bytes, bad = sum(sizes.values()), 0
+    left_bytes, bad, gone = sum(sizes.values()), 0, 0
     for folder in unlistable:  # its entries cannot be checked: a failed check, said
         bad += 1
         print(f"BAD  {folder}: a folder of the store that cannot be listed (permission denied)")
     for i, (path, fp) in enumerate(files):
         progress.show(len(files) - i, left_bytes)
-        why, _ = _check_file(path, fp)
+        c = _check_file(path, fp)
         left_bytes -= sizes[path]
-        if why is not None:
+        if c.why is not None and c.missing and known_absent(path):
+            gone += 1
+            progress.done()
+            print(f"gone {path}: evicted or superseded during the check ({c.why})")
+        elif c.why is not None:
             bad += 1
             progress.done()
-            print(f"BAD  {path}: {why}")
+            print(f"BAD  {path}: {c.why}")
     progress.done()
-    print(f"{root}: {plural(len(files), 'entry', 'entries')} ({format_size(sum(sizes.values()))}) checked, {bad} bad")
+    evicted = f", {gone} evicted during the check" if gone else ""
+    print(
+        f"{root}: {plural(len(files), 'entry', 'entries')} ({format_size(sum(sizes.values()))}) checked, "
+        f"{bad} bad{evicted}"
+    )
     return len(files), bad
 
 
@@ -220,12 +257,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad += 1
             print(f"BAD  {path}: {exc}")
             continue
-        why, h = _check_file(path, None)
-        if why is None and h is not None:
-            print(f"ok   {path} ({len(h.slots())} tensors, {h.data_bytes} bytes)")
+        c = _check_file(path, None)
+        if c.why is None and c.header is not None:
+            print(f"ok   {path} ({len(c.header.slots())} tensors, {c.header.data_bytes} bytes)")
         else:
             bad += 1
-            print(f"BAD  {path}: {why}")
+            print(f"BAD  {path}: {c.why}")
     return EXIT_BAD_FILE if bad else EXIT_OK
 
 
