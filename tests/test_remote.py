@@ -810,6 +810,41 @@ async def test_one_slow_fill_counts_once_towards_the_breaker(server: RedisServer
 
 
 @pytest.mark.asyncio
+async def test_one_slow_push_counts_once_towards_the_breaker(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: each batch of the push worker that timed out counted as a failure, so one entry's push on a
+    slow link (here Redis stopped while the worker writes an entry of 8 blocks, 4 pushes a batch: every batch past
+    its bound) opened the breaker for every lookup and push. One entry's push (its probes, events and batches)
+    counts one failure at most; a second, independent one (a read of another caller) still opens a breaker of
+    threshold 2."""
+    caches = [fill(C.KVCache(), 16 * 8 + 3, heads=2, dim=8, seed=s) for s in range(2)]
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    config = replace(relaxed(server.url, push_batch=4, breaker_threshold=2, breaker_cooldown_s=60), push_timeout_s=0.5)
+    tier = await started(config)
+    link = RemoteLink(tier, store)
+    real = tier._push_batch
+    stopped: list[bool] = []
+
+    async def slow(batch: Any) -> Any:
+        if not stopped and any(p.kind is Kind.BLOCK for p in batch):  # Redis hangs once the blocks are written
+            server.signal(signal.SIGSTOP)
+            stopped.append(True)
+        return await real(batch)
+
+    tier._push_batch = slow  # type: ignore[method-assign]
+    try:
+        await store.put(list(range(16 * 8 + 3)), caches, FILL_IDENT)
+        assert await link.drain(30)
+        c = tier.counters()
+        assert stopped and tier.state == "closed" and c["breaker_opened"] == 0, c
+        assert c["push_failed"]["timeout"] > 2 * config.push_batch, c  # several batches went past their bound
+        assert await tier.fetch(NS, chain(1), timeout_s=0.2) == [None]  # another failure: the threshold's second
+        assert tier.state == "open"
+    finally:
+        server.signal(signal.SIGCONT)
+        await link.close(1)
+
+
+@pytest.mark.asyncio
 async def test_within_one_piece_of_work_a_half_open_trial_that_fails_still_opens_the_breaker(
     server: RedisServer,
 ) -> None:

@@ -5,10 +5,18 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 
 DEFAULT_FAILURE_THRESHOLD = 3  # consecutive failures that open the breaker
 DEFAULT_COOLDOWN_S = 1.0  # how long it stays open before one trial call is let through
+
+
+@dataclass(eq=False)
+class Work:
+    """The calls made for one piece of work (``tier.one_failure``): whether one of them counted a failure yet."""
+
+    failed: bool = False
 
 
 class State(StrEnum):

@@ -204,7 +204,8 @@ class RemoteLink:
         only say on the stream that this host holds its new blocks. Not a generation's checkpoint (``_shared``)."""
         if not _shared(entry.namespace):
             return
-        self._spawn(self._stored(entry, list(written), root), self._pushing)
+        with one_failure():  # its event, probes and the worker's batches of its pushes count one failure at most
+            self._spawn(self._stored(entry, list(written), root), self._pushing)
 
     def adopted(self, entry: Entry, fetched: list[Block]) -> None:
         """A store listener: a fill kept ``entry``; say on the stream that this host holds the blocks it fetched
@@ -229,7 +230,8 @@ class RemoteLink:
         kept = {entry.path, *(rec.path for rec in named)}
         for p in kept:
             self.store.keep_file(p)
-        task = self._spawn(self._push_evicted(entry, named, kept), self._evicting)
+        with one_failure():  # as a stored entry's push: one failure at most
+            task = self._spawn(self._push_evicted(entry, named, kept), self._evicting)
         # a task cancelled before its first step (the link closing) never runs its ``finally``: what it kept goes
         task.add_done_callback(lambda _: self._let_go_all(kept))
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .breaker import Work
 from .keys import Kind
 
 DEFAULT_QUEUE_ITEMS = 1024  # pushes waiting at most
@@ -19,6 +20,9 @@ class Push:
     key: bytes
     data: bytes
     kind: Kind = Kind.BLOCK
+    # the pieces of work it was offered in (``tier.one_failure``): a batch's failure counts towards those; None,
+    # offered outside any: a failure of its own
+    work: tuple[Work, ...] | None = field(default=None, compare=False)
 
 
 class PushQueue:

@@ -27,7 +27,7 @@ from redis import exceptions as rx
 from ..lease import off_loop
 from . import credentials
 from . import keys as rkeys
-from .breaker import Breaker, State
+from .breaker import Breaker, State, Work
 from .client import MAX_VALUE_BYTES, Client, close_client, make_client, replies_up_to, tls_context
 from .config import RemoteConfig
 from .crypto import SEALED_OVERHEAD, Sealer
@@ -73,14 +73,7 @@ class _Failed:
 _EMPTY = _Failed(Reason.BAD_BYTES)  # a read of ``fetch`` that found its key there, holding an empty value
 
 
-@dataclass
-class _Work:
-    """The calls made for one piece of work (``one_failure``): whether one of them counted a failure yet."""
-
-    failed: bool = False
-
-
-_WORK: contextvars.ContextVar[_Work | None] = contextvars.ContextVar("spilld_remote_work", default=None)
+_WORK: contextvars.ContextVar[tuple[Work, ...] | None] = contextvars.ContextVar("spilld_remote_work", default=None)
 
 
 @contextlib.contextmanager
@@ -88,12 +81,25 @@ def one_failure() -> Iterator[None]:
     """The calls made within, and in the tasks started within (each takes a copy of the context), are one piece of
     work: they count one failure at most towards the breaker, however many of them fail (found in review: each
     pipeline of a fill's block reads that timed out counted, so one large fill on a slow link opened the breaker for
-    every lookup and push). A half-open trial's failure still counts: it is the breaker's one verdict."""
-    token = _WORK.set(_Work())
+    every lookup and push). Pushes offered within belong to it too: the push worker's batches of them count towards
+    it (found in review: each timed-out batch of one entry's push counted). A half-open trial's failure still
+    counts: it is the breaker's one verdict."""
+    token = _WORK.set((Work(),))
     try:
         yield
     finally:
         _WORK.reset(token)
+
+
+def _work_of(batch: Sequence[Push]) -> tuple[Work, ...] | None:
+    """The pieces of work a batch of pushes belongs to (a batch may end one entry's pushes and begin the next's);
+    None when one of them was offered outside any: its failure is its own."""
+    works: list[Work] = []
+    for p in batch:
+        if p.work is None:
+            return None
+        works += [w for w in p.work if w not in works]
+    return tuple(works)
 
 
 class RemoteTier:
@@ -326,7 +332,7 @@ class RemoteTier:
         """Queue a push for the background worker; never waits. When the queue is full the oldest pushes are
         dropped (counted). False, at once, while the tier is disabled, stopped or its breaker open."""
         rkeys.value_key(namespace, key, kind, self.key_tag)  # a malformed key is the caller's bug: say so now
-        if not self.taking_pushes or not self.queue.offer(Push(namespace, key, data, kind)):
+        if not self.taking_pushes or not self.queue.offer(Push(namespace, key, data, kind, _WORK.get())):
             self.stats.offers_refused += 1
             return False
         return True
@@ -370,18 +376,20 @@ class RemoteTier:
 
     async def push(self, namespace: str, key: bytes, data: bytes, kind: Kind = Kind.BLOCK) -> bool:
         """Write one value if its key is absent (EXISTS, then SET NX, with the tier's TTL): True if written."""
-        return (await self._push_batch([Push(namespace, key, data, kind)]))[0]
+        return (await self._push_batch([Push(namespace, key, data, kind, _WORK.get())]))[0]
 
     async def _push_worker(self) -> None:
         while True:
             batch = await self.queue.take(self.config.push_batch, self.config.push_batch_bytes)
             self._busy = len(batch)
+            token = _WORK.set(_work_of(batch))  # its calls count towards the work its pushes were offered in
             try:
                 await self._push_batch(batch)
             except Exception:  # a bug here must not end the worker: the pushes are lost, the tier lives
                 log.exception("remote push worker")
                 self.stats.push_failed[Reason.REFUSED] += len(batch)
             finally:
+                _WORK.reset(token)
                 self._busy = 0
                 self.queue.done(batch)
 
@@ -528,13 +536,14 @@ class RemoteTier:
         return result
 
     def _failed(self, trial: bool) -> None:
-        """A call failed for want of the server: a failure for the breaker, unless an earlier call of the same piece
-        of work (``one_failure``) counted one already and this one is not the half-open trial."""
-        work = _WORK.get()
-        if trial or work is None or not work.failed:
+        """A call failed for want of the server: a failure for the breaker, unless every piece of work it was made
+        for (``one_failure``; a batch of pushes may serve several) counted one already and this one is not the
+        half-open trial."""
+        works = _WORK.get()
+        if trial or works is None or not all(w.failed for w in works):
             self.breaker.failure()
-        if work is not None:
-            work.failed = True
+        for w in works or ():
+            w.failed = True
 
     def _not_primary(self, client: Client, no_verdict: Callable[[], None]) -> None:
         """The server refused a write as a replica: open the breaker (every call misses at once meanwhile) and
