@@ -215,7 +215,7 @@ ENGINE_COUNTERS = {
     "restored_tokens": "prompt tokens loaded from the cold tier instead of computed",
     "cold_misses": "lookups the cold tier could not serve better than memory",
     "spills": "caches handed to the cold tier",
-    "evictions_spilled": "entries the LRU evicted before their write-behind landed, spilled again",
+    "evictions_spilled": "entries the LRU evicted before their write-behind landed, spilled again (or that one kept)",
 }
 
 

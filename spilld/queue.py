@@ -76,6 +76,7 @@ class SpillItem:
     payload: Any = None  # the writer's own: a snapshot.Snapshot engine-side, a daemon.connection.Received there
     nbytes: int = 0
     seq: int = 0
+    ended: Settled | None = None  # how it settled, once it has (what ``SpillQueue.keep`` asks of an earlier item)
 
     @property
     def is_barrier(self) -> bool:
@@ -144,6 +145,12 @@ class DrainReport:
     pending_items: int
     pending_bytes: int
     not_stored: int = 0
+
+
+def _follow(out: asyncio.Future[Settled], settled: asyncio.Future[Settled]) -> None:
+    """Settle ``out`` as ``settled`` did (unless its caller cancelled it)."""
+    if not out.done():
+        out.set_result(settled.result())
 
 
 def _durable(outcome: Outcome) -> bool:
@@ -224,8 +231,7 @@ class SpillQueue:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Settled] = loop.create_future()
         rec = _Rec(item, fut, loop.create_future())
-        if not self._closed and self._worker is not None and self._worker.cancelled():
-            self._stopped_from_outside()
+        self._unless_stopped_from_outside()
         if self._closed:
             self._finish(rec, Settled.closed())
             return fut
@@ -247,13 +253,44 @@ class SpillQueue:
         self._kick(loop)
         return fut
 
-    def _stopped_from_outside(self) -> None:
-        """The writer was cancelled, and not by ``close``: its loop is winding down (``asyncio.run`` cancels every
-        task, then shuts its threads down). The queue takes nothing more, and what waits in it is cancelled (found
-        in review: the next spill started a new writer, whose first step failed with a plain RuntimeError from the
-        executor already shut down)."""
-        self._closed = True
-        self.cancel_where(lambda _: True, barriers=True)
+    def _unless_stopped_from_outside(self) -> None:
+        """Close the queue if its writer was cancelled, and not by ``close``: its loop is winding down
+        (``asyncio.run`` cancels every task, then shuts its threads down). It takes nothing more, and what waits in
+        it is cancelled (found in review: the next spill started a new writer, whose first step failed with a plain
+        RuntimeError from the executor already shut down)."""
+        if not self._closed and self._worker is not None and self._worker.cancelled():
+            self._closed = True
+            self.cancel_where(lambda _: True, barriers=True)
+
+    def keep(self, item: SpillItem, behind: SpillItem) -> asyncio.Future[Settled]:
+        """Queue ``item``, a later spill of what ``behind`` (an earlier item of this queue) holds, only where
+        ``behind`` cannot stand for it; the future of whichever does.
+
+        ``behind`` still queued stands for it: promoted, made not droppable if ``item`` is not (from then on never
+        shed, and counted against the cap as the items that may not be dropped are), where it stands in the queue
+        (its place is its first enqueue's); ``item`` is let go, never queued. ``behind`` being written, or stored,
+        stands for it too. ``behind`` shed, failed or cancelled (or never queued): ``item`` is queued. The check and
+        the promotion are one step on the loop: neither the writer taking ``behind`` nor a shed of it can come
+        between them (found in review: an entry mlx-lm's LRU evicted while its write-behind was queued was spilled
+        again, and both were written)."""
+        self._unless_stopped_from_outside()
+        rec = next((r for r in self._queue if r.item is behind), None)
+        if rec is None and self._in_flight is not None and self._in_flight.item is behind:
+            # being written: a daemon's store could still shed a droppable one (a write budget, the admission gate);
+            # a Spiller's, whose queue is the one asked to keep, has neither: it is stored or fails
+            rec = self._in_flight
+        if rec is None and (behind.ended is None or not _durable(behind.ended.outcome)):
+            return self.enqueue(item)
+        self._release(item)
+        out: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
+        if rec is None:  # stored already
+            assert behind.ended is not None
+            out.set_result(behind.ended)
+            return out
+        if not item.droppable and not item.is_barrier:
+            rec.item.droppable = False
+        rec.settled.add_done_callback(lambda s: _follow(out, s))
+        return out
 
     def _shed(self, keep: _Rec) -> None:
         while self.pending_bytes > self.cap_bytes:
@@ -344,19 +381,24 @@ class SpillQueue:
             self._count(result.outcome)
         if rec.item.seq:
             self.pending_bytes -= rec.item.nbytes
-        try:
-            if self._release_hook is not None:
-                self._release_hook(rec.item)
-        except Exception as exc:  # one bad release never stalls the queue
-            self.release_errors += 1
-            log.warning("releasing spill item %d failed: %s", rec.item.seq, exc)
-        finally:
-            rec.item.caches = []
-            rec.item.attachments = []
-            rec.item.payload = None  # planned sources and received bytes go with the clones
+        rec.item.ended = result
+        self._release(rec.item)
         rec.settled.set_result(result)
         if not rec.future.done():  # (a caller that cancelled it gave up on the answer, not on the item)
             rec.future.set_result(result)
+
+    def _release(self, item: SpillItem) -> None:
+        """Let an item's clones go (an item settled, or one ``keep`` never queued)."""
+        try:
+            if self._release_hook is not None:
+                self._release_hook(item)
+        except Exception as exc:  # one bad release never stalls the queue
+            self.release_errors += 1
+            log.warning("releasing spill item %d failed: %s", item.seq, exc)
+        finally:
+            item.caches = []
+            item.attachments = []
+            item.payload = None  # planned sources and received bytes go with the clones
 
     def _count(self, outcome: Outcome) -> None:
         """Every item settles once, through ``_finish``: counted there, so the counters add up to what was queued."""

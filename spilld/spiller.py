@@ -14,8 +14,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from . import api, errors, fileio
 from . import format as fmt
@@ -37,6 +40,13 @@ log = logging.getLogger("spilld.spiller")
 SHARE_WAIT_S = 60.0
 SHARE_RETRY_S = 0.05
 CANCELLED_WEAR_S = 5.0  # the most a cancelled close waits for the run's bytes to reach the wear file
+
+
+def _same_spill(prior: SpillItem, item: SpillItem) -> bool:
+    """Whether ``prior`` may stand for ``item``: the same tokens in the same namespace, and no pin or checkpoint that
+    only ``item`` would write."""
+    same = prior.namespace == item.namespace and prior.pin >= item.pin and not item.is_checkpoint
+    return same and len(prior.tokens) == len(item.tokens) and np.array_equal(prior.tokens, item.tokens)
 
 
 class Spiller:
@@ -72,6 +82,10 @@ class Spiller:
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
         self._closed = False  # close has run: the folder's lock is let go, and nothing more is answered
         self._records: set[asyncio.Future[None]] = set()  # additions of the run's bytes to the wear file under way
+        # spill_threadsafe's droppable items, by the future handed out: what a later spill's ``behind`` names
+        self._droppable: weakref.WeakKeyDictionary[concurrent.futures.Future[Settled], SpillItem] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     async def open(cls, folder: str | os.PathLike[str], **kwargs: Any) -> Spiller:
@@ -193,14 +207,33 @@ class Spiller:
         return self._submit(lambda: self.queue.enqueue(item))
 
     def spill_threadsafe(
-        self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        meta: dict[str, str] | None = None,
+        *,
+        behind: concurrent.futures.Future[Settled] | None = None,
+        **kw: Any,
     ) -> concurrent.futures.Future[Settled]:
         """``spill`` from any thread (the engine's own): the clones are made here, the item is queued on the loop.
         Settled cancelled (``Closed``) if the loop does not run it: stopped or closed at the call, or before the item
-        settled (found in review: the engine waited for ever on a loop that had stopped without a close)."""
+        settled (found in review: the engine waited for ever on a loop that had stopped without a close).
+
+        ``behind``: the future of a droppable spill of the same tokens (and caches) made here earlier, a write-behind.
+        While that one is queued it is kept in place of this spill (made not droppable if this one is not: never
+        shed from then on), and while it is written or once stored it stands for it; only if it ended not stored
+        (shed, failed, cancelled) is this one queued (``SpillQueue.keep``). The future is then that spill's."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.enqueue(item)))
+        prior = self._droppable.get(behind) if behind is not None else None
+        if prior is not None and not _same_spill(prior, item):
+            prior = None  # not the same spill: queued on its own
+        if prior is not None:
+            return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.keep(item, prior)))
+        out = self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.enqueue(item)))
+        if item.droppable:
+            self._droppable[out] = item
+        return out
 
     def barrier(self, key: str = "", *, action: Callable[[], Any] | None = None) -> asyncio.Future[Settled]:
         """A future that settles once every item queued before it has settled.

@@ -466,6 +466,147 @@ def test_spill_unstored_waits_for_a_write_behind_in_flight_up_to_its_timeout(
     assert tier.spiller.store.counters.stored == 1 and tier.spiller.store.counters.superseded == 0
 
 
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("block_tokens", [None, 0], ids=["blocks", "whole-files"])
+def test_an_entry_evicted_while_its_write_behind_is_queued_or_written_is_written_once(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier], block_tokens: int | None
+) -> None:
+    """Found in review: an entry the LRU evicted while its droppable write-behind was still queued (or being
+    written) was spilled a second time, not droppable, and both were written: its tail blocks and manifest (the
+    whole file with --block-tokens 0) twice, the first copy then superseded. The queued write-behind is kept
+    instead, made not droppable (one being written stands for the eviction as it is): each entry is written once."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine), **({} if block_tokens is None else {"block_tokens": block_tokens}))
+    q = tier.spiller.queue
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    f, a, b, c, d = ([k, *range(100, 180)] for k in (9, 4, 5, 6, 7))
+    with engine:  # the writer waits for the engine's lock
+        tier.spill(f, _prefilled(model, f), droppable=False)
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)  # f in flight
+        lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # a's write-behind: queued behind f
+        lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a: its write-behind is kept
+        _until(lambda: q.pending_items >= 3)
+        time.sleep(0.05)  # (a second item, had one been queued, would be by now)
+        assert q.pending_items == 3 and lru.stats["evictions_spilled"] == 1
+    tier._run(tier.spiller.drain(30))
+    with engine:  # b, in memory and stored; then c, whose write-behind the writer takes before c is evicted
+        lru.insert_cache("m", [*c, 1], _prefilled(model, c))  # evicts b (stored: nothing spilled)
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+        lru.insert_cache("m", [*d, 1], _prefilled(model, d))  # evicts c while it is written
+        time.sleep(0.05)
+        assert q.pending_items == 2 and lru.stats["evictions_spilled"] == 2
+    tier._run(tier.spiller.drain(30))
+    counters = tier.spiller.store.counters
+    assert (counters.stored, counters.superseded, q.stored, q.dropped) == (5, 0, 5, 0)  # before: 7 and 2
+    assert not lru._evicting and lru.unstored_at_exit() == (0, 0)
+    for p in (a, b, c, d):
+        loaded = tier.load([*p, 1])
+        assert loaded is not None and loaded.tokens == p
+
+
+def test_a_write_behind_kept_for_its_eviction_is_never_shed_under_cap_pressure(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """The write-behind kept in place of an evicted entry's spill is the entry's last copy: no spill queued after it
+    sheds it, however far over the queue's cap (the droppable ones are shed instead)."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine))
+    q = tier.spiller.queue
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    f, a, b = ([k, *range(100, 180)] for k in (9, 4, 5))
+    with engine:
+        tier.spill(f, _prefilled(model, f), droppable=False)
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+        q.cap_bytes = 3 * q.pending_bytes  # room for f, a and b (the tiny caches are all of a size)
+        lru.insert_cache("m", [*a, 1], _prefilled(model, a))
+        lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a: its write-behind is kept
+        evicted = next(iter(lru._evicting))
+        pressure = [tier.spill([8, i, *range(100, 180)], _prefilled(model, [8, i, *range(100, 180)])) for i in range(4)]
+        _until(lambda: sum(p.done() for p in pressure) == 3)
+        assert not evicted.done() and q.pending_items == 3  # f in flight, a kept, the newest of the pressure
+    tier._run(tier.spiller.drain(30))
+    assert evicted.result().stored and q.dropped == 4  # b's write-behind and three of the pressure: never a
+    assert tier.spiller.store.counters.stored == 3 and tier.spiller.store.counters.superseded == 0
+    loaded = tier.load([*a, 1])
+    assert loaded is not None and loaded.tokens == a
+
+
+def test_a_write_behind_shed_before_its_eviction_is_spilled_again_as_the_last_copy(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """A write-behind the queue shed before its entry was evicted cannot be kept: the eviction spills the last copy
+    again, not droppable, as before."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine))
+    q = tier.spiller.queue
+    lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
+    f, a, b, c = ([k, *range(100, 180)] for k in (9, 4, 5, 6))
+    with engine:
+        tier.spill(f, _prefilled(model, f), droppable=False)
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+        q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
+        lru.insert_cache("m", [*a, 1], _prefilled(model, a))
+        lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # over the cap: a's write-behind is shed
+        _until(lambda: q.dropped == 1)
+        lru.insert_cache("m", [*c, 1], _prefilled(model, c))  # evicts a
+        evicted = next(iter(lru._evicting))
+    assert evicted.result(30).stored and lru.stats["evictions_spilled"] == 1
+    tier._run(tier.spiller.drain(30))
+    loaded = tier.load([*a, 1])
+    assert loaded is not None and loaded.tokens == a
+
+
+def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behind(tiny: tuple[Any, Any]) -> None:
+    """The daemon's tier cannot keep a write-behind it has handed over: an entry evicted before its write-behind is
+    stored is spilled again (the ``behind`` it is given is not asked), and both are answered."""
+    from spilld.integrations.tier import DaemonTier
+
+    model, tokenizer = tiny
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
+        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+        a, b = ([k, *range(100, 180)] for k in (4, 5))
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)  # nothing is stored meanwhile
+        try:
+            lru.insert_cache("m", [*a, 1], _prefilled(model, a))
+            behind = lru._behind[("m", (*a, 1))]
+            lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a
+            evicted = next(iter(lru._evicting))
+            assert lru.stats["evictions_spilled"] == 1 and evicted is not behind
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert behind.result(30).stored and evicted.result(30).stored
+        loaded = tier.load([*a, 1])
+        assert loaded is not None and loaded.tokens == a
+        tier.close(10)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_a_hung_daemon_costs_the_engine_one_short_wait_not_one_a_request(
     tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -491,3 +491,71 @@ async def test_a_writer_cancelled_from_outside_closes_the_queue() -> None:
     results = await asyncio.wait_for(asyncio.gather(first, waiting, late), 5)
     assert [r.outcome for r in results] == [Outcome.CANCELLED] * 3
     assert isinstance(results[2].error, errors.Closed) and rec.order == []
+
+
+# --- keep: a later spill of what a queued droppable item holds ----------------------------------------------------
+
+
+async def test_a_kept_item_is_never_shed_keeps_its_place_and_nothing_more_is_queued() -> None:
+    """Found in review: an entry mlx-lm's LRU evicted while its droppable write-behind was queued was spilled again,
+    not droppable, and both were written. ``keep`` makes the queued one not droppable instead: no second item, never
+    shed from then on whatever comes over the cap, counted against it as kept, and written in its own place (before
+    a barrier queued after it, before or after the keep)."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=100)
+    x = q.enqueue(item("x", 10))
+    await rec.started.wait()  # x in flight
+    a_item = item("a", 40)
+    a = q.enqueue(a_item)
+    early = q.enqueue(SpillItem(key="early", barrier=lambda: asyncio.sleep(0, "early")))
+    kept = q.keep(item("a-again", 40, droppable=False), a_item)
+    assert rec.released == ["a-again"] and (q.pending_items, q.pending_bytes) == (3, 50)  # let go, never queued
+    late = q.enqueue(SpillItem(key="late", barrier=lambda: asyncio.sleep(0, "late")))
+    assert not q.would_fit(60)  # a counts as kept: only what may be shed makes room
+    others = [q.enqueue(item(f"b{i}", 60)) for i in range(4)]  # each over the cap: the droppable ones before go
+    assert not a.done() and [f.done() for f in others] == [True, True, True, False]
+    rec.gate.set()
+    assert (await kept).stored and (await a).stored and (await x).stored
+    assert (await early).value == "early" and (await late).value == "late"
+    assert rec.order == ["x", "a", "b3"] and q.dropped == 3 and q.stored == 3
+
+
+async def test_keep_queues_nothing_for_an_item_in_flight_or_stored_and_queues_it_for_one_shed() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=100)
+    a_item = item("a", 60)
+    a = q.enqueue(a_item)
+    await rec.started.wait()  # a in flight: the writer took it before the keep
+    in_flight = q.keep(item("a-again", 60, droppable=False), a_item)
+    assert q.pending_items == 1 and rec.released == ["a-again"]
+    b_item = item("b", 60)
+    b = q.enqueue(b_item)
+    q.enqueue(item("c", 60))  # over the cap: b is shed
+    assert b.result().outcome is Outcome.DROPPED
+    shed = q.keep(item("b-again", 60, droppable=False), b_item)  # the last copy: queued, not droppable
+    q.enqueue(item("d", 60))  # over the cap: c goes, never b-again
+    rec.gate.set()
+    assert (await a).stored and (await in_flight).stored and (await shed).stored
+    stored = q.keep(item("a-again", 60, droppable=False), a_item)
+    assert stored.done() and stored.result() is a.result()  # stored already: nothing queued
+    assert (await q.drain(5)).done
+    assert rec.order == ["a", "b-again", "d"] and q.stored == 3
+
+
+async def test_a_droppable_keep_leaves_a_queued_item_droppable() -> None:
+    """Past the integration's LAST_COPIES_HELD an evicted cache is spilled droppable: folded into its queued
+    write-behind, which may still be shed over the cap (memory stays bounded), and its future says so."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec, cap=100)
+    q.enqueue(item("x", 10))
+    await rec.started.wait()
+    a_item = item("a", 60)
+    q.enqueue(a_item)
+    folded = q.keep(item("a-again", 60), a_item)
+    q.enqueue(item("b", 60))
+    assert (await folded).outcome is Outcome.DROPPED and q.pending_items == 2
+    rec.gate.set()
+    assert (await q.drain(5)).done and rec.order == ["x", "b"]

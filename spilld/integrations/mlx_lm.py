@@ -3,7 +3,8 @@
 ``ColdTierPromptCache`` is a drop-in ``LRUPromptCache``: every entry the server
 inserts is written behind (droppable, so a burst never holds memory); an entry
 the LRU evicts before its write-behind was stored is spilled again, this time
-not droppable, and so is every such entry at exit; a fetch the memory tier
+not droppable (embedded, a write-behind still queued is made not droppable
+instead), and so is every such entry at exit; a fetch the memory tier
 cannot answer in full asks spilld for the longest usable prefix and loads it.
 A restarted server therefore starts with what it had (minus anything the
 daemon itself had to shed or failed to write).
@@ -206,15 +207,18 @@ class ColdTierPromptCache(LRUPromptCache):
 
     def _evicted(self, model: Any, tokens: list[int], entry: Any) -> None:
         key = (model, tuple(tokens))
-        stored = self._is_stored(key)
+        with self._lock:
+            stored, behind = key in self._stored, self._behind.get(key)
         self._forget(key)
         if stored:
             return
         # Not stored (still queued, shed or failed): this is the last copy, so it must not be dropped, unless
-        # LAST_COPIES_HELD are waiting for their writes already (memory must stay bounded)
+        # LAST_COPIES_HELD are waiting for their writes already (memory must stay bounded). A write-behind still
+        # queued is kept instead, made not droppable (found in review: both were written, the entry's tail and
+        # manifest twice); a tier that cannot (the daemon's) spills it again
         with self._lock:
             keep = len(self._last_copies) < LAST_COPIES_HELD
-        future = self._spill(model, tokens, entry.prompt_cache, droppable=not keep, in_lru=False)
+        future = self._spill(model, tokens, entry.prompt_cache, droppable=not keep, in_lru=False, behind=behind)
         if future is None:
             return
         self.stats["evictions_spilled"] += 1
@@ -230,16 +234,25 @@ class ColdTierPromptCache(LRUPromptCache):
             self._evicting.discard(f)
 
     def _spill(
-        self, model: Any, tokens: list[int], caches: list[Any], *, droppable: bool, in_lru: bool = True
+        self,
+        model: Any,
+        tokens: list[int],
+        caches: list[Any],
+        *,
+        droppable: bool,
+        in_lru: bool = True,
+        behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled] | None:
         """Hand the entry to the tier: the future of its outcome, None if it did not take it (not counted). The
-        write-behind of an entry ``in_lru`` (a droppable one) is followed: once stored, its eviction spills nothing."""
+        write-behind of an entry ``in_lru`` (a droppable one) is followed: once stored, its eviction spills nothing;
+        still queued (``behind``), the tier may keep it in place of this spill."""
         tier = self._tier_for(model)
         try:  # the cold tier must never fail the server's request (its generation loop would end)
             n = covered_tokens(tokens, caches)
             if tier is None or not n or (held := held_to(caches, n)) is None:
                 return None
-            future = tier.spill(tokens[:n], held, droppable=droppable)
+            kw = {} if behind is None else {"behind": behind}
+            future = tier.spill(tokens[:n], held, droppable=droppable, **kw)
         except Exception as exc:
             log.warning("spill refused: %s", exc)
             return None
@@ -293,7 +306,12 @@ class _Opening:
     are spilled once the tier is ready, when evicted or at exit)."""
 
     def spill(
-        self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        *,
+        droppable: bool = True,
+        behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
         return settled_now(Outcome.CANCELLED)
 

@@ -38,8 +38,16 @@ PROBE_S = 0.5  # after a lost connection, how long the check that the daemon is 
 
 class ColdTier(Protocol):
     def spill(
-        self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
-    ) -> concurrent.futures.Future[Settled]: ...
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        *,
+        droppable: bool = True,
+        behind: concurrent.futures.Future[Settled] | None = None,
+    ) -> concurrent.futures.Future[Settled]:
+        """``behind``: the future of this tier's droppable spill of the same entry (a write-behind). A tier that can
+        (``EmbeddedTier``) keeps that one while it is queued, instead of queueing this spill too."""
+        ...
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None: ...
 
@@ -148,12 +156,21 @@ class EmbeddedTier:
         self._bound = True
 
     def spill(
-        self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        *,
+        droppable: bool = True,
+        behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
+        """``behind`` still queued (or being written, or stored) stands for this spill (``Spiller.spill_threadsafe``)."""
         if not self._bound:
             return settled_now(Outcome.CANCELLED)
         return guarded_spill(
-            lambda: self._handoffs.track(self.spiller.spill_threadsafe(tokens, caches, droppable=droppable)), tokens
+            lambda: self._handoffs.track(
+                self.spiller.spill_threadsafe(tokens, caches, droppable=droppable, behind=behind)
+            ),
+            tokens,
         )
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None:
@@ -242,8 +259,14 @@ class DaemonTier:
             self._lost(f.result().error)
 
     def spill(
-        self, tokens: Sequence[int], caches: Sequence[Any], *, droppable: bool = True
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        *,
+        droppable: bool = True,
+        behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
+        """``behind`` is not asked: a spill the client handed over is the daemon's, beyond keeping; this one is sent."""
         client = self._connect()
         if client is None:
             return settled_now(Outcome.FAILED, errors.SpillError("the daemon is unreachable"))
