@@ -426,12 +426,33 @@ class AsyncClient:
         return on_loop(self._bound(), lambda: self._enqueue(item))
 
     def spill_threadsafe(
-        self, tokens: Sequence[int], caches: Sequence[Any], meta: dict[str, str] | None = None, **kw: Any
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        meta: dict[str, str] | None = None,
+        *,
+        behind: concurrent.futures.Future[Settled] | None = None,
+        **kw: Any,
     ) -> concurrent.futures.Future[Settled]:
-        """``spill`` from any thread (the engine's own): clones here, queued and shipped on the loop."""
+        """``spill`` from any thread (the engine's own): clones here, queued and shipped on the loop.
+
+        ``behind``, as in ``Spiller.spill_threadsafe``: the future of a droppable spill of the same entry made here
+        earlier. While that one waits in this client's queue, not shipped yet, it is kept in place of this spill
+        (made not droppable if this one is not) and this one is let go; once shipped it is the daemon's, which may
+        still shed it, so this one is queued too."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        return self._handoffs.track(threadsafe(self._bound(), lambda: self._enqueue(item)))
+        if (prior := self._handoffs.prior(behind, item)) is not None:
+            return self._handoffs.track(threadsafe(self._bound(), lambda: self._keep(item, prior)))
+        return self._handoffs.track(threadsafe(self._bound(), lambda: self._enqueue(item)), item)
+
+    def _keep(self, item: SpillItem, prior: SpillItem) -> asyncio.Future[Settled]:
+        """``prior`` not shipped yet stands for ``item`` (its future, the daemon's answer); else ``item`` is queued."""
+        outcome = snapshot_of(prior).outcome
+        if outcome is None or self.queue.promote(prior, item.droppable) is None:
+            return self._enqueue(item)
+        self.queue.let_go(item)
+        return outcome
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""

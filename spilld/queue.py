@@ -273,24 +273,37 @@ class SpillQueue:
         the promotion are one step on the loop: neither the writer taking ``behind`` nor a shed of it can come
         between them (found in review: an entry mlx-lm's LRU evicted while its write-behind was queued was spilled
         again, and both were written)."""
-        self._unless_stopped_from_outside()
-        rec = next((r for r in self._queue if r.item is behind), None)
-        if rec is None and self._in_flight is not None and self._in_flight.item is behind:
+        settled = self.promote(behind, item.droppable)
+        if settled is None and self._in_flight is not None and self._in_flight.item is behind:
             # being written: a daemon's store could still shed a droppable one (a write budget, the admission gate);
             # a Spiller's, whose queue is the one asked to keep, has neither: it is stored or fails
-            rec = self._in_flight
-        if rec is None and (behind.ended is None or not _durable(behind.ended.outcome)):
+            settled = self._in_flight.settled
+        if settled is None and (behind.ended is None or not _durable(behind.ended.outcome)):
             return self.enqueue(item)
-        self._release(item)
+        self.let_go(item)
         out: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
-        if rec is None:  # stored already
+        if settled is None:  # stored already
             assert behind.ended is not None
             out.set_result(behind.ended)
             return out
-        if not item.droppable and not item.is_barrier:
-            rec.item.droppable = False
-        rec.settled.add_done_callback(lambda s: _follow(out, s))
+        settled.add_done_callback(lambda s: _follow(out, s))
         return out
+
+    def promote(self, behind: SpillItem, droppable: bool) -> asyncio.Future[Settled] | None:
+        """``behind`` still queued: made not droppable unless ``droppable`` (never shed from then on, counted
+        against the cap as the items that may not be dropped are), where it stands; the future of its settling.
+        None if it is not queued (being written, or ended)."""
+        self._unless_stopped_from_outside()
+        rec = next((r for r in self._queue if r.item is behind), None)
+        if rec is None:
+            return None
+        if not droppable:
+            rec.item.droppable = False
+        return rec.settled
+
+    def let_go(self, item: SpillItem) -> None:
+        """Let the clones of an item never queued go (one another item stands for: ``keep``)."""
+        self._release(item)
 
     def _shed(self, keep: _Rec) -> None:
         while self.pending_bytes > self.cap_bytes:

@@ -14,9 +14,12 @@ import dataclasses
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from . import errors, mlxthreads
 from . import format as fmt
@@ -195,6 +198,13 @@ def _settle(fut: concurrent.futures.Future[Settled], result: Settled) -> None:
             fut.set_result(result)
 
 
+def same_spill(prior: SpillItem, item: SpillItem) -> bool:
+    """Whether ``prior`` may stand for ``item``: the same tokens in the same namespace, and no pin or checkpoint that
+    only ``item`` would write."""
+    same = prior.namespace == item.namespace and prior.pin >= item.pin and not item.is_checkpoint
+    return same and len(prior.tokens) == len(item.tokens) and np.array_equal(prior.tokens, item.tokens)
+
+
 def settle_closed(fut: concurrent.futures.Future[Settled], why: str = "") -> None:
     """Settle ``fut`` as a closed queue's item (``why``: said in its error), unless it is settled or its caller
     cancelled it."""
@@ -216,6 +226,10 @@ class Handoffs:
         self._watch = watch  # a loop whose end no hook tells of (``watching``)
         self._watching = False  # a thread watches it now
         self._runner = threading.current_thread()  # the thread last seen running that loop (``watching``)
+        # droppable items by the future handed out for each: what a later spill's ``behind`` names (``prior``)
+        self._items: weakref.WeakKeyDictionary[concurrent.futures.Future[Settled], SpillItem] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def watching(cls, loop: asyncio.AbstractEventLoop) -> Handoffs:
@@ -234,7 +248,14 @@ class Handoffs:
         on_close(out.abandon)
         return out
 
-    def track(self, fut: concurrent.futures.Future[Settled]) -> concurrent.futures.Future[Settled]:
+    def track(
+        self, fut: concurrent.futures.Future[Settled], item: SpillItem | None = None
+    ) -> concurrent.futures.Future[Settled]:
+        """Follow ``fut`` until it settles; ``item``, the droppable spill it is the outcome of, is remembered for a
+        later spill of the same entry that names ``fut`` as its ``behind`` (``prior``)."""
+        if item is not None and item.droppable:
+            with self._lock:
+                self._items[fut] = item
         if fut.done():  # (refused at once, or settled already: nothing to wait for)
             return fut
         with self._lock:
@@ -271,6 +292,14 @@ class Handoffs:
                     break
         for fut in left:
             settle_closed(fut, NOT_RUNNING)
+
+    def prior(self, behind: concurrent.futures.Future[Settled] | None, item: SpillItem) -> SpillItem | None:
+        """The droppable spill whose future is ``behind``, if it may stand for ``item`` (``same_spill``)."""
+        if behind is None:
+            return None
+        with self._lock:
+            prior = self._items.get(behind)
+        return prior if prior is not None and same_spill(prior, item) else None
 
     def _seen_running(self) -> None:
         self._runner = threading.current_thread()  # (on the loop: whichever thread runs it now)

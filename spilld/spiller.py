@@ -14,11 +14,8 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-
-import numpy as np
 
 from . import api, errors, fileio
 from . import format as fmt
@@ -40,13 +37,6 @@ log = logging.getLogger("spilld.spiller")
 SHARE_WAIT_S = 60.0
 SHARE_RETRY_S = 0.05
 CANCELLED_WEAR_S = 5.0  # the most a cancelled close waits for the run's bytes to reach the wear file
-
-
-def _same_spill(prior: SpillItem, item: SpillItem) -> bool:
-    """Whether ``prior`` may stand for ``item``: the same tokens in the same namespace, and no pin or checkpoint that
-    only ``item`` would write."""
-    same = prior.namespace == item.namespace and prior.pin >= item.pin and not item.is_checkpoint
-    return same and len(prior.tokens) == len(item.tokens) and np.array_equal(prior.tokens, item.tokens)
 
 
 class Spiller:
@@ -82,10 +72,6 @@ class Spiller:
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
         self._closed = False  # close has run: the folder's lock is let go, and nothing more is answered
         self._records: set[asyncio.Future[None]] = set()  # additions of the run's bytes to the wear file under way
-        # spill_threadsafe's droppable items, by the future handed out: what a later spill's ``behind`` names
-        self._droppable: weakref.WeakKeyDictionary[concurrent.futures.Future[Settled], SpillItem] = (
-            weakref.WeakKeyDictionary()
-        )
 
     @classmethod
     async def open(cls, folder: str | os.PathLike[str], **kwargs: Any) -> Spiller:
@@ -225,15 +211,9 @@ class Spiller:
         (shed, failed, cancelled) is this one queued (``SpillQueue.keep``). The future is then that spill's."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        prior = self._droppable.get(behind) if behind is not None else None
-        if prior is not None and not _same_spill(prior, item):
-            prior = None  # not the same spill: queued on its own
-        if prior is not None:
+        if (prior := self._handoffs.prior(behind, item)) is not None:
             return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.keep(item, prior)))
-        out = self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.enqueue(item)))
-        if item.droppable:
-            self._droppable[out] = item
-        return out
+        return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.enqueue(item)), item)
 
     def barrier(self, key: str = "", *, action: Callable[[], Any] | None = None) -> asyncio.Future[Settled]:
         """A future that settles once every item queued before it has settled.

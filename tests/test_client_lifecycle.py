@@ -488,3 +488,40 @@ def test_an_async_clients_threadsafe_spill_settles_once_its_loop_has_ended(daemo
         loop.run_until_complete(c.close(5))  # the loop run again, here: the client winds down
     finally:
         loop.close()
+
+
+@pytest.mark.asyncio
+async def test_an_async_clients_spill_behind_a_write_behind_not_shipped_yet_is_kept_not_sent_twice(
+    daemon: Daemon,
+) -> None:
+    """As the Spiller's (tests/test_mlx_lm_server.py): a spill of the same entry naming, as its ``behind``, a
+    droppable spill still waiting in the client's own queue keeps that one (made not droppable) and is never sent;
+    one whose ``behind`` was shipped already is sent, the daemon's to shed or keep."""
+    from spilld.lease import off_loop
+
+    gate = threading.Event()
+
+    async def lease(fn: Any) -> Any:  # the first spill's ship waits here, the next ones queue behind it
+        await off_loop(lambda: gate.wait(10))
+        return await off_loop(fn)
+
+    c = await AsyncClient.open(daemon.socket, identity=spilld.Identity("behind"), lease=lease, shm=False)
+    try:
+        before = (await c.status())["queue"]["stored"]
+        cache = fill(C.KVCache(), 8)
+        filler = c.spill_threadsafe(list(range(100, 108)), [cache], droppable=False)
+        first = c.spill_threadsafe(list(range(8)), [cache])  # a write-behind, queued here
+        kept = c.spill_threadsafe(list(range(8)), [cache], droppable=False, behind=first)
+        other = c.spill_threadsafe(list(range(8, 16)), [cache], droppable=False, behind=first)  # not the same
+        await asyncio.sleep(0.2)
+        assert c.queue.pending_items == 3 and not c.queue._queue[0].item.droppable  # promoted where it stood
+        gate.set()
+        results = [await asyncio.wrap_future(f) for f in (filler, first, kept, other)]
+        assert all(r.stored for r in results) and results[1] == results[2]
+        assert (await c.status())["queue"]["stored"] - before == 3  # the entry once, not twice
+        shipped = c.spill_threadsafe(list(range(8)), [cache], droppable=False, behind=first)
+        assert (await asyncio.wrap_future(shipped)).stored
+        assert (await c.status())["queue"]["stored"] - before == 4  # behind gone to the daemon: sent
+    finally:
+        gate.set()
+        await c.close()
