@@ -273,8 +273,8 @@ class Handoffs:
         return fut
 
     def _look(self) -> None:
-        """The watch's thread: it ends once no hand-off is open, or once the loop no longer runs, having settled
-        those that were (their callbacks run here)."""
+        """The watch's thread: it ends once no hand-off is open, or once the loop has ended (``watching``), having
+        settled those that were (their callbacks run here). Each look at a running loop learns which thread runs it."""
         loop = self._watch
         assert loop is not None
         left: list[concurrent.futures.Future[Settled]] = []
