@@ -257,10 +257,19 @@ class SpillQueue:
         """Close the queue if its writer was cancelled, and not by ``close``: its loop is winding down
         (``asyncio.run`` cancels every task, then shuts its threads down). It takes nothing more, and what waits in
         it is cancelled (found in review: the next spill started a new writer, whose first step failed with a plain
-        RuntimeError from the executor already shut down)."""
-        if not self._closed and self._worker is not None and self._worker.cancelled():
+        RuntimeError from the executor already shut down). A ``close`` under way too (``asyncio.run`` cancels a
+        task closing the queue with the writer) has nothing left to wait for: what waits is cancelled all the same
+        (``close`` cancels what is left before it cancels the writer itself, so then nothing is)."""
+        if self._worker is not None and self._worker.cancelled():
             self._closed = True
             self.cancel_where(lambda _: True, barriers=True)
+
+    def _writer_ended(self, worker: asyncio.Task[None]) -> None:
+        """The writer's end, however it came: cancelled from outside, what waits is cancelled now, never left for a
+        next spill that may not come (found in review: a drain, or a close with no timeout, waited for ever on
+        items no writer would settle, and ``asyncio.run`` ending with such a close in a task never returned)."""
+        if worker is self._worker:
+            self._unless_stopped_from_outside()
 
     def keep(self, item: SpillItem, behind: SpillItem) -> asyncio.Future[Settled]:
         """Queue ``item``, a later spill of what ``behind`` (an earlier item of this queue) holds, only where
@@ -338,6 +347,7 @@ class SpillQueue:
             if self._worker is not None and not self._worker.cancelled():
                 self._worker.exception()  # (the one that ended it, settled in its item: retrieved, not logged)
             self._worker = loop.create_task(self._run(), name="spilld-queue-writer")
+            self._worker.add_done_callback(self._writer_ended)
 
     async def _run(self) -> None:
         assert self._wakeup is not None

@@ -473,19 +473,25 @@ async def test_a_cancel_inside_an_item_cancels_that_item_and_the_writer_goes_on(
     assert (await q.drain(5)).done
 
 
+async def _writer_cancelled_from_outside() -> tuple[SpillQueue, Recorder, list[asyncio.Future[Any]]]:
+    """A queue writing "a", "b" queued behind it, whose writer is then cancelled from outside the queue."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    q = queue(rec)
+    futs = [q.enqueue(item("a")), q.enqueue(item("b"))]
+    await rec.started.wait()
+    assert q._worker is not None
+    q._worker.cancel()
+    return q, rec, futs
+
+
 async def test_a_writer_cancelled_from_outside_closes_the_queue() -> None:
     """As ``asyncio.run`` winds a loop down: every task cancelled (the writer with them), then the loop's threads
     shut down. Found in review: a spill enqueued then started a new writer, which failed on the executor already
     shut down with a plain RuntimeError. Now the queue is closed: the new item, and those left waiting, cancelled."""
     from spilld import errors
 
-    rec = Recorder()
-    rec.gate = asyncio.Event()
-    q = queue(rec)
-    first, waiting = q.enqueue(item("a")), q.enqueue(item("b"))
-    await rec.started.wait()
-    assert q._worker is not None
-    q._worker.cancel()  # from outside the queue
+    q, rec, (first, waiting) = await _writer_cancelled_from_outside()
     await asyncio.sleep(0)
     late = q.enqueue(item("c"))
     results = await asyncio.wait_for(asyncio.gather(first, waiting, late), 5)
@@ -559,3 +565,48 @@ async def test_a_droppable_keep_leaves_a_queued_item_droppable() -> None:
     assert (await folded).outcome is Outcome.DROPPED and q.pending_items == 2
     rec.gate.set()
     assert (await q.drain(5)).done and rec.order == ["x", "b"]
+
+
+async def test_a_writer_cancelled_from_outside_settles_what_waits_with_no_spill_after() -> None:
+    """Found in review of the change above: what waited in a queue whose writer was cancelled from outside was
+    settled only by a next spill; with none coming, a drain or a close (``timeout=None``: a Spiller's default) waited
+    for ever. That is how ``asyncio.run`` ends: every task cancelled at once, the writer and one that closes the
+    queue in its ``finally``, and the run then never returned. What waits is cancelled as the writer ends."""
+    q, rec, (first, waiting) = await _writer_cancelled_from_outside()  # and no spill comes after it
+    report = await asyncio.wait_for(q.drain(), 5)
+    assert report.done and report.pending_items == 0
+    assert [(await f).outcome for f in (first, waiting)] == [Outcome.CANCELLED] * 2 and rec.order == []
+
+
+async def test_asyncio_run_returns_when_a_cancelled_task_closes_the_queue_as_the_run_ends() -> None:
+    """The case above as ``asyncio.run`` makes it: main returns with a task still waiting, whose ``finally`` closes
+    the queue (no timeout), and the writer busy with one item, another queued. The run cancels both tasks at once."""
+    import threading
+
+    ended = threading.Event()
+    tasks: list[asyncio.Future[None]] = []  # (held: a task nobody holds may be collected)
+
+    async def main() -> None:
+        rec = Recorder()
+        rec.gate = asyncio.Event()
+        q = queue(rec)
+        q.enqueue(item("a"))
+        q.enqueue(item("b"))
+        await rec.started.wait()
+
+        async def holder() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await q.close()
+
+        tasks.append(asyncio.ensure_future(holder()))
+        await asyncio.sleep(0)  # it waits; main returns, and the run cancels it and the writer at once
+
+    def run() -> None:
+        asyncio.run(main())
+        ended.set()
+
+    threading.Thread(target=run, daemon=True).start()  # (a daemon thread: one that never returns is left behind)
+    ended_in_time = await asyncio.to_thread(ended.wait, 5)
+    assert ended_in_time, "asyncio.run never returned: the close waited for items no writer would settle"
