@@ -49,6 +49,18 @@ def _read(path: Any) -> str:
         return f.read()
 
 
+def _exits_cleanly(script: str, log: Any) -> str:
+    """Run ``script`` in a Python of its own, its output into ``log``: that output, once it exited 0 (in 120 s)."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=f)
+    try:
+        assert proc.wait(120) == 0, _read(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return _read(log)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1154,14 +1166,7 @@ def test_a_stop_signal_before_the_server_serves_is_a_clean_stop(model_dir: str, 
         "from spilld.integrations.mlx_lm import main\n"
         f"main(['--model', {model_dir!r}, '--port', '0', '--spilld-dir', {str(tmp_path / 'store')!r}])\n"
     )
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=f)
-    try:
-        assert proc.wait(120) == 0, _read(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = _read(log)
+    text = _exits_cleanly(script, log)
     assert "mlx_lm.server failed" not in text and "Traceback" not in text, text
     assert "stopped before serving" in text and "cold tier counters:" in text
 
@@ -1191,14 +1196,7 @@ def test_a_stop_signal_inside_the_generators_start_stops_its_thread_before_the_d
         "integration.drain_at_exit = seen\n"
         f"integration.main(['--model', {model_dir!r}, '--port', '0', '--spilld-dir', {str(tmp_path / 'store')!r}])\n"
     )
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=f)
-    try:
-        assert proc.wait(120) == 0, _read(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = _read(log)
+    text = _exits_cleanly(script, log)
     assert "generation threads alive at drain: 0" in text, text
     assert "stopped before serving" in text and "Traceback" not in text, text
 
