@@ -478,6 +478,39 @@ def test_spill_unstored_waits_for_a_write_behind_in_flight_up_to_its_timeout(
     assert tier.spiller.store.counters.stored == 1 and tier.spiller.store.counters.superseded == 0
 
 
+def test_the_exits_spills_never_shed_a_write_behind_left_queued(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """Found in review: at exit, a write-behind still queued at ``spill_unstored``'s timeout was left to the drain
+    droppable, and the exit's own spills (not droppable) of the entries whose write-behind was shed put the queue over
+    its cap and shed it: that entry, in memory at exit, was lost. It is promoted first, written once."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine))
+    q = tier.spiller.queue
+    lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
+    f, a, b = ([k, *range(100, 180)] for k in (9, 4, 5))
+    with engine:  # the writer waits for the engine's lock
+        tier.spill(f, _prefilled(model, f), droppable=False)
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+        q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
+        lru.insert_cache("m", [*b, 1], _prefilled(model, b))
+        lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # over the cap: b's write-behind is shed
+        _until(lambda: q.dropped == 1)
+        assert lru.spill_unstored(0.2) == 1  # b spilled again; a's write-behind, queued still, is left to the drain
+        _until(lambda: q.pending_items + q.dropped == 4)  # b's spill queued (and, before, a's write-behind shed)
+    tier._run(tier.spiller.drain(30))
+    assert lru.unstored_at_exit() == (2, 0) and q.dropped == 1  # before: (2, 1), a's write-behind shed
+    assert tier.spiller.store.counters.stored == 3 and tier.spiller.store.counters.superseded == 0
+    for p in (a, b):
+        loaded = tier.load([*p, 1])
+        assert loaded is not None and loaded.tokens == p
+
+
 def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not check():

@@ -169,8 +169,10 @@ class ColdTierPromptCache(LRUPromptCache):
         insert can come). A write-behind still in flight is waited for first, up to ``timeout``, and only one that
         ended not stored (shed, failed) is spilled again: found in review, each was spilled a second time, its tail
         blocks and manifest written twice and the first file then superseded. One still queued at the timeout is
-        left to the drain (no spill made now could be written sooner). A daemon that was away is asked again now,
-        whatever its retry wait (found in review: one back inside that wait got none of them)."""
+        left to the drain (no spill made now could be written sooner); embedded, it is first promoted, made not
+        droppable where it stands (``SpillQueue.keep``), so that the spills made here, not droppable, never shed it
+        over the queue's cap (found in review: they did, and that entry was lost). A daemon that was away is asked
+        again now, whatever its retry wait (found in review: one back inside that wait got none of them)."""
         n = 0
         for model in {model for lru in self._lru._lrus.values() for model, _ in lru}:
             retry = getattr(self._tier_for(model), "retry_now", None)
@@ -181,19 +183,24 @@ class ColdTierPromptCache(LRUPromptCache):
             self._at_exit = list(self._evicting)
         # (nothing is queued meanwhile: a spill of ours now could make the queue shed one of these)
         concurrent.futures.wait(behind.values(), timeout)
-        for lru in self._lru._lrus.values():
-            for model, tokens in list(lru):
-                key = (model, tuple(tokens))
-                f = behind.get(key)
-                if f is not None and (not f.done() or _stored(f)):
-                    self._at_exit.append(f)  # written, or queued still: its own outcome (the record may lag)
-                    continue
-                if not self._is_stored(key):
-                    cache = self._trie.get(model, tokens).prompt_cache
-                    future = self._spill(model, tokens, cache, droppable=False)
-                    if future is not None:
-                        n += 1
-                        self._at_exit.append(future)
+        entries = [(model, tokens) for lru in self._lru._lrus.values() for model, tokens in list(lru)]
+        left: list[tuple[Any, list[int]]] = []
+        for model, tokens in entries:  # first the write-behinds that stand: none of the spills below may shed one
+            f = behind.get((model, tuple(tokens)))
+            if f is None or (f.done() and not _stored(f)):
+                left.append((model, tokens))
+            elif f.done() or not isinstance(self._tier_for(model), EmbeddedTier):
+                self._at_exit.append(f)  # written, or queued still: its own outcome (the record may lag)
+            else:  # queued still: its future then follows it, promoted (one being written stands as it is)
+                cache = self._trie.get(model, tokens).prompt_cache
+                self._at_exit.append(self._spill(model, tokens, cache, droppable=False, behind=f) or f)
+        for model, tokens in left:
+            if not self._is_stored((model, tuple(tokens))):
+                cache = self._trie.get(model, tokens).prompt_cache
+                future = self._spill(model, tokens, cache, droppable=False)
+                if future is not None:
+                    n += 1
+                    self._at_exit.append(future)
         return n
 
     def unstored_at_exit(self) -> tuple[int, int]:
