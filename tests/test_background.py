@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -588,3 +589,17 @@ async def test_a_client_gone_before_its_touch_holds_background_reads_no_longer_t
         assert isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # another's hit still holds them
         await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
         assert daemon._clients_active()
+
+
+@pytest.mark.asyncio
+async def test_read_failed_without_its_file_checks_and_names_the_hits_entry(caplog: pytest.LogCaptureFixture) -> None:
+    """``read_failed``'s ``file`` is optional (format.md §10: the hit's entry by default). Found in review: the
+    daemon checked the entry then, but its warning named the file as "None"."""
+    async with _a_stored_entry() as (_, c, tokens):
+        hit = await c.lookup([*tokens, 1])
+        assert isinstance(hit, spilld.Hit)
+        os.unlink(hit.path)
+        with caplog.at_level(logging.WARNING, logger="spilld"):
+            assert await c.call("read_failed", {"path": hit.path}) == {"released": True, "gone": True}
+        said = [r.getMessage() for r in caplog.records if "gone from the disk" in r.getMessage()]
+        assert said and all(m.endswith(hit.path) for m in said), said

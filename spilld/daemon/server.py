@@ -467,9 +467,10 @@ class Daemon:
         read, if this daemon finds it gone from the disk, leaves the index (found in review: a file removed by hand
         stayed a hit, and every lookup of it a failed read, until the scrub came by)."""
         released = self.restoring.pop((conn.id, p["path"]), None) is not None
-        gone = await self.store.lost_async(p.get("file", p["path"]))  # the daemon's own check, not the client's word
+        file = p.get("file", p["path"])
+        gone = await self.store.lost_async(file)  # the daemon's own check, not the client's word
         if gone:
-            log.warning("a stored file is gone from the disk (a client's read found it): %s", p.get("file"))
+            log.warning("a stored file is gone from the disk (a client's read found it): %s", file)
         return {"released": released, "gone": gone}
 
     def restores_gone(self, conn: Connection) -> None:
