@@ -356,9 +356,23 @@ class Spiller:
 
     def _release(self) -> None:
         """The writer has ended: what it wrote after the close's record (a cancelled close's writer goes on with the
-        items queued before it) is recorded too, on its own, and the folder's lock goes."""
+        items queued before it) is recorded too, on its own, and the folder's lock goes once every record has
+        landed (``Store.record_wear``: before the lock goes; found in review, it went at once, and a spilld that
+        took the folder meanwhile read a count without this run's bytes). Each record is bounded by the store's
+        I/O deadline, and so is the wait."""
         self._record()
-        self.store.close()
+        waiting = set(self._records)
+        if not waiting:
+            self.store.close()
+            return
+
+        def landed(record: asyncio.Future[None]) -> None:
+            waiting.discard(record)
+            if not waiting:
+                self.store.close()
+
+        for record in list(waiting):
+            record.add_done_callback(landed)
 
     async def status(self) -> dict[str, Any]:
         """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""

@@ -369,18 +369,13 @@ async def test_a_cancelled_close_keeps_the_folders_lock_until_the_writer_has_end
     on writing the spills queued before it: into a folder another spilld could then own (and scan, and reap)."""
     from mlx_lm.models import cache as C
 
-    from spilld.lockfile import LOCK_NAME, FileLock
     from tests.caches import fill
 
     gate = threading.Event()
     unlocked: list[int] = []
 
     def free() -> bool:
-        probe = FileLock(str(tmp_path / LOCK_NAME), "probe")
-        if probe.try_acquire():  # nobody holds it: another spilld could own the folder now
-            probe.release()
-            return True
-        return False
+        return _lock_free(tmp_path)
 
     async def lease(fn: Any) -> Any:
         await spilld.lease.off_loop(lambda: gate.wait(10))
@@ -401,6 +396,17 @@ async def test_a_cancelled_close_keeps_the_folders_lock_until_the_writer_has_end
     assert unlocked == []
     await asyncio.sleep(0.05)
     assert free()  # let go once the writer ended
+
+
+def _lock_free(folder: Any) -> bool:
+    """Whether nobody holds ``folder``'s lock (another spilld could own it now)."""
+    from spilld.lockfile import LOCK_NAME, FileLock
+
+    probe = FileLock(str(folder / LOCK_NAME), "probe")
+    if probe.try_acquire():
+        probe.release()
+        return True
+    return False
 
 
 class _HungWearFile(spilld.fileio.FileOps):
@@ -432,11 +438,15 @@ async def test_a_close_keeps_to_its_timeout_while_the_wear_file_hangs(tmp_path: 
     try:
         done, _ = await asyncio.wait([closing], timeout=5)
         assert closing in done
+        await asyncio.sleep(0.1)
+        assert not _lock_free(tmp_path)  # found in review: let go before the record landed, a successor's count short
     finally:
         hung.release.set()
         await closing
     assert sp._records
     await asyncio.wait(sp._records, timeout=10)  # the record went on alone, and landed once the disk came back
+    await asyncio.sleep(0)
+    assert _lock_free(tmp_path)  # then the lock goes
     again = Store(tmp_path)
     again.scan()
     assert again.stats()["written_day"] == written > 0
