@@ -652,6 +652,37 @@ def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behi
         cleanup(d.root)
 
 
+def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_droppable(tiny: tuple[Any, Any]) -> None:
+    """Found in review: at exit, a write-behind handed to the daemon and not stored by ``spill_unstored``'s timeout
+    was left to the drain, droppable, where the daemon's queue could shed it for the exit's own spills (not
+    droppable): that entry, in memory at exit, lost. The daemon's tier cannot promote it: it is spilled again."""
+    from spilld.integrations.tier import DaemonTier
+
+    model, tokenizer = tiny
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    try:
+        tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
+        lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
+        a = [4, *range(100, 180)]
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)  # nothing is stored meanwhile
+        try:
+            lru.insert_cache("m", [*a, 1], _prefilled(model, a))
+            behind = lru._behind[("m", (*a, 1))]
+            assert lru.spill_unstored(0.3) == 1 and not behind.done()  # spilled again, not left to the drain
+            again = lru._at_exit[-1]
+            assert again is not behind
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert again.result(30).stored and lru.unstored_at_exit() == (1, 0)
+        loaded = tier.load([*a, 1])
+        assert loaded is not None and loaded.tokens == a
+        tier.close(10)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
 def test_a_hung_daemon_costs_the_engine_one_short_wait_not_one_a_request(
     tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

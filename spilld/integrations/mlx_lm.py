@@ -171,7 +171,9 @@ class ColdTierPromptCache(LRUPromptCache):
         blocks and manifest written twice and the first file then superseded. One still queued at the timeout is
         left to the drain (no spill made now could be written sooner); embedded, it is first promoted, made not
         droppable where it stands (``SpillQueue.keep``), so that the spills made here, not droppable, never shed it
-        over the queue's cap (found in review: they did, and that entry was lost). A daemon that was away is asked
+        over the queue's cap (found in review: they did, and that entry was lost). A tier that cannot promote it (the
+        daemon's: handed over already, and the daemon's queue sheds droppable items too) spills it again, not
+        droppable: at exit a second write of an entry is better than its loss. A daemon that was away is asked
         again now, whatever its retry wait (found in review: one back inside that wait got none of them)."""
         n = 0
         for model in {model for lru in self._lru._lrus.values() for model, _ in lru}:
@@ -189,8 +191,10 @@ class ColdTierPromptCache(LRUPromptCache):
             f = behind.get((model, tuple(tokens)))
             if f is None or (f.done() and not _stored(f)):
                 left.append((model, tokens))
-            elif f.done() or not isinstance(self._tier_for(model), EmbeddedTier):
-                self._at_exit.append(f)  # written, or queued still: its own outcome (the record may lag)
+            elif f.done():
+                self._at_exit.append(f)  # written: its own outcome (the record may lag)
+            elif not isinstance(self._tier_for(model), EmbeddedTier):
+                left.append((model, tokens))  # queued still, where nothing can keep it: spilled again
             else:  # queued still: its future then follows it, promoted (one being written stands as it is)
                 cache = self._trie.get(model, tokens).prompt_cache
                 self._at_exit.append(self._spill(model, tokens, cache, droppable=False, behind=f) or f)
