@@ -8,6 +8,7 @@ The in-process tests cover the eviction path without HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -484,19 +485,11 @@ def test_the_exits_spills_never_shed_a_write_behind_left_queued(
     """Found in review: at exit, a write-behind still queued at ``spill_unstored``'s timeout was left to the drain
     droppable, and the exit's own spills (not droppable) of the entries whose write-behind was shed put the queue over
     its cap and shed it: that entry, in memory at exit, was lost. It is promoted first, written once."""
-    import threading
-
-    from spilld.lease import ThreadLockLease
-
     model, _ = tiny
-    engine = threading.Lock()
-    tier = make_tier(lease=ThreadLockLease(engine))
-    q = tier.spiller.queue
-    lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
-    f, a, b = ([k, *range(100, 180)] for k in (9, 4, 5))
-    with engine:  # the writer waits for the engine's lock
-        tier.spill(f, _prefilled(model, f), droppable=False)
-        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+    a, b = ([k, *range(100, 180)] for k in (4, 5))
+    with _writer_held(model, make_tier) as (tier, _):  # f in its write, waiting for engine
+        q = tier.spiller.queue
+        lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
         q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
         lru.insert_cache("m", [*b, 1], _prefilled(model, b))
         lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # over the cap: b's write-behind is shed
@@ -509,6 +502,24 @@ def test_the_exits_spills_never_shed_a_write_behind_left_queued(
     for p in (a, b):
         loaded = tier.load([*p, 1])
         assert loaded is not None and loaded.tokens == p
+
+
+@contextlib.contextmanager
+def _writer_held(model: Any, make_tier: Callable[..., EmbeddedTier], **kw: Any) -> Iterator[tuple[EmbeddedTier, Any]]:
+    """An embedded tier and the engine's lock, held within, for which its writer waits with a spill (f) not
+    droppable in its write: what is spilled meanwhile stays queued behind it."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine), **kw)
+    q = tier.spiller.queue
+    f = [9, *range(100, 180)]
+    with engine:
+        tier.spill(f, _prefilled(model, f), droppable=False)
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+        yield tier, engine
 
 
 def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -526,19 +537,14 @@ def test_an_entry_evicted_while_its_write_behind_is_queued_or_written_is_written
     written) was spilled a second time, not droppable, and both were written: its tail blocks and manifest (the
     whole file with --block-tokens 0) twice, the first copy then superseded. The queued write-behind is kept
     instead, made not droppable (one being written stands for the eviction as it is): each entry is written once."""
-    import threading
-
-    from spilld.lease import ThreadLockLease
-
     model, _ = tiny
-    engine = threading.Lock()
-    tier = make_tier(lease=ThreadLockLease(engine), **({} if block_tokens is None else {"block_tokens": block_tokens}))
-    q = tier.spiller.queue
-    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
-    f, a, b, c, d = ([k, *range(100, 180)] for k in (9, 4, 5, 6, 7))
-    with engine:  # the writer waits for the engine's lock
-        tier.spill(f, _prefilled(model, f), droppable=False)
-        _until(lambda: q.pending_items == 1 and q._in_flight is not None)  # f in flight
+    a, b, c, d = ([k, *range(100, 180)] for k in (4, 5, 6, 7))
+    with _writer_held(model, make_tier, **({} if block_tokens is None else {"block_tokens": block_tokens})) as (
+        tier,
+        engine,
+    ):  # f in its write, waiting for engine
+        q = tier.spiller.queue
+        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
         lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # a's write-behind: queued behind f
         lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a: its write-behind is kept
         _until(lambda: q.pending_items >= 3)
@@ -565,19 +571,11 @@ def test_a_write_behind_kept_for_its_eviction_is_never_shed_under_cap_pressure(
 ) -> None:
     """The write-behind kept in place of an evicted entry's spill is the entry's last copy: no spill queued after it
     sheds it, however far over the queue's cap (the droppable ones are shed instead)."""
-    import threading
-
-    from spilld.lease import ThreadLockLease
-
     model, _ = tiny
-    engine = threading.Lock()
-    tier = make_tier(lease=ThreadLockLease(engine))
-    q = tier.spiller.queue
-    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
-    f, a, b = ([k, *range(100, 180)] for k in (9, 4, 5))
-    with engine:
-        tier.spill(f, _prefilled(model, f), droppable=False)
-        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+    a, b = ([k, *range(100, 180)] for k in (4, 5))
+    with _writer_held(model, make_tier) as (tier, _):  # f in its write, waiting for engine
+        q = tier.spiller.queue
+        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
         q.cap_bytes = 3 * q.pending_bytes  # room for f, a and b (the tiny caches are all of a size)
         lru.insert_cache("m", [*a, 1], _prefilled(model, a))
         lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a: its write-behind is kept
@@ -597,19 +595,11 @@ def test_a_write_behind_shed_before_its_eviction_is_spilled_again_as_the_last_co
 ) -> None:
     """A write-behind the queue shed before its entry was evicted cannot be kept: the eviction spills the last copy
     again, not droppable, as before."""
-    import threading
-
-    from spilld.lease import ThreadLockLease
-
     model, _ = tiny
-    engine = threading.Lock()
-    tier = make_tier(lease=ThreadLockLease(engine))
-    q = tier.spiller.queue
-    lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
-    f, a, b, c = ([k, *range(100, 180)] for k in (9, 4, 5, 6))
-    with engine:
-        tier.spill(f, _prefilled(model, f), droppable=False)
-        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+    a, b, c = ([k, *range(100, 180)] for k in (4, 5, 6))
+    with _writer_held(model, make_tier) as (tier, _):  # f in its write, waiting for engine
+        q = tier.spiller.queue
+        lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
         q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
         lru.insert_cache("m", [*a, 1], _prefilled(model, a))
         lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # over the cap: a's write-behind is shed
