@@ -442,9 +442,7 @@ class AsyncClient:
         still shed it, so this one is queued too."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        if (prior := self._handoffs.prior(behind, item)) is not None:
-            return self._handoffs.track(threadsafe(self._bound(), lambda: self._keep(item, prior)))
-        return self._handoffs.track(threadsafe(self._bound(), lambda: self._enqueue(item)), item)
+        return self._handoffs.hand_over(self._bound(), item, behind, self._enqueue, self._keep)
 
     def _keep(self, item: SpillItem, prior: SpillItem) -> asyncio.Future[Settled]:
         """``prior`` not shipped yet stands for ``item`` (its future, the daemon's answer); else ``item`` is queued."""

@@ -177,13 +177,10 @@ def threadsafe(
     if _running() is loop:
         run()
         return out
-    if loop.is_closed():  # found in review: handed to a loop that had ended, a spill waited for ever
-        settle_closed(out, NOT_RUNNING)
-        return out
     try:
         loop.call_soon_threadsafe(run)
-    except RuntimeError:  # the loop closed meanwhile (a close won the race): cancelled, as a closed queue says
-        settle_closed(out)
+    except RuntimeError:  # a closed loop (a close won the race, or it had ended: found in review, waited for ever)
+        settle_closed(out, NOT_RUNNING)
     return out
 
 
@@ -272,6 +269,21 @@ class Handoffs:
             settle_closed(fut)
         return fut
 
+    def hand_over(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        item: SpillItem,
+        behind: concurrent.futures.Future[Settled] | None,
+        enqueue: Callable[[SpillItem], asyncio.Future[Settled]],
+        keep: Callable[[SpillItem, SpillItem], asyncio.Future[Settled]],
+    ) -> concurrent.futures.Future[Settled]:
+        """``item`` handed to ``loop`` from any thread (``threadsafe``) and tracked: ``keep(item, prior)`` where the
+        earlier droppable spill ``behind`` names may stand for it (``prior``), else ``enqueue(item)``, remembered
+        for a later spill that names this one."""
+        if (prior := self.prior(behind, item)) is not None:
+            return self.track(threadsafe(loop, lambda: keep(item, prior)))
+        return self.track(threadsafe(loop, lambda: enqueue(item)), item)
+
     def _look(self) -> None:
         """The watch's thread: it ends once no hand-off is open, or once the loop has ended (``watching``), having
         settled those that were (their callbacks run here). Each look at a running loop learns which thread runs it."""
@@ -286,8 +298,8 @@ class Handoffs:
                     loop.call_soon_threadsafe(self._seen_running)
             with self._lock:
                 if stopped or not self._open:
-                    left = list(self._open) if stopped else []
-                    self._open.difference_update(left)
+                    if stopped:
+                        left, self._open = list(self._open), set()
                     self._watching = False
                     break
         for fut in left:

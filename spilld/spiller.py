@@ -27,7 +27,7 @@ from .loader import Loaded
 from .lockfile import FileLock, holder_pid
 from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import Attachment, Staging, token_list
-from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned, threadsafe
+from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned
 from .store import Store
 
 log = logging.getLogger("spilld.spiller")
@@ -202,8 +202,8 @@ class Spiller:
         **kw: Any,
     ) -> concurrent.futures.Future[Settled]:
         """``spill`` from any thread (the engine's own): the clones are made here, the item is queued on the loop.
-        Settled cancelled (``Closed``) if the loop does not run it: stopped or closed at the call, or before the item
-        settled (found in review: the engine waited for ever on a loop that had stopped without a close).
+        Settled cancelled (``Closed``) if the loop never runs it: closed at the call, or ended before the item settled
+        (``Handoffs.watching``; found in review: the engine waited for ever on a loop that had stopped without a close).
 
         ``behind``: the future of a droppable spill of the same tokens (and caches) made here earlier, a write-behind.
         While that one is queued it is kept in place of this spill (made not droppable if this one is not: never
@@ -211,9 +211,7 @@ class Spiller:
         (shed, failed, cancelled) is this one queued (``SpillQueue.keep``). The future is then that spill's."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
-        if (prior := self._handoffs.prior(behind, item)) is not None:
-            return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.keep(item, prior)))
-        return self._handoffs.track(threadsafe(self._bound(), lambda: self.queue.enqueue(item)), item)
+        return self._handoffs.hand_over(self._bound(), item, behind, self.queue.enqueue, self.queue.keep)
 
     def barrier(self, key: str = "", *, action: Callable[[], Any] | None = None) -> asyncio.Future[Settled]:
         """A future that settles once every item queued before it has settled.
@@ -361,18 +359,11 @@ class Spiller:
         took the folder meanwhile read a count without this run's bytes). Each record is bounded by the store's
         I/O deadline, and so is the wait."""
         self._record()
-        waiting = set(self._records)
-        if not waiting:
+        if not self._records:
             self.store.close()
             return
-
-        def landed(record: asyncio.Future[None]) -> None:
-            waiting.discard(record)
-            if not waiting:
-                self.store.close()
-
-        for record in list(waiting):
-            record.add_done_callback(landed)
+        # (the wait is held by the records it waits on, which ``_records`` holds)
+        asyncio.ensure_future(asyncio.wait(set(self._records))).add_done_callback(lambda _: self.store.close())
 
     async def status(self) -> dict[str, Any]:
         """The queue's and the store's counters, as the daemon's ``status`` has them under ``queue`` and ``store``."""

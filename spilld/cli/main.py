@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ from .common import (
     EXIT_USAGE,
     UsageError,
 )
-from .parser import build_parser, split_serve_options, with_command
+from .parser import build_parser, split_serve_options, subcommands, with_command
 
 DEBUG_ENV = "SPILLD_DEBUG"  # set to 1: an internal error shows its traceback
 UNREACHABLE_CODES = {"connection_lost", "busy", "timeout", "not_a_daemon"}  # gone, stopping, silent, or not spilld
@@ -48,7 +47,7 @@ def _fail(message: str, code: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr and an exit code (never a traceback)."""
     parser = build_parser()
-    commands = [c for a in parser._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+    commands = list(subcommands(parser))
     args_list, serve_options = split_serve_options(with_command(list(sys.argv[1:] if argv is None else argv), commands))
     if "service" in args_list and serve_options is None:  # (found in review: `install --remote URL` said no more)
         parser.unrecognized_hint = (

@@ -408,6 +408,11 @@ def with_command(argv: list[str], commands: Sequence[str]) -> list[str]:
     return [*argv[:i], "serve", *argv[i:]]
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, Parser]:
+    """``parser``'s commands, each by name with its own parser (argparse keeps them in a private action)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 SERVE_OPTIONS_MARK = "--"  # `spilld service install [OPTIONS] -- SERVE OPTIONS`
 
 

@@ -53,10 +53,10 @@ def _serve_options(words: list[str], spec: Any) -> tuple[str, ...]:
     would fail the service at every start: launchd starts it again every 30 s), each option named in full (an
     abbreviation that is unique today may not be after an upgrade), none that ``install`` sets itself; a file's
     path made absolute. ``UsageError`` for a refusal; SystemExit(0) after ``-- --help``."""
-    from .parser import build_parser
+    from .parser import build_parser, subcommands
     from .serve import serve_config
 
-    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    serve = subcommands(build_parser())["serve"]
     serve.raise_errors, serve.allow_abbrev = True, False  # this parser only, made for this check
     try:
         args = serve.parse_args(words, argparse.Namespace(**dict.fromkeys(OWNED_OPTIONS, _NOT_GIVEN)))

@@ -329,8 +329,12 @@ class Store:
         then, by ``_take_out_block``)."""
         if not rec.refs and not rec.pins and self._drop_block(rec):
             self.counters.blocks_reclaimed += 1
-            for listener in self.listeners if rec.named else []:
-                listener.reclaimed(rec)
+            self._told_gone(rec)
+
+    def _told_gone(self, rec: Block) -> None:
+        """Listeners are told ``rec`` left the store, if a manifest named it (only then was it announced stored)."""
+        for listener in self.listeners if rec.named else []:
+            listener.reclaimed(rec)
 
     # --- lookup ------------------------------------------------------------------------
 
@@ -471,9 +475,8 @@ class Store:
         """A bad block out of the index, with every entry naming it (the file is the caller's to move aside);
         listeners are told it left, as of a block reclaimed, if a manifest named it (it was announced stored)."""
         # out first: it is moved aside, never unlinked with the manifests' own
-        if self.index.drop_block(rec) and rec.named:
-            for listener in self.listeners:  # found in review: routers were never told, and sent its prompts here
-                listener.reclaimed(rec)
+        if self.index.drop_block(rec):  # found in review: routers were never told, and sent its prompts here
+            self._told_gone(rec)
         self._remove_naming(rec)
 
     async def found_bad_async(self, path: str, exc: errors.FileFormatError) -> bool:
