@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import ctypes
 import json
 import os
 import shutil
@@ -55,6 +56,56 @@ class _Stored:
     stored = True
 
 
+class DmaCopier:
+    """Copies mlx arrays in CUDA managed memory to pinned host memory with the GPU's copy engine, on a
+    non-blocking stream of its own (ctypes releases the GIL for each CUDA call)."""
+
+    CHUNK = 8 * MiB
+    _D2H_DEFAULT = 4  # cudaMemcpyDefault: the driver tells managed from device memory
+
+    def __init__(self) -> None:
+        from gpu_reads import cudart
+
+        rt = cudart()
+        if rt is None:
+            raise RuntimeError("the dma arms need mlx's CUDA runtime (mlx-cuda, the GPU as default device)")
+        rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self.rt, self.stream = rt, ctypes.c_void_p()
+        if rt.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1) != 0:  # cudaStreamNonBlocking
+            raise RuntimeError("cudaStreamCreateWithFlags failed")
+        self.bufs: list[ctypes.c_void_p] = []
+        for _ in range(2):
+            p = ctypes.c_void_p()
+            if rt.cudaMallocHost(ctypes.byref(p), ctypes.c_size_t(self.CHUNK)) != 0:
+                raise RuntimeError("cudaMallocHost failed")
+            self.bufs.append(p)
+
+    def _copy(self, dst: ctypes.c_void_p, src: int, n: int) -> None:
+        if self.rt.cudaMemcpyAsync(dst, ctypes.c_void_p(src), n, self._D2H_DEFAULT, self.stream) != 0:
+            raise RuntimeError("cudaMemcpyAsync failed")
+
+    def _sync(self) -> None:
+        if self.rt.cudaStreamSynchronize(self.stream) != 0:
+            raise RuntimeError("cudaStreamSynchronize failed")
+
+    def chunks(self, arrays: list[Any]) -> Any:
+        """Yields each array's bytes, in order, as memoryviews of pinned memory valid until the next one."""
+        from gpu_reads import address
+
+        runs = []
+        for a in arrays:
+            p, n = address(a)
+            runs += [(p + lo, min(self.CHUNK, n - lo)) for lo in range(0, n, self.CHUNK)]
+        if not runs:
+            return
+        self._copy(self.bufs[0], *runs[0])
+        for k, (_, n) in enumerate(runs):
+            self._sync()  # chunk k has landed
+            if k + 1 < len(runs):
+                self._copy(self.bufs[(k + 1) % 2], *runs[k + 1])
+            yield memoryview((ctypes.c_char * n).from_address(self.bufs[k % 2].value or 0)).cast("B")
+
+
 class Sink:
     """Where a spill window's work goes (``--via``): an embedded ``Spiller`` (``ThreadLockLease`` on the engine's
     lock), a spilld daemon in another process (``spilld.Client`` with the same lease), or ``python``: no spill, a
@@ -67,6 +118,7 @@ class Sink:
         self.daemon: subprocess.Popen[bytes] | None = None
         self.busy_stop = threading.Event()  # ends the python arm's busy thread
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.dma = DmaCopier() if self.via.startswith("dma") else None  # fails here, not in the spill's thread
         lease = spilld.ThreadLockLease(lock)
         ident = spilld.Identity("abab")
         if self.via == "spiller":
@@ -93,9 +145,10 @@ class Sink:
         if self.via == "daemon":
             return self.client.spill(tokens, caches, live=live, droppable=False)
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if self.via in ("hash", "write"):
+        if self.via in ("hash", "write", "dma", "dma-hash", "dma-write"):
             arrays = [a for c in caches for a in (c.keys, c.values)]
-            mlxthreads.start_thread(lambda: self._bare(arrays, fut), "bare", daemon=True)
+            work = self._dma if self.via.startswith("dma") else self._bare
+            mlxthreads.start_thread(lambda: work(arrays, fut), "bare", daemon=True)
             return fut
         self.busy_stop.clear()
         threading.Thread(target=self._busy, daemon=True).start()  # pure Python: no mlx streams to free
@@ -127,6 +180,33 @@ class Sink:
                         off += os.pwrite(fd, chunk, off)
                     else:
                         h.update(chunk)
+            if fd >= 0:
+                os.fsync(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        fut.set_result(_Stored())
+
+    def _dma(self, arrays: list[Any], fut: Any) -> None:
+        """Copy-out by the GPU's copy engine: each array's bytes moved with ``cudaMemcpyAsync`` on a CUDA stream of
+        this thread's own into pinned host memory (two 8 MiB buffers in turn: chunk k+1 is copied while chunk k is
+        worked on), so no CPU thread reads the engine's managed memory and no page migrates. ``dma`` stops there;
+        ``dma-hash`` hashes each chunk from the pinned buffer; ``dma-write`` hashes and writes it (one fsync)."""
+        import xxhash
+
+        assert self.dma is not None
+        fd = -1
+        if self.via == "dma-write":
+            os.makedirs(os.path.dirname(self.bare_path), exist_ok=True)
+            fd = os.open(self.bare_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            off = 0
+            h = xxhash.xxh3_64()
+            for chunk in self.dma.chunks(arrays):
+                if self.via != "dma":
+                    h.update(chunk)
+                if fd >= 0:
+                    off += os.pwrite(fd, chunk, off)
             if fd >= 0:
                 os.fsync(fd)
         finally:
@@ -245,11 +325,12 @@ def main() -> None:
     )
     p.add_argument(
         "--via",
-        choices=["spiller", "daemon", "python", "hash", "write"],
+        choices=["spiller", "daemon", "python", "hash", "write", "dma", "dma-hash", "dma-write"],
         default="spiller",
         help="where a spill window's work goes: an embedded Spiller (default), a spilld daemon in another process, "
         "python: no spill, a thread running pure Python for the window (the GIL alone); hash or write: a thread "
-        "hashing or writing the caches' bytes in 8 MiB chunks, none of spilld's machinery",
+        "hashing or writing the caches' bytes in 8 MiB chunks, none of spilld's machinery; dma, dma-hash, dma-write: "
+        "the same after copying them to pinned host memory with cudaMemcpyAsync on a stream of their own (CUDA only)",
     )
     p.add_argument("--max-seconds", type=float, default=120.0, help="give up a case after this long (a starved spill)")
     p.add_argument("--switch-interval", type=float, default=None)
@@ -281,6 +362,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.via.startswith("dma"):
+        sys.stdout.flush()
+        os._exit(0)  # skip teardown: a CUDA stream made through ctypes can crash mlx's exit handlers
 
 
 if __name__ == "__main__":
