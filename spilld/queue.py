@@ -163,6 +163,7 @@ class _Rec:
     future: asyncio.Future[Settled]  # the caller's: it may cancel it
     settled: asyncio.Future[Settled]  # the queue's own, which drain waits on: only _finish sets it
     released: bool = False
+    stand_in: SpillItem | None = None  # a later spill of what the item holds, kept while it is written (``keep``)
 
 
 StoreFn = Callable[[SpillItem], Awaitable[Any]]
@@ -277,19 +278,27 @@ class SpillQueue:
 
         ``behind`` still queued stands for it: promoted, made not droppable if ``item`` is not (from then on never
         shed, and counted against the cap as the items that may not be dropped are), where it stands in the queue
-        (its place is its first enqueue's); ``item`` is let go, never queued. ``behind`` being written, or stored,
-        stands for it too. ``behind`` shed, failed or cancelled (or never queued): ``item`` is queued. The check and
+        (its place is its first enqueue's); ``item`` is let go, never queued. ``behind`` stored stands for it too.
+        ``behind`` being written stands for it while the write may still succeed: ``item`` is held meanwhile, and is
+        written in its place, next, if that write fails (found in review: an entry mlx-lm's LRU evicted while its
+        write-behind was written was lost when that write failed; one that failed before the eviction is spilled
+        again). ``behind`` shed, failed or cancelled (or never queued): ``item`` is queued. The check and
         the promotion are one step on the loop: neither the writer taking ``behind`` nor a shed of it can come
         between them (found in review: an entry mlx-lm's LRU evicted while its write-behind was queued was spilled
         again, and both were written)."""
         settled = self.promote(behind, item.droppable)
-        if settled is None and self._in_flight is not None and self._in_flight.item is behind:
+        written = self._in_flight if self._in_flight is not None and self._in_flight.item is behind else None
+        if settled is None and written is not None:
             # being written: a daemon's store could still shed a droppable one (a write budget, the admission gate);
-            # a Spiller's, whose queue is the one asked to keep, has neither: it is stored or fails
-            settled = self._in_flight.settled
+            # a Spiller's, whose queue is the one asked to keep, has neither: it is stored or fails, and then the
+            # writer writes ``item`` instead (``_write_instead``)
+            settled = written.settled
         if settled is None and (behind.ended is None or not _durable(behind.ended.outcome)):
             return self.enqueue(item)
-        self.let_go(item)
+        if written is not None and written.stand_in is None:
+            written.stand_in = item
+        else:
+            self.let_go(item)
         out: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
         if settled is None:  # stored already
             assert behind.ended is not None
@@ -380,7 +389,9 @@ class SpillQueue:
                     exc,
                 )
                 unpin(exc)
-                self._finish(rec, Settled(Outcome.FAILED, error=exc))
+                failed = Settled(Outcome.FAILED, error=exc)
+                if not self._write_instead(rec, failed):
+                    self._finish(rec, failed)
             except GeneratorExit:  # the loop closed under the writer (its coroutine closed): nothing can be settled
                 raise
             except BaseException as exc:  # (KeyboardInterrupt, SystemExit) the writer ends with it: its item fails
@@ -392,6 +403,26 @@ class SpillQueue:
                 self._finish(rec, Settled(self._done, value=value))
             finally:
                 self._in_flight = None
+
+    def _write_instead(self, rec: _Rec, failed: Settled) -> bool:
+        """``rec``'s write failed: the later spill it stood for while written (``keep``), if any, takes its place at
+        the head of the queue and is written next (nothing awaits in between: no shed comes first); ``rec`` then
+        settles, and is counted, once, as that one ends. Whether it did."""
+        item, rec.stand_in = rec.stand_in, None
+        if item is None:
+            return False
+        try:
+            item.nbytes = self._bytes_of(item)
+        except Exception:  # (it cannot be sized: it goes, and the failure stands)
+            self._release(item)
+            return False
+        item.seq = rec.item.seq
+        self.pending_bytes += item.nbytes - rec.item.nbytes
+        rec.item.ended = failed
+        self._release(rec.item)
+        rec.item = item
+        self._queue.appendleft(rec)
+        return True
 
     def _finish(self, rec: _Rec, result: Settled) -> None:
         """Settle and release an item: exactly once, whatever the path."""
@@ -406,6 +437,9 @@ class SpillQueue:
             self.pending_bytes -= rec.item.nbytes
         rec.item.ended = result
         self._release(rec.item)
+        if rec.stand_in is not None:  # (its write stood for it: stored, or it ended otherwise, not failed)
+            rec.stand_in.ended = result
+            self._release(rec.stand_in)
         rec.settled.set_result(result)
         if not rec.future.done():  # (a caller that cancelled it gave up on the answer, not on the item)
             rec.future.set_result(result)

@@ -9,6 +9,7 @@ The in-process tests cover the eviction path without HTTP.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from spilld import errors
+from spilld import errors, fileio
 from spilld.identity import model_identity
 from spilld.integrations.mlx_lm import ColdTierPromptCache, covered_tokens
 from spilld.integrations.tier import EmbeddedTier, settled_now
@@ -564,6 +565,49 @@ def test_an_entry_evicted_while_its_write_behind_is_queued_or_written_is_written
     for p in (a, b, c, d):
         loaded = tier.load([*p, 1])
         assert loaded is not None and loaded.tokens == p
+
+
+class _FailsWrites(fileio.FileOps):
+    """A file layer whose writes fail with EIO once armed, ``times`` of them."""
+
+    def __init__(self) -> None:
+        self.times = 0
+
+    def pwritev(self, fd: int, bufs: Any, offset: int) -> int:
+        if self.times:
+            self.times -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().pwritev(fd, bufs, offset)
+
+
+def test_an_eviction_whose_write_behind_fails_in_its_write_is_spilled_again(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """An entry evicted while its write-behind is written leans on that write (``SpillQueue.keep``): found in
+    review, when it then failed (an I/O error) the entry, gone from the LRU, was lost, where a write-behind that
+    failed before the eviction is spilled again. The eviction's spill is written in its place, not droppable."""
+    import threading
+
+    from spilld.lease import ThreadLockLease
+
+    model, _ = tiny
+    a, b = ([k, *range(100, 180)] for k in (4, 5))
+    engine = threading.Lock()
+    tier = make_tier(lease=ThreadLockLease(engine))
+    q, ops = tier.spiller.queue, _FailsWrites()
+    tier.spiller.store.ops = ops
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    with engine:  # a's write-behind in its write, waiting for the engine's lock
+        lru.insert_cache("m", [*a, 1], _prefilled(model, a))
+        _until(lambda: q.pending_items == 1 and q._in_flight is not None)
+        lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a while it is written: it stands for a
+        evicted = next(iter(lru._evicting))
+        ops.times = 1  # a's write fails once
+    assert evicted.result(30).stored  # before: FAILED, and a was lost
+    tier._run(tier.spiller.drain(30))
+    assert ops.times == 0 and q.failed == 0 and tier.spiller.store.counters.stored == 2
+    loaded = tier.load([*a, 1])
+    assert loaded is not None and loaded.tokens == a
 
 
 def test_a_write_behind_kept_for_its_eviction_is_never_shed_under_cap_pressure(

@@ -535,7 +535,7 @@ async def test_keep_queues_nothing_for_an_item_in_flight_or_stored_and_queues_it
     a = q.enqueue(a_item)
     await rec.started.wait()  # a in flight: the writer took it before the keep
     in_flight = q.keep(item("a-again", 60, droppable=False), a_item)
-    assert q.pending_items == 1 and rec.released == ["a-again"]
+    assert q.pending_items == 1 and rec.released == []  # held while a is written, in case that fails
     b_item = item("b", 60)
     b = q.enqueue(b_item)
     q.enqueue(item("c", 60))  # over the cap: b is shed
@@ -544,10 +544,33 @@ async def test_keep_queues_nothing_for_an_item_in_flight_or_stored_and_queues_it
     q.enqueue(item("d", 60))  # over the cap: c goes, never b-again
     rec.gate.set()
     assert (await a).stored and (await in_flight).stored and (await shed).stored
+    assert rec.released.count("a-again") == 1  # let go once a was stored
     stored = q.keep(item("a-again", 60, droppable=False), a_item)
     assert stored.done() and stored.result() is a.result()  # stored already: nothing queued
     assert (await q.drain(5)).done
     assert rec.order == ["a", "b-again", "d"] and q.stored == 3
+
+
+async def test_an_item_that_fails_in_flight_has_the_spill_it_stood_for_written_next_even_as_the_queue_closes() -> None:
+    """Found in review: a write-behind being written stood for its entry's eviction (``keep``), and when that write
+    failed the evicted entry was lost. The later spill is held while it is written and, on a failure, written in its
+    place, next; a drain (here a close's, taken before the failure) waits for it, and every item is let go once."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    rec.fail = {"a"}
+    q = queue(rec, cap=100)
+    a_item = item("a", 60)
+    a = q.enqueue(a_item)
+    await rec.started.wait()  # a in flight
+    again = q.keep(item("a-again", 40, droppable=False), a_item)
+    b = q.enqueue(item("b", 30))
+    closing = asyncio.ensure_future(q.close(5))
+    await asyncio.sleep(0)
+    rec.gate.set()
+    assert (await closing).done and (await again).stored and (await a).stored and (await b).stored
+    assert a_item.ended is not None and a_item.ended.outcome is Outcome.FAILED  # before: again failed with a
+    assert rec.order == ["a-again", "b"] and sorted(rec.released) == ["a", "a-again", "b"]
+    assert (q.stored, q.failed, q.pending_items, q.pending_bytes) == (2, 0, 0, 0)
 
 
 async def test_a_droppable_keep_leaves_a_queued_item_droppable() -> None:
