@@ -1,8 +1,10 @@
 """One owner per folder and per socket: an exclusive ``flock`` on a small file, held for the owner's life.
 
-The lock file holds the owner's pid, so a second process can say who is in the way. The file is never
-removed: removing a lock file while another process may have it open would let two owners hold two
-different files under one name.
+The lock file holds the owner's pid, so a second process can say who is in the way. The file stays after its
+owner is gone (the next owner takes it), but a start that made it and is then refused removes it (``discard``),
+while it still holds it: whoever opened it meanwhile finds, once it holds the lock, that the name no longer leads to
+the file it locked, and takes the lock again on the file the name holds now, so two owners never hold two files
+under one name.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ PID_BYTES = 32  # the most of a lock file read back for the holder's pid
 UPDATE_LOCK_NAME = ".spilld-update.lock"  # in the root, always empty: held around a rewrite of a shared root file
 UPDATE_WAIT_S = 5.0  # the longest such a rewrite waits for another process's (each takes milliseconds)
 UPDATE_POLL_S = 0.005
+TAKE_TRIES = 8  # a taking tried again because the file it locked was removed as it took it (each try: microseconds)
 
 
 def holder_pid(path: str) -> int | None:
@@ -44,6 +47,7 @@ class FileLock:
         self.what = what
         self.fd: int | None = None
         self.shared = False  # held shared (with other embedded writers), not exclusively
+        self.made = False  # the file was created by this hold: ``discard`` may remove it
         self._finalizer: weakref.finalize[[int], FileLock] | None = None  # lets go of a lock whose holder was dropped
 
     @property
@@ -62,18 +66,23 @@ class FileLock:
         """Take the lock if nobody holds it (``shared``: if nobody holds it exclusively); False if somebody does."""
         if self.fd is not None:
             return self.shared == shared or not self.shared
-        with io_errors("lock file", self.path):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        try:
-            _check_ours(fd, self.path)
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except (OSError, errors.UnusableFolder):
-            os.close(fd)
-            raise
-        self.fd, self.shared = fd, shared  # ours from here, released by ``release`` (or when this object goes)
+        for _ in range(TAKE_TRIES):
+            fd, made = _open_lock(self.path)
+            try:
+                _check_ours(fd, self.path)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+                if _named(fd, self.path):
+                    break
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except (OSError, errors.UnusableFolder):
+                os.close(fd)
+                raise
+            os.close(fd)  # a refused start removed the file as we locked it: take the one the name holds now
+        else:
+            return False  # removed under us every time: starts that come and go, read as somebody holding it
+        self.fd, self.shared, self.made = fd, shared, made  # ours from here, released by ``release`` (or when dropped)
         self._finalizer = weakref.finalize(self, _close_quietly, fd)
         _HELD.add(self)
         if shared:
@@ -97,8 +106,16 @@ class FileLock:
         self.shared = True
         return True
 
+    def discard(self) -> None:
+        """``release``, and remove the lock file if this hold created it: a refused start leaves nothing behind.
+        Removed while still held (see the module's docstring), and only if the name still leads to our file."""
+        if self.held and self.made and self.fd is not None and _named(self.fd, self.path):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self.release()
+
     def release(self) -> None:
-        self.shared = False
+        self.shared = self.made = False
         _HELD.discard(self)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -143,6 +160,30 @@ def _lock_within(fd: int, path: str, wait_s: float) -> None:
             if time.monotonic() >= deadline:
                 raise errors.StorageTimeout(f"{path} held by another process for {wait_s:g} s", path=path) from None
             time.sleep(UPDATE_POLL_S)
+
+
+def _open_lock(path: str) -> tuple[int, bool]:
+    """Open the lock file, creating it if missing: its descriptor, and whether this call created it."""
+    flags = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    with io_errors("lock file", path):
+        for _ in range(TAKE_TRIES):  # a name removed between the two opens is created on the next turn
+            try:
+                return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+            except FileExistsError:
+                pass
+            with contextlib.suppress(FileNotFoundError):
+                return os.open(path, flags), False
+        return os.open(path, flags | os.O_CREAT, 0o600), False  # not known to be ours: never removed
+
+
+def _named(fd: int, path: str) -> bool:
+    """Whether ``path`` still leads to the file open on ``fd`` (not removed, nor replaced, since it was opened)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _check_ours(fd: int, path: str) -> None:

@@ -225,6 +225,103 @@ def test_a_second_daemon_on_the_same_socket_exits_5_naming_the_first(root: str) 
         cleanup(other)
 
 
+LISTENER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen()
+print("up", flush=True)
+held = []
+while True:
+    c, _ = s.accept()
+    held.append(c)
+    try:
+        if sys.argv[2] == "answers":
+            c.settimeout(5)
+            if c.recv(100):
+                c.sendall(b"HTTP/1.0 400 Bad Request\\r\\n\\r\\n")
+        elif sys.argv[2] == "closes":
+            c.close()
+    except OSError:
+        pass
+"""
+NOT_SPILLD = {  # how a listener that is not spilld meets the hello, and what the refusal says of it
+    "answers": "not spilld",  # with bytes that break the protocol
+    "is_silent": "did not answer",
+    "closes": "closed the connection",
+}
+
+
+@pytest.mark.parametrize("how", NOT_SPILLD)
+def test_something_else_listening_on_the_socket_is_not_called_spilld_and_the_refusal_leaves_no_lock(
+    root: str, how: str
+) -> None:
+    """Found in review: a start refused because some other program listened on the socket's path said "a daemon
+    already listens" (of what it had not asked) and left ``SOCKET.lock`` behind, a file it had just made."""
+    d = Daemon(root)
+    os.makedirs(os.path.dirname(d.socket), mode=0o700)
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER, d.socket, how], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        line = refused(d, 5)
+        assert f"something listens on {d.socket}" in line and NOT_SPILLD[how] in line, line
+        assert "spilld daemon" not in line, line
+        assert proc.poll() is None and stat.S_ISSOCK(os.lstat(d.socket).st_mode)  # its socket is left alone
+        assert sorted(os.listdir(os.path.dirname(d.socket))) == ["spilld.sock"]  # no lock of ours left behind
+        assert not os.path.exists(d.dir)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_refused_start_keeps_a_lock_file_it_did_not_make(root: str) -> None:
+    """The lock a stopped daemon left (its pid in it) is the next one's: a refusal leaves it where it was."""
+    first = Daemon(root).start()
+    second = Daemon(new_root(), ["--socket", first.socket])
+    lock = Path(first.socket + SOCKET_LOCK_SUFFIX)
+    try:
+        assert first.stop() == 0 and lock.exists()
+        first.start()
+        assert f"pid {first.proc.pid}" in refused(second, 5)  # type: ignore[union-attr]
+        assert lock.read_text().strip() == str(first.proc.pid)  # type: ignore[union-attr]
+    finally:
+        first.stop()
+        cleanup(second.root)
+
+
+def test_a_lock_file_removed_as_it_is_taken_is_never_held_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused start removes the lock file it made while it holds it; one who opened the file just before takes
+    the lock of a file no longer named, and must notice (else a third process, locking the file the name holds
+    now, would be a second owner)."""
+    import fcntl
+
+    from spilld import lockfile
+
+    path = str(tmp_path / "s.sock.lock")
+    maker = FileLock(path, "the socket")
+    assert maker.try_acquire() and maker.made
+    real_flock = fcntl.flock
+    calls = 0
+
+    def flock(fd: int, op: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the taker opened the maker's file; the maker gives up and removes it meanwhile
+            maker.discard()
+        real_flock(fd, op)
+
+    taker = FileLock(path, "the socket")
+    monkeypatch.setattr(lockfile.fcntl, "flock", flock)
+    assert taker.try_acquire()
+    monkeypatch.setattr(lockfile.fcntl, "flock", real_flock)
+    assert os.path.exists(path) and os.stat(path).st_ino == os.fstat(taker.fd).st_ino  # type: ignore[arg-type]
+    assert not FileLock(path, "the socket").try_acquire()  # one owner
+    taker.discard()
+    assert not os.path.exists(path)
+
+
 def test_the_socket_lock_is_taken_before_the_stale_socket_probe(root: str) -> None:
     d = Daemon(root)
     os.makedirs(os.path.dirname(d.socket), mode=0o700)

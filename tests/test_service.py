@@ -414,6 +414,8 @@ def test_socket_activation_with_a_real_inherited_fd(root: str) -> None:
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert second.returncode == 5 and f"pid {proc.pid}" in second.stderr, second.stderr  # named (review)
+        assert f"a spilld daemon already listens on {path}" in second.stderr, second.stderr  # it answered as one
+        assert not os.path.exists(path + ".lock")  # the refused start left no lock of its own (found in review)
         pings = recv_all(notify, lambda g: sum(m == "WATCHDOG=1" for m in g) >= 3, timeout=10)
         assert pings.count("WATCHDOG=1") >= 3
         proc.send_signal(signal.SIGTERM)

@@ -10,7 +10,7 @@ import stat
 from typing import Any
 
 from .. import errors
-from .. import protocol as P
+from ..control import Control
 from ..lockfile import SOCKET_LOCK_SUFFIX, FileLock
 from ..peer import peer_uid
 
@@ -21,6 +21,7 @@ __all__ = [
 ]  # fmt: skip
 
 OPEN_TO_OTHERS = stat.S_IWGRP | stat.S_IWOTH  # a folder others can write: they could take the socket's name
+HELLO_TIMEOUT_S = 1.0  # a start refused for a socket in use asks what listens there, this long at most
 
 
 def is_served(path: str, timeout: float = 1.0) -> bool:
@@ -36,26 +37,24 @@ def is_served(path: str, timeout: float = 1.0) -> bool:
         probe.close()
 
 
-def _pid_of(path: str, timeout: float = 1.0) -> str:
-    """' (pid N)' of the daemon answering on ``path``, asked in a hello (one a service manager started on a socket it
-    made holds no lock file to name it: found in review), or '' if it does not say."""
-    hello = {"version": P.PROTOCOL_VERSION, "client": "spilld (a second start)", "pid": os.getpid()}
-    decoder = P.FrameDecoder()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.settimeout(timeout)
-            s.connect(path)
-            s.sendall(b"".join(bytes(b) for b in P.request(1, "hello", hello)))
-            for _ in range(16):  # its answer is the first message, a few KiB at most
-                data = s.recv(1 << 16)
-                if not data:
-                    return ""
-                for m in decoder.feed(data):
-                    pid = m.result.get("pid") if m.kind == P.RESPONSE and isinstance(m.result, dict) else None
-                    return f" (pid {pid})" if type(pid) is int else ""
-        except (OSError, P.ProtocolError):  # anything but a daemon that answers: no pid to name
-            return ""
-    return ""
+def _who_listens(path: str, timeout: float = HELLO_TIMEOUT_S) -> str:
+    """What listens on ``path``, as far as a hello finds out: a spilld is named by its pid (one a service manager
+    started on a socket it made holds no lock file to name it), anything else is "something" (found in review: a
+    refusal said "a daemon already listens" of any program listening there, never asked)."""
+    try:
+        with Control(path, "spilld (a second start)", timeout) as daemon:
+            pid = daemon.server.get("pid")
+    except errors.NotADaemon:
+        return f"something listens on {path} that is not spilld (its answer to a spilld hello broke the protocol)"
+    except errors.Timeout:
+        return f"something listens on {path} and did not answer a spilld hello within {timeout:g} s"
+    except errors.ForeignDaemon as exc:
+        return f"something listens on {path}: {exc}"
+    except errors.ConnectionLost:
+        return f"something listens on {path} and closed the connection without answering a spilld hello"
+    except errors.SpillError as exc:  # an error in spilld's protocol: a spilld that refused the hello
+        return f"a spilld daemon already listens on {path} (it refused a hello: {exc})"
+    return f"a spilld daemon already listens on {path}" + (f" (pid {pid})" if type(pid) is int else "")
 
 
 def socket_folder(path: str) -> list[str]:
@@ -122,16 +121,23 @@ def _accepts(fn: Any, name: str) -> bool:
 def claim(path: str, lock: FileLock | None = None) -> None:
     """Make the socket's path ours to bind: its folder ready (made 0700 only if missing; see ``socket_folder``),
     ``lock`` taken if given and not yet held, a path in use or not a socket refused, a stale socket removed. A
-    daemon claims its socket before it touches its store's folder, so such a refusal leaves nothing behind."""
+    daemon claims its socket before it touches its store's folder, and a refusal here gives back the lock it took
+    (its file removed if this made it: ``FileLock.discard``), so such a refusal leaves nothing behind."""
     socket_folder(path)
-    if lock is not None and not lock.held:
+    taken = lock is not None and not lock.held
+    if lock is not None and taken:
         lock.acquire()  # AlreadyRunning: another spilld starts or serves on this path
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise errors.UnusableFolder(f"{path} exists and is not a socket: refusing to replace it")
-        if is_served(path):
-            raise errors.AlreadyRunning(f"a daemon already listens on {path}{_pid_of(path)}")
-        os.unlink(path)  # nobody listens: a stale socket from a crash (ours to remove: we hold the lock)
+    try:
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise errors.UnusableFolder(f"{path} exists and is not a socket: refusing to replace it")
+            if is_served(path):
+                raise errors.AlreadyRunning(_who_listens(path))
+            os.unlink(path)  # nobody listens: a stale socket from a crash (ours to remove: we hold the lock)
+    except BaseException:
+        if lock is not None and taken:
+            lock.discard()
+        raise
 
 
 async def bind(path: str, handler: Any, lock: FileLock | None = None) -> asyncio.AbstractServer:

@@ -155,7 +155,7 @@ class Daemon:
                 self.remote = await open_link(self.cfg, self.store)
             await self._listen()
         except BaseException:
-            self._release_locks()
+            self._release_locks(refused=True)
             if self.remote is not None:  # its push worker, health task and connections end with the refusal
                 remote, self.remote = self.remote, None
                 await remote.close(0)
@@ -233,9 +233,14 @@ class Daemon:
         else:  # claimed at the start, before the scan
             self._server = await bind(self.cfg.socket, lambda: Connection(self), self._socket_lock)
 
-    def _release_locks(self) -> None:
+    def _release_locks(self, refused: bool = False) -> None:
+        """Let go of the socket's lock and the folder's; ``refused``: a start that did not serve, whose socket lock
+        file goes too if it made it (a stop keeps it, for the next owner)."""
         if self._socket_lock is not None:
-            self._socket_lock.release()
+            if refused:
+                self._socket_lock.discard()
+            else:
+                self._socket_lock.release()
         self.store.close()
 
     def _on_signal(self, sig: int) -> None:
@@ -616,7 +621,7 @@ def run(cfg: Config) -> int:
         try:
             claim(cfg.socket, lock)
         except BaseException:
-            lock.release()
+            lock.discard()  # its file goes too if this start made it
             raise
 
     async def main() -> int:
