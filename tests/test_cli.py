@@ -660,6 +660,59 @@ def test_verify_dir_of_a_live_store_says_an_entry_evicted_during_the_check_is_go
         cleanup(d.root)
 
 
+def test_verify_of_files_named_says_one_removed_during_the_check_is_gone_not_bad(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: ``verify FILE...`` called a file bad (``open failed: No such file or directory
+    [io_error]``, exit 1) when it was removed between the command's look at it and its check, as a daemon's
+    eviction does; only ``--dir`` said such a file gone. Named one by one, it is said gone too, and does not fail the
+    check (exit 0, as ``--dir``). The races are made certain through the file layer the check reads with: the file
+    removed as it is opened, and a manifest removed with its blocks once it is read (as an eviction unlinks them). A
+    name that is not there when verify starts is still a failed check (a typo must not pass), and so is a block
+    missing while its manifest stays."""
+    import asyncio
+
+    from mlx_lm.models.cache import KVCache
+
+    import spilld as sd
+    from spilld import fileio
+    from spilld.entries import identity_fingerprint
+    from spilld.store import Store
+    from tests.caches import fill
+
+    single = tmp_path / "single.spilld"
+    shutil.copy(DATA / "kv.spilld", single)
+    root = tmp_path / "store"
+    store = Store(root, block_tokens=16, durability="none")
+    for name in ("evicted", "kept"):
+        asyncio.run(store.put(list(range(40)), [fill(KVCache(), 40)], sd.Identity(name)))
+    store.close()
+    names = {identity_fingerprint(sd.Identity(name)): name for name in ("evicted", "kept")}
+    manifest = {names[e.fingerprint]: e.path for e in store.entries}
+    blocks_of = {m: sorted(str(p) for p in Path(f).parent.glob("*.spilld-block")) for m, f in manifest.items()}
+    real_open = fileio.DEFAULT_OPS.open_read
+
+    def evicting(p: str) -> int:
+        if p == str(single) and single.exists():  # removed between verify's look at it and its opening
+            single.unlink()
+        if p in blocks_of["evicted"] and os.path.exists(manifest["evicted"]):  # its manifest read: the entry goes
+            for f in [manifest["evicted"], *blocks_of["evicted"]]:
+                os.unlink(f)
+        return real_open(p)
+
+    monkeypatch.setattr(fileio.DEFAULT_OPS, "open_read", evicting)
+    capsys.readouterr()
+    assert cli.main(["verify", str(single), manifest["evicted"], manifest["kept"]]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "BAD" not in out and f"ok   {manifest['kept']}" in out, out
+    assert f"gone {single}: removed during the check" in out and f"gone {manifest['evicted']}" in out, out
+    # not there from the start: a failed check, as before; a block missing under a manifest still there: bad
+    os.unlink(blocks_of["kept"][0])
+    assert cli.main(["verify", str(tmp_path / "nope.spilld"), manifest["kept"]]) == cli.EXIT_BAD_FILE
+    out = capsys.readouterr().out
+    assert f"BAD  {tmp_path / 'nope.spilld'}" in out and f"BAD  {manifest['kept']}" in out and "gone" not in out, out
+
+
 def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
     import pty
 

@@ -187,6 +187,15 @@ def _check_file(path: str, folder_fp: str | None) -> Checked:
     return Checked(None, h)
 
 
+def _removed_meanwhile(c: Checked, path: str) -> bool:
+    """A failed check of a file removed during it: it failed for a file not there (itself, or a block it names) and
+    is gone itself now. An eviction or supersede unlinks a manifest before its blocks and a manifest's name is never
+    used again, so a manifest still there still names the block found missing: not this, bad."""
+    from ..fileio import known_absent
+
+    return c.why is not None and c.missing and known_absent(path)
+
+
 def _size(path: str) -> int:
     """A listed file's bytes; 0 once it is gone (a live store's eviction; found in review: an entry removed between
     an exists and a getsize ended the whole verify with a misleading refusal, exit 2)."""
@@ -204,7 +213,6 @@ def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
     the failure is judged, was evicted or superseded during the check (found in review: reported bad, a false
     alarm). It is said gone and counted apart, never bad. The store unlinks a manifest before its blocks and never
     reuses a manifest's name, so a manifest still there still names the block found missing: that stays bad."""
-    from ..fileio import known_absent
     from ..store.folders import unlistable_folders
 
     unlistable = unlistable_folders(root)  # (a store's folder it cannot list: said below, a failed check)
@@ -222,7 +230,7 @@ def _verify_store(root: str, quiet: bool) -> tuple[int, int]:
         progress.show(len(files) - i, left_bytes)
         c = _check_file(path, fp)
         left_bytes -= sizes[path]
-        if c.why is not None and c.missing and known_absent(path):
+        if _removed_meanwhile(c, path):
             gone += 1
             progress.done()
             print(f"gone {path}: evicted or superseded during the check ({c.why})")
@@ -253,13 +261,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         try:
             regular_file(path)
-        except UsageError as exc:  # missing or not a file: a failed check, and the others are still checked
+        except UsageError as exc:  # missing or not a file: a failed check (a typo must not pass), the others checked
             bad += 1
             print(f"BAD  {path}: {exc}")
             continue
         c = _check_file(path, None)
         if c.why is None and c.header is not None:
             print(f"ok   {path} ({len(c.header.slots())} tensors, {c.header.data_bytes} bytes)")
+        elif _removed_meanwhile(c, path):  # there when verify looked, gone when it was read: not bad, as with --dir
+            # (found in review: a file a daemon evicted between the two was reported bad, exit 1)
+            print(f"gone {path}: removed during the check ({c.why})")
         else:
             bad += 1
             print(f"BAD  {path}: {c.why}")

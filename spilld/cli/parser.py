@@ -339,7 +339,12 @@ def build_parser() -> Parser:
     ins.set_defaults(func=cmd_inspect)
 
     ver = add("verify", "check files end to end (header, layout, every tensor hash), or a whole store (--dir)")
-    ver.add_argument("files", nargs="*", help="files (a folder is checked as a store)")
+    ver.add_argument(
+        "files",
+        nargs="*",
+        help="files (a folder is checked as a store); one removed during the check (a daemon's eviction) is said "
+        "gone, not bad; one not there at all fails",
+    )
     with_dir(ver, "check every entry of this store")
     ver.add_argument("--quiet", action="store_true", help="no progress line")
     ver.set_defaults(func=cmd_verify)
