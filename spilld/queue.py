@@ -163,7 +163,7 @@ class _Rec:
     future: asyncio.Future[Settled]  # the caller's: it may cancel it
     settled: asyncio.Future[Settled]  # the queue's own, which drain waits on: only _finish sets it
     released: bool = False
-    stand_in: SpillItem | None = None  # a later spill of what the item holds, kept while it is written (``keep``)
+    stand_in: SpillItem | None = None  # a later spill of what the item holds, held until it ends (``keep``)
 
 
 StoreFn = Callable[[SpillItem], Awaitable[Any]]
@@ -278,46 +278,56 @@ class SpillQueue:
 
         ``behind`` still queued stands for it: promoted, made not droppable if ``item`` is not (from then on never
         shed, and counted against the cap as the items that may not be dropped are), where it stands in the queue
-        (its place is its first enqueue's); ``item`` is let go, never queued. ``behind`` stored stands for it too.
-        ``behind`` being written stands for it while the write may still succeed: ``item`` is held meanwhile, and is
-        written in its place, next, if that write fails (found in review: an entry mlx-lm's LRU evicted while its
-        write-behind was written was lost when that write failed; one that failed before the eviction is spilled
-        again). ``behind`` shed, failed or cancelled (or never queued): ``item`` is queued. The check and
-        the promotion are one step on the loop: neither the writer taking ``behind`` nor a shed of it can come
-        between them (found in review: an entry mlx-lm's LRU evicted while its write-behind was queued was spilled
-        again, and both were written)."""
-        settled = self.promote(behind, item.droppable)
+        (its place is its first enqueue's). ``behind`` being written stands for it too. Either way ``item`` is held,
+        never queued, until ``behind`` ends, and is written in its place, next, if ``behind``'s write fails (found
+        in review: an entry mlx-lm's LRU evicted while its write-behind was queued, or written, was lost when that
+        write failed; one that failed before the eviction is spilled again); else it is let go. ``behind`` stored
+        stands for it as well (``item`` is let go). ``behind`` shed, failed or cancelled (or never queued): ``item``
+        is queued. The check and the promotion are one step on the loop: neither the writer taking ``behind`` nor a
+        shed of it can come between them (found in review: an entry mlx-lm's LRU evicted while its write-behind was
+        queued was spilled again, and both were written)."""
+        settled = self.promote(behind, item.droppable, stand_in=item)
         written = self._in_flight if self._in_flight is not None and self._in_flight.item is behind else None
         if settled is None and written is not None:
             # being written: a daemon's store could still shed a droppable one (a write budget, the admission gate);
             # a Spiller's, whose queue is the one asked to keep, has neither: it is stored or fails, and then the
             # writer writes ``item`` instead (``_write_instead``)
             settled = written.settled
+            self._hold(written, item)
         if settled is None and (behind.ended is None or not _durable(behind.ended.outcome)):
             return self.enqueue(item)
-        if written is not None and written.stand_in is None:
-            written.stand_in = item
-        else:
-            self.let_go(item)
         out: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
         if settled is None:  # stored already
             assert behind.ended is not None
+            self.let_go(item)
             out.set_result(behind.ended)
             return out
         settled.add_done_callback(lambda s: _follow(out, s))
         return out
 
-    def promote(self, behind: SpillItem, droppable: bool) -> asyncio.Future[Settled] | None:
+    def promote(
+        self, behind: SpillItem, droppable: bool, *, stand_in: SpillItem | None = None
+    ) -> asyncio.Future[Settled] | None:
         """``behind`` still queued: made not droppable unless ``droppable`` (never shed from then on, counted
         against the cap as the items that may not be dropped are), where it stands; the future of its settling.
-        None if it is not queued (being written, or ended)."""
+        None if it is not queued (being written, or ended). ``stand_in``, a later spill of what ``behind`` holds, is
+        then held until ``behind`` ends and written in its place if its write fails (``_write_instead``)."""
         self._unless_stopped_from_outside()
         rec = next((r for r in self._queue if r.item is behind), None)
         if rec is None:
             return None
         if not droppable:
             rec.item.droppable = False
+        if stand_in is not None:
+            self._hold(rec, stand_in)
         return rec.settled
+
+    def _hold(self, rec: _Rec, stand_in: SpillItem) -> None:
+        """Hold ``stand_in`` on ``rec`` until it ends (``_write_instead``); let go if ``rec`` holds one already."""
+        if rec.stand_in is None:
+            rec.stand_in = stand_in
+        else:
+            self.let_go(stand_in)
 
     def let_go(self, item: SpillItem) -> None:
         """Let the clones of an item never queued go (one another item stands for: ``keep``)."""
@@ -405,7 +415,7 @@ class SpillQueue:
                 self._in_flight = None
 
     def _write_instead(self, rec: _Rec, failed: Settled) -> bool:
-        """``rec``'s write failed: the later spill it stood for while written (``keep``), if any, takes its place at
+        """``rec``'s write failed: the later spill it stood for (``keep``, ``promote``), if any, takes its place at
         the head of the queue and is written next (nothing awaits in between: no shed comes first); ``rec`` then
         settles, and is counted, once, as that one ends. Whether it did."""
         item, rec.stand_in = rec.stand_in, None

@@ -207,9 +207,9 @@ class Spiller:
 
         ``behind``: the future of a droppable spill of the same tokens (and caches) made here earlier, a write-behind.
         While that one is queued it is kept in place of this spill (made not droppable if this one is not: never
-        shed from then on), and while it is written or once stored it stands for it (a write of it that then fails has
-        this one written in its place, next); only if it ended not stored (shed, failed, cancelled) is this one queued
-        (``SpillQueue.keep``). The future is then that spill's."""
+        shed from then on), and while it is written or once stored it stands for it (a write of it, kept or written,
+        that then fails has this one written in its place, next); only if it ended not stored (shed, failed,
+        cancelled) is this one queued (``SpillQueue.keep``). The future is then that spill's."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
         return self._handoffs.hand_over(self._bound(), item, behind, self.queue.enqueue, self.queue.keep)

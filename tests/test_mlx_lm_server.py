@@ -610,6 +610,43 @@ def test_an_eviction_whose_write_behind_fails_in_its_write_is_spilled_again(
     assert loaded is not None and loaded.tokens == a
 
 
+def test_an_eviction_whose_write_behind_was_kept_queued_and_then_fails_is_written_in_its_place(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """As above for a write-behind still queued at the eviction (kept, made not droppable): found in review, when its
+    write then failed the entry was lost. The eviction's spill is held with it and written in its place."""
+    import asyncio
+    import threading
+
+    model, _ = tiny
+    a, b = ([k, *range(100, 180)] for k in (4, 5))
+    tier = make_tier()
+    q, ops, gate = tier.spiller.queue, _FailsWrites(), threading.Event()
+    tier.spiller.store.ops = ops
+
+    async def hold() -> Any:  # the writer waits in a barrier: what is spilled meanwhile stays queued
+        return tier.spiller.barrier(action=lambda: asyncio.to_thread(gate.wait, 30))
+
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+    try:
+        tier._run(hold())
+        _until(lambda: q._in_flight is not None)
+        lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # a's write-behind: queued
+        lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a: its write-behind is kept
+        evicted = next(iter(lru._evicting))
+        _until(lambda: q.pending_items >= 3)
+        time.sleep(0.05)  # (a second item of a, had one been queued, would be by now)
+        assert q.pending_items == 3 and lru.stats["evictions_spilled"] == 1
+        ops.times = 1  # a's write fails once
+    finally:
+        gate.set()
+    assert evicted.result(30).stored  # before: FAILED, and a was lost
+    tier._run(tier.spiller.drain(30))
+    assert ops.times == 0 and q.failed == 0 and tier.spiller.store.counters.stored == 2
+    loaded = tier.load([*a, 1])
+    assert loaded is not None and loaded.tokens == a
+
+
 def test_a_write_behind_kept_for_its_eviction_is_never_shed_under_cap_pressure(
     tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
 ) -> None:

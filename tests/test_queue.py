@@ -516,7 +516,7 @@ async def test_a_kept_item_is_never_shed_keeps_its_place_and_nothing_more_is_que
     a = q.enqueue(a_item)
     early = q.enqueue(SpillItem(key="early", barrier=lambda: asyncio.sleep(0, "early")))
     kept = q.keep(item("a-again", 40, droppable=False), a_item)
-    assert rec.released == ["a-again"] and (q.pending_items, q.pending_bytes) == (3, 50)  # let go, never queued
+    assert rec.released == [] and (q.pending_items, q.pending_bytes) == (3, 50)  # held until a ends, never queued
     late = q.enqueue(SpillItem(key="late", barrier=lambda: asyncio.sleep(0, "late")))
     assert not q.would_fit(60)  # a counts as kept: only what may be shed makes room
     others = [q.enqueue(item(f"b{i}", 60)) for i in range(4)]  # each over the cap: the droppable ones before go
@@ -525,6 +525,7 @@ async def test_a_kept_item_is_never_shed_keeps_its_place_and_nothing_more_is_que
     assert (await kept).stored and (await a).stored and (await x).stored
     assert (await early).value == "early" and (await late).value == "late"
     assert rec.order == ["x", "a", "b3"] and q.dropped == 3 and q.stored == 3
+    assert rec.released.count("a-again") == 1  # let go once a was stored
 
 
 async def test_keep_queues_nothing_for_an_item_in_flight_or_stored_and_queues_it_for_one_shed() -> None:
@@ -633,3 +634,25 @@ async def test_asyncio_run_returns_when_a_cancelled_task_closes_the_queue_as_the
     threading.Thread(target=run, daemon=True).start()  # (a daemon thread: one that never returns is left behind)
     ended_in_time = await asyncio.to_thread(ended.wait, 5)
     assert ended_in_time, "asyncio.run never returned: the close waited for items no writer would settle"
+
+
+async def test_a_kept_queued_item_that_then_fails_has_the_spill_it_stood_for_written_next() -> None:
+    """Found in review: an entry mlx-lm's LRU evicted while its write-behind was queued was folded into it (``keep``:
+    promoted, the later spill let go), and when that write failed the evicted entry was lost, where a write-behind
+    that failed before the eviction has the entry spilled again and one failing in its write has it written in its
+    place. A queued one holds the later spill too until it ends: on a failure that one is written next, in its place."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    rec.fail = {"a"}
+    q = queue(rec, cap=100)
+    x = q.enqueue(item("x", 10))
+    await rec.started.wait()  # x in flight: a waits behind it
+    a_item = item("a", 40)
+    a = q.enqueue(a_item)
+    again = q.keep(item("a-again", 40, droppable=False), a_item)
+    assert q.pending_items == 2 and rec.released == []  # held, not queued: a stands for it
+    b = q.enqueue(item("b", 30))
+    rec.gate.set()
+    assert (await again).stored and (await a).stored and (await x).stored and (await b).stored  # before: FAILED
+    assert rec.order == ["x", "a-again", "b"] and sorted(rec.released) == ["a", "a-again", "b", "x"]
+    assert (q.stored, q.failed, q.pending_items, q.pending_bytes) == (3, 0, 0, 0)

@@ -163,8 +163,8 @@ class EmbeddedTier:
         droppable: bool = True,
         behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
-        """``behind`` still queued (or being written, or stored) stands for this spill; one being written whose write
-        fails has this spill written in its place (``Spiller.spill_threadsafe``)."""
+        """``behind`` still queued (or being written, or stored) stands for this spill; one queued or being written
+        whose write fails has this spill written in its place (``Spiller.spill_threadsafe``)."""
         if not self._bound:
             return settled_now(Outcome.CANCELLED)
         return guarded_spill(
