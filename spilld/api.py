@@ -8,6 +8,7 @@ names, same parameters, same typed results:
   called on their event loop's thread (an engine that decodes in another thread uses ``spill_threadsafe``,
   a ``concurrent.futures.Future``); ``Client``: a ``concurrent.futures.Future``, from any thread. A spill of no
   token or no cache raises ``BadParams`` at the call; one whose token ids are not u32 ints settles failed with it.
+  ``behind=`` names an earlier droppable spill of the same entry (a write-behind) kept in its place where it can be.
 - ``lookup(tokens, namespace)``: ``Hit | Miss``, without reading the file.
 - ``load(tokens, namespace, *, longer_than=0)``: the longest usable prefix as ``Loaded`` (cut to the match), or
   None (also when it holds no more than ``longer_than`` tokens: the engine has that much in memory). A read past
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .loader import Loaded
     from .queue import DrainReport, Settled
     from .saver import Attachment
+    from .snapshot import AnyFuture
     from .spiller import Spiller
 
 __all__ = ["AsyncTier", "Hit", "Miss", "MissReason", "SyncTier"]
@@ -75,6 +77,7 @@ class AsyncTier(Protocol):
         checkpoint: GenerationCheckpoint | None = None,
         live: bool = False,
         pin: bool = False,
+        behind: AnyFuture | None = None,
     ) -> asyncio.Future[Settled]: ...
 
     async def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...
@@ -121,6 +124,7 @@ class SyncTier(Protocol):
         checkpoint: GenerationCheckpoint | None = None,
         live: bool = False,
         pin: bool = False,
+        behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]: ...
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit | Miss: ...

@@ -62,7 +62,17 @@ from .saver import (
     token_list,
 )
 from .shm import ShmPool
-from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned, settle_closed, snapshot_of, threadsafe
+from .snapshot import (
+    AnyFuture,
+    Handoffs,
+    item_bytes,
+    new_item,
+    on_loop,
+    planned,
+    settle_closed,
+    snapshot_of,
+    threadsafe,
+)
 
 log = logging.getLogger("spilld.client")
 T = TypeVar("T")
@@ -412,18 +422,25 @@ class AsyncClient:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         live: bool = False,
         pin: bool = False,
+        behind: AnyFuture | None = None,
     ) -> asyncio.Future[Settled]:
         """Clone now, ship behind; a future of the daemon's outcome (its ``value`` a ``SaveResult``).
 
         Call it on the event loop's thread; an engine decoding in a thread of its own calls
         ``spill_threadsafe`` (same arguments, a ``concurrent.futures.Future``).
+
+        ``behind``: the future of an earlier droppable spill of the same entry made here (a write-behind). Where that
+        one still stands for this spill it is kept in its place, made not droppable if this one is not, and this one
+        is held, not written as well, until that one ends: if that one's write fails, this one is written in its
+        place. Where it no longer can, this one is queued. When each way in keeps it: ``spill_threadsafe``. The
+        future is then the one kept's.
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live, pin=pin,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
-        return on_loop(self._bound(), lambda: self._enqueue(item))
+        return self._handoffs.hand_over_here(self._bound(), item, behind, self._enqueue, self._keep)
 
     def spill_threadsafe(
         self,
@@ -438,18 +455,26 @@ class AsyncClient:
 
         ``behind``, as in ``Spiller.spill_threadsafe``: the future of a droppable spill of the same entry made here
         earlier. While that one waits in this client's queue, not shipped yet, it is kept in place of this spill
-        (made not droppable if this one is not) and this one is let go; once shipped it is the daemon's, which may
-        still shed it, so this one is queued too."""
+        (made not droppable if this one is not), and this one is held until the daemon answers it: sent in its
+        place, next, if its ship fails or the daemon fails it (the writer waits for that answer before it ships
+        anything more), let go once it is stored (or shed, a droppable one). Once shipped it is the daemon's, which
+        may still shed it, so this one is queued too."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
         return self._handoffs.hand_over(self._bound(), item, behind, self._enqueue, self._keep)
 
     def _keep(self, item: SpillItem, prior: SpillItem) -> asyncio.Future[Settled]:
-        """``prior`` not shipped yet stands for ``item`` (its future, the daemon's answer); else ``item`` is queued."""
+        """``prior`` not shipped yet stands for ``item`` (its future, the daemon's answer); else ``item`` is queued.
+        Kept, ``item`` is held on ``prior`` and sent in its place if ``prior``'s write fails after all, which for this
+        queue is its ship and the daemon's write of it (``_ship``: a connection lost, a failing disk); that one's
+        answer then settles the future."""
         outcome = snapshot_of(prior).outcome
-        if outcome is None or self.queue.promote(prior, item.droppable) is None:
+        if outcome is None:
             return self._enqueue(item)
-        self.queue.let_go(item)
+        snapshot_of(item).outcome = outcome  # (sent in prior's place, its answer settles the same future)
+        if self.queue.promote(prior, item.droppable, stand_in=item) is None:
+            return self._enqueue(item)
+        snapshot_of(prior).holds_stand_in = True
         return outcome
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
@@ -525,7 +550,22 @@ class AsyncClient:
         outcome = snapshot_of(item).outcome
         assert outcome is not None  # set by _enqueue before the item was queued
         self._commits.add(commit)
-        commit.add_done_callback(lambda f: self._settle(f, outcome, header))
+        if not snapshot_of(item).holds_stand_in:
+            commit.add_done_callback(lambda f: self._settle(f, outcome, header))
+            return
+        # a later spill is held on this one (``_keep``): the daemon's answer is waited for here, and one that failed
+        # has the queue send that spill in its place, next (``SpillQueue._write_instead``)
+        commit.add_done_callback(self._answered)
+        await asyncio.wait([commit])
+        settled = _commit_settled(commit, header)
+        if settled.outcome is Outcome.FAILED:
+            raise settled.error or errors.SpillError("the daemon failed the spill")
+        self._settle_with(outcome, settled)
+
+    def _answered(self, commit: asyncio.Future[Any]) -> None:
+        """A commit whose answer ``_ship`` waits for (or gave up on: cancelled) is no longer awaited."""
+        self._commits.discard(commit)
+        _drop(commit)  # (its error read: a connection lost fails it)
 
     async def _room_for_a_commit(self) -> None:
         """Wait until fewer than ``MAX_INFLIGHT_COMMITS`` requests wait for the daemon's durable answer (commits and
@@ -1003,13 +1043,21 @@ class Client:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         live: bool = False,
         pin: bool = False,
+        behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
-        """Clone now, on the calling (engine's) thread; a future of the daemon's outcome."""
+        """Clone now, on the calling (engine's) thread; a future of the daemon's outcome.
+
+        ``behind``: the future of an earlier droppable spill of the same entry made here (a write-behind). Where that
+        one still stands for this spill it is kept in its place, made not droppable if this one is not, and this one
+        is held, not written as well, until that one ends: if that one's write fails, this one is written in its
+        place. Where it no longer can, this one is queued. When each way in keeps it: ``spill_threadsafe``. The
+        future is then the one kept's.
+        """
         if self._closed is not None:
             return _refused()
         return self._handoffs.track(self._async.spill_threadsafe(
             tokens, caches, meta, namespace=namespace, key=key, droppable=droppable, attachments=attachments,
-            checkpoint=checkpoint, live=live, pin=pin,
+            checkpoint=checkpoint, live=live, pin=pin, behind=behind,
         ))  # fmt: skip
 
     def _submit(self, enqueue: Callable[[], asyncio.Future[Settled]]) -> concurrent.futures.Future[Settled]:

@@ -38,6 +38,7 @@ from .saver import (
 )
 
 Plan = tuple[fmt.Header, list[AnySource]]
+AnyFuture = concurrent.futures.Future[Settled] | asyncio.Future[Settled]  # a spill's, from any way in
 
 LOOP_WATCH_S = 0.1  # how often the hand-offs to a loop its caller runs look whether it still does (``watching``)
 NOT_RUNNING = "the event loop this spill was handed to is not running (stopped, its thread ended, or closed)"
@@ -52,6 +53,8 @@ class Snapshot:
     planned: Plan | None = None  # the plan once made
     live: bool = False  # a live snapshot: it pins no memory, its pending write counts instead
     outcome: asyncio.Future[Settled] | None = None  # AsyncClient: settles with the daemon's answer to the commit
+    # AsyncClient: a later spill is held on it (``_keep``): its answer is waited for, that one sent if it fails
+    holds_stand_in: bool = False
 
 
 def snapshot_of(item: SpillItem) -> Snapshot:
@@ -224,9 +227,7 @@ class Handoffs:
         self._watching = False  # a thread watches it now
         self._runner = threading.current_thread()  # the thread last seen running that loop (``watching``)
         # droppable items by the future handed out for each: what a later spill's ``behind`` names (``prior``)
-        self._items: weakref.WeakKeyDictionary[concurrent.futures.Future[Settled], SpillItem] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._items: weakref.WeakKeyDictionary[AnyFuture, SpillItem] = weakref.WeakKeyDictionary()
 
     @classmethod
     def watching(cls, loop: asyncio.AbstractEventLoop) -> Handoffs:
@@ -250,9 +251,8 @@ class Handoffs:
     ) -> concurrent.futures.Future[Settled]:
         """Follow ``fut`` until it settles; ``item``, the droppable spill it is the outcome of, is remembered for a
         later spill of the same entry that names ``fut`` as its ``behind`` (``prior``)."""
-        if item is not None and item.droppable:
-            with self._lock:
-                self._items[fut] = item
+        if item is not None:
+            self._remember(fut, item)
         if fut.done():  # (refused at once, or settled already: nothing to wait for)
             return fut
         with self._lock:
@@ -284,6 +284,28 @@ class Handoffs:
             return self.track(threadsafe(loop, lambda: keep(item, prior)))
         return self.track(threadsafe(loop, lambda: enqueue(item)), item)
 
+    def hand_over_here(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        item: SpillItem,
+        behind: AnyFuture | None,
+        enqueue: Callable[[SpillItem], asyncio.Future[Settled]],
+        keep: Callable[[SpillItem, SpillItem], asyncio.Future[Settled]],
+    ) -> asyncio.Future[Settled]:
+        """``hand_over`` on ``loop``'s own thread (``on_loop``): the asyncio future, remembered as ``track`` remembers
+        a droppable spill's."""
+        if (prior := self.prior(behind, item)) is not None:
+            return on_loop(loop, lambda: keep(item, prior))
+        fut = on_loop(loop, lambda: enqueue(item))
+        self._remember(fut, item)
+        return fut
+
+    def _remember(self, fut: AnyFuture, item: SpillItem) -> None:
+        """A droppable spill by its future, for a later spill that names it as its ``behind`` (``prior``)."""
+        if item.droppable:
+            with self._lock:
+                self._items[fut] = item
+
     def _look(self) -> None:
         """The watch's thread: it ends once no hand-off is open, or once the loop has ended (``watching``), having
         settled those that were (their callbacks run here). Each look at a running loop learns which thread runs it."""
@@ -305,7 +327,7 @@ class Handoffs:
         for fut in left:
             settle_closed(fut, NOT_RUNNING)
 
-    def prior(self, behind: concurrent.futures.Future[Settled] | None, item: SpillItem) -> SpillItem | None:
+    def prior(self, behind: AnyFuture | None, item: SpillItem) -> SpillItem | None:
         """The droppable spill whose future is ``behind``, if it may stand for ``item`` (``same_spill``)."""
         if behind is None:
             return None

@@ -27,7 +27,7 @@ from .loader import Loaded
 from .lockfile import FileLock, holder_pid
 from .queue import DEFAULT_QUEUE_CAP, DrainReport, Settled, SpillItem, SpillQueue, matching, of_generation
 from .saver import Attachment, Staging, token_list
-from .snapshot import Handoffs, item_bytes, new_item, on_loop, planned
+from .snapshot import AnyFuture, Handoffs, item_bytes, new_item, on_loop, planned
 from .store import Store
 
 log = logging.getLogger("spilld.spiller")
@@ -166,6 +166,7 @@ class Spiller:
         checkpoint: fmt.GenerationCheckpoint | None = None,
         live: bool = False,
         pin: bool = False,
+        behind: AnyFuture | None = None,
     ) -> asyncio.Future[Settled]:
         """Clone the caches, queue them and return at once with a future of the outcome.
 
@@ -184,13 +185,19 @@ class Spiller:
         here instead, and so is everything when there is no lease. A cut below
         the snapshot's length before it is written (even one grown back since,
         if made through ``trim``) fails the write.
+
+        ``behind``: the future of an earlier droppable spill of the same entry made here (a write-behind). Where that
+        one still stands for this spill it is kept in its place, made not droppable if this one is not, and this one
+        is held, not written as well, until that one ends: if that one's write fails, this one is written in its
+        place. Where it no longer can, this one is queued. When each way in keeps it: ``spill_threadsafe``. The
+        future is then the one kept's.
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
             droppable=droppable, attachments=attachments, checkpoint=checkpoint, live=live, pin=pin,
             leased=not isinstance(self.lease, NoLease),
         )  # fmt: skip
-        return self._submit(lambda: self.queue.enqueue(item))
+        return self._handoffs.hand_over_here(self._bound(), item, behind, self.queue.enqueue, self.queue.keep)
 
     def spill_threadsafe(
         self,

@@ -181,6 +181,9 @@ def test_the_three_ways_in_share_names_and_parameters() -> None:
         assert hasattr(cls, "open") and hasattr(cls, "__aenter__") and hasattr(cls, "spill_threadsafe")
     assert not inspect.iscoroutinefunction(Client.lookup) and hasattr(Client, "__enter__")
     assert not hasattr(Spiller, "restore") and not hasattr(AsyncClient, "connect")
+    # ``behind``, the one parameter a spill may name an earlier spill with, means the same on each (one paragraph)
+    said = {(inspect.getdoc(cls.spill) or "").partition("``behind``")[2] for cls in (Spiller, AsyncClient, Client)}
+    assert len(said) == 1 and "" not in said
     # found in review: a Spiller queued 2 GiB before shedding, a client 1 GiB
     caps = {inspect.signature(cls.__init__).parameters["queue_cap"].default for cls in (Spiller, AsyncClient)}
     assert len(caps) == 1

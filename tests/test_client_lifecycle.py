@@ -525,3 +525,47 @@ async def test_an_async_clients_spill_behind_a_write_behind_not_shipped_yet_is_k
     finally:
         gate.set()
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_write_behind_kept_in_the_clients_queue_that_the_daemon_fails_has_the_later_spill_sent_instead() -> (
+    None
+):
+    """Kept for a later spill of its entry (an evicted entry's last copy), a write-behind still in the client's own
+    queue stands for it; found in review of that keep, a write of it that then failed at the daemon (or a ship of it
+    that failed: a connection lost) lost the entry, where the later spill, sent as well, would have been stored. The
+    later spill is held until the daemon answers the kept one, and sent in its place when that failed. Through the
+    on-loop ``spill``, whose ``behind`` is the threadsafe one's."""
+    from spilld.daemon import Daemon as InProcessDaemon
+    from tests.daemons import cleanup, new_root, quiet_config
+
+    root = new_root()
+    cfg = quiet_config(root)
+    daemon = InProcessDaemon(cfg)
+    real_put, fail = daemon.store.put, [list(range(8))]
+
+    async def put(*args: Any, **kw: Any) -> Any:  # the daemon's first write of those tokens fails
+        if fail and [int(t) for t in kw["planned"][0].tokens] == fail[0]:
+            fail.clear()
+            raise errors.StorageError("the disk failed this write")
+        return await real_put(*args, **kw)
+
+    daemon.store.put = put  # type: ignore[method-assign]
+    await daemon.start()
+    c = await AsyncClient.open(cfg.socket, identity=spilld.Identity("kept-fails"), shm=False)
+    try:
+        cache = fill(C.KVCache(), 8)
+        filler = c.spill(list(range(100, 108)), [cache], droppable=False)  # its ship comes first
+        first = c.spill(list(range(8)), [cache])  # a write-behind, queued here
+        kept = c.spill(list(range(8)), [cache], droppable=False, behind=first)
+        assert c.queue.pending_items == 2 and not c.queue._queue[-1].item.droppable  # kept, where it stood
+        results = [await f for f in (filler, first, kept)]
+        assert all(r.stored for r in results) and not fail  # before: first and kept FAILED, the entry lost
+        assert (c.queue.stored, c.queue.failed) == (2, 0)  # filler; first, then kept in its place: one record
+        assert (await c.status())["store"]["stored"] == 2
+        loaded = await c.load([*range(8), 1])
+        assert loaded is not None and loaded.tokens == list(range(8))
+    finally:
+        await c.close()
+        await daemon.stop()
+        cleanup(root)

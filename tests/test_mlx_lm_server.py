@@ -28,6 +28,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from spilld import errors, fileio
+from spilld.client import Client
 from spilld.identity import model_identity
 from spilld.integrations.mlx_lm import ColdTierPromptCache, covered_tokens
 from spilld.integrations.tier import EmbeddedTier, settled_now
@@ -694,8 +695,9 @@ def test_a_write_behind_shed_before_its_eviction_is_spilled_again_as_the_last_co
 
 
 def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behind(tiny: tuple[Any, Any]) -> None:
-    """The daemon's tier cannot keep a write-behind it has handed over: an entry evicted before its write-behind is
-    stored is spilled again (the ``behind`` it is given is not asked), and both are answered."""
+    """The daemon's tier cannot keep a write-behind its client has shipped (here, being shipped to a daemon that does
+    not answer): an entry evicted before its write-behind is stored is spilled again, and both are answered. (One
+    still in the client's own queue is kept: ``test_through_the_daemon_a_write_behind_still_in_the_clients_queue``.)"""
     from spilld.integrations.tier import DaemonTier
 
     model, tokenizer = tiny
@@ -726,7 +728,8 @@ def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behi
 def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_droppable(tiny: tuple[Any, Any]) -> None:
     """Found in review: at exit, a write-behind handed to the daemon and not stored by ``spill_unstored``'s timeout
     was left to the drain, droppable, where the daemon's queue could shed it for the exit's own spills (not
-    droppable): that entry, in memory at exit, lost. The daemon's tier cannot promote it: it is spilled again."""
+    droppable): that entry, in memory at exit, lost. The daemon's tier cannot promote one its client has shipped
+    (here, being shipped): it is spilled again."""
     from spilld.integrations.tier import DaemonTier
 
     model, tokenizer = tiny
@@ -740,7 +743,8 @@ def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_d
         try:
             lru.insert_cache("m", [*a, 1], _prefilled(model, a))
             behind = lru._behind[("m", (*a, 1))]
-            assert lru.spill_unstored(0.3) == 1 and not behind.done()  # spilled again, not left to the drain
+            # handed with its write-behind (not counted: the tier keeps that one where it can), spilled again
+            assert lru.spill_unstored(0.3) == 0 and not behind.done()  # not left to the drain
             again = lru._at_exit[-1]
             assert again is not behind
         finally:
@@ -749,6 +753,58 @@ def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_d
         loaded = tier.load([*a, 1])
         assert loaded is not None and loaded.tokens == a
         tier.close(10)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+@pytest.mark.parametrize("at", ["eviction", "exit"])
+def test_through_the_daemon_a_write_behind_still_in_the_clients_queue_stands_for_its_entry(
+    tiny: tuple[Any, Any], at: str
+) -> None:
+    """Found in review: an entry evicted (or held at exit past ``spill_unstored``'s timeout) while its write-behind
+    still waited in the daemon client's own queue, not shipped, was spilled again, and both were sent and written
+    (the first copy then superseded): ``DaemonTier`` did not pass ``behind`` on. The client keeps it, made not
+    droppable where it stands: each entry is sent once."""
+    import threading
+
+    from spilld.integrations.tier import DaemonTier
+    from spilld.lease import ThreadLockLease
+
+    model, tokenizer = tiny
+    ident = model_identity(model, tokenizer, model_id="tiny")
+    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    engine = threading.Lock()
+    try:
+        tier = DaemonTier(d.socket, ident, lease=ThreadLockLease(engine))
+        lru = ColdTierPromptCache(max_size=1 if at == "eviction" else 4, tier_for=lambda key: tier)
+        f, a, b = ([k, *range(100, 180)] for k in (9, 4, 5))
+        client = tier._connect()
+        assert client is not None
+        q = client._async.queue
+        with engine:  # the client's writer ships f, waiting for the engine's lock: what follows waits in its queue
+            tier.spill(f, _prefilled(model, f), droppable=False)
+            _until(lambda: q._in_flight is not None)
+            lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # a's write-behind: queued behind f
+            if at == "eviction":
+                lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a
+                held = next(iter(lru._evicting))
+            else:
+                assert lru.spill_unstored(0.2) == 0  # a's write-behind, queued still: kept, nothing spilled anew
+                held = lru._at_exit[-1]
+            want = 3 if at == "eviction" else 2  # f, a (and b)
+            _until(lambda: q.pending_items >= want)
+            time.sleep(0.1)  # (a second item of a, had one been queued, would be by now)
+            assert q.pending_items == want  # before: one more, a twice
+        assert held.result(30).stored
+        report = tier.close(30)
+        assert report is not None and report.done and report.not_stored == 0
+        assert q.stored == want  # shipped: each entry once
+        with Client(d.socket, identity=ident) as c:
+            store = c.status()["store"]
+            loaded = c.load([*a, 1])
+        assert store["stored"] == q.stored and store["superseded"] == 0
+        assert loaded is not None and loaded.tokens == a
     finally:
         d.kill()
         cleanup(d.root)

@@ -568,3 +568,23 @@ def _handed_before_the_loop_runs(tmp_path: Any) -> None:
         loop.call_soon_threadsafe(loop.stop)
         th.join(10)
         loop.close()
+
+
+async def test_an_on_loop_spill_behind_a_write_behind_still_queued_is_kept_not_written_twice(tmp_path: Any) -> None:
+    """``spill(..., behind=)`` on the loop's thread, as ``spill_threadsafe``'s (one API with the clients'): a later spill
+    of the same entry naming a droppable one still queued keeps that one, made not droppable, and is written once."""
+    model = tiny_llama()
+    prompt = random_tokens(24, seed=5)
+    cache, _ = prefill(model, prompt)
+    prompt2 = random_tokens(24, seed=6)
+    cache2, _ = prefill(model, prompt2)
+    sp = await spilld.Spiller.open(tmp_path, identity=ident(model))
+    try:
+        first = sp.spill(prompt, cache)  # queued: the writer has not run yet
+        kept = sp.spill(prompt, cache, droppable=False, behind=first)
+        other = sp.spill(prompt2, cache2, droppable=False, behind=first)  # not the same entry: queued
+        assert sp.queue.pending_items == 2 and not sp.queue._queue[0].item.droppable
+        assert all(r.stored for r in [await first, await kept, await other]) and (await kept) == (await first)
+        assert sp.queue.stored == 2 and sp.store.counters.superseded == 0
+    finally:
+        await sp.close()

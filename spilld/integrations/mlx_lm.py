@@ -3,9 +3,10 @@
 ``ColdTierPromptCache`` is a drop-in ``LRUPromptCache``: every entry the server
 inserts is written behind (droppable, so a burst never holds memory); an entry
 the LRU evicts before its write-behind was stored is spilled again, this time
-not droppable (embedded, a write-behind still queued is made not droppable
-instead), and so is every such entry at exit; a fetch the memory tier
-cannot answer in full asks spilld for the longest usable prefix and loads it.
+not droppable (a write-behind still queued, embedded or in the daemon client's
+own queue, is made not droppable instead), and so is every such entry at exit;
+a fetch the memory tier cannot answer in full asks spilld for the longest usable
+prefix and loads it.
 A restarted server therefore starts with what it had (minus anything the
 daemon itself had to shed or failed to write).
 
@@ -169,12 +170,14 @@ class ColdTierPromptCache(LRUPromptCache):
         insert can come). A write-behind still in flight is waited for first, up to ``timeout``, and only one that
         ended not stored (shed, failed) is spilled again: found in review, each was spilled a second time, its tail
         blocks and manifest written twice and the first file then superseded. One still queued at the timeout is
-        left to the drain (no spill made now could be written sooner); embedded, it is first promoted, made not
-        droppable where it stands (``SpillQueue.keep``), so that the spills made here, not droppable, never shed it
-        over the queue's cap (found in review: they did, and that entry was lost). A tier that cannot promote it (the
-        daemon's: handed over already, and the daemon's queue sheds droppable items too) spills it again, not
-        droppable: at exit a second write of an entry is better than its loss. A daemon that was away is asked
-        again now, whatever its retry wait (found in review: one back inside that wait got none of them)."""
+        left to the drain (no spill made now could be written sooner); it is first promoted, made not droppable where
+        it stands (``SpillQueue.keep``; through the daemon, while it waits in the client's own queue), so that the
+        spills made here, not droppable, never shed it over the queue's cap (found in review: they did, and that
+        entry was lost). One the tier cannot promote (shipped to the daemon already, whose queue sheds droppable
+        items too) is spilled again, not droppable: at exit a second write of an entry is better than its loss. A
+        daemon that was away is asked again now, whatever its retry wait (found in review: one back inside that wait
+        got none of them). How many entries were spilled anew (a promotion, or a spill again in its place, is not
+        counted)."""
         n = 0
         for model in {model for lru in self._lru._lrus.values() for model, _ in lru}:
             retry = getattr(self._tier_for(model), "retry_now", None)
@@ -193,9 +196,8 @@ class ColdTierPromptCache(LRUPromptCache):
                 left.append((model, tokens))
             elif f.done():
                 self._at_exit.append(f)  # written: its own outcome (the record may lag)
-            elif not isinstance(self._tier_for(model), EmbeddedTier):
-                left.append((model, tokens))  # queued still, where nothing can keep it: spilled again
-            else:  # queued still: its future then follows it, promoted (one being written stands as it is)
+            else:  # queued still: its future then follows it, promoted where the tier can (one being written stands
+                # as it is, embedded), else the spill's own (shipped to the daemon: spilled again)
                 cache = self._trie.get(model, tokens).prompt_cache
                 self._at_exit.append(self._spill(model, tokens, cache, droppable=False, behind=f) or f)
         for model, tokens in left:
@@ -226,7 +228,7 @@ class ColdTierPromptCache(LRUPromptCache):
         # Not stored (still queued, shed or failed): this is the last copy, so it must not be dropped, unless
         # LAST_COPIES_HELD are waiting for their writes already (memory must stay bounded). A write-behind still
         # queued is kept instead, made not droppable (found in review: both were written, the entry's tail and
-        # manifest twice); a tier that cannot (the daemon's) spills it again
+        # manifest twice); one the tier cannot keep (shipped to the daemon already) has it spilled again
         with self._lock:
             keep = len(self._last_copies) < LAST_COPIES_HELD
         future = self._spill(model, tokens, entry.prompt_cache, droppable=not keep, in_lru=False, behind=behind)

@@ -46,7 +46,8 @@ class ColdTier(Protocol):
         behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
         """``behind``: the future of this tier's droppable spill of the same entry (a write-behind). A tier that can
-        (``EmbeddedTier``) keeps that one while it is queued, instead of queueing this spill too."""
+        keeps that one while it is queued (embedded, or not shipped yet to the daemon), instead of queueing this
+        spill too."""
         ...
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None: ...
@@ -267,11 +268,13 @@ class DaemonTier:
         droppable: bool = True,
         behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
-        """``behind`` is not asked: a spill the client handed over is the daemon's, beyond keeping; this one is sent."""
+        """``behind`` still in the client's own queue, not shipped yet, stands for this spill, which is sent in its
+        place if it fails after all; one the client shipped is the daemon's, beyond keeping: this one is sent too
+        (``AsyncClient.spill_threadsafe``)."""
         client = self._connect()
         if client is None:
             return settled_now(Outcome.FAILED, errors.SpillError("the daemon is unreachable"))
-        future = guarded_spill(lambda: client.spill(tokens, caches, droppable=droppable), tokens)
+        future = guarded_spill(lambda: client.spill(tokens, caches, droppable=droppable, behind=behind), tokens)
         future.add_done_callback(self._settled)
         return future
 
