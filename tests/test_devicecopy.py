@@ -29,7 +29,7 @@ def _gpu_array(nbytes: int, seed: int) -> mx.array:
 @pytest.mark.skipif(CUDA, reason="a machine without CUDA")
 def test_without_cuda_there_is_no_copier_and_no_runtime_is_loaded() -> None:
     assert devicecopy.copier() is None
-    assert devicecopy._loaded_runtime() is None  # nothing loaded a CUDA runtime behind mlx's back
+    assert devicecopy._loaded_driver() is None  # nothing loaded a CUDA driver behind mlx's back
 
 
 def test_the_switch_turns_the_copier_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +74,7 @@ def test_on_cuda_a_failed_copy_raises_a_typed_error_and_the_next_copy_works() ->
     assert gpu is not None
     a = _gpu_array(1 << 20, seed=4)
     with pytest.raises(devicecopy.DeviceCopyError):
-        gpu._call("cudaMemcpyAsync", 1)  # an error number as CUDA returns it
+        gpu._call("cuMemcpyAsync", 1)  # an error number as CUDA returns it
     dst = bytearray(1 << 20)
     gpu.copy(memoryview(dst), memoryview(a))  # type: ignore[arg-type]
     assert bytes(dst) == np.array(a).tobytes()

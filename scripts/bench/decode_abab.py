@@ -114,6 +114,7 @@ class Sink:
 
     def __init__(self, args: argparse.Namespace, lock: Any, folder: str) -> None:
         self.via = args.via
+        self.pace = args.pace
         self.bare_path = os.path.join(folder, "bare.bin")
         self.daemon: subprocess.Popen[bytes] | None = None
         self.busy_stop = threading.Event()  # ends the python arm's busy thread
@@ -150,9 +151,10 @@ class Sink:
             work = self._dma if self.via.startswith("dma") else self._bare
             mlxthreads.start_thread(lambda: work(arrays, fut), "bare", daemon=True)
             return fut
-        self.busy_stop.clear()
-        threading.Thread(target=self._busy, daemon=True).start()  # pure Python: no mlx streams to free
-        return fut
+        if self.via == "python":
+            self.busy_stop.clear()
+            threading.Thread(target=self._busy, daemon=True).start()  # pure Python: no mlx streams to free
+        return fut  # (nothing: the window is idle too, an A/A control of the ratio's own spread)
 
     def _busy(self) -> None:
         x = 0
@@ -171,6 +173,7 @@ class Sink:
         fd = os.open(self.bare_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if self.via == "write" else -1
         try:
             off = 0
+            t0, done = time.perf_counter(), 0
             for a in arrays:
                 mv = dtypes.buffer(a).cast("B")
                 h = xxhash.xxh3_64()
@@ -180,6 +183,8 @@ class Sink:
                         off += os.pwrite(fd, chunk, off)
                     else:
                         h.update(chunk)
+                    done += chunk.nbytes
+                    self._pace(t0, done)
             if fd >= 0:
                 os.fsync(fd)
         finally:
@@ -202,11 +207,14 @@ class Sink:
         try:
             off = 0
             h = xxhash.xxh3_64()
+            t0, done = time.perf_counter(), 0
             for chunk in self.dma.chunks(arrays):
                 if self.via != "dma":
                     h.update(chunk)
                 if fd >= 0:
                     off += os.pwrite(fd, chunk, off)
+                done += chunk.nbytes
+                self._pace(t0, done)
             if fd >= 0:
                 os.fsync(fd)
         finally:
@@ -214,9 +222,16 @@ class Sink:
                 os.close(fd)
         fut.set_result(_Stored())
 
+    def _pace(self, t0: float, done: int) -> None:
+        """With ``--pace``: sleep until ``done`` bytes since ``t0`` are no faster than the pace."""
+        if self.pace > 0:
+            ahead = done / (self.pace * 1e9) - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
     def window_ended(self, fut: Any) -> None:
         """The spill window has its tokens: the python arm's work ends with them (a spill ends when it is durable)."""
-        if self.via == "python" and not fut.done():
+        if self.via in ("python", "nothing") and not fut.done():
             self.busy_stop.set()
             fut.set_result(_Stored())
 
@@ -325,13 +340,15 @@ def main() -> None:
     )
     p.add_argument(
         "--via",
-        choices=["spiller", "daemon", "python", "hash", "write", "dma", "dma-hash", "dma-write"],
+        choices=["spiller", "daemon", "python", "nothing", "hash", "write", "dma", "dma-hash", "dma-write"],
         default="spiller",
         help="where a spill window's work goes: an embedded Spiller (default), a spilld daemon in another process, "
         "python: no spill, a thread running pure Python for the window (the GIL alone); hash or write: a thread "
         "hashing or writing the caches' bytes in 8 MiB chunks, none of spilld's machinery; dma, dma-hash, dma-write: "
-        "the same after copying them to pinned host memory with cudaMemcpyAsync on a stream of their own (CUDA only)",
+        "the same after copying them to pinned host memory with cudaMemcpyAsync on a stream of their own (CUDA only); "
+        "nothing: a spill window in which nothing runs (what the ratio reads between two idle windows)",
     )
+    p.add_argument("--pace", type=float, default=0.0, help="GB/s at most for the hash, write and dma arms (0: unpaced)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="give up a case after this long (a starved spill)")
     p.add_argument("--switch-interval", type=float, default=None)
     p.add_argument("--dir", default=None)
