@@ -4,8 +4,9 @@ On mlx's CUDA backend every array lives in CUDA managed memory. A CPU thread tha
 faults its pages over to the host, and those faults stall the engine's kernels: decode slows while a spill reads
 the arrays, even from a thread that holds no lock and no GIL (docs/benchmarks.md, the GPU sections). The GPU's copy
 engine reads the same bytes over PCIe with no fault and no migration. ``copier()`` gives the process's copier when
-mlx has loaded the CUDA driver here, and None otherwise (macOS, mlx's CPU build, or ``SPILLD_DEVICE_COPY=0``), in
-which case callers copy with the CPU as before.
+mlx has loaded the CUDA driver here and ``SPILLD_DEVICE_COPY=1`` asks for it, and None otherwise (macOS, mlx's CPU
+build, the variable unset), in which case callers copy with the CPU as before. It is opt-in: its measured effect
+on decode is in docs/benchmarks.md ("GPU: copy-out by the copy engine").
 
 It drives the driver library mlx loaded (found in ``/proc/self/maps``; mlx links its CUDA runtime statically, so
 the driver is what the process shares), in each device's primary context, the one mlx's runtime uses. Each thread
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-ENV = "SPILLD_DEVICE_COPY"  # "0": never copy by the GPU (a benchmark's other arm; a way out should a driver misbehave)
+ENV = "SPILLD_DEVICE_COPY"  # "1": copy by the GPU where it can (opt-in until the GPU host's runs say it pays)
 _STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit wait on the legacy default stream
 _ATTR_MEMORY_TYPE, _ATTR_IS_MANAGED, _ATTR_DEVICE_ORDINAL = 2, 8, 9  # CUpointer_attribute values
 _MEMORYTYPE_DEVICE = 2  # CUmemorytype
@@ -122,7 +123,7 @@ def _loaded_driver() -> str | None:
 def copier() -> CudaCopier | None:
     """This process's GPU copier, or None where copies are the CPU's (looked for once a process; never loads a
     driver itself: mlx's CUDA build has loaded it by the time an array exists to copy)."""
-    if os.environ.get(ENV) == "0":
+    if os.environ.get(ENV) != "1":
         return None
     if _found:
         return _found[0]

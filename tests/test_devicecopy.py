@@ -27,18 +27,31 @@ def _gpu_array(nbytes: int, seed: int) -> mx.array:
 
 
 @pytest.mark.skipif(CUDA, reason="a machine without CUDA")
-def test_without_cuda_there_is_no_copier_and_no_runtime_is_loaded() -> None:
+def test_without_cuda_there_is_no_copier_and_no_runtime_is_loaded(asked: None) -> None:
     assert devicecopy.copier() is None
     assert devicecopy._loaded_driver() is None  # nothing loaded a CUDA driver behind mlx's back
 
 
-def test_the_switch_turns_the_copier_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(devicecopy.ENV, "0")
-    assert devicecopy.copier() is None
+@pytest.mark.parametrize("value", [None, "0", "yes", "1"])
+def test_the_copier_is_off_unless_asked_for(value: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    found = object()  # what the look would find on a CUDA machine
+    monkeypatch.setattr(devicecopy, "_found", [found])
+    if value is None:
+        monkeypatch.delenv(devicecopy.ENV, raising=False)
+    else:
+        monkeypatch.setenv(devicecopy.ENV, value)
+    assert devicecopy.copier() is (found if value == "1" else None)
+
+
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(devicecopy.ENV, "1")
 
 
 @needs_cuda
-def test_on_cuda_a_gpu_array_is_copied_by_the_copy_engine_byte_for_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_cuda_a_gpu_array_is_copied_by_the_copy_engine_byte_for_byte(
+    asked: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gpu = devicecopy.copier()
     assert gpu is not None
     a = _gpu_array(12 << 20, seed=3)
@@ -58,7 +71,7 @@ def test_on_cuda_a_gpu_array_is_copied_by_the_copy_engine_byte_for_byte(monkeypa
 
 
 @needs_cuda
-def test_on_cuda_host_memory_is_still_copied_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_cuda_host_memory_is_still_copied_by_the_cpu(asked: None, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = devicecopy.copier()
     assert gpu is not None
     monkeypatch.setattr(gpu, "copy", lambda d, s: pytest.fail("a host buffer went to the GPU's copy"))
@@ -69,7 +82,7 @@ def test_on_cuda_host_memory_is_still_copied_by_the_cpu(monkeypatch: pytest.Monk
 
 
 @needs_cuda
-def test_on_cuda_a_failed_copy_raises_a_typed_error_and_the_next_copy_works() -> None:
+def test_on_cuda_a_failed_copy_raises_a_typed_error_and_the_next_copy_works(asked: None) -> None:
     gpu = devicecopy.copier()
     assert gpu is not None
     a = _gpu_array(1 << 20, seed=4)
