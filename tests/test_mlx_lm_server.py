@@ -581,6 +581,15 @@ class _FailsWrites(fileio.FileOps):
         return super().pwritev(fd, bufs, offset)
 
 
+def _stored_in_its_place(tier: EmbeddedTier, evicted: Any, ops: Any, a: list[int]) -> None:
+    """The evicted entry ``a``, whose write-behind's write failed once (``ops``), was stored in its place and loads."""
+    assert evicted.result(30).stored
+    tier._run(tier.spiller.drain(30))
+    assert ops.times == 0 and tier.spiller.queue.failed == 0 and tier.spiller.store.counters.stored == 2
+    loaded = tier.load([*a, 1])
+    assert loaded is not None and loaded.tokens == a
+
+
 def test_an_eviction_whose_write_behind_fails_in_its_write_is_spilled_again(
     tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
 ) -> None:
@@ -604,11 +613,7 @@ def test_an_eviction_whose_write_behind_fails_in_its_write_is_spilled_again(
         lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a while it is written: it stands for a
         evicted = next(iter(lru._evicting))
         ops.times = 1  # a's write fails once
-    assert evicted.result(30).stored  # before: FAILED, and a was lost
-    tier._run(tier.spiller.drain(30))
-    assert ops.times == 0 and q.failed == 0 and tier.spiller.store.counters.stored == 2
-    loaded = tier.load([*a, 1])
-    assert loaded is not None and loaded.tokens == a
+    _stored_in_its_place(tier, evicted, ops, a)  # before: FAILED, and a was lost
 
 
 def test_an_eviction_whose_write_behind_was_kept_queued_and_then_fails_is_written_in_its_place(
@@ -641,11 +646,7 @@ def test_an_eviction_whose_write_behind_was_kept_queued_and_then_fails_is_writte
         ops.times = 1  # a's write fails once
     finally:
         gate.set()
-    assert evicted.result(30).stored  # before: FAILED, and a was lost
-    tier._run(tier.spiller.drain(30))
-    assert ops.times == 0 and q.failed == 0 and tier.spiller.store.counters.stored == 2
-    loaded = tier.load([*a, 1])
-    assert loaded is not None and loaded.tokens == a
+    _stored_in_its_place(tier, evicted, ops, a)  # before: FAILED, and a was lost
 
 
 def test_a_write_behind_kept_for_its_eviction_is_never_shed_under_cap_pressure(

@@ -165,54 +165,41 @@ class Sink:
     def _bare(self, arrays: list[Any], fut: Any) -> None:
         """The bytes of ``arrays`` hashed (xxh3) or written (``pwrite``, one fsync at the end) in 8 MiB chunks by
         this thread alone: a spill's data work with none of spilld's machinery (no loop, no lease, no steps)."""
-        import xxhash
-
         from spilld import dtypes
 
-        os.makedirs(os.path.dirname(self.bare_path), exist_ok=True)
-        fd = os.open(self.bare_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if self.via == "write" else -1
-        try:
-            off = 0
-            t0, done = time.perf_counter(), 0
+        def chunks() -> Any:
             for a in arrays:
                 mv = dtypes.buffer(a).cast("B")
-                h = xxhash.xxh3_64()
                 for lo in range(0, mv.nbytes, 8 * MiB):
-                    chunk = mv[lo : lo + 8 * MiB]
-                    if fd >= 0:
-                        off += os.pwrite(fd, chunk, off)
-                    else:
-                        h.update(chunk)
-                    done += chunk.nbytes
-                    self._pace(t0, done)
-            if fd >= 0:
-                os.fsync(fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        fut.set_result(_Stored())
+                    yield mv[lo : lo + 8 * MiB]
+
+        self._consume(chunks(), fut, hashed=self.via == "hash", written=self.via == "write")
 
     def _dma(self, arrays: list[Any], fut: Any) -> None:
         """Copy-out by the GPU's copy engine: each array's bytes moved with ``cudaMemcpyAsync`` on a CUDA stream of
         this thread's own into pinned host memory (two 8 MiB buffers in turn: chunk k+1 is copied while chunk k is
         worked on), so no CPU thread reads the engine's managed memory and no page migrates. ``dma`` stops there;
         ``dma-hash`` hashes each chunk from the pinned buffer; ``dma-write`` hashes and writes it (one fsync)."""
+        assert self.dma is not None
+        chunks = self.dma.chunks(arrays)
+        self._consume(chunks, fut, hashed=self.via != "dma", written=self.via == "dma-write")
+
+    def _consume(self, chunks: Any, fut: Any, hashed: bool, written: bool) -> None:
+        """Each chunk hashed and/or written (one fsync at the end), at ``--pace`` at most; ``fut`` then settles."""
         import xxhash
 
-        assert self.dma is not None
         fd = -1
-        if self.via == "dma-write":
+        if written:
             os.makedirs(os.path.dirname(self.bare_path), exist_ok=True)
             fd = os.open(self.bare_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            off = 0
-            h = xxhash.xxh3_64()
-            t0, done = time.perf_counter(), 0
-            for chunk in self.dma.chunks(arrays):
-                if self.via != "dma":
+            h, done = xxhash.xxh3_64(), 0
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                if hashed:
                     h.update(chunk)
                 if fd >= 0:
-                    off += os.pwrite(fd, chunk, off)
+                    os.pwrite(fd, chunk, done)
                 done += chunk.nbytes
                 self._pace(t0, done)
             if fd >= 0:
