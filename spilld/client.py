@@ -761,6 +761,9 @@ class AsyncClient:
             except errors.SpillError as why:
                 log.debug("a bad file's report was not answered: %s", why)
             return None
+        except asyncio.CancelledError:  # the engine gave up on it; ``within`` let its thread end first
+            self._read_ended(path)
+            raise
         except errors.StorageTimeout:
             raise  # a hung disk: said, so that the caller can stop asking for a while (each ask would wait as long)
         except errors.SpillError as exc:  # evicted between lookup and open, or a file this model cannot use
@@ -775,6 +778,14 @@ class AsyncClient:
         except errors.SpillError as exc:
             log.debug("a restore's touch was not answered: %s", exc)
         return loaded
+
+    def _read_ended(self, path: str) -> None:
+        """A cancelled restore's read has ended, unread: the daemon's background reads wait for it no more (found in
+        review: they waited for ``--io-timeout``, no touch coming). Its ``read_failed`` is written without waiting
+        for room or an answer, as a cancel must not wait on the daemon; it names no file it found gone, and the
+        daemon takes a file out of its index only where it finds that file gone itself."""
+        if self._writer is not None and not self._writer.is_closing():
+            write_each(self._writer, P.request(next(self._ids), "read_failed", {"path": path}))
 
     def barrier(self, key: str = "") -> asyncio.Future[Settled]:
         """A future that settles once every spill queued before it is settled (shipped here, then at the daemon)."""

@@ -592,6 +592,44 @@ async def test_a_client_gone_before_its_touch_holds_background_reads_no_longer_t
 
 
 @pytest.mark.asyncio
+async def test_a_load_cancelled_mid_read_holds_background_reads_no_longer_than_a_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: an engine that cancelled its ``load`` while the client read the hit's files sent nothing, so
+    the hit held the scrub and the warm start until the read's deadline (``--io-timeout``: against a real daemon,
+    paused 29.3 s after the cancel returned). The cancelled load says ``read_failed`` once its thread has stopped
+    reading; the file stays stored, and a hit."""
+    import spilld.client
+    from spilld import fileio, loader
+
+    reads: list[float] = []  # when each of the client's reads ended
+
+    class SlowOps(fileio.OwnFileOps):
+        def preadv(self, fd: int, bufs: Any, offset: int) -> int:
+            time.sleep(0.2)  # a cold disk
+            try:
+                return super().preadv(fd, bufs, offset)
+            finally:
+                reads.append(time.monotonic())
+
+    slow = SlowOps()  # the client's reads only: the daemon in this process reads as before
+    monkeypatch.setattr(spilld.client, "load", lambda *a, **kw: loader.load(*a, **(kw | {"ops": slow})))
+    async with _a_stored_entry() as (daemon, c, tokens):
+        load = asyncio.ensure_future(c.load([*tokens, 1]))
+        while not reads:
+            await asyncio.sleep(0.01)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        done = len(reads)
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert len(reads) == done  # its thread had stopped reading when the cancel returned
+        assert not daemon._clients_active(), daemon.restoring
+        hit = await c.lookup([*tokens, 1])  # not a bad file, nor gone: still stored
+        assert isinstance(hit, spilld.Hit) and os.path.exists(hit.path)
+
+
+@pytest.mark.asyncio
 async def test_read_failed_without_its_file_checks_and_names_the_hits_entry(caplog: pytest.LogCaptureFixture) -> None:
     """``read_failed``'s ``file`` is optional (format.md §10: the hit's entry by default). Found in review: the
     daemon checked the entry then, but its warning named the file as "None"."""
