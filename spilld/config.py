@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .admission import MAX_ADMIT_AFTER
 from .blocks import DEFAULT_BLOCK_TOKENS
@@ -58,6 +61,20 @@ def check_size(n: int, what: str | None = None, *, minimum: int = 1) -> int:
     if n > MAX_SIZE:
         raise ValueError(f"{shown}: larger than any disk (at most {MAX_SIZE} bytes)")
     return n
+
+
+def arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """``parse`` (``parse_size``, ``parse_duration``...) as an argparse type: its ValueError a usage error (exit 2)
+    naming the option. The daemon's command line and the mlx-lm integration's options share it."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name  # argparse names the type in its messages
+    return convert
 
 
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*")

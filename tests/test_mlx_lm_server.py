@@ -1131,6 +1131,7 @@ def test_wrapper_help_lists_both_option_sets() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "--spilld-dir" in out.stdout and "--prompt-cache-size" in out.stdout
+    assert all(f"--spilld-{o}" in out.stdout for o in ("cap", "disk-cap", "durability")), out.stdout
 
 
 def test_the_help_and_mlx_lms_errors_name_this_command_and_the_default_socket() -> None:
@@ -1599,3 +1600,61 @@ def test_a_draft_models_weights_are_part_of_the_identity(tiny: tuple[Any, Any]) 
     alone, one, other = identity(None), identity(draft(1)), identity(draft(2))
     assert len({alone.config_fingerprint, one.config_fingerprint, other.config_fingerprint}) == 3
     assert identity(draft(1)).config_fingerprint == one.config_fingerprint  # the same draft: the same identity
+
+
+def test_the_embedded_stores_cap_durability_and_queue_cap_are_options(tmp_path: Any) -> None:
+    """Found in review: no option set the embedded store's disk cap, durability or queue cap (the daemon's --disk-cap,
+    --durability, --cap): a --spilld-dir folder was always fsynced, capped at the default disk cap, its queue at
+    2 GiB. They reach the Spiller now, parsed as the daemon parses them."""
+    from spilld.integrations.mlx_lm import ServerTiers, _parser, tier_options
+
+    argv = ["--spilld-dir", str(tmp_path), "--spilld-cap", "64MiB", "--spilld-disk-cap", "1.5GiB"]
+    opts, rest = _parser().parse_known_args([*argv, "--spilld-durability", "none", "--model", "x"])
+    assert rest == ["--model", "x"]
+    tiers = ServerTiers(None, socket=None, folder=opts.spilld_dir, **tier_options(opts))
+    tiers.open_ahead()
+    tiers.wait_opened(30)
+    assert tiers._ahead is not None
+    spiller = tiers._ahead.result().spiller
+    try:
+        assert spiller.queue.cap_bytes == 64 << 20 and spiller.store.disk_cap == 3 << 29
+        assert spiller.store.durability is fileio.Durability.NONE
+    finally:
+        tiers.close(10)
+    # given nothing, the Spiller's own defaults; through a daemon, only the queue's cap (the client's queue)
+    assert tier_options(_parser().parse_known_args(["--spilld-dir", str(tmp_path)])[0]) == {}
+    assert tier_options(_parser().parse_known_args(["--spilld-cap", "2G"])[0]) == {"queue_cap": 2 << 30}
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--spilld-disk-cap", "4XB"], "argument --spilld-disk-cap: not a size: '4XB'"),
+        (["--spilld-cap", "0"], "argument --spilld-cap: '0': a size must be at least 1 byte"),
+        (["--spilld-durability", "sometimes"], "argument --spilld-durability: invalid choice: 'sometimes'"),
+    ],
+)
+def test_bad_embedded_store_options_are_refused_with_exit_2(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """A bad size or durability is a usage error (exit 2), as the daemon's: parsed by the daemon's own functions.
+    (In process, the integration's parser only: ``main`` ends its process once mlx-lm's server took its turn.)"""
+    from spilld.integrations.mlx_lm import _parser
+
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_known_args(["--spilld-dir", str(tmp_path), *args, "--model", "x"])
+    assert exc.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_folders_own_settings_without_spilld_dir_are_refused(tmp_path: Any) -> None:
+    """--spilld-disk-cap and --spilld-durability set the embedded folder; a daemon's folder is set by the daemon's
+    options, so without --spilld-dir they are refused at start (exit 2, one line) rather than ignored."""
+    cmd = [sys.executable, "-m", "spilld.integrations.mlx_lm", "--model", "x", "--host", "256.0.0.0"]
+    r = subprocess.run(
+        [*cmd, "--spilld-durability", "none", "--spilld-disk-cap", "1G"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "spilld.integrations.mlx_lm: --spilld-disk-cap, --spilld-durability without --spilld-dir: the daemon's "
+        "folder is set by its own options (spilld --disk-cap, --durability); give --spilld-dir, or leave them out"
+    ), (r.returncode, r.stderr[-2000:])

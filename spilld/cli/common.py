@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import errors
-from ..config import check_socket_path, format_size, parse_duration, parse_size
+from ..config import arg_type, check_socket_path, format_size, parse_duration, parse_size
 
 EXIT_OK = 0
 EXIT_BAD_FILE = 1
@@ -67,24 +67,13 @@ class Progress:
 # --- argument types: one parser for every size and duration --------------------------------------
 
 
-def _arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = name  # argparse names the type in its messages
-    return convert
-
-
-size_arg = _arg_type(parse_size, "size")
-size_or_zero_arg = _arg_type(lambda t: parse_size(t, minimum=0), "size")
-duration_arg = _arg_type(parse_duration, "duration")
-positive_duration_arg = _arg_type(lambda t: parse_duration(t, positive=True), "duration")
+size_arg = arg_type(parse_size, "size")
+size_or_zero_arg = arg_type(lambda t: parse_size(t, minimum=0), "size")
+duration_arg = arg_type(parse_duration, "duration")
+positive_duration_arg = arg_type(lambda t: parse_duration(t, positive=True), "duration")
 # Redis takes a TTL in whole seconds: a duration rounded up, so "0.5" is 1 s rather than refused or 0
-whole_seconds_arg = _arg_type(lambda t: max(1, math.ceil(parse_duration(t, positive=True))), "duration")
-socket_arg = _arg_type(check_socket_path, "socket path")
+whole_seconds_arg = arg_type(lambda t: max(1, math.ceil(parse_duration(t, positive=True))), "duration")
+socket_arg = arg_type(check_socket_path, "socket path")
 
 
 def _nonempty_path(text: str) -> str:
@@ -93,7 +82,7 @@ def _nonempty_path(text: str) -> str:
     return text
 
 
-path_arg = _arg_type(_nonempty_path, "path")
+path_arg = arg_type(_nonempty_path, "path")
 
 
 def _nonempty_text(text: str) -> str:
@@ -102,7 +91,7 @@ def _nonempty_text(text: str) -> str:
     return text
 
 
-text_arg = _arg_type(_nonempty_text, "value")
+text_arg = arg_type(_nonempty_text, "value")
 
 
 def _fingerprint(text: str) -> str:
@@ -113,7 +102,7 @@ def _fingerprint(text: str) -> str:
     return text
 
 
-fingerprint_arg = _arg_type(_fingerprint, "fingerprint")
+fingerprint_arg = arg_type(_fingerprint, "fingerprint")
 
 
 def _checked_text(text: str) -> str:
@@ -121,7 +110,7 @@ def _checked_text(text: str) -> str:
     return text
 
 
-size_text_arg = _arg_type(_checked_text, "size")  # checked, kept as written (service files pass it on)
+size_text_arg = arg_type(_checked_text, "size")  # checked, kept as written (service files pass it on)
 
 
 class Parser(argparse.ArgumentParser):

@@ -14,6 +14,7 @@ Run mlx-lm's own server with it (every ``mlx_lm.server`` option works)::
 
     python -m spilld.integrations.mlx_lm --model PATH              # through the spilld daemon
     python -m spilld.integrations.mlx_lm --model PATH --spilld-dir ~/.cache/spilld-embedded  # no daemon
+    python -m spilld.integrations.mlx_lm --model PATH --spilld-dir DIR --spilld-disk-cap 20GiB --spilld-durability none
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from mlx_lm.models.cache import CacheList, LRUPromptCache, PromptTrie
 
 from .. import errors, fileio, mlxthreads
 from .. import format as fmt
-from ..config import default_socket, parse_duration
+from ..config import arg_type, default_socket, format_size, parse_duration, parse_size
 from ..daemon.listen import is_served
 from ..identity import config_fingerprint, model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
-from ..queue import Outcome, Settled
+from ..queue import DEFAULT_QUEUE_CAP, Outcome, Settled
 from ..saver import clone_caches, evaluated
 from .tier import ColdTier, DaemonTier, EmbeddedTier, settled_now
 
@@ -507,8 +508,31 @@ def _parser() -> argparse.ArgumentParser:
         "--spilld-dir", metavar="FOLDER", help="no daemon: write the files from this process, into this folder"
     )
     parser.add_argument(
+        "--spilld-cap",
+        type=arg_type(parse_size, "size"),
+        default=None,
+        metavar="SIZE",
+        help="soft cap on this process's queued spills in memory, as the daemon's --cap: with --spilld-dir the "
+        "writes queued, else the spills not yet sent to the daemon (default "
+        f"{format_size(DEFAULT_QUEUE_CAP)}; e.g. 512MiB, 2G, 10GB)",
+    )
+    parser.add_argument(
+        "--spilld-disk-cap",
+        type=arg_type(parse_size, "size"),
+        default=None,
+        metavar="SIZE",
+        help="with --spilld-dir: cap on the folder's size, as the daemon's --disk-cap (default: the smaller of "
+        "64 GiB and a quarter of the free space plus the store's own bytes)",
+    )
+    parser.add_argument(
+        "--spilld-durability",
+        default=None,
+        choices=[d.value for d in fileio.Durability],
+        help="with --spilld-dir: as the daemon's --durability, full (F_FULLFSYNC on macOS), fsync (default) or none",
+    )
+    parser.add_argument(
         "--spilld-drain-timeout",
-        type=_duration,
+        type=arg_type(parse_duration, "duration"),
         default=30.0,
         metavar="DURATION",
         help="at exit, how long to wait for queued spills (default 30 s; e.g. 90, 2m)",
@@ -530,11 +554,27 @@ def absolute_paths(opts: argparse.Namespace) -> None:
             setattr(opts, name, os.path.abspath(os.path.expanduser(path)))
 
 
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+EMBEDDED_ONLY = ("spilld_disk_cap", "spilld_durability")  # the folder's own settings: a daemon's are its options
+
+
+def tier_options(opts: argparse.Namespace) -> dict[str, Any]:
+    """The tiers' settings from the integration's options (``ServerTiers``' keyword arguments): the queue's cap for
+    either tier; the folder's cap and durability for the embedded one. A daemon's folder is set by the daemon's own
+    options: given without --spilld-dir, they are refused (exit 2) rather than ignored."""
+    given = [f"--{name.replace('_', '-')}" for name in EMBEDDED_ONLY if getattr(opts, name) is not None]
+    if given and not opts.spilld_dir:
+        _refuse(
+            f"{', '.join(given)} without --spilld-dir: the daemon's folder is set by its own options (spilld "
+            "--disk-cap, --durability); give --spilld-dir, or leave them out"
+        )
+    kwargs: dict[str, Any] = {}
+    if opts.spilld_cap is not None:
+        kwargs["queue_cap"] = opts.spilld_cap
+    if opts.spilld_disk_cap is not None:
+        kwargs["disk_cap"] = opts.spilld_disk_cap
+    if opts.spilld_durability is not None:
+        kwargs["durability"] = fileio.Durability(opts.spilld_durability)
+    return kwargs
 
 
 def _served(folder: str) -> int | None:
@@ -615,6 +655,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"--spilld-dir {opts.spilld_dir} is served by a daemon (pid {pid or 'unknown'}): give its socket "
             "(--spilld-socket), or another folder"
         )
+    options = tier_options(opts)
     if opts.spilld_metrics_file and not os.path.isdir(os.path.dirname(os.path.abspath(opts.spilld_metrics_file))):
         _refuse(f"--spilld-metrics-file {opts.spilld_metrics_file}: its folder does not exist")
     if {"-h", "--help"} & set(rest):
@@ -628,7 +669,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         group = mx.distributed.init()
         log.info(describe_tier(opts.spilld_socket, opts.spilld_dir))  # mlx-lm's server has set up logging by now
         state["starting"] = True  # a stop signal from here is held until the generator is kept (``on_stop``)
-        tiers = state["tiers"] = ServerTiers(model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir)
+        tiers = state["tiers"] = ServerTiers(
+            model_provider, socket=opts.spilld_socket, folder=opts.spilld_dir, **options
+        )
         tiers.open_ahead()  # embedded: the folder's scan runs meanwhile, on a thread of its own
         prompt_cache = state["cache"] = ColdTierPromptCache(model_provider.cli_args.prompt_cache_size, tier_for=tiers)
         if opts.spilld_metrics_file:
