@@ -1658,3 +1658,28 @@ def test_the_folders_own_settings_without_spilld_dir_are_refused(tmp_path: Any) 
         "spilld.integrations.mlx_lm: --spilld-disk-cap, --spilld-durability without --spilld-dir: the daemon's "
         "folder is set by its own options (spilld --disk-cap, --durability); give --spilld-dir, or leave them out"
     ), (r.returncode, r.stderr[-2000:])
+
+
+def test_an_entry_evicted_while_the_embedded_tier_opens_is_spilled_once_it_is_open(
+    tiny: tuple[Any, Any], make_tier: Callable[..., EmbeddedTier]
+) -> None:
+    """Found in review (the last closing note's 'embedded entries evicted before the tier opened are lost'): while
+    the folder was still being scanned, an entry the LRU evicted was refused by the opening tier and let go, the last
+    copy; only those still in memory were spilled once the tier was ready. Now it is held (within LAST_COPIES_HELD)
+    and spilled, not droppable, at the first call that finds the tier open."""
+    from spilld.integrations.mlx_lm import OPENING
+
+    model, _ = tiny
+    tier = make_tier()
+    ready: list[Any] = []
+    lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: ready[0] if ready else OPENING)
+    first, second = [7, *range(100, 120)], [8, *range(200, 220)]
+    lru.insert_cache("m", first, _prefilled(model, first))
+    lru.insert_cache("m", second, _prefilled(model, second))  # evicts `first` while the tier opens
+    ready.append(tier)
+    lru.fetch_nearest_cache("m", [9, 9])  # the first call that finds the tier open spills the held entry
+    assert lru.stats["evictions_spilled"] == 1
+    lru.spill_unstored(30)  # `second`, whose write-behind the opening tier refused
+    tier.close(30)
+    assert lru.unstored_at_exit() == (2, 0)
+    assert tier.spiller.store.count == 2

@@ -132,11 +132,14 @@ class ColdTierPromptCache(LRUPromptCache):
         self._stored: set[Key] = set()  # entries in the LRU whose write-behind is on disk
         self._last_copies: set[concurrent.futures.Future[Settled]] = set()  # evictions' spills, not droppable
         self._evicting: set[concurrent.futures.Future[Settled]] = set()  # evictions' spills in flight, any kind
+        # caches evicted while their tier was still opening (embedded: its folder's scan), spilled once it is open
+        self._held: list[tuple[Any, list[int], list[Any]]] = []
         # each cache the server held at exit, by the spill that may store it (see ``unstored_at_exit``)
         self._at_exit: list[concurrent.futures.Future[Settled]] = []
         self.stats = {"restores": 0, "restored_tokens": 0, "cold_misses": 0, "spills": 0, "evictions_spilled": 0}
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        self._spill_held()
         cache, rest = super().fetch_nearest_cache(model, tokens)
         have = len(tokens) - len(rest)
         tier = self._tier_for(model)
@@ -162,6 +165,7 @@ class ColdTierPromptCache(LRUPromptCache):
         return loaded.caches, tokens[n:]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], **kwargs: Any) -> None:
+        self._spill_held()
         self._forget((model, tuple(tokens)))  # a replaced entry: its old record no longer says anything
         self._spill(model, tokens, prompt_cache, droppable=True)  # first: the insert itself may evict it
         super().insert_cache(model, tokens, prompt_cache, **kwargs)
@@ -184,6 +188,7 @@ class ColdTierPromptCache(LRUPromptCache):
             retry = getattr(self._tier_for(model), "retry_now", None)
             if retry is not None:
                 retry()
+        self._spill_held()  # (the exit waited for the tiers still opening)
         with self._lock:  # the evicted caches whose spill is still under way are held at exit too
             behind = dict(self._behind)
             self._at_exit = list(self._evicting)
@@ -217,7 +222,8 @@ class ColdTierPromptCache(LRUPromptCache):
         the droppable write-behinds in flight were shed at exit, and a drain that stored every cache said 'those
         caches are lost')."""
         stored = sum(map(_stored, self._at_exit))
-        return len(self._at_exit), len(self._at_exit) - stored
+        held = len(self._at_exit) + len(self._held)  # (those evicted while their tier opened, if it never did)
+        return held, held - stored
 
     def _evicted(self, model: Any, tokens: list[int], entry: Any) -> None:
         key = (model, tuple(tokens))
@@ -231,8 +237,35 @@ class ColdTierPromptCache(LRUPromptCache):
         # queued is kept instead, made not droppable (found in review: both were written, the entry's tail and
         # manifest twice); one the tier cannot keep (shipped to the daemon already) has it spilled again
         with self._lock:
-            keep = len(self._last_copies) < LAST_COPIES_HELD
-        future = self._spill(model, tokens, entry.prompt_cache, droppable=not keep, in_lru=False, behind=behind)
+            keep = len(self._last_copies) + len(self._held) < LAST_COPIES_HELD
+        if keep and self._tier_for(model) is OPENING:  # it would refuse the spill, and the cache be lost (found in
+            _readable_later(entry.prompt_cache)  # review): held, within the same bound, until the tier is open
+            self._held.append((model, tokens, entry.prompt_cache))
+            return
+        self._spill_last_copy(model, tokens, entry.prompt_cache, keep=keep, behind=behind)
+
+    def _spill_held(self) -> None:
+        """Spill, not droppable, the evicted caches held while their tier was opening, once it is open."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for model, tokens, caches in held:
+            if self._tier_for(model) is OPENING:
+                self._held.append((model, tokens, caches))
+            else:
+                self._spill_last_copy(model, tokens, caches, keep=True)
+
+    def _spill_last_copy(
+        self,
+        model: Any,
+        tokens: list[int],
+        caches: list[Any],
+        *,
+        keep: bool,
+        behind: concurrent.futures.Future[Settled] | None = None,
+    ) -> None:
+        """An evicted cache's spill, not droppable if ``keep``; followed until written (``_evicting``)."""
+        future = self._spill(model, tokens, caches, droppable=not keep, in_lru=False, behind=behind)
         if future is None:
             return
         self.stats["evictions_spilled"] += 1
@@ -317,7 +350,7 @@ def _readable_later(caches: list[Any]) -> None:
 class _Opening:
     """The tier of a model whose folder is still being scanned (embedded): lookups miss and spills are refused on the
     spot, as with a daemon not reached yet, so a request never waits for the scan (the entries it leaves in memory
-    are spilled once the tier is ready, when evicted or at exit)."""
+    are spilled once the tier is ready, at their eviction or at exit; one evicted meanwhile is held for it)."""
 
     def spill(
         self,
