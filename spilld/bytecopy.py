@@ -4,15 +4,12 @@ A slice assignment between two buffers (``dst[a:b] = src``) holds the GIL for it
 more where the source's pages must fault in (CUDA managed memory), and an engine's decode thread, which needs the
 GIL between two kernels, waits that long. numpy's copy of a byte array releases the GIL (measured: a Python loop's
 p99 iteration gap 0.27 ms alone, 1.9-2.8 ms beside a thread copying 8 MiB by slice assignment, 0.53 ms beside one
-copying with ``np.copyto``; docs/benchmarks.md, the GPU decode section). A source in a GPU's memory (mlx on CUDA)
-is copied by the GPU's copy engine instead (``devicecopy``): a CPU copy would fault its pages over.
+copying with ``np.copyto``; docs/benchmarks.md, the GPU decode section).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from . import devicecopy
 
 GIL_FREE_MIN_BYTES = 64 * 1024  # shorter copies by slice assignment: numpy's call costs more than they hold the GIL
 
@@ -24,9 +21,5 @@ def copy_into(dst: memoryview, src: memoryview) -> None:
         raise ValueError(f"copy of {src.nbytes} bytes into {n}")
     if n < GIL_FREE_MIN_BYTES:
         dst.cast("B")[:] = src.cast("B")
-        return
-    gpu = devicecopy.copier()
-    if gpu is not None and gpu.on_device(src):  # (mlx on CUDA: the GPU's copy engine, not CPU page faults)
-        gpu.copy(dst, src)
         return
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
