@@ -2560,3 +2560,44 @@ def test_a_manifest_naming_too_many_blocks_is_given_up_on_without_walking_it_who
     assert len(asked) == link.MAX_FILL_BLOCKS + 1
     mixed = [b"a" * 32, b"h" * 32, b"b" * 32, b"a" * 32]
     assert link._lacking(mixed, held, 2) == [b"a" * 32, b"b" * 32]
+
+
+@pytest.mark.asyncio
+async def test_a_restart_announces_the_blocks_its_scan_found_once_the_tier_answers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: blocks were announced only as each entry was stored, so a host restarted after the stream
+    lost its events (here: Redis down, then back empty) was never said again to hold them. The announcement waits
+    for a tier that does not answer at the start; a generation's checkpoint is not announced."""
+    monkeypatch.setattr(link_module, "ANNOUNCE_RETRY_S", 0.05)
+    n = 16 * 3 + 3
+    before = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    await before.put(list(range(n)), [fill(C.KVCache(), n, heads=2, dim=8, seed=s) for s in range(2)], FILL_IDENT)
+    ck = spilld.GenerationCheckpoint("gen-1", "", n - 3, 3, 7, 1, True)
+    ns = checkpoint_namespace("gen-1")
+    other = [fill(C.KVCache(), n, heads=2, dim=8, seed=9 + s) for s in range(2)]
+    await before.put(list(range(n)), other, replace(FILL_IDENT, namespace=ns), checkpoint=ck)
+    held = {k for k, b in before.index.blocks.items() if b.namespace == ""}
+    assert len(held) == 3
+    before.close()
+    with redis_server() as s:
+        s.kill()
+        store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+        store.scan()  # as a daemon's start: the index from the files
+        tier = await started(relaxed(s.url, breaker_cooldown_s=0.1, health_interval_s=0.05))
+        link = RemoteLink(tier, store, push="none", host="a")
+        try:
+            assert tier.state == "open"
+            link.announce_held()  # never waits: the tier is down
+            await asyncio.sleep(0.3)
+            s.start()  # back, empty
+            await wait_for(lambda: tier.counters()["events_published"] > 0)
+            with s.client() as c:
+                events = c.xrange(keys.events_key(""))
+                streams = [k for k in c.keys("*") if k.endswith(b":events")]
+            assert [(f[b"kind"], f[b"host"]) for _, f in events] == [(b"stored", b"a")]
+            assert {bytes.fromhex(k) for k in events[0][1][b"keys"].decode().split(",")} == held
+            assert streams == [keys.events_key("").encode()]  # the checkpoint's namespace: none
+        finally:
+            await link.close(1)
+            store.close()

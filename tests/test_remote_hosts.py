@@ -462,3 +462,38 @@ async def test_push_evicted_pushes_only_what_the_disk_evicts_and_another_host_re
         want = next_logits(model, cache, 3)
         assert equal(next_logits(model, got.caches, 3), want)
         assert not equal(next_logits(model, prefill(model, make_prompt_cache, second), 3), want)  # negative control
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_host_announces_again_the_blocks_it_holds(server: RedisServer, model: Any) -> None:
+    """Found in review: a host told routers of its blocks only as each entry was stored (or filled), so one that
+    restarted after the stream lost its events (Redis restarted without persistence, the stream trimmed, a router
+    that came later) held blocks no router ever heard of: its prompts went elsewhere, to a prefill. Its start
+    announces what its scan found."""
+    from spilld.blocks import header_root
+    from spilld.remote.keys import events_key
+    from spilld.remote.router import PrefixRouter
+
+    async with hosts(model, [server.url, "--remote-host-name", "a"]) as ((a, ca),):
+        conv = random_tokens(3 * B + 1, seed=71)
+        stored = await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
+        assert stored.stored
+        await pushed(ca, 3 + 3 + 2)
+        with server.client() as r:
+            (_, before), *_ = r.xrange(events_key(""))
+        held = set(before[b"keys"].decode().split(","))
+        assert len(held) == 3
+        assert a.stop() == 0
+        with server.client() as r:
+            r.flushall()  # the server restarted without persistence while the host was down
+        a.start()
+        deadline = time.monotonic() + 5.0
+        with server.client() as r:
+            router = PrefixRouter(r, "", header_root(stored.value.header, B), B)
+            while not (events := r.xrange(events_key(""))) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            # (each order: with no holder the router picks by the prompt's hash, the same place in either)
+            routed = [router.route([*conv, 5], names) for names in (["elsewhere", "a"], ["a", "elsewhere"])]
+        assert [(f[b"kind"], f[b"host"]) for _, f in events] == [(b"stored", b"a")]
+        assert set(events[0][1][b"keys"].decode().split(",")) == held
+        assert routed == ["a", "a"]

@@ -43,7 +43,7 @@ from ..validate import header_from_bytes
 from .config import RemoteConfig
 from .keys import BLOCK_KEY_BYTES, Kind
 from .stats import Reason
-from .tier import EventKind, RemoteTier, one_failure
+from .tier import MAX_EVENT_KEYS, EventKind, RemoteTier, one_failure
 
 log = logging.getLogger("spilld.remote")
 
@@ -84,6 +84,11 @@ UNFETCHED: dict[Reason, str] = {r: f"blocks_{r.value}" for r in Reason if r is n
 # but unread or refused: its fill miss, by the tier's reason (found in review: with Redis down or hung every fill
 # said ``no_root`` or ``no_longer_chain``, as though nothing had been pushed)
 UNREAD: dict[Reason, str] = {r: r.value for r in Reason if r not in (Reason.ABSENT, Reason.OOM)}
+# A start's announcement of what the scan found (``RemoteLink.announce_held``): one event of up to ``MAX_EVENT_KEYS``
+# block keys at a time, this long apart (a store of 250,000 blocks: 245 events, a few seconds); one that failed, or
+# while the tier takes no writes, is tried again this long after
+ANNOUNCE_PAUSE_S = 0.01
+ANNOUNCE_RETRY_S = 1.0
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -195,6 +200,7 @@ class RemoteLink:
         self._clock = clock
         # manifests refused and left on the tier, by (namespace, key): (when, the fill miss), the oldest first
         self._refused: OrderedDict[tuple[str, bytes], tuple[float, str]] = OrderedDict()
+        self._announcing: asyncio.Task[None] | None = None  # what the start found, being announced
         store.listeners.append(self)  # with push "none" too: its events still tell routers what it holds
 
     # --- push ---------------------------------------------------------------------------------------------
@@ -359,6 +365,38 @@ class RemoteLink:
             )  # fmt: skip
         self.pushes_too_large += 1
         return False
+
+    def announce_held(self) -> None:
+        """Say on the streams, in the background, that this host holds the blocks its store's scan found (entries
+        kept across a restart). Events said so only as each entry was stored or filled (found in review): a host
+        that restarted after its events were lost (Redis restarted without persistence, the stream trimmed past
+        them) held blocks no router heard of again. Nothing is pushed: the tier is a cache whose LRU chose what
+        it dropped, and a block it lacks goes with the next entry stored that names it."""
+        held: dict[str, list[bytes]] = {}
+        for rec in self.store.index.blocks.values():  # (one pass on the loop, before the first client is served)
+            if rec.named and _shared(rec.namespace):
+                held.setdefault(rec.namespace, []).append(rec.key)
+        if held:
+            self._announcing = asyncio.get_running_loop().create_task(self._announce(held))
+
+    async def _announce(self, held: dict[str, list[bytes]]) -> None:
+        for ns, keys in held.items():
+            for lo in range(0, len(keys), MAX_EVENT_KEYS):
+                while True:
+                    if self.tier.state in ("disabled", "stopped"):
+                        return
+                    # those still held now: one evicted since the scan had its own event (never said held after)
+                    left = [k for k in keys[lo : lo + MAX_EVENT_KEYS] if self._held(k)]
+                    if not left:
+                        break
+                    if self.tier.taking_pushes and await self.tier.publish_event(EventKind.STORED, ns, left, self.host):
+                        break
+                    await asyncio.sleep(ANNOUNCE_RETRY_S)  # down, or its breaker open: when it answers again
+                await asyncio.sleep(ANNOUNCE_PAUSE_S)
+
+    def _held(self, key: bytes) -> bool:
+        rec = self.store.index.blocks.get(key)
+        return rec is not None and rec.named
 
     def reclaimed(self, block: Block) -> None:
         """A store listener: say on the namespace's stream that this host no longer holds ``block`` (batched:
@@ -617,6 +655,8 @@ class RemoteLink:
         """Push what is queued within ``timeout_s``, then stop the tier; whether every push went."""
         pushed = await self.drain(timeout_s)
         tasks = [*self._pushing, *self._evicting, *self._filling.values()]
+        if self._announcing is not None:
+            tasks.append(self._announcing)
         for t in tasks:
             t.cancel()
         await asyncio.gather(
@@ -670,7 +710,9 @@ async def open_link(cfg: Config, store: Store) -> RemoteLink:
     cannot work (a password in the URL, a key file open to others)."""
     tier = RemoteTier(remote_config(cfg))
     await tier.start()
-    return RemoteLink(tier, store, cfg.remote_push, cfg.remote_host_name)
+    link = RemoteLink(tier, store, cfg.remote_push, cfg.remote_host_name)
+    link.announce_held()  # what a restart kept (in the background: serving starts now)
+    return link
 
 
 def remote_config(cfg: Config) -> RemoteConfig:
