@@ -2207,6 +2207,34 @@ async def test_at_most_refused_kept_keys_refusals_are_remembered_the_oldest_forg
 
 
 @pytest.mark.asyncio
+async def test_a_too_many_blocks_refusal_is_read_again_once_the_host_holds_some_of_them(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a refusal for ``too_many_blocks`` counts the blocks this host lacks, yet it was remembered
+    for ``REFUSED_KEPT_S`` whatever the host gained meanwhile: a host that filled a shorter prefix of the same
+    conversation (so that the rest now fits a fill) still missed at once, for up to 60 s. Now it is read again once
+    the host holds the first block it lacked (the blocks of a chain held are always a leading run)."""
+    monkeypatch.setattr(link_module, "MAX_FILL_BLOCKS", 2)
+    conv = list(range(16 * 3 + 3))
+    store_a, _, link_a = await pushing(tmp_path / "a", server.url)
+    for n in (16 * 2 + 1, len(conv)):  # a manifest ending at block 1, then one at block 2
+        await store_a.put(conv[:n], [fill(C.KVCache(), n, heads=2, dim=8, seed=i) for i in range(2)], FILL_IDENT)
+        assert await link_a.drain(10)
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(server.url)), store, push="none", clock=lambda: 0.0)
+    try:
+        assert not await link.fill(FILL_IDENT, "", [*conv, 999], store.provider_id)  # 3 blocks lacking
+        assert not await link.fill(FILL_IDENT, "", [*conv, 999], store.provider_id)  # remembered
+        assert link.fill_misses == {"too_many_blocks": 2}
+        assert await link.fill(FILL_IDENT, "", [*conv[:33], 999], store.provider_id)  # blocks 0 and 1: they fit
+        assert await link.fill(FILL_IDENT, "", [*conv, 999], store.provider_id)  # block 2 left: read again
+        assert link.fills == 2 and link.fill_misses == {"too_many_blocks": 2}
+    finally:
+        await link.close(1)
+        await link_a.close(1)
+
+
+@pytest.mark.asyncio
 async def test_an_entry_is_pushed_exactly_when_a_fill_would_read_its_blocks(
     server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

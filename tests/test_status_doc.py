@@ -92,7 +92,7 @@ def linked(tmp_path: Path) -> tuple[Store, RemoteLink]:
 
 def fill_reasons() -> set[str]:
     return (
-        set(re.findall(r'_(?:missed|refuse)\((?:[^()"]*, )?"([a-z_]+)"\)', inspect.getsource(link_module)))
+        set(re.findall(r'_(?:missed|refuse)\((?:[^()"]*, )?"([a-z_]+)"[,)]', inspect.getsource(link_module)))
         | set(link_module.UNFETCHED.values())
         | set(link_module.UNREAD.values())
     )

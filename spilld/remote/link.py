@@ -198,8 +198,9 @@ class RemoteLink:
         self._filling: dict[tuple[str, str, str, bytes], asyncio.Future[bool]] = {}  # under way, by prompt
         self._adopting: dict[bytes, asyncio.Future[bool]] = {}  # under way, by the last block asked for
         self._clock = clock
-        # manifests refused and left on the tier, by (namespace, key): (when, the fill miss), the oldest first
-        self._refused: OrderedDict[tuple[str, bytes], tuple[float, str]] = OrderedDict()
+        # manifests refused and left on the tier, by (namespace, key): (when, the fill miss, for too_many_blocks the
+        # first of its blocks this host lacked), the oldest first
+        self._refused: OrderedDict[tuple[str, bytes], tuple[float, str, bytes | None]] = OrderedDict()
         self._announcing: asyncio.Task[None] | None = None  # what the start found, being announced
         store.listeners.append(self)  # with push "none" too: its events still tell routers what it holds
 
@@ -501,19 +502,25 @@ class RemoteLink:
         return self._missed(UNREAD.get(reason, UNREAD[Reason.DOWN]))
 
     def refusal(self, namespace: str, key: bytes) -> str | None:
-        """Why the manifest under ``key`` was fetched and refused, if that was less than ``REFUSED_KEPT_S`` ago."""
+        """Why the manifest under ``key`` was fetched and refused, if that was less than ``REFUSED_KEPT_S`` ago, and
+        for ``too_many_blocks`` if this host still lacks the first block it lacked then. The blocks of a chain a
+        host holds are a leading run (each entry names its chain from block 0), so a host that gained any of the
+        manifest's blocks holds that one: found in review, a host that filled a shorter prefix of the conversation,
+        so that the rest now fit a fill, still missed at once until ``REFUSED_KEPT_S`` passed."""
         got = self._refused.get((namespace, key))
         if got is None:
             return None
-        if self._clock() - got[0] >= REFUSED_KEPT_S:
+        when, why, lacked = got
+        if self._clock() - when >= REFUSED_KEPT_S or (lacked is not None and self.store.has_block(lacked)):
             del self._refused[(namespace, key)]
             return None
-        return got[1]
+        return why
 
-    def _refuse(self, namespace: str, key: bytes, why: str) -> bool:
-        """A miss, by ``why``, of the manifest under ``key``, which stays on the tier: remembered (``refusal``)."""
+    def _refuse(self, namespace: str, key: bytes, why: str, lacked: bytes | None = None) -> bool:
+        """A miss, by ``why``, of the manifest under ``key``, which stays on the tier: remembered (``refusal``;
+        ``lacked``: the first of its blocks this host lacks, for a refusal that depends on what it holds)."""
         self._refused.pop((namespace, key), None)
-        self._refused[(namespace, key)] = (self._clock(), why)
+        self._refused[(namespace, key)] = (self._clock(), why, lacked)
         while len(self._refused) > REFUSED_KEPT_KEYS:
             self._refused.popitem(last=False)
         return self._missed(why)
@@ -591,7 +598,8 @@ class RemoteLink:
             return self._missed("wrong_manifest")
         want = _lacking(keys, self.store.has_block, MAX_FILL_BLOCKS)
         if want is None:
-            return self._refuse(namespace, under, "too_many_blocks")
+            lacked = next(k for k in keys if not self.store.has_block(k))  # (one there is: more than the bound)
+            return self._refuse(namespace, under, "too_many_blocks", lacked)
         if bound > MAX_FILL_BLOCK_BYTES:
             return self._refuse(namespace, under, "block_too_large")
         newer: list[bytes | None] = []  # files of a newer writer: refused here, left on the tier
