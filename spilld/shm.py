@@ -4,8 +4,9 @@ The client copies a tensor's bytes into a free segment (memcpy speed, on a worke
 thread) and sends only the segment's name; the daemon reads it through a file
 descriptor into its own buffer (never a mapping: see ``read_segment``) and hands
 the segment back (``shm_free``) as soon as it is read. The client hands its pool over
-(``shm_pool``) as it makes it, and the daemon unlinks it once the connection ends
-(``unlink_segments``): a client killed with its whole process group, its resource
+(``shm_pool``) as it makes it: the daemon takes from that connection put_shms naming those
+segments only (no client can have it read another's), and unlinks them once the connection
+ends (``unlink_segments``): a client killed with its whole process group, its resource
 tracker too, leaves nothing in /dev/shm. The pool is made once, off
 the event loop, with its room reserved, and reused: fresh pages are slow to fault in
 on these machines, and the fixed pool bounds what one client can have in flight.

@@ -535,6 +535,87 @@ def test_the_pool_a_client_handed_over_is_unlinked_when_its_connection_ends(daem
     assert daemon.proc is not None and daemon.proc.poll() is None
 
 
+def spill_from(w: Wire, header: dict[str, Any], sizes: list[int], name: str) -> P.Message:
+    """Open a spill of ``small_header``'s two tensors, send the first from segment ``name`` and the second inline,
+    and commit it: the commit's answer."""
+    sid = w.call("spill", {"header": header, "droppable": False}).result["spill"]
+    w.send(P.notification("put_shm", {"spill": sid, "index": 0, "offset": 0, "shm": name, "length": sizes[0]}))
+    w.send(P.notification("put", {"spill": sid, "index": 1, "offset": 0}, os.urandom(sizes[1])))
+    return w.call("commit", {"spill": sid})
+
+
+def test_a_client_cannot_name_another_connections_segments(daemon: Daemon) -> None:
+    """Found in review: the daemon took any well-formed segment name, so a client could name a segment of another
+    client's pool: the daemon read what that engine was sending into this client's spill and stored it, and a pool
+    handed over with another's names had the daemon unlink that client's segments when it ended. A connection names
+    only its own pool's segments (``shm_refused``, the connection goes on); another's pool is never unlinked."""
+    wire_header, sizes = small_header()
+    a_seg, b_seg = untracked(os.urandom(sizes[0])), untracked(b"\0" * sizes[0])
+    a_path, b_path = f"/dev/shm/{a_seg.name}", f"/dev/shm/{b_seg.name}"
+    try:
+        a, b = Wire(daemon.socket), Wire(daemon.socket)
+        a.hello()
+        b.hello()
+        a.send(P.notification("shm_pool", {"names": [a_seg.name]}))
+        assert a.call("status", {}).error is None  # (its pool handed over before b's)
+        b.send(P.notification("shm_pool", {"names": [b_seg.name, a_seg.name]}))  # a's name among its own
+        r = spill_from(b, wire_header, sizes, a_seg.name)
+        assert r.error is not None and r.error["code"] == "shm_refused", r.error or r.result
+        assert "another connection" in r.error["message"], r.error
+        assert b.note("shm_free").params["names"] == [a_seg.name]  # handed back to b, as a refused segment is
+        assert spill_from(b, wire_header, sizes, b_seg.name).result["outcome"] == "stored"  # b goes on
+        r = spill_from(b, wire_header, sizes, seg_name())  # nobody's, but not in the pool b handed over
+        assert r.error is not None and r.error["code"] == "shm_refused" and "shm_pool" in r.error["message"], r.error
+        b.close()
+        assert gone_within([b_path])  # b's own pool is unlinked as it ends
+        assert os.path.exists(a_path)  # a's is not
+        assert spill_from(a, wire_header, sizes, a_seg.name).result["outcome"] == "stored"  # a never noticed
+        a.close()
+        assert gone_within([a_path])
+    finally:
+        for seg in (a_seg, b_seg):
+            seg.close()
+        for p in (a_path, b_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+def test_a_client_that_hands_over_no_pool_owns_the_segments_it_names_first(daemon: Daemon) -> None:
+    """A client that predates ``shm_pool`` still sends put_shms; each name is bound to the first connection that
+    names it, until that connection ends, and no other may name it meanwhile (nor hand it over as its pool)."""
+    wire_header, sizes = small_header()
+    seg = untracked(os.urandom(sizes[0]))
+    path = f"/dev/shm/{seg.name}"
+    try:
+        a, b = Wire(daemon.socket), Wire(daemon.socket)
+        a.hello()
+        b.hello()
+        assert spill_from(a, wire_header, sizes, seg.name).result["outcome"] == "stored"
+        r = spill_from(b, wire_header, sizes, seg.name)
+        assert r.error is not None and r.error["code"] == "shm_refused", r.error or r.result
+        assert "another connection" in r.error["message"], r.error
+        b.send(P.notification("shm_pool", {"names": [seg.name]}))  # not b's to hand over: ignored
+        assert spill_from(a, wire_header, sizes, seg.name).result["outcome"] == "stored"  # a's still
+        b.close()
+        time.sleep(0.2)
+        assert os.path.exists(path)  # b's end unlinks nothing of a's; nor does a's (it handed no pool over)
+        a.close()
+        c = Wire(daemon.socket)
+        c.hello()
+        deadline = time.monotonic() + 10
+        while (r := spill_from(c, wire_header, sizes, seg.name)).error is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a's end lets the name go (as soon as the daemon has seen it)
+        assert r.error is None and r.result["outcome"] == "stored", r.error
+        assert os.path.exists(path)
+        c.close()
+    finally:
+        seg.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
 GROUP_KILLED = textwrap.dedent(
     """
     import asyncio, sys

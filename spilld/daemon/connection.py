@@ -175,6 +175,11 @@ class Connection(asyncio.BufferedProtocol):
         # the client's pool (its ``shm_pool``), unlinked once the connection ends and its copies are done: found in
         # review, a client killed with its process group (its resource tracker too) left 256 MiB in /dev/shm for good
         self.segments: set[str] = set()
+        # the segment names this connection may name in a put_shm (``daemon.shm_owners`` maps each to it): its pool,
+        # or for a client that hands none over, each name it used first; found in review, any same-uid client could
+        # name another's segments, so the daemon read (and stored as its spill) what another engine was sending
+        self.owned: set[str] = set()
+        self.pooled = False  # it sent ``shm_pool``: only the names in it are its own
         self._copies: set[asyncio.Future[None]] = set()  # segment copies under way (committed spills' included)
 
     # --- asyncio protocol -------------------------------------------------------------------
@@ -325,11 +330,23 @@ class Connection(asyncio.BufferedProtocol):
             next(iter(self._copies)).add_done_callback(lambda _: self._unlink_segments())
             return
         names, self.segments = self.segments, set()
-        if names:
-            fut = asyncio.get_running_loop().run_in_executor(
-                shm.reader_pool(), mlxthreads.releasing(lambda: shm.unlink_segments(names))
-            )
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # (unlink_segments raises nothing)
+        if not names:
+            self._disown()
+            return
+        fut = asyncio.get_running_loop().run_in_executor(
+            shm.reader_pool(), mlxthreads.releasing(lambda: shm.unlink_segments(names))
+        )
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # (unlink_segments raises nothing)
+        # owned until unlinked: another connection handing a name over meanwhile would lose its segment to this unlink
+        fut.add_done_callback(lambda _: self._disown())
+
+    def _disown(self) -> None:
+        """The names this connection owned may be another's from now on (its copies and unlinks are done)."""
+        owners = self.daemon.shm_owners
+        for name in self.owned:
+            if owners.get(name) is self:
+                del owners[name]
+        self.owned = set()
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -650,17 +667,43 @@ class Connection(asyncio.BufferedProtocol):
             self.free_shm([name] if name else [])
 
     def _own_pool(self, p: dict[str, Any]) -> None:
-        """The client hands over its segments (``shm_pool``): unlinked when this connection ends. Names that are not
-        a pool's are ignored (a notification has no answer to refuse them with), as are those past the bound."""
+        """The client hands over its segments (``shm_pool``): only they may be named in its put_shms from now on, and
+        they are unlinked when this connection ends. Names that are not a pool's are ignored (a notification has no
+        answer to refuse them with), as are those past the bound and those another connection owns."""
+        self.pooled = True
         names = p.get("names")
         for name in names[:MAX_POOL_SEGMENTS] if isinstance(names, list) else []:
-            if isinstance(name, str) and shm.NAME.fullmatch(name) and len(self.segments) < MAX_POOL_SEGMENTS:
+            if isinstance(name, str) and shm.NAME.fullmatch(name) and self._own(name):
                 self.segments.add(name)
+
+    def _own(self, name: str) -> bool:
+        """Whether segment ``name`` is this connection's: it is already, or it is nobody's and is now (within
+        ``MAX_POOL_SEGMENTS``)."""
+        owner = self.daemon.shm_owners.get(name)
+        if owner is None and len(self.owned) < MAX_POOL_SEGMENTS:
+            owner = self.daemon.shm_owners[name] = self
+            self.owned.add(name)
+        return owner is self
+
+    def _check_owned(self, name: str) -> None:
+        """Refuse a segment that is not this connection's: another connection's, or, once this one handed its pool
+        over, one outside it. A client that hands none over (it predates ``shm_pool``) owns each name it is the
+        first to use, until its connection ends."""
+        owner = self.daemon.shm_owners.get(name)
+        if owner is self:
+            return
+        if owner is not None:
+            raise shm.ShmRefused(f"segment {name} is another connection's: a client may name only its own segments")
+        if self.pooled:
+            raise shm.ShmRefused(f"segment {name} is not in the pool this connection handed over (shm_pool)")
+        if not self._own(name):
+            raise shm.ShmRefused(f"more than {MAX_POOL_SEGMENTS} segments named on one connection")
 
     def _put_shm(self, sid: int, sp: Incoming, at: tuple[int, int], name: str, length: int) -> None:
         """Copy ``length`` bytes of a client's segment into a buffer of the spill, on a worker thread; the
         segment goes back to the client once read, whatever the outcome."""
         shm.check_name(name)
+        self._check_owned(name)
         if length <= 0:
             raise P.BadParams("empty put")
         index, offset = at

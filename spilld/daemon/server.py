@@ -107,6 +107,8 @@ class Daemon:
         self.lease = BackgroundLease()
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
+        # each shared-memory segment name to the one connection whose put_shms may name it (Connection.owned)
+        self.shm_owners: dict[str, Connection] = {}
         self.remote: RemoteLink | None = None  # the shared tier (--remote), once started
         self.ingest = Ingest(cfg, self.queue, self.stopping, self.store.hold_blocks, self.store.release_blocks)
         self.client_errors = 0  # connections ended for a client's fault (bad frames, timeouts, refusals)
