@@ -493,9 +493,17 @@ def test_install_dry_run_prints_and_writes_nothing(short_home: Path) -> None:
 class FakeRunner:
     """launchctl and systemctl as a small state machine that answers as the real tools do. ``codes[verb]``
     forces the exit codes of that verb's next calls; ``unloading``: how many ``launchctl print`` calls still
-    find a job after its bootout; ``hang``: a verb that runs past its timeout."""
+    find a job after its bootout; ``hang``: a verb that runs past its timeout. Given ``unit_dir``, ``listening``
+    is the path the socket unit listens on: read from its unit file when it starts, kept through daemon-reload
+    and a start of a unit that is active, as systemd does."""
 
-    def __init__(self, codes: dict[str, list[int]] | None = None, unloading: int = 0, hang: str = "") -> None:
+    def __init__(
+        self,
+        codes: dict[str, list[int]] | None = None,
+        unloading: int = 0,
+        hang: str = "",
+        unit_dir: Path | None = None,
+    ) -> None:
         self.calls: list[list[str]] = []
         self.timeouts: list[float] = []
         self.codes = {verb: list(rcs) for verb, rcs in (codes or {}).items()}
@@ -503,6 +511,7 @@ class FakeRunner:
         self.loaded, self.lingering = False, 0
         self.enabled: set[str] = set()
         self.active: set[str] = set()
+        self.unit_dir, self.listening = unit_dir, ""
 
     def __call__(self, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
@@ -535,13 +544,29 @@ class FakeRunner:
             return 0, f"{args[0]} = {{\n\tstate = {'running' if self.loaded else 'exiting'}\n}}\n", ""
         elif verb in ("enable", "disable"):
             (self.enabled.update if verb == "enable" else self.enabled.difference_update)(names)
-            if "--now" in args:
-                (self.active.update if verb == "enable" else self.active.difference_update)(names)
+            if "--now" in args and verb == "enable":
+                self.starts(names - self.active)
+            elif "--now" in args:
+                self.active.difference_update(names)
+        elif verb == "start":
+            self.starts(names - self.active)  # one that is active already is left as it is
+        elif verb == "restart":
+            self.starts(names)
+        elif verb == "try-restart":
+            self.starts(names & self.active)  # only those that run
         elif verb == "is-enabled":
             return (0, "enabled\n", "") if names <= self.enabled else (1, "disabled\n", "")
         elif verb == "is-active":
             return (0, "active\n", "") if names <= self.active else (3, "inactive\n", "")
         return 0, "", ""
+
+    def starts(self, names: set[str]) -> None:
+        """``names`` (re)started: a socket unit listens where its unit file says now."""
+        self.active.update(names)
+        unit = self.unit_dir / units.SOCKET_NAME if self.unit_dir is not None else None
+        if units.SOCKET_NAME in names and unit is not None and unit.exists():
+            lines = unit.read_text().splitlines()
+            self.listening = next((ln.split("=", 1)[1] for ln in lines if ln.startswith("ListenStream=")), "")
 
 
 REAL_RUN = install.run_command  # before any test replaces it
@@ -560,7 +585,7 @@ def fake_home(short_home: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
     monkeypatch.setenv("HOME", str(short_home))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)  # the default --dir is the daemon's own (a test sets it)
-    runner = FakeRunner()
+    runner = FakeRunner(unit_dir=short_home / ".config" / "systemd" / "user")
     monkeypatch.setattr(install, "run_command", runner)
     return short_home, runner
 
@@ -605,6 +630,52 @@ def test_systemd_install_without_activation_drops_the_socket_unit(fake_home: tup
     assert "Requires=spilld.socket" not in (folder / "spilld.service").read_text()
     assert runner.calls[-1] == ["systemctl", "--user", "enable", "--now", "spilld.service"]
     assert runner.active == {"spilld.service"}  # the socket unit of the first install was stopped
+
+
+def test_a_reinstall_with_another_socket_restarts_the_socket_unit_and_only_then(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: a reinstall with another --socket rewrote the socket unit, but the running socket unit kept
+    listening on the old path (daemon-reload and `enable --now` leave an active unit as it is). Its unit changed, it
+    is restarted after daemon-reload, with the service, and install says so; a reinstall that changes nothing
+    restarts no socket unit."""
+    home, runner = fake_home
+    base = ["service", "install", "--manager", "systemd"]
+    assert cli.main([*base, "--socket", "~/a.sock"]) == 0
+    assert runner.listening == f"{home}/a.sock"
+    runner.calls.clear()
+    capsys.readouterr()
+    assert cli.main([*base, "--socket", "~/b.sock"]) == 0
+    assert runner.listening == f"{home}/b.sock"  # (without the restart: still a.sock)
+    assert runner.calls[:2] == [
+        ["systemctl", "--user", "daemon-reload"],
+        ["systemctl", "--user", "try-restart", units.SOCKET_NAME, units.SERVICE_NAME],
+    ]
+    out = capsys.readouterr().out
+    assert f"spilld.socket changed: restarted, it listens on {home}/b.sock now" in out, out
+    runner.calls.clear()
+    assert cli.main([*base, "--socket", "~/b.sock"]) == 0  # the same again: the socket unit is left alone
+    assert not [c for c in runner.calls if "restart" in c[2] and units.SOCKET_NAME in c]
+    assert "changed" not in capsys.readouterr().out
+    assert cli.main([*base, "--socket", "~/b.sock", "--dry-run"]) == 0
+    assert "# spilld.socket changed" not in capsys.readouterr().out
+    assert cli.main([*base, "--socket", "~/c.sock", "--dry-run"]) == 0
+    assert "try-restart spilld.socket spilld.service  # spilld.socket changed" in capsys.readouterr().out
+
+
+def test_a_failed_reinstall_puts_the_socket_unit_back_on_its_old_path(
+    fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reinstall's restart moved the socket unit to the new path; when a later command fails, the old files come
+    back and the socket unit is restarted on the old path (a start would leave the active unit on the new one)."""
+    home, runner = fake_home
+    base = ["service", "install", "--manager", "systemd"]
+    assert cli.main([*base, "--socket", "~/a.sock"]) == 0
+    runner.codes["enable"] = [1]
+    assert cli.main([*base, "--socket", "~/b.sock"]) == cli.EXIT_SERVICE
+    unit = home / ".config" / "systemd" / "user" / units.SOCKET_NAME
+    assert f"ListenStream={home}/a.sock" in unit.read_text() and runner.listening == f"{home}/a.sock"
+    assert runner.calls[-1] == ["systemctl", "--user", "restart", units.SOCKET_NAME, units.SERVICE_NAME]
 
 
 def test_launchd_install_and_uninstall(fake_home: tuple[Path, FakeRunner], capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,4 +220,6 @@ def cmd_service(args: argparse.Namespace) -> int:
         print(f"nothing to {args.action}: no spilld service files for {manager}")
         return EXIT_OK
     print(f"{args.action}ed: {', '.join(touched)}")
+    for note in plan.notes:
+        print(note)
     return EXIT_OK

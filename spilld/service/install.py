@@ -70,6 +70,7 @@ class Step:
     may_fail: bool = False
     until_fails: bool = False
     retry_on: tuple[int, ...] = ()
+    why: str = ""  # said after the command in a --dry-run
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Plan:
     after: list[Step] = field(default_factory=list)  # run after
     undo: list[Step] = field(default_factory=list)  # run after the files are put back (a command of `after` failed)
     foreign: list[Path] = field(default_factory=list)  # files at our names that spilld did not write: never touched
+    notes: list[str] = field(default_factory=list)  # said once the plan is carried out (a unit it restarted)
     stop_s: float = units.stop_timeout_s(units.DRAIN_DEADLINE_S)  # the longest a stop of the daemon may take
 
     @property
@@ -198,13 +200,25 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
         )
     folder = unit_dir(home)
     write = {folder / units.SERVICE_NAME: units.systemd_service(spec)}
-    names, before = [units.SERVICE_NAME], []
+    names, before, restart, notes = [units.SERVICE_NAME], [], [units.SERVICE_NAME], []
     if spec.socket_activation:
-        write[folder / units.SOCKET_NAME] = units.systemd_socket(spec)
+        socket_unit = folder / units.SOCKET_NAME
+        write[socket_unit] = units.systemd_socket(spec)
         names.insert(0, units.SOCKET_NAME)
+        # A running socket unit keeps the socket it listens on through daemon-reload and `enable --now` (found in
+        # review: a reinstall with another --socket left it on the old path): one whose unit changes is restarted,
+        # and a running daemon with it (it holds the old socket's fd)
+        if _changed(socket_unit, write[socket_unit]):
+            restart.insert(0, units.SOCKET_NAME)
+            notes.append(
+                f"{units.SOCKET_NAME} changed: restarted, it listens on {units.systemd_listen(spec)} now (a running "
+                f"{units.SERVICE_NAME} restarted with it)"
+            )
     elif written_by_spilld(folder / units.SOCKET_NAME):  # an earlier install's would hold the path the daemon binds
         before.append(Step(["systemctl", "--user", "disable", "--now", units.SOCKET_NAME], may_fail=True))
     stale = [p for p in installed_files(manager, home) if p not in write]
+    # the old units again after a failed reinstall: a socket restarted on the new path must be restarted on the old
+    back = "restart" if units.SOCKET_NAME in restart else "start"
     return Plan(
         write=write,
         remove=[p for p in stale if written_by_spilld(p)],
@@ -213,16 +227,30 @@ def install_plan(manager: Manager, spec: ServiceSpec, home: Path) -> Plan:
         after=[
             Step(["systemctl", "--user", "daemon-reload"]),
             # a reinstall over a running daemon: it drains and comes back with the new unit
-            Step(["systemctl", "--user", "try-restart", units.SERVICE_NAME], may_fail=True),
+            Step(
+                ["systemctl", "--user", "try-restart", *restart],
+                may_fail=True,
+                why=f"{units.SOCKET_NAME} changed: it listens anew, as its new unit says" if len(restart) > 1 else "",
+            ),
             Step(["systemctl", "--user", "enable", "--now", *names]),
         ],
         undo=[
             Step(["systemctl", "--user", "daemon-reload"], may_fail=True),  # the manager sees the old files again
             # a failed reinstall: the daemon its try-restart stopped comes back with the old units (review)
-            *([Step(["systemctl", "--user", "start", *old], may_fail=True)] if (old := _ours(folder)) else []),
+            *([Step(["systemctl", "--user", back, *old], may_fail=True)] if (old := _ours(folder)) else []),
         ],
+        notes=notes,
         stop_s=stop_s,
     )
+
+
+def _changed(path: Path, text: str) -> bool:
+    """An earlier install of ours left ``path`` holding other than ``text`` (a new file is no change: nothing
+    listens on its behalf yet)."""
+    try:
+        return written_by_spilld(path) and _head(path) != text.encode()
+    except OSError:  # gone meanwhile: nothing to restart
+        return False
 
 
 def _ours(folder: Path) -> list[str]:
@@ -303,6 +331,8 @@ def _show_step(step: Step, plan: Plan, out: TextIO) -> None:
         note = f"  # again every {POLL_S:g} s until it fails, for at most {plan.stop_s:g} s"
     elif step.retry_on:
         note = f"  # again on exit {', '.join(map(str, step.retry_on))}, up to {RETRIES} times"
+    elif step.why:
+        note = f"  # {step.why}"
     print(f"$ {shlex.join(step.argv)}{note}", file=out)
 
 

@@ -247,6 +247,11 @@ def systemd_service(spec: ServiceSpec) -> str:
     )
 
 
+def systemd_listen(spec: ServiceSpec) -> str:
+    """The path the socket unit listens on, as said to the user (``%t`` is ``$XDG_RUNTIME_DIR``)."""
+    return spec.socket or SYSTEMD_SOCKET.replace("%t", "$XDG_RUNTIME_DIR")
+
+
 def systemd_socket(spec: ServiceSpec) -> str:
     listen = spec.socket.replace("%", "%%") if spec.socket else SYSTEMD_SOCKET
     return SOCKET_TEMPLATE.substitute(listen=listen, marker=MARKER)
