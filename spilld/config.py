@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from .admission import MAX_ADMIT_AFTER
 from .blocks import DEFAULT_BLOCK_TOKENS
@@ -61,6 +61,17 @@ def check_size(n: int, what: str | None = None, *, minimum: int = 1) -> int:
     if n > MAX_SIZE:
         raise ValueError(f"{shown}: larger than any disk (at most {MAX_SIZE} bytes)")
     return n
+
+
+USAGE_STATUS = 2  # the exit status of a refused option (argparse's own; the command line's EXIT_USAGE)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal is one line, ``PROG: MESSAGE (see `PROG --help`)``, exit 2, with no usage block
+    before it: the daemon's command line (``cli.common.Parser``) and the mlx-lm integration's options share it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_STATUS, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:

@@ -1637,14 +1637,17 @@ def test_the_embedded_stores_cap_durability_and_queue_cap_are_options(tmp_path: 
 def test_bad_embedded_store_options_are_refused_with_exit_2(
     tmp_path: Any, capsys: pytest.CaptureFixture[str], args: list[str], said: str
 ) -> None:
-    """A bad size or durability is a usage error (exit 2), as the daemon's: parsed by the daemon's own functions.
+    """A bad size or durability is a usage error (exit 2), as the daemon's: parsed by the daemon's own functions, and
+    said in one line as the daemon says it (found in review: argparse's usage block came first).
     (In process, the integration's parser only: ``main`` ends its process once mlx-lm's server took its turn.)"""
     from spilld.integrations.mlx_lm import _parser
 
     with pytest.raises(SystemExit) as exc:
         _parser().parse_known_args(["--spilld-dir", str(tmp_path), *args, "--model", "x"])
     assert exc.value.code == 2
-    assert said in capsys.readouterr().err
+    prog, err = "python -m spilld.integrations.mlx_lm", capsys.readouterr().err
+    assert err.startswith(f"{prog}: {said}") and err.endswith(f" (see `{prog} --help`)\n"), err
+    assert err.count("\n") == 1 and "usage:" not in err, err
 
 
 def test_the_folders_own_settings_without_spilld_dir_are_refused(tmp_path: Any) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import errors
-from ..config import arg_type, check_socket_path, format_size, parse_duration, parse_size
+from ..config import OneLineParser, arg_type, check_socket_path, format_size, parse_duration, parse_size
 
 EXIT_OK = 0
 EXIT_BAD_FILE = 1
@@ -113,7 +113,7 @@ def _checked_text(text: str) -> str:
 size_text_arg = arg_type(_checked_text, "size")  # checked, kept as written (service files pass it on)
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(OneLineParser):
     """argparse with one-line refusals (exit 2) instead of a usage block. ``raise_errors``: a refusal is a
     ``UsageError`` of its message instead (``service install`` checks the options it passes to ``serve`` with
     ``serve``'s parser, and says where they came from)."""
@@ -125,7 +125,7 @@ class Parser(argparse.ArgumentParser):
         if self.raise_errors:
             raise UsageError(message)
         hint = self.unrecognized_hint if message.startswith("unrecognized arguments") else ""
-        self.exit(EXIT_USAGE, f"{self.prog}: {message}{hint} (see `{self.prog} --help`)\n")
+        super().error(f"{message}{hint}")
 
 
 # --- paths ---------------------------------------------------------------------------------------------

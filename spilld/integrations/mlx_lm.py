@@ -36,7 +36,7 @@ from mlx_lm.models.cache import CacheList, LRUPromptCache, PromptTrie
 
 from .. import errors, fileio, mlxthreads
 from .. import format as fmt
-from ..config import arg_type, default_socket, format_size, parse_duration, parse_size
+from ..config import OneLineParser, arg_type, default_socket, format_size, parse_duration, parse_size
 from ..daemon.listen import is_served
 from ..identity import config_fingerprint, model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
@@ -530,7 +530,9 @@ def _close_once_open(future: concurrent.futures.Future[EmbeddedTier]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # a bad value of ours is one line and exit 2, as the daemon's (found in review: argparse's usage block came
+    # first); mlx-lm's own options are refused by its parser, as `mlx_lm.server` refuses them
+    parser = OneLineParser(
         prog="python -m spilld.integrations.mlx_lm",
         description="mlx-lm's HTTP server with spilld as the cold tier of its prompt cache. "
         "Every other option is mlx_lm.server's own (see `mlx_lm.server --help`).",
