@@ -492,10 +492,7 @@ def test_the_exits_spills_never_shed_a_write_behind_left_queued(
     with _writer_held(model, make_tier) as (tier, _):  # f in its write, waiting for engine
         q = tier.spiller.queue
         lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
-        q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
-        lru.insert_cache("m", [*b, 1], _prefilled(model, b))
-        lru.insert_cache("m", [*a, 1], _prefilled(model, a))  # over the cap: b's write-behind is shed
-        _until(lambda: q.dropped == 1)
+        _insert_shedding_the_first(model, tier, lru, b, a)
         assert lru.spill_unstored(0.2) == 1  # b spilled again; a's write-behind, queued still, is left to the drain
         _until(lambda: q.pending_items + q.dropped == 4)  # b's spill queued (and, before, a's write-behind shed)
     tier._run(tier.spiller.drain(30))
@@ -522,6 +519,16 @@ def _writer_held(model: Any, make_tier: Callable[..., EmbeddedTier], **kw: Any) 
         tier.spill(f, _prefilled(model, f), droppable=False)
         _until(lambda: q.pending_items == 1 and q._in_flight is not None)
         yield tier, engine
+
+
+def _insert_shedding_the_first(model: Any, tier: EmbeddedTier, lru: Any, first: list[int], second: list[int]) -> None:
+    """Behind ``_writer_held``'s f, a queue with room for one more: inserting ``first`` then ``second`` sheds
+    ``first``'s write-behind."""
+    q = tier.spiller.queue
+    q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
+    lru.insert_cache("m", [*first, 1], _prefilled(model, first))
+    lru.insert_cache("m", [*second, 1], _prefilled(model, second))  # over the cap: first's write-behind is shed
+    _until(lambda: q.dropped == 1)
 
 
 def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -681,12 +688,8 @@ def test_a_write_behind_shed_before_its_eviction_is_spilled_again_as_the_last_co
     model, _ = tiny
     a, b, c = ([k, *range(100, 180)] for k in (4, 5, 6))
     with _writer_held(model, make_tier) as (tier, _):  # f in its write, waiting for engine
-        q = tier.spiller.queue
         lru = ColdTierPromptCache(max_size=2, tier_for=lambda key: tier)
-        q.cap_bytes = 3 * q.pending_bytes // 2  # room for f and one more (the tiny caches are all of a size)
-        lru.insert_cache("m", [*a, 1], _prefilled(model, a))
-        lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # over the cap: a's write-behind is shed
-        _until(lambda: q.dropped == 1)
+        _insert_shedding_the_first(model, tier, lru, a, b)
         lru.insert_cache("m", [*c, 1], _prefilled(model, c))  # evicts a
         evicted = next(iter(lru._evicting))
     assert evicted.result(30).stored and lru.stats["evictions_spilled"] == 1
