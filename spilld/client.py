@@ -474,7 +474,6 @@ class AsyncClient:
         snapshot_of(item).outcome = outcome  # (sent in prior's place, its answer settles the same future)
         if self.queue.promote(prior, item.droppable, stand_in=item) is None:
             return self._enqueue(item)
-        snapshot_of(prior).holds_stand_in = True
         return outcome
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
@@ -550,7 +549,7 @@ class AsyncClient:
         outcome = snapshot_of(item).outcome
         assert outcome is not None  # set by _enqueue before the item was queued
         self._commits.add(commit)
-        if not snapshot_of(item).holds_stand_in:
+        if not self.queue.holds_stand_in(item):
             commit.add_done_callback(lambda f: self._settle(f, outcome, header))
             return
         # a later spill is held on this one (``_keep``): the daemon's answer is waited for here, and one that failed

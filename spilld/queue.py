@@ -322,6 +322,12 @@ class SpillQueue:
             self._hold(rec, stand_in)
         return rec.settled
 
+    def holds_stand_in(self, item: SpillItem) -> bool:
+        """Whether ``item``, being written, holds a later spill it stands for (``keep``, ``promote``): a store that
+        can learn of a failure after its write returned (a client's ship) waits for that answer first."""
+        rec = self._in_flight
+        return rec is not None and rec.item is item and rec.stand_in is not None
+
     def _hold(self, rec: _Rec, stand_in: SpillItem) -> None:
         """Hold ``stand_in`` on ``rec`` until it ends (``_write_instead``); let go if ``rec`` holds one already."""
         if rec.stand_in is None:

@@ -53,8 +53,6 @@ class Snapshot:
     planned: Plan | None = None  # the plan once made
     live: bool = False  # a live snapshot: it pins no memory, its pending write counts instead
     outcome: asyncio.Future[Settled] | None = None  # AsyncClient: settles with the daemon's answer to the commit
-    # AsyncClient: a later spill is held on it (``_keep``): its answer is waited for, that one sent if it fails
-    holds_stand_in: bool = False
 
 
 def snapshot_of(item: SpillItem) -> Snapshot:
