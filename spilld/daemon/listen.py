@@ -124,9 +124,9 @@ def claim(path: str, lock: FileLock | None = None) -> None:
     daemon claims its socket before it touches its store's folder, and a refusal here gives back the lock it took
     (its file removed if this made it: ``FileLock.discard``), so such a refusal leaves nothing behind."""
     socket_folder(path)
-    taken = lock is not None and not lock.held
-    if lock is not None and taken:
-        lock.acquire()  # AlreadyRunning: another spilld starts or serves on this path
+    taken = lock if lock is not None and not lock.held else None  # the lock this call takes, given back on a refusal
+    if taken is not None:
+        taken.acquire()  # AlreadyRunning: another spilld starts or serves on this path
     try:
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -135,8 +135,8 @@ def claim(path: str, lock: FileLock | None = None) -> None:
                 raise errors.AlreadyRunning(_who_listens(path))
             os.unlink(path)  # nobody listens: a stale socket from a crash (ours to remove: we hold the lock)
     except BaseException:
-        if lock is not None and taken:
-            lock.discard()
+        if taken is not None:
+            taken.discard()
         raise
 
 
