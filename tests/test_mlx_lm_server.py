@@ -698,35 +698,49 @@ def test_a_write_behind_shed_before_its_eviction_is_spilled_again_as_the_last_co
     assert loaded is not None and loaded.tokens == a
 
 
-def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behind(tiny: tuple[Any, Any]) -> None:
-    """The daemon's tier cannot keep a write-behind its client has shipped (here, being shipped to a daemon that does
-    not answer): an entry evicted before its write-behind is stored is spilled again, and both are answered. (One
-    still in the client's own queue is kept: ``test_through_the_daemon_a_write_behind_still_in_the_clients_queue``.)"""
+@contextlib.contextmanager
+def _daemon_tier(tiny: tuple[Any, Any], max_size: int) -> Iterator[tuple[Daemon, Any, ColdTierPromptCache]]:
+    """A real daemon, the mlx-lm tier on it and an LRU of ``max_size`` over that tier; the tier closed at the end."""
     from spilld.integrations.tier import DaemonTier
 
     model, tokenizer = tiny
     d = Daemon(new_root(), ["--cap", "64MiB"]).start()
     try:
         tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
-        lru = ColdTierPromptCache(max_size=1, tier_for=lambda key: tier)
+        yield d, tier, ColdTierPromptCache(max_size=max_size, tier_for=lambda key: tier)
+        tier.close(10)
+    finally:
+        d.kill()
+        cleanup(d.root)
+
+
+@contextlib.contextmanager
+def _stopped(d: Daemon) -> Iterator[None]:
+    """The daemon's process stopped (SIGSTOP) within: it answers nothing meanwhile."""
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+
+
+def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behind(tiny: tuple[Any, Any]) -> None:
+    """The daemon's tier cannot keep a write-behind its client has shipped (here, being shipped to a daemon that does
+    not answer): an entry evicted before its write-behind is stored is spilled again, and both are answered. (One
+    still in the client's own queue is kept: ``test_through_the_daemon_a_write_behind_still_in_the_clients_queue``.)"""
+    model, _ = tiny
+    with _daemon_tier(tiny, max_size=1) as (d, tier, lru):
         a, b = ([k, *range(100, 180)] for k in (4, 5))
-        assert d.proc is not None
-        os.kill(d.proc.pid, signal.SIGSTOP)  # nothing is stored meanwhile
-        try:
+        with _stopped(d):  # nothing is stored meanwhile
             lru.insert_cache("m", [*a, 1], _prefilled(model, a))
             behind = lru._behind[("m", (*a, 1))]
             lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a
             evicted = next(iter(lru._evicting))
             assert lru.stats["evictions_spilled"] == 1 and evicted is not behind
-        finally:
-            os.kill(d.proc.pid, signal.SIGCONT)
         assert behind.result(30).stored and evicted.result(30).stored
         loaded = tier.load([*a, 1])
         assert loaded is not None and loaded.tokens == a
-        tier.close(10)
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_droppable(tiny: tuple[Any, Any]) -> None:
@@ -734,32 +748,19 @@ def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_d
     was left to the drain, droppable, where the daemon's queue could shed it for the exit's own spills (not
     droppable): that entry, in memory at exit, lost. The daemon's tier cannot promote one its client has shipped
     (here, being shipped): it is spilled again."""
-    from spilld.integrations.tier import DaemonTier
-
-    model, tokenizer = tiny
-    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
-    try:
-        tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
-        lru = ColdTierPromptCache(max_size=4, tier_for=lambda key: tier)
+    model, _ = tiny
+    with _daemon_tier(tiny, max_size=4) as (d, tier, lru):
         a = [4, *range(100, 180)]
-        assert d.proc is not None
-        os.kill(d.proc.pid, signal.SIGSTOP)  # nothing is stored meanwhile
-        try:
+        with _stopped(d):  # nothing is stored meanwhile
             lru.insert_cache("m", [*a, 1], _prefilled(model, a))
             behind = lru._behind[("m", (*a, 1))]
             # handed with its write-behind (not counted: the tier keeps that one where it can), spilled again
             assert lru.spill_unstored(0.3) == 0 and not behind.done()  # not left to the drain
             again = lru._at_exit[-1]
             assert again is not behind
-        finally:
-            os.kill(d.proc.pid, signal.SIGCONT)
         assert again.result(30).stored and lru.unstored_at_exit() == (1, 0)
         loaded = tier.load([*a, 1])
         assert loaded is not None and loaded.tokens == a
-        tier.close(10)
-    finally:
-        d.kill()
-        cleanup(d.root)
 
 
 @pytest.mark.parametrize("at", ["eviction", "exit"])
