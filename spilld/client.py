@@ -305,11 +305,15 @@ class AsyncClient:
         if self._writer is not None:
             self._writer.close()
 
-    async def _send(self, bufs: list[bytes | memoryview]) -> None:
+    async def _send(self, bufs: list[bytes | memoryview], wrote: Callable[[], None] | None = None) -> None:
+        """Write ``bufs`` (after the sends before it) and wait for room in the socket; ``wrote`` is told once they
+        are in the transport, which sends them even if this call is cancelled while it waits for room."""
         if self._writer is None or self._writer.is_closing():
             raise await self._why_closed(P.ConnectionLost("not connected"))
         async with self._send_lock:
             write_each(self._writer, bufs)
+            if wrote is not None:
+                wrote()
             try:
                 await self._writer.drain()
             except (OSError, RuntimeError) as exc:
@@ -325,17 +329,36 @@ class AsyncClient:
             await asyncio.wait([task], timeout=CLOSE_REASON_WAIT_S)
         return self._told or lost
 
-    async def _call(self, method: str, params: dict[str, Any], *, timeout: float | None = -1.0, **kw: Any) -> Any:
+    async def _call(
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        timeout: float | None = -1.0,
+        late: Callable[[Any], None] | None = None,
+        **kw: Any,
+    ) -> Any:
+        """One request on the connection as it is. Given up on (cancelled, timed out) once written, before its
+        answer: ``late`` gets the daemon's answer once that comes (none comes for an error, nor once the connection
+        is lost)."""
         msgid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msgid] = fut
         if "progress" in kw:
             self._progress[msgid] = kw["progress"]
+        sent = answered = False
+
+        def wrote() -> None:
+            nonlocal sent
+            sent = True
+
         try:
             # the send too: a daemon that stopped reading leaves it waiting for room in the socket
             async with asyncio.timeout(self.timeout if timeout == -1.0 else timeout):
-                await self._send(P.request(msgid, method, params))
-                return await fut
+                await self._send(P.request(msgid, method, params), wrote)
+                result = await fut
+                answered = True
+                return result
         except TimeoutError as exc:
             if isinstance(exc, errors.SpillError):
                 raise  # the daemon's own timeout, already typed
@@ -343,7 +366,22 @@ class AsyncClient:
         finally:
             self._pending.pop(msgid, None)
             self._progress.pop(msgid, None)
+            if not answered and sent and late is not None:
+                self._answer_later(msgid, fut, late)
             _drop(fut)
+
+    def _answer_later(self, msgid: int, fut: asyncio.Future[Any], late: Callable[[Any], None]) -> None:
+        """Request ``msgid`` was written and given up on: ``late`` gets its answer, already in ``fut`` (the caller
+        was cancelled as it came) or once it comes. Its wait ends with the connection's (``_fail_all``)."""
+        if fut.done() and not fut.cancelled():
+            if fut.exception() is None:
+                late(fut.result())
+            return
+        if self._writer is None or self._writer.is_closing():
+            return  # lost: no answer will come
+        later: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        later.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else late(f.result()))
+        self._pending[msgid] = later
 
     async def call(
         self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = -1.0, **kw: Any
@@ -693,7 +731,7 @@ class AsyncClient:
             "codec_provider": self.provider.id,
             **({"longer_than": longer_than} if longer_than > 0 else {}),
         }
-        return _hit_of(dict(await self.call("lookup", params, timeout=self._lookup_timeout())))
+        return _hit_of(dict(await self.call("lookup", params, timeout=self._lookup_timeout(), late=self._unread)))
 
     async def _connected_within(self) -> None:
         """Connect if need be: a connection another call is making (its hello bounded by CONNECT_TIMEOUT_S) is
@@ -778,13 +816,25 @@ class AsyncClient:
             log.debug("a restore's touch was not answered: %s", exc)
         return loaded
 
+    def _unread(self, answer: Any) -> None:
+        """The answer to a lookup (or a resume) its caller gave up on, cancelled or timed out: a hit is read by
+        nobody (found in review: a cancel that came during the lookup held the daemon's background reads for
+        ``--io-timeout``, the hit it answered waiting for a touch that never came)."""
+        if isinstance(answer, dict) and answer.get("hit") is True and isinstance(path := answer.get("path"), str):
+            self._read_ended(path)
+
     def _read_ended(self, path: str) -> None:
-        """A cancelled restore's read has ended, unread: the daemon's background reads wait for it no more (found in
-        review: they waited for ``--io-timeout``, no touch coming). Its ``read_failed`` is written without waiting
-        for room or an answer, as a cancel must not wait on the daemon; it names no file it found gone, and the
-        daemon takes a file out of its index only where it finds that file gone itself."""
+        """A hit will not be read, or its read was cancelled and has ended: the daemon's background reads wait for
+        it no more (found in review: they waited for ``--io-timeout``, no touch coming). Its ``read_failed`` names
+        no file it found gone, and the daemon takes a file out of its index only where it finds that file gone
+        itself."""
+        self._tell("read_failed", {"path": path})
+
+    def _tell(self, method: str, params: dict[str, Any]) -> None:
+        """Write a small request without waiting for room or an answer (between two frames of another send), as a
+        cancel must not wait on the daemon; none once the connection is lost (its end tells the daemon as much)."""
         if self._writer is not None and not self._writer.is_closing():
-            write_each(self._writer, P.request(next(self._ids), "read_failed", {"path": path}))
+            write_each(self._writer, P.request(next(self._ids), method, params))
 
     def barrier(self, key: str = "") -> asyncio.Future[Settled]:
         """A future that settles once every spill queued before it is settled (shipped here, then at the daemon)."""
@@ -836,7 +886,9 @@ class AsyncClient:
         t0 = time.perf_counter()
         await self._connected_within()
         params = {"identity": self.identity.to_wire(), "key": key, "codec_provider": self.provider.id}
-        found, named = _hit_of(dict(await self.call("resume", params, timeout=self._lookup_timeout())))
+        found, named = _hit_of(
+            dict(await self.call("resume", params, timeout=self._lookup_timeout(), late=self._unread))
+        )
         if isinstance(found, Miss):
             return None
         ident = dataclasses.replace(self.identity, namespace=checkpoint_namespace(key))

@@ -630,6 +630,41 @@ async def test_a_load_cancelled_mid_read_holds_background_reads_no_longer_than_a
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_a_lookup_given_up_on_holds_background_reads_no_longer_than_a_lookup(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a load cancelled while the daemon answered its lookup (or one whose lookup timed out, the
+    daemon answering after) never heard the hit, read nothing and said nothing: the hit held the scrub and the warm
+    start until the read's deadline (``--io-timeout``: against a real daemon, its scrub paused 30.1 s after
+    the cancel). The client hears the answer of a lookup it gave up on, and says ``read_failed`` for a hit."""
+    import spilld.client
+    from spilld.errors import Timeout
+
+    monkeypatch.setattr(spilld.client, "LOOKUP_TIMEOUT_S", 0.3)
+    async with _a_stored_entry() as (daemon, c, tokens):
+        asked, answer = asyncio.Event(), asyncio.Event()
+        lookup = daemon.methods["lookup"]
+
+        async def slow(*args: Any) -> Any:  # a lookup answered once the test says (a fill from a shared tier)
+            asked.set()
+            await answer.wait()
+            return await lookup(*args)
+
+        monkeypatch.setitem(daemon.methods, "lookup", slow)
+        load = asyncio.ensure_future(c.load([*tokens, 1]))
+        await asyncio.wait_for(asked.wait(), 10)
+        if how == "cancelled":
+            load.cancel()
+        with pytest.raises(asyncio.CancelledError if how == "cancelled" else Timeout):
+            await asyncio.wait_for(load, 5)
+        answer.set()  # a hit: held as being read by this client
+        await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+        assert not daemon._clients_active(), daemon.restoring
+        assert isinstance(await c.lookup([*tokens, 1]), spilld.Hit)  # still stored (its file is not gone)
+
+
+@pytest.mark.asyncio
 async def test_read_failed_without_its_file_checks_and_names_the_hits_entry(caplog: pytest.LogCaptureFixture) -> None:
     """``read_failed``'s ``file`` is optional (format.md §10: the hit's entry by default). Found in review: the
     daemon checked the entry then, but its warning named the file as "None"."""
