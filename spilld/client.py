@@ -335,12 +335,13 @@ class AsyncClient:
         params: dict[str, Any],
         *,
         timeout: float | None = -1.0,
+        unsent: Callable[[], None] | None = None,
         late: Callable[[Any], None] | None = None,
         **kw: Any,
     ) -> Any:
-        """One request on the connection as it is. Given up on (cancelled, timed out) once written, before its
-        answer: ``late`` gets the daemon's answer once that comes (none comes for an error, nor once the connection
-        is lost)."""
+        """One request on the connection as it is. Given up on (cancelled, timed out) before its answer: ``unsent``
+        runs if it was never written; if it was, ``late`` gets the daemon's answer once that comes (none comes for
+        an error, nor once the connection is lost)."""
         msgid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msgid] = fut
@@ -366,7 +367,9 @@ class AsyncClient:
         finally:
             self._pending.pop(msgid, None)
             self._progress.pop(msgid, None)
-            if not answered and sent and late is not None:
+            if not answered and not sent and unsent is not None:
+                unsent()
+            elif not answered and sent and late is not None:
                 self._answer_later(msgid, fut, late)
             _drop(fut)
 
@@ -792,9 +795,9 @@ class AsyncClient:
             )
         except errors.FileFormatError as exc:
             try:  # the daemon moves the bad file aside; the engine's miss does not wait on that
-                await self.call(
-                    "report_bad", {"path": path, "code": exc.code, "file": exc.path or path}, timeout=LOOKUP_TIMEOUT_S
-                )
+                bad = {"path": path, "code": exc.code, "file": exc.path or path}
+                unsent = functools.partial(self._tell, "report_bad", bad)
+                await self.call("report_bad", bad, timeout=LOOKUP_TIMEOUT_S, unsent=unsent)
             except errors.SpillError as why:
                 log.debug("a bad file's report was not answered: %s", why)
             return None
@@ -805,13 +808,16 @@ class AsyncClient:
             raise  # a hung disk: said, so that the caller can stop asking for a while (each ask would wait as long)
         except errors.SpillError as exc:  # evicted between lookup and open, or a file this model cannot use
             try:  # the daemon's background reads wait for this read no more (an older daemon: unknown_method)
-                await self.call("read_failed", {"path": path, "file": exc.path or path}, timeout=LOOKUP_TIMEOUT_S)
+                failed = {"path": path, "file": exc.path or path}
+                unsent = functools.partial(self._tell, "read_failed", failed)
+                await self.call("read_failed", failed, timeout=LOOKUP_TIMEOUT_S, unsent=unsent)
             except errors.SpillError as why:
                 log.debug("a failed read's report was not answered: %s (the read: %s)", why, exc)
             return None
         try:  # the daemon's LRU and histogram: the restore is done and good, whatever becomes of this report
             params = {"path": path, "restore_s": time.perf_counter() - t0}
-            await self.call("touch", params, timeout=min(self.timeout, LOOKUP_TIMEOUT_S))
+            unsent = functools.partial(self._tell, "touch", params)
+            await self.call("touch", params, timeout=min(self.timeout, LOOKUP_TIMEOUT_S), unsent=unsent)
         except errors.SpillError as exc:
             log.debug("a restore's touch was not answered: %s", exc)
         return loaded
@@ -832,7 +838,10 @@ class AsyncClient:
 
     def _tell(self, method: str, params: dict[str, Any]) -> None:
         """Write a small request without waiting for room or an answer (between two frames of another send), as a
-        cancel must not wait on the daemon; none once the connection is lost (its end tells the daemon as much)."""
+        cancel must not wait on the daemon; none once the connection is lost (its end tells the daemon as much).
+        A restore's last word (``touch``, ``read_failed``, ``report_bad``) that waited behind another send until
+        its caller was cancelled, or its timeout, goes so (found in review: it was never sent, and the hit held
+        the daemon's background reads for ``--io-timeout``)."""
         if self._writer is not None and not self._writer.is_closing():
             write_each(self._writer, P.request(next(self._ids), method, params))
 

@@ -665,6 +665,41 @@ async def test_a_lookup_given_up_on_holds_background_reads_no_longer_than_a_look
 
 
 @pytest.mark.asyncio
+async def test_a_load_cancelled_while_its_touch_waits_behind_a_send_holds_background_reads_no_longer_than_a_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: a load cancelled after its read, while its ``touch`` waited for another send (a spill's, the
+    socket full) to be written, never sent it: the hit held the scrub and the warm start until the read's deadline
+    (``--io-timeout``: against a real daemon, its scrub paused 30.0 s after the cancel). The touch is written then,
+    without waiting: the cancel stays prompt, and the daemon counts the restore."""
+    async with _a_stored_entry() as (daemon, c, tokens):
+        touching = asyncio.Event()
+        call = c.call
+
+        async def behind_a_send(method: str, params: Any = None, **kw: Any) -> Any:
+            if method == "touch":  # another send holds the connection's send lock (waiting for room)
+                await c._send_lock.acquire()
+                touching.set()
+            return await call(method, params, **kw)
+
+        monkeypatch.setattr(c, "call", behind_a_send)
+        load = asyncio.ensure_future(c.load([*tokens, 1]))
+        try:
+            await asyncio.wait_for(touching.wait(), 10)
+            await asyncio.sleep(0.05)  # the touch waits for the lock
+            t0 = time.monotonic()
+            load.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await load
+            assert time.monotonic() - t0 < 0.2  # the cancel waits on nothing
+            await asyncio.sleep(BUSY_AFTER_LOOKUP_S + 0.3)
+            assert not daemon._clients_active(), daemon.restoring
+            assert daemon.store.counters.hits == 1
+        finally:
+            c._send_lock.release()  # the other send goes on
+
+
+@pytest.mark.asyncio
 async def test_read_failed_without_its_file_checks_and_names_the_hits_entry(caplog: pytest.LogCaptureFixture) -> None:
     """``read_failed``'s ``file`` is optional (format.md §10: the hit's entry by default). Found in review: the
     daemon checked the entry then, but its warning named the file as "None"."""
