@@ -1218,7 +1218,11 @@ async def test_a_host_that_filled_a_prefix_tells_routers_it_holds_it(server: Red
         with server.client() as c:
             events = [(f[b"kind"], f[b"host"], f[b"keys"]) for _, f in c.xrange(keys.events_key(""))]
         held = ",".join(k.hex() for k in store_a.entries[0].blocks).encode()
-        assert events == [(b"stored", b"host-a", held), (b"stored", b"host-b", held), (b"evicted", b"host-b", held)]
+        # (host B's first event of the namespace in its run is its reset, sent at its first lookup of it)
+        assert events == [
+            (b"stored", b"host-a", held), (b"reset", b"host-b", b""), (b"stored", b"host-b", held),
+            (b"evicted", b"host-b", held),
+        ]  # fmt: skip
         assert tier.counters()["pushed"] == 0 and tier.counters()["push_present"] == 0  # nothing pushed back
     finally:
         await link.close(1)
@@ -2626,6 +2630,66 @@ async def test_a_restart_announces_the_blocks_its_scan_found_once_the_tier_answe
             assert [(f[b"kind"], f[b"host"]) for _, f in events] == [(b"stored", b"a")]
             assert {bytes.fromhex(k) for k in events[0][1][b"keys"].decode().split(",")} == held
             assert streams == [keys.events_key("").encode()]  # the checkpoint's namespace: none
+        finally:
+            await link.close(1)
+            store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restart_withdraws_the_blocks_the_host_no_longer_holds(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: a start announced what its scan found, never what the host no longer held (files removed
+    while it was down, here an entry of one namespace and every file of another), so routers kept it as a holder of
+    those blocks and sent it prompts it could only miss. Its first event of a namespace in a run is a ``reset``:
+    at the start for the namespaces its scan found, before it announces them again; at its first lookup for one it
+    holds nothing of. A namespace without a stream gets none (a client may name any)."""
+    from spilld.remote.router import PrefixRouter
+
+    n = 16 * 3 + 3
+    kept, gone = list(range(n)), list(range(1000, 1000 + n))
+    other = replace(FILL_IDENT, namespace="other")
+    before = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    link = RemoteLink(await started(relaxed(server.url)), before, push="none", host="a")
+    try:
+        for tokens, ident, seed in ((kept, FILL_IDENT, 0), (gone, FILL_IDENT, 10), (gone, other, 20)):
+            await before.put(tokens, [fill(C.KVCache(), n, heads=2, dim=8, seed=seed + s) for s in range(2)], ident)
+        assert await link.drain(10)
+    finally:
+        await link.close(1)
+    (held,) = [set(e.blocks) for e in before.entries if e.namespace == "" and int(e.tokens[0]) == kept[0]]
+    removed = [e for e in before.entries if int(e.tokens[0]) == gone[0]]  # while the host was down
+    lost = {k for e in removed if e.namespace == "" for k in e.blocks}
+    paths = [p for e in removed for p in (e.path, *(before.block_path(k) for k in e.blocks))]
+    before.close()
+    for p in paths:
+        assert p is not None
+        os.unlink(p)
+
+    def holders(routers: dict[str, Any]) -> dict[str, dict[bytes, set[str]]]:
+        for r in routers.values():
+            r.poll()
+        return {ns: {bytes.fromhex(k): h for k, h in r.holders.items()} for ns, r in routers.items()}
+
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    with server.client() as c:
+        routers = {ns: PrefixRouter(c, ns, hashlib.sha256(b"root").digest(), 16) for ns in ("", "other")}
+        said = holders(routers)
+        assert said[""] == {k: {"a"} for k in held | lost} and len(held) == len(lost) == 3
+        assert list(said["other"].values()) == [{"a"}] * 3
+        store.scan()  # as a daemon's start: the index from the files left
+        link = RemoteLink(await started(relaxed(server.url)), store, push="none", host="a")
+        try:
+            link.announce_held()
+            assert link._announcing is not None
+            await asyncio.wait_for(link._announcing, 10)
+            for ident in (other, replace(FILL_IDENT, namespace="never")):  # a router still sends its prompts here
+                assert not await link.fill(ident, ident.namespace, [*gone, 9], store.provider_id)
+            assert await link.drain(10)
+            said = holders(routers)
+            assert said[""] == {k: {"a"} if k in held else set() for k in held | lost}
+            assert list(said["other"].values()) == [set()] * 3
+            kinds = [f[b"kind"] for _, f in c.xrange(keys.events_key(""))]
+            assert kinds == [b"stored", b"stored", b"reset", b"stored"]  # the reset before this run's announcement
+            assert not c.exists(keys.events_key("never"))  # no stream made for a namespace that had none
         finally:
             await link.close(1)
             store.close()

@@ -497,3 +497,48 @@ async def test_a_restarted_host_announces_again_the_blocks_it_holds(server: Redi
         assert [(f[b"kind"], f[b"host"]) for _, f in events] == [(b"stored", b"a")]
         assert set(events[0][1][b"keys"].decode().split(",")) == held
         assert routed == ["a", "a"]
+
+
+@pytest.mark.asyncio
+async def test_a_host_whose_disk_was_wiped_is_no_longer_said_to_hold_its_old_prompts(
+    server: RedisServer, model: Any
+) -> None:
+    """Found in review: a start announced what its scan found, never what the host no longer held, so a host whose
+    disk was wiped while it was down stayed, for every router, the holder of the prompts it had stored, and was
+    sent them to miss. Its first lookup of a namespace (a prompt a router still sends it) resets what the stream
+    said of it there."""
+    from spilld.blocks import header_root
+    from spilld.remote.keys import events_key
+    from spilld.remote.router import PrefixRouter
+
+    async with hosts(model, [server.url, "--remote-host-name", "a", "--remote-push", "none"]) as ((a, ca),):
+        conv = random_tokens(3 * B + 1, seed=73)
+        stored = await ca.spill(conv, prefill(model, make_prompt_cache, conv), droppable=False)
+        assert stored.stored
+        deadline = time.monotonic() + SETTLE_S
+        with server.client() as r:
+            while not r.xrange(events_key("")):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        assert a.stop() == 0
+        shutil.rmtree(a.dir)  # the disk wiped (a new one mounted) while the host was down
+        Path(a.dir).mkdir()
+        a.start()
+        with server.client() as r:
+            router = PrefixRouter(r, "", header_root(stored.value.header, B), B)
+            router.poll()
+            assert len(router.holders) == 3 and all(h == {"a"} for h in router.holders.values())
+            again = await client_of(a, model)
+            try:
+                assert isinstance(await again.lookup([*conv, 5]), spilld.Miss)
+                deadline = time.monotonic() + SETTLE_S
+                while any(router.holders.values()) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    router.poll()
+            finally:
+                await again.close()
+            # (each order: with no holder the router picks by the prompt's hash, the same place in either)
+            routed = [router.route([*conv, 5], names) for names in (["elsewhere", "a"], ["a", "elsewhere"])]
+            kinds = [f[b"kind"] for _, f in r.xrange(events_key(""))]
+        assert not any(router.holders.values()) and routed[0] != routed[1]  # no holder: picked by the hash
+        assert kinds == [b"stored", b"reset"]

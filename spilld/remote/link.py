@@ -40,6 +40,7 @@ from ..lease import off_loop
 from ..store import Store
 from ..unpack import unpack
 from ..validate import header_from_bytes
+from .breaker import State
 from .config import RemoteConfig
 from .keys import BLOCK_KEY_BYTES, Kind
 from .stats import Reason
@@ -89,6 +90,10 @@ UNREAD: dict[Reason, str] = {r: r.value for r in Reason if r not in (Reason.ABSE
 # while the tier takes no writes, is tried again this long after
 ANNOUNCE_PAUSE_S = 0.01
 ANNOUNCE_RETRY_S = 1.0
+# Namespaces whose ``reset`` this run remembers (sent, or being sent) past which a lookup sends none: a client names
+# any namespace it likes. A namespace with blocks to announce (stored, filled, found by the scan) is reset whatever
+# the count: its ``stored`` events wait for its reset.
+RESET_NAMESPACES_MAX = 4096
 _SPACE_DOMAIN = "spilld-remote-roots/1"
 
 
@@ -202,6 +207,8 @@ class RemoteLink:
         # first of its blocks this host lacked), the oldest first
         self._refused: OrderedDict[tuple[str, bytes], tuple[float, str, bytes | None]] = OrderedDict()
         self._announcing: asyncio.Task[None] | None = None  # what the start found, being announced
+        self._reset: set[str] = set()  # namespaces whose ``reset`` of this run is on their stream (``_reset_first``)
+        self._resetting: dict[str, asyncio.Lock] = {}  # namespaces whose reset is being sent, or failed: one at a time
         store.listeners.append(self)  # with push "none" too: its events still tell routers what it holds
 
     # --- push ---------------------------------------------------------------------------------------------
@@ -220,10 +227,7 @@ class RemoteLink:
         announced as holding it, so no router sent it that prefix's prompts, and its eviction later announced blocks
         it had never been said to hold."""
         if fetched and _shared(entry.namespace):
-            self._spawn(
-                self.tier.publish_event(EventKind.STORED, entry.namespace, [r.key for r in fetched], self.host),
-                self._pushing,
-            )  # fmt: skip
+            self._spawn(self._said_held(entry.namespace, [r.key for r in fetched]), self._pushing)
 
     def evicted(self, entry: Entry, named: list[Block]) -> None:
         """A store listener: with ``evicted``, push the entry and the blocks it names, its files kept from their
@@ -255,7 +259,7 @@ class RemoteLink:
 
     async def _stored(self, entry: Entry, written: list[Block], root: bytes) -> None:
         if written:  # what this host holds now, whatever becomes of the push (and before a later eviction's event)
-            await self.tier.publish_event(EventKind.STORED, entry.namespace, [r.key for r in written], self.host)
+            await self._said_held(entry.namespace, [r.key for r in written])
         if self.push == "all":
             await self._push(entry, self.store.named_blocks(entry), root)
 
@@ -371,8 +375,9 @@ class RemoteLink:
         """Say on the streams, in the background, that this host holds the blocks its store's scan found (entries
         kept across a restart). Events said so only as each entry was stored or filled (found in review): a host
         that restarted after its events were lost (Redis restarted without persistence, the stream trimmed past
-        them) held blocks no router heard of again. Nothing is pushed: the tier is a cache whose LRU chose what
-        it dropped, and a block it lacks goes with the next entry stored that names it."""
+        them) held blocks no router heard of again. Each namespace's reset goes first (``_reset_first``): what its
+        streams said this host held and the scan did not find is withdrawn. Nothing is pushed: the tier is a cache
+        whose LRU chose what it dropped, and a block it lacks goes with the next entry stored that names it."""
         held: dict[str, list[bytes]] = {}
         for rec in self.store.index.blocks.values():  # (one pass on the loop, before the first client is served)
             if rec.named and _shared(rec.namespace):
@@ -388,12 +393,54 @@ class RemoteLink:
                         return
                     # those still held now: one evicted since the scan had its own event (never said held after)
                     left = [k for k in keys[lo : lo + MAX_EVENT_KEYS] if self._held(k)]
-                    if not left:
-                        break
-                    if self.tier.taking_pushes and await self.tier.publish_event(EventKind.STORED, ns, left, self.host):
+                    # (the namespace's reset goes even when none is left: what its last run held is not held now)
+                    if self.tier.taking_pushes and await (self._said_held(ns, left) if left else self._reset_first(ns)):
                         break
                     await asyncio.sleep(ANNOUNCE_RETRY_S)  # down, or its breaker open: when it answers again
                 await asyncio.sleep(ANNOUNCE_PAUSE_S)
+
+    async def _said_held(self, namespace: str, keys: list[bytes]) -> bool:
+        """A ``stored`` event of ``keys``, after this run's reset of ``namespace`` (``_reset_first``): False, and
+        none sent, while the reset has not gone."""
+        if not await self._reset_first(namespace):
+            return False
+        return await self.tier.publish_event(EventKind.STORED, namespace, keys, self.host)
+
+    async def _reset_first(self, namespace: str) -> bool:
+        """Whether this run's ``reset`` event of ``namespace`` is on its stream: sent now if not (one at a time per
+        namespace, one try). Every ``stored`` event of this run goes after it, so a router drops what the stream
+        said this host held before (a disk wiped, files removed or quarantined while it was down, an eviction whose
+        event was lost in a crash) and keeps what it says from then on. Found in review: a start announced what its
+        scan found, never what the host no longer held, and routers sent it prompts it could only miss. A server
+        that refuses the event (an ACL without it) lets the stored events go as before, without one."""
+        if namespace in self._reset:
+            return True
+        lock = self._resetting.setdefault(namespace, asyncio.Lock())
+        async with lock:
+            if namespace not in self._reset:
+                why: list[Reason] = []
+                if (
+                    await self.tier.publish_event(EventKind.RESET, namespace, [], self.host, why)
+                    or Reason.REFUSED in why
+                ):
+                    self._reset.add(namespace)
+                    self._resetting.pop(namespace, None)  # (a caller waiting on the lock finds it sent)
+        return namespace in self._reset
+
+    def _looked_up(self, namespace: str) -> None:
+        """A lookup of ``namespace`` asked the shared tier: its reset goes now, in the background, if this run has
+        sent none (a host whose disk was wiped holds nothing its scan could announce, and a router that still
+        lists it sends it that namespace's prompts; the first of them withdraws the claims). None past
+        ``RESET_NAMESPACES_MAX`` namespaces remembered, nor while one of the namespace is being sent, nor while the
+        breaker is not closed (never the half-open trial a lookup's own reads would take: a later lookup sends it)."""
+        if namespace in self._reset or not _shared(namespace) or self.tier.state != State.CLOSED.value:
+            return
+        lock = self._resetting.get(namespace)
+        if lock is not None and lock.locked():  # being sent
+            return
+        if lock is None and len(self._reset) + len(self._resetting) >= RESET_NAMESPACES_MAX:
+            return
+        self._spawn(self._reset_first(namespace), self._pushing)
 
     def _held(self, key: bytes) -> bool:
         rec = self.store.index.blocks.get(key)
@@ -445,6 +492,7 @@ class RemoteLink:
         else:
             with one_failure():  # its calls (in its task and the tasks it starts) count one failure at most
                 task = asyncio.ensure_future(self._fill(ident, namespace, tokens, provider))
+                self._looked_up(namespace)  # (a reset it sends is of the same work)
             self._filling[sig] = task
             task.add_done_callback(lambda _: self._filling.pop(sig, None))
         try:

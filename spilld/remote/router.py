@@ -1,5 +1,5 @@
-"""An example router for a fleet of hosts sharing a remote tier: it reads the hosts' "stored" and "evicted"
-events and sends each prompt to the host that holds the longest run of its blocks (docs/design.md shows it)."""
+"""An example router for a fleet of hosts sharing a remote tier: it reads the hosts' "stored", "evicted" and
+"reset" events and sends each prompt to the host that holds the longest run of its blocks (docs/design.md shows it)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class PrefixRouter:
                     host, ks = f[b"host"].decode(), f[b"keys"].decode().split(",")
                 except (KeyError, AttributeError, UnicodeDecodeError):
                     continue  # anyone who can write the stream can write anything to it
+                if f.get(b"kind") == b"reset":  # the host holds only what its later events say (a start)
+                    for held in self.holders.values():
+                        held.discard(host)
+                    continue
                 for k in ks:
                     held = self.holders.setdefault(k, set())
                     (held.add if f.get(b"kind") == b"stored" else held.discard)(host)

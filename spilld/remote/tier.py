@@ -59,10 +59,14 @@ LATE_LOOP_SHARE = 0.5
 
 
 class EventKind(StrEnum):
-    """What an event on a namespace's stream says of its blocks: a host stored them, or evicted them."""
+    """What an event on a namespace's stream says of its blocks: a host stored them, or evicted them; or, with no
+    keys, that it holds none of those its earlier events said it held, only those its later ``stored`` events name
+    (``reset``: its first event of a namespace in a run, so a disk wiped, or files removed while it was down, is
+    no longer taken for blocks it holds)."""
 
     STORED = "stored"
     EVICTED = "evicted"
+    RESET = "reset"
 
 
 @dataclass(frozen=True)
@@ -434,24 +438,35 @@ class RemoteTier:
 
     # --- events -------------------------------------------------------------------------------------------
 
-    async def publish_event(self, kind: EventKind, namespace: str, keys: Sequence[bytes], host: str) -> bool:
-        """Tell routers that ``host`` now holds (or no longer holds) the blocks ``keys`` of ``namespace``: one
-        XADD per ``MAX_EVENT_KEYS`` keys on the namespace's stream, trimmed to about ``events_maxlen``. Fields:
-        ``kind``, ``ns`` (the namespace tag), ``host``, ``keys`` (hex, comma separated), ``t_ms``."""
+    async def publish_event(
+        self, kind: EventKind, namespace: str, keys: Sequence[bytes], host: str, why: list[Reason] | None = None
+    ) -> bool:
+        """Tell routers that ``host`` now holds (or no longer holds) the blocks ``keys`` of ``namespace`` (``reset``:
+        none of those it was said to hold before, no keys): one XADD per ``MAX_EVENT_KEYS`` keys on the namespace's
+        stream, trimmed to about ``events_maxlen``. Fields: ``kind``, ``ns`` (the namespace tag), ``host``, ``keys``
+        (hex, comma separated; empty for a reset), ``t_ms``. A reset makes no stream (``NOMKSTREAM``): a namespace
+        without one holds no claim to withdraw, and a lookup of any namespace a client names may send one. ``why``,
+        if given, gets the failure's reason."""
         stream = rkeys.events_key(namespace, self.key_tag)
         t_ms = str(int(time.time() * 1000))
         cmds = []
+        only_to = {"nomkstream": True} if kind is EventKind.RESET else {}  # (a stream that is there)
         for lo in range(0, max(len(keys), 1), MAX_EVENT_KEYS):
             fields = {"kind": str(kind), "ns": rkeys.namespace_tag(namespace, self.key_tag), "host": host, "t_ms": t_ms}
             fields["keys"] = ",".join(k.hex() for k in keys[lo : lo + MAX_EVENT_KEYS])
-            cmds.append(_cmd("xadd", stream, fields, maxlen=self.config.events_maxlen, approximate=True))
+            cmds.append(_cmd("xadd", stream, fields, maxlen=self.config.events_maxlen, approximate=True, **only_to))
         r = await self._call(_pipeline(cmds), self.config.push_timeout_s)
-        ok = not isinstance(r, _Failed) and not any(isinstance(x, Exception) for x in r)
-        if ok:
-            self.stats.events_published += len(cmds)
-        else:
+        if isinstance(r, _Failed):
+            failed: Reason | None = r.reason
+        else:  # a command's own error is in its place (a reset with no stream to go to: nil, nothing appended)
+            failed = next((_reason_of(x) for x in r if isinstance(x, Exception)), None)
+            if failed is None:
+                self.stats.events_published += sum(x is not None for x in r)
+        if failed is not None:
             self.stats.events_failed += len(cmds)
-        return ok
+            if why is not None:
+                why.append(failed)
+        return failed is None
 
     # --- status -------------------------------------------------------------------------------------------
 
