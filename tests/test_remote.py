@@ -2693,3 +2693,43 @@ async def test_a_restart_withdraws_the_blocks_the_host_no_longer_holds(server: R
         finally:
             await link.close(1)
             store.close()
+
+
+@pytest.mark.asyncio
+async def test_an_eviction_said_while_the_tier_was_down_is_said_once_it_answers(
+    server: RedisServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the ``evicted`` event of blocks that left the store while the tier did not answer (its
+    breaker open) failed and was never sent again, so routers kept this host as their holder for the rest of its
+    run. Once the tier answers, the namespace is reset and what the host still holds of it announced again."""
+    from spilld.remote.router import PrefixRouter
+
+    monkeypatch.setattr(link_module, "ANNOUNCE_RETRY_S", 0.05)
+    n = 16 * 3 + 3
+    store = Store(str(tmp_path / "a"), disk_cap=2**30, block_tokens=16)
+    tier = await started(relaxed(server.url, breaker_cooldown_s=60))
+    link = RemoteLink(tier, store, push="none", host="a")
+    try:
+        for i in range(2):
+            caches = [fill(C.KVCache(), n, heads=2, dim=8, seed=10 * i + s) for s in range(2)]
+            await store.put([1000 * i + t for t in range(n)], caches, FILL_IDENT)
+        assert await link.drain(10)
+        kept, gone = store.entries
+        tier.breaker.trip()  # the tier does not answer
+        assert await store.remove_where_async(lambda e: e.path == gone.path) == 1
+        await asyncio.sleep(0)  # the reclaimed blocks' event is published in the next turn
+        assert await link.drain(10) and tier.counters()["events_failed"] >= 1
+        tier.breaker.success()  # it answers again
+        with server.client() as c:
+            router = PrefixRouter(c, "", hashlib.sha256(b"root").digest(), 16)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                router.poll()
+                said = {bytes.fromhex(k): h for k, h in router.holders.items()}
+                if all(said.get(k) == set() for k in gone.blocks):
+                    break
+                await asyncio.sleep(0.05)
+        assert said == {k: {"a"} if k in kept.blocks else set() for k in [*kept.blocks, *gone.blocks]}
+    finally:
+        await link.close(1)
+        store.close()

@@ -87,7 +87,8 @@ UNFETCHED: dict[Reason, str] = {r: f"blocks_{r.value}" for r in Reason if r is n
 UNREAD: dict[Reason, str] = {r: r.value for r in Reason if r not in (Reason.ABSENT, Reason.OOM)}
 # A start's announcement of what the scan found (``RemoteLink.announce_held``): one event of up to ``MAX_EVENT_KEYS``
 # block keys at a time, this long apart (a store of 250,000 blocks: 245 events, a few seconds); one that failed, or
-# while the tier takes no writes, is tried again this long after
+# while the tier takes no writes, is tried again this long after (and a namespace whose event failed, said again:
+# ``RemoteLink._say_again``)
 ANNOUNCE_PAUSE_S = 0.01
 ANNOUNCE_RETRY_S = 1.0
 # Namespaces whose ``reset`` this run remembers (sent, or being sent) past which a lookup sends none: a client names
@@ -209,6 +210,8 @@ class RemoteLink:
         self._announcing: asyncio.Task[None] | None = None  # what the start found, being announced
         self._reset: set[str] = set()  # namespaces whose ``reset`` of this run is on their stream (``_reset_first``)
         self._resetting: dict[str, asyncio.Lock] = {}  # namespaces whose reset is being sent, or failed: one at a time
+        self._unsaid: set[str] = set()  # namespaces an event failed for: reset and announced again (``_say_again``)
+        self._saying_again: asyncio.Task[None] | None = None
         store.listeners.append(self)  # with push "none" too: its events still tell routers what it holds
 
     # --- push ---------------------------------------------------------------------------------------------
@@ -387,24 +390,60 @@ class RemoteLink:
 
     async def _announce(self, held: dict[str, list[bytes]]) -> None:
         for ns, keys in held.items():
-            for lo in range(0, len(keys), MAX_EVENT_KEYS):
+            for lo in range(0, max(len(keys), 1), MAX_EVENT_KEYS):  # (none held: its reset alone)
                 while True:
                     if self.tier.state in ("disabled", "stopped"):
                         return
                     # those still held now: one evicted since the scan had its own event (never said held after)
                     left = [k for k in keys[lo : lo + MAX_EVENT_KEYS] if self._held(k)]
                     # (the namespace's reset goes even when none is left: what its last run held is not held now)
-                    if self.tier.taking_pushes and await (self._said_held(ns, left) if left else self._reset_first(ns)):
-                        break
+                    if self.tier.taking_pushes:
+                        said = self._said_held(ns, left, again=False) if left else self._reset_first(ns)
+                        if await said:
+                            break
                     await asyncio.sleep(ANNOUNCE_RETRY_S)  # down, or its breaker open: when it answers again
                 await asyncio.sleep(ANNOUNCE_PAUSE_S)
 
-    async def _said_held(self, namespace: str, keys: list[bytes]) -> bool:
+    async def _said_held(self, namespace: str, keys: list[bytes], again: bool = True) -> bool:
         """A ``stored`` event of ``keys``, after this run's reset of ``namespace`` (``_reset_first``): False, and
-        none sent, while the reset has not gone."""
-        if not await self._reset_first(namespace):
-            return False
-        return await self.tier.publish_event(EventKind.STORED, namespace, keys, self.host)
+        none sent, while the reset has not gone; with ``again``, a failure has the namespace said again."""
+        said = await self._reset_first(namespace) and await self.tier.publish_event(
+            EventKind.STORED, namespace, keys, self.host
+        )
+        if not said and again:
+            self._say_again(namespace)
+        return said
+
+    async def _said_gone(self, namespace: str, keys: list[bytes]) -> None:
+        """An ``evicted`` event of ``keys``; a failure has the namespace said again."""
+        if not await self.tier.publish_event(EventKind.EVICTED, namespace, keys, self.host):
+            self._say_again(namespace)
+
+    def _say_again(self, namespace: str) -> None:
+        """An event of ``namespace`` failed (the tier down, its breaker open): once the tier takes writes again, the
+        namespace is reset and what this host holds of it then announced again, in the background. Found in review:
+        an ``evicted`` event lost so was never sent again, and routers sent this host the prompts it had evicted
+        for the rest of its run (a lost ``stored`` one, the prompts it held went elsewhere)."""
+        if self.tier.state in ("disabled", "stopped"):  # (no event goes any more)
+            return
+        self._unsaid.add(namespace)
+        if self._saying_again is None or self._saying_again.done():
+            self._saying_again = asyncio.get_running_loop().create_task(self._say_all_again())
+
+    async def _say_all_again(self) -> None:
+        while self._unsaid:
+            await asyncio.sleep(ANNOUNCE_RETRY_S)  # (a tier that failed an event now is seldom back at once)
+            if self.tier.state in ("disabled", "stopped"):
+                return
+            if not self.tier.taking_pushes:
+                continue
+            names, self._unsaid = self._unsaid, set()
+            self._reset -= names  # each one's next event is a reset again (a stored event meanwhile waits for it)
+            held: dict[str, list[bytes]] = {ns: [] for ns in names}
+            for rec in self.store.index.blocks.values():  # (one pass on the loop for them all, as a start's)
+                if rec.named and rec.namespace in held:
+                    held[rec.namespace].append(rec.key)
+            await self._announce(held)
 
     async def _reset_first(self, namespace: str) -> bool:
         """Whether this run's ``reset`` event of ``namespace`` is on its stream: sent now if not (one at a time per
@@ -458,11 +497,7 @@ class RemoteLink:
     def _publish_gone(self) -> None:
         gone, self._gone = self._gone, {}
         for ns, keys in gone.items():
-            task = asyncio.get_running_loop().create_task(
-                self.tier.publish_event(EventKind.EVICTED, ns, keys, self.host)
-            )  # fmt: skip
-            self._pushing.add(task)
-            task.add_done_callback(self._pushing.discard)
+            self._spawn(self._said_gone(ns, keys), self._pushing)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait for the pushes being read and queued, then for the tier's queue, ``timeout_s`` in all: False if
@@ -711,14 +746,16 @@ class RemoteLink:
         """Push what is queued within ``timeout_s``, then stop the tier; whether every push went."""
         pushed = await self.drain(timeout_s)
         tasks = [*self._pushing, *self._evicting, *self._filling.values()]
-        if self._announcing is not None:
-            tasks.append(self._announcing)
+        tasks += [t for t in (self._announcing, self._saying_again) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(
             *tasks, return_exceptions=True
         )  # their cleanups (kept files let go) run before the tier goes
         await self.tier.close()
+        if (late := self._saying_again) is not None and not late.done():  # (an event failed as they ended)
+            late.cancel()
+            await asyncio.gather(late, return_exceptions=True)
         return pushed
 
     def counters(self) -> dict[str, Any]:
