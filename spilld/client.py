@@ -23,6 +23,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -138,6 +139,9 @@ class AsyncClient:
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
         self._open: set[asyncio.Future[Settled]] = set()  # callers' futures the daemon has yet to answer
+        # each spill's future by its item, for a later spill that names it (``_keep``): the item's snapshot, which
+        # holds it too, goes once the item is shipped, long before the daemon's answer
+        self._outcomes: weakref.WeakKeyDictionary[SpillItem, asyncio.Future[Settled]] = weakref.WeakKeyDictionary()
         self._watching: list[_Verdicts] = []  # a drain's or a close's: the daemon's answers to the items it waits for
         self._closed = False  # close has run: no call connects again
         self._close_report: DrainReport | None = None  # the first close's, which a second one gives
@@ -498,8 +502,9 @@ class AsyncClient:
         earlier. While that one waits in this client's queue, not shipped yet, it is kept in place of this spill
         (made not droppable if this one is not), and this one is held until the daemon answers it: sent in its
         place, next, if its ship fails or the daemon fails it (the writer waits for that answer before it ships
-        anything more), let go once it is stored (or shed, a droppable one). Once shipped it is the daemon's, which
-        may still shed it, so this one is queued too."""
+        anything more), let go once it is stored (or shed, a droppable one). Once shipping or shipped it is the
+        daemon's, which may still shed it: this one is queued, and sent only if the daemon's answer to that one,
+        waited for at its turn, is not stored (``_keep``). Once stored it stands for this one."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
         return self._handoffs.hand_over(self._bound(), item, behind, self._enqueue, self._keep)
@@ -508,19 +513,27 @@ class AsyncClient:
         """``prior`` not shipped yet stands for ``item`` (its future, the daemon's answer); else ``item`` is queued.
         Kept, ``item`` is held on ``prior`` and sent in its place if ``prior``'s write fails after all, which for this
         queue is its ship and the daemon's write of it (``_ship``: a connection lost, a failing disk); that one's
-        answer then settles the future."""
-        outcome = snapshot_of(prior).outcome
+        answer then settles the future. ``prior`` stored already stands for ``item`` too (let go). ``prior`` being
+        shipped, or shipped and not answered yet: ``item`` is queued leaning on it, and sent only if the daemon's
+        answer to ``prior`` says not stored (``_stood_for``; found in review: it was sent at once, the entry shipped
+        twice in full, and the daemon then wrote both)."""
+        outcome = self._outcomes.get(prior)
         if outcome is None:
             return self._enqueue(item)
         snapshot_of(item).outcome = outcome  # (sent in prior's place, its answer settles the same future)
-        if self.queue.promote(prior, item.droppable, stand_in=item) is None:
-            return self._enqueue(item)
-        return outcome
+        if self.queue.promote(prior, item.droppable, stand_in=item) is not None:
+            return outcome
+        if outcome.done() and not outcome.cancelled() and outcome.result().stored:
+            self.queue.let_go(item)
+            return outcome
+        # (one answered otherwise, or whose caller cancelled its future, stands for nothing: the wait is none)
+        snapshot_of(item).leans_on = outcome
+        return self._enqueue(item)
 
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""
         outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
-        snapshot_of(item).outcome = outcome
+        snapshot_of(item).outcome = self._outcomes[item] = outcome
         self._open.add(outcome)
         self.queue.enqueue(item).add_done_callback(lambda f: self._unless_shipped(f, outcome))
         return outcome
@@ -552,8 +565,12 @@ class AsyncClient:
     async def _ship(self, item: SpillItem) -> Any:
         """Send one planned item: header, each tensor's bytes (taken inside the lease), then commit.
 
-        Returns once the commit is sent: the next item ships while the daemon writes this one.
+        Returns once the commit is sent: the next item ships while the daemon writes this one. One that leans on a
+        write-behind shipped before it (``_keep``) first waits for the daemon's answer to that one, and is not sent if
+        it was stored.
         """
+        if await self._stood_for(item):
+            return
         header, sources = planned(item)
         await self._ensure()
         await self._room_for_a_commit()
@@ -601,6 +618,23 @@ class AsyncClient:
         if settled.outcome is Outcome.FAILED:
             raise settled.error or errors.SpillError("the daemon failed the spill")
         self._settle_with(outcome, settled)
+
+    async def _stood_for(self, item: SpillItem) -> bool:
+        """Whether the write-behind ``item`` leans on (``_keep``), shipped before it, was stored: then its answer is
+        ``item``'s (settled here; the local queue counts ``item`` as shipped, its answer given). Waited for here, at
+        ``item``'s turn, so that what was queued after ``item`` (a barrier) still waits for it. A droppable spill sent
+        is not a stored one: the daemon's queue or its store (a write budget, the write gate) may still shed it, and
+        its write or the connection may fail; then ``item`` is sent."""
+        snap = snapshot_of(item)
+        prior, snap.leans_on = snap.leans_on, None
+        if prior is None:
+            return False
+        await asyncio.wait([prior])  # (not awaited itself: a cancelled ship must not cancel the caller's future)
+        if prior.cancelled() or not prior.result().stored:
+            return False
+        assert snap.outcome is not None  # set by _enqueue before the item was queued
+        self._settle_with(snap.outcome, prior.result())
+        return True
 
     def _answered(self, commit: asyncio.Future[Any]) -> None:
         """A commit whose answer ``_ship`` waits for (or gave up on: cancelled) is no longer awaited."""

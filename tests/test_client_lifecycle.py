@@ -496,7 +496,7 @@ async def test_an_async_clients_spill_behind_a_write_behind_not_shipped_yet_is_k
 ) -> None:
     """As the Spiller's (tests/test_mlx_lm_server.py): a spill of the same entry naming, as its ``behind``, a
     droppable spill still waiting in the client's own queue keeps that one (made not droppable) and is never sent;
-    one whose ``behind`` was shipped already is sent, the daemon's to shed or keep."""
+    one whose ``behind`` the daemon has stored already is not sent either (its answer is the later spill's)."""
     from spilld.lease import off_loop
 
     gate = threading.Event()
@@ -519,9 +519,9 @@ async def test_an_async_clients_spill_behind_a_write_behind_not_shipped_yet_is_k
         results = [await asyncio.wrap_future(f) for f in (filler, first, kept, other)]
         assert all(r.stored for r in results) and results[1] == results[2]
         assert (await c.status())["queue"]["stored"] - before == 3  # the entry once, not twice
-        shipped = c.spill_threadsafe(list(range(8)), [cache], droppable=False, behind=first)
-        assert (await asyncio.wrap_future(shipped)).stored
-        assert (await c.status())["queue"]["stored"] - before == 4  # behind gone to the daemon: sent
+        stored = c.spill_threadsafe(list(range(8)), [cache], droppable=False, behind=first)
+        assert await asyncio.wrap_future(stored) == results[1]
+        assert (await c.status())["queue"]["stored"] - before == 3  # behind stored already: not sent
     finally:
         gate.set()
         await c.close()
@@ -567,5 +567,66 @@ async def test_a_write_behind_kept_in_the_clients_queue_that_the_daemon_fails_ha
         assert loaded is not None and loaded.tokens == list(range(8))
     finally:
         await c.close()
+        await daemon.stop()
+        cleanup(root)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("write", ["stored", "failed", "shed"])
+async def test_a_spill_behind_a_write_behind_shipped_and_not_answered_is_sent_only_if_that_one_is_not_stored(
+    write: str,
+) -> None:
+    """Found in review: a later spill of an entry (an evicted entry's last copy) whose write-behind the client had
+    shipped already, the daemon's answer to it still to come, was sent again in full, and the daemon wrote both. It
+    now waits at its turn for that answer: stored, it is not sent (that answer is its own); a write of it that
+    failed, or a shed of it (a droppable spill sent is not a stored one: a write budget, the write gate, a full
+    queue), has it sent then, and stored."""
+    from spilld.daemon import Daemon as InProcessDaemon
+    from tests.daemons import cleanup, new_root, quiet_config
+
+    root = new_root()
+    cfg = quiet_config(root)
+    daemon = InProcessDaemon(cfg)
+    real_put, release = daemon.store.put, asyncio.Event()
+    puts: list[list[int]] = []  # the tokens of each write the daemon began
+
+    async def put(*args: Any, **kw: Any) -> Any:  # the daemon's first write waits, then ends as ``write`` says
+        puts.append([int(t) for t in kw["planned"][0].tokens])
+        if len(puts) == 1:
+            await release.wait()
+            if write == "failed":
+                raise errors.StorageError("the disk failed this write")
+            if write == "shed":
+                raise errors.Shed("the store shed this droppable spill")
+        return await real_put(*args, **kw)
+
+    async def until(check: Callable[[], bool]) -> None:
+        for _ in range(1000):
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    daemon.store.put = put  # type: ignore[method-assign]
+    await daemon.start()
+    c = await AsyncClient.open(cfg.socket, identity=spilld.Identity("leans"), shm=False)
+    try:
+        cache = fill(C.KVCache(), 8)
+        first = c.spill(list(range(8)), [cache])  # a write-behind: shipped, its write held at the daemon
+        await until(lambda: bool(puts) and c.queue.pending_items == 0)
+        later = c.spill(list(range(8)), [cache], droppable=False, behind=first)
+        await asyncio.sleep(0.2)
+        assert daemon.status()["queue"]["pending_items"] == 1  # held here (before: sent at once, queued there)
+        release.set()
+        results = [await f for f in (first, later)]
+        ended = {"stored": Outcome.STORED, "failed": Outcome.FAILED, "shed": Outcome.DROPPED}[write]
+        assert results[0].outcome is ended and results[1].stored
+        assert len(puts) == (1 if write == "stored" else 2)  # before: 2, the entry written twice when stored
+        assert daemon.status()["queue"]["stored"] == 1
+        loaded = await c.load([*range(8), 1])
+        assert loaded is not None and loaded.tokens == list(range(8))
+    finally:
+        release.set()  # (a failed assertion must not leave the close waiting on the held write)
+        await c.close(10)
         await daemon.stop()
         cleanup(root)

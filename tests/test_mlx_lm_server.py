@@ -699,12 +699,13 @@ def test_a_write_behind_shed_before_its_eviction_is_spilled_again_as_the_last_co
 
 
 @contextlib.contextmanager
-def _daemon_tier(tiny: tuple[Any, Any], max_size: int) -> Iterator[tuple[Daemon, Any, ColdTierPromptCache]]:
-    """A real daemon, the mlx-lm tier on it and an LRU of ``max_size`` over that tier; the tier closed at the end."""
+def _daemon_tier(tiny: tuple[Any, Any], max_size: int, *args: str) -> Iterator[tuple[Daemon, Any, ColdTierPromptCache]]:
+    """A real daemon (``args`` added to its own), the mlx-lm tier on it and an LRU of ``max_size`` over that tier; the
+    tier closed at the end."""
     from spilld.integrations.tier import DaemonTier
 
     model, tokenizer = tiny
-    d = Daemon(new_root(), ["--cap", "64MiB"]).start()
+    d = Daemon(new_root(), ["--cap", "64MiB", *args]).start()
     try:
         tier = DaemonTier(d.socket, model_identity(model, tokenizer, model_id="tiny"))
         yield d, tier, ColdTierPromptCache(max_size=max_size, tier_for=lambda key: tier)
@@ -725,20 +726,37 @@ def _stopped(d: Daemon) -> Iterator[None]:
         os.kill(d.proc.pid, signal.SIGCONT)
 
 
-def test_an_eviction_through_the_daemon_is_spilled_again_whatever_its_write_behind(tiny: tuple[Any, Any]) -> None:
-    """The daemon's tier cannot keep a write-behind its client has shipped (here, being shipped to a daemon that does
-    not answer): an entry evicted before its write-behind is stored is spilled again, and both are answered. (One
-    still in the client's own queue is kept: ``test_through_the_daemon_a_write_behind_still_in_the_clients_queue``.)"""
+@pytest.mark.parametrize("write_behind", ["stored", "shed"])
+def test_an_eviction_through_the_daemon_is_sent_only_if_its_write_behind_being_shipped_is_not_stored(
+    tiny: tuple[Any, Any], write_behind: str
+) -> None:
+    """Found in review: an entry evicted while its write-behind was being shipped (taken from the client's queue,
+    here waiting on a daemon that does not answer) was spilled again and sent in full, and the daemon wrote it
+    twice. The eviction's spill now waits, at its turn in the client's queue, for the daemon's answer to the
+    write-behind, and is sent only if that is not stored: a droppable spill sent is not a stored one (here, with
+    the daemon's write budget spent, the write-behind is shed and the eviction's spill, not droppable, is stored in
+    its place). (One still in the client's own queue is kept: ``test_through_the_daemon_a_write_behind_still_in``.)"""
     model, _ = tiny
-    with _daemon_tier(tiny, max_size=1) as (d, tier, lru):
-        a, b = ([k, *range(100, 180)] for k in (4, 5))
+    shed = write_behind == "shed"
+    with _daemon_tier(tiny, 1, *(["--write-budget", "1"] if shed else [])) as (d, tier, lru):
+        a, b, f = ([k, *range(100, 180)] for k in (4, 5, 9))
+        if shed:  # not droppable: written whatever the budget, which it spends
+            assert tier.spill(f, _prefilled(model, f), droppable=False).result(30).stored
+        client = tier._connect()
+        assert client is not None
+        q = client._async.queue
         with _stopped(d):  # nothing is stored meanwhile
             lru.insert_cache("m", [*a, 1], _prefilled(model, a))
             behind = lru._behind[("m", (*a, 1))]
+            _until(lambda: q._in_flight is not None and q.pending_items == 1)  # a's write-behind: being shipped
             lru.insert_cache("m", [*b, 1], _prefilled(model, b))  # evicts a
+            other = lru._behind[("m", (*b, 1))]
             evicted = next(iter(lru._evicting))
             assert lru.stats["evictions_spilled"] == 1 and evicted is not behind
-        assert behind.result(30).stored and evicted.result(30).stored
+        assert evicted.result(30).stored and other.result(30).outcome is behind.result(30).outcome
+        assert behind.result().outcome is (Outcome.DROPPED if shed else Outcome.STORED)
+        st = tier.stats()["queue"]
+        assert (st["stored"], st["dropped"]) == ((2, 2) if shed else (2, 0))  # before, stored: a twice (3)
         loaded = tier.load([*a, 1])
         assert loaded is not None and loaded.tokens == a
 
@@ -747,7 +765,8 @@ def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_d
     """Found in review: at exit, a write-behind handed to the daemon and not stored by ``spill_unstored``'s timeout
     was left to the drain, droppable, where the daemon's queue could shed it for the exit's own spills (not
     droppable): that entry, in memory at exit, lost. The daemon's tier cannot promote one its client has shipped
-    (here, being shipped): it is spilled again."""
+    (here, being shipped): it is spilled again, and that spill is sent only if the daemon does not store the
+    write-behind (found in review: it was sent at once, and both were written)."""
     model, _ = tiny
     with _daemon_tier(tiny, max_size=4) as (d, tier, lru):
         a = [4, *range(100, 180)]
@@ -759,6 +778,7 @@ def test_at_exit_a_write_behind_the_daemon_has_not_stored_is_spilled_again_not_d
             again = lru._at_exit[-1]
             assert again is not behind
         assert again.result(30).stored and lru.unstored_at_exit() == (1, 0)
+        assert behind.result(30).stored and tier.stats()["queue"]["stored"] == 1  # before: 2, the entry twice
         loaded = tier.load([*a, 1])
         assert loaded is not None and loaded.tokens == a
 

@@ -4,7 +4,8 @@
 inserts is written behind (droppable, so a burst never holds memory); an entry
 the LRU evicts before its write-behind was stored is spilled again, this time
 not droppable (a write-behind still queued, embedded or in the daemon client's
-own queue, is made not droppable instead), and so is every such entry at exit;
+own queue, is made not droppable instead; one being written or shipped stands
+for it if stored, the entry written only if not), and so is every such entry at exit;
 a fetch the memory tier cannot answer in full asks spilld for the longest usable
 prefix and loads it.
 A restarted server therefore starts with what it had (minus anything the
@@ -179,7 +180,8 @@ class ColdTierPromptCache(LRUPromptCache):
         it stands (``SpillQueue.keep``; through the daemon, while it waits in the client's own queue), so that the
         spills made here, not droppable, never shed it over the queue's cap (found in review: they did, and that
         entry was lost). One the tier cannot promote (shipped to the daemon already, whose queue sheds droppable
-        items too) is spilled again, not droppable: at exit a second write of an entry is better than its loss. A
+        items too) is spilled again, not droppable, held on it by the tier and sent only if the daemon does not
+        store it: at exit a second write of an entry is better than its loss, and a second send for nothing worse. A
         daemon that was away is asked again now, whatever its retry wait (found in review: one back inside that wait
         got none of them). How many entries were spilled anew (a promotion, or a spill again in its place, is not
         counted)."""
@@ -203,7 +205,8 @@ class ColdTierPromptCache(LRUPromptCache):
             elif f.done():
                 self._at_exit.append(f)  # written: its own outcome (the record may lag)
             else:  # queued still: its future then follows it, promoted where the tier can (one being written stands
-                # as it is, embedded), else the spill's own (shipped to the daemon: spilled again)
+                # as it is, embedded), else the spill's own (shipped to the daemon: spilled again, sent only if the
+                # daemon does not store the write-behind)
                 cache = self._trie.get(model, tokens).prompt_cache
                 self._at_exit.append(self._spill(model, tokens, cache, droppable=False, behind=f) or f)
         for model, tokens in left:
@@ -235,7 +238,8 @@ class ColdTierPromptCache(LRUPromptCache):
         # Not stored (still queued, shed or failed): this is the last copy, so it must not be dropped, unless
         # LAST_COPIES_HELD are waiting for their writes already (memory must stay bounded). A write-behind still
         # queued is kept instead, made not droppable (found in review: both were written, the entry's tail and
-        # manifest twice); one the tier cannot keep (shipped to the daemon already) has it spilled again
+        # manifest twice); one the tier cannot keep (shipped to the daemon already) has it spilled again, which the
+        # daemon's tier sends only if the daemon does not store the write-behind
         with self._lock:
             keep = len(self._last_copies) + len(self._held) < LAST_COPIES_HELD
         if keep and self._tier_for(model) is OPENING:  # it would refuse the spill, and the cache be lost (found in

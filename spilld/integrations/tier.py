@@ -47,7 +47,8 @@ class ColdTier(Protocol):
     ) -> concurrent.futures.Future[Settled]:
         """``behind``: the future of this tier's droppable spill of the same entry (a write-behind). A tier that can
         keeps that one while it is queued (embedded, or not shipped yet to the daemon), instead of queueing this
-        spill too."""
+        spill too; one being written or shipped stands for this spill once stored (this one is written only if that
+        one ends otherwise)."""
         ...
 
     def load(self, tokens: Sequence[int], *, longer_than: int = 0) -> Loaded | None: ...
@@ -269,8 +270,8 @@ class DaemonTier:
         behind: concurrent.futures.Future[Settled] | None = None,
     ) -> concurrent.futures.Future[Settled]:
         """``behind`` still in the client's own queue, not shipped yet, stands for this spill, which is sent in its
-        place if it fails after all; one the client shipped is the daemon's, beyond keeping: this one is sent too
-        (``AsyncClient.spill_threadsafe``)."""
+        place if it fails after all; one the client is shipping or shipped is the daemon's, which may still shed it:
+        this one is sent only if the daemon's answer to that one is not stored (``AsyncClient.spill_threadsafe``)."""
         client = self._connect()
         if client is None:
             return settled_now(Outcome.FAILED, errors.SpillError("the daemon is unreachable"))
