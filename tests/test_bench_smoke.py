@@ -76,7 +76,7 @@ def test_ingest_writes_its_plot(tmp_path: object) -> None:
         assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-4000:]
     with open(out) as f:
         medians = json.load(f)["medians"]
-    assert len(medians) == 6 and all(v > 0 for v in medians.values())
+    assert len(medians) == 8 and all(v > 0 for v in medians.values())  # 4 arms a durability: 2 in-process, 2 ingest
     for p in (png, png2):
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

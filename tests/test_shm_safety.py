@@ -19,7 +19,7 @@ import termios
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -766,8 +766,8 @@ async def test_a_spill_whose_connection_drops_between_two_segments_fails_as_conn
     try:
         send = c._send
 
-        async def send_then_lose(bufs: list[bytes | memoryview]) -> None:
-            await send(bufs)
+        async def send_then_lose(bufs: list[bytes | memoryview], wrote: Callable[[], None] | None = None) -> None:
+            await send(bufs, wrote)
             if b"put_shm" in bytes(bufs[0]):  # the reader saw the connection end while this send waited
                 c._fail_all(P.ConnectionLost("the daemon closed the connection"))
 
