@@ -139,8 +139,8 @@ class AsyncClient:
         self.server: dict[str, Any] = {}
         self._told: errors.SpillError | None = None  # the error the daemon sent before it closed
         self._open: set[asyncio.Future[Settled]] = set()  # callers' futures the daemon has yet to answer
-        # each spill's future by its item, for a later spill that names it (``_keep``): the item's snapshot, which
-        # holds it too, goes once the item is shipped, long before the daemon's answer
+        # each spill's future (settled with the daemon's answer to its commit) by its item: kept here, not in the
+        # item's snapshot, which goes once the item is shipped, long before that answer a later spill may lean on
         self._outcomes: weakref.WeakKeyDictionary[SpillItem, asyncio.Future[Settled]] = weakref.WeakKeyDictionary()
         self._watching: list[_Verdicts] = []  # a drain's or a close's: the daemon's answers to the items it waits for
         self._closed = False  # close has run: no call connects again
@@ -520,7 +520,7 @@ class AsyncClient:
         outcome = self._outcomes.get(prior)
         if outcome is None:
             return self._enqueue(item)
-        snapshot_of(item).outcome = outcome  # (sent in prior's place, its answer settles the same future)
+        self._outcomes[item] = outcome  # (sent in prior's place, its answer settles the same future)
         if self.queue.promote(prior, item.droppable, stand_in=item) is not None:
             return outcome
         if outcome.done() and not outcome.cancelled() and outcome.result().stored:
@@ -533,7 +533,7 @@ class AsyncClient:
     def _enqueue(self, item: SpillItem) -> asyncio.Future[Settled]:
         """Queue locally; the returned future settles with the daemon's answer to the commit."""
         outcome: asyncio.Future[Settled] = asyncio.get_running_loop().create_future()
-        snapshot_of(item).outcome = self._outcomes[item] = outcome
+        self._outcomes[item] = outcome
         self._open.add(outcome)
         self.queue.enqueue(item).add_done_callback(lambda f: self._unless_shipped(f, outcome))
         return outcome
@@ -604,8 +604,7 @@ class AsyncClient:
             raise
         finally:
             snapshot_of(item).planned = None  # shipped: the sources' references go now
-        outcome = snapshot_of(item).outcome
-        assert outcome is not None  # set by _enqueue before the item was queued
+        outcome = self._outcomes[item]  # (set by _enqueue, or _keep, before the item was queued)
         self._commits.add(commit)
         if not self.queue.holds_stand_in(item):
             commit.add_done_callback(lambda f: self._settle(f, outcome, header))
@@ -632,8 +631,7 @@ class AsyncClient:
         await asyncio.wait([prior])  # (not awaited itself: a cancelled ship must not cancel the caller's future)
         if prior.cancelled() or not prior.result().stored:
             return False
-        assert snap.outcome is not None  # set by _enqueue before the item was queued
-        self._settle_with(snap.outcome, prior.result())
+        self._settle_with(self._outcomes[item], prior.result())
         return True
 
     def _answered(self, commit: asyncio.Future[Any]) -> None:

@@ -52,7 +52,6 @@ class Snapshot:
     plan: Callable[[], Plan] | None = None  # a clone's plan, made by the writer (off the engine's thread)
     planned: Plan | None = None  # the plan once made
     live: bool = False  # a live snapshot: it pins no memory, its pending write counts instead
-    outcome: asyncio.Future[Settled] | None = None  # AsyncClient: settles with the daemon's answer to the commit
     # AsyncClient: the outcome of a write-behind of the same entry shipped already, which stands for this spill if the
     # daemon stores it (the ship waits for it, and sends this one only if it ended otherwise)
     leans_on: asyncio.Future[Settled] | None = None

@@ -542,13 +542,14 @@ def _parser() -> argparse.ArgumentParser:
         "Every other option is mlx_lm.server's own (see `mlx_lm.server --help`).",
         add_help=False,
     )
+    size = arg_type(parse_size, "size")
     parser.add_argument("--spilld-socket", metavar="PATH", help=f"the daemon's socket (default {default_socket()})")
     parser.add_argument(
         "--spilld-dir", metavar="FOLDER", help="no daemon: write the files from this process, into this folder"
     )
     parser.add_argument(
         "--spilld-cap",
-        type=arg_type(parse_size, "size"),
+        type=size,
         default=None,
         metavar="SIZE",
         help="soft cap on this process's queued spills in memory, as the daemon's --cap: with --spilld-dir the "
@@ -557,7 +558,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--spilld-disk-cap",
-        type=arg_type(parse_size, "size"),
+        type=size,
         default=None,
         metavar="SIZE",
         help="with --spilld-dir: cap on the folder's size, as the daemon's --disk-cap (default: the smaller of "

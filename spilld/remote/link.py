@@ -381,12 +381,18 @@ class RemoteLink:
         them) held blocks no router heard of again. Each namespace's reset goes first (``_reset_first``): what its
         streams said this host held and the scan did not find is withdrawn. Nothing is pushed: the tier is a cache
         whose LRU chose what it dropped, and a block it lacks goes with the next entry stored that names it."""
-        held: dict[str, list[bytes]] = {}
-        for rec in self.store.index.blocks.values():  # (one pass on the loop, before the first client is served)
-            if rec.named and _shared(rec.namespace):
-                held.setdefault(rec.namespace, []).append(rec.key)
+        held = self._held_keys()  # (before the first client is served)
         if held:
             self._announcing = asyncio.get_running_loop().create_task(self._announce(held))
+
+    def _held_keys(self, namespaces: set[str] | None = None) -> dict[str, list[bytes]]:
+        """The keys of the named blocks this host holds, by shared namespace; ``namespaces``: of those only, each
+        one there even with none. One pass over the store's index, on the loop."""
+        held: dict[str, list[bytes]] = {ns: [] for ns in namespaces or ()}
+        for rec in self.store.index.blocks.values():
+            if rec.named and (rec.namespace in held if namespaces is not None else _shared(rec.namespace)):
+                held.setdefault(rec.namespace, []).append(rec.key)
+        return held
 
     async def _announce(self, held: dict[str, list[bytes]]) -> None:
         for ns, keys in held.items():
@@ -439,11 +445,7 @@ class RemoteLink:
                 continue
             names, self._unsaid = self._unsaid, set()
             self._reset -= names  # each one's next event is a reset again (a stored event meanwhile waits for it)
-            held: dict[str, list[bytes]] = {ns: [] for ns in names}
-            for rec in self.store.index.blocks.values():  # (one pass on the loop for them all, as a start's)
-                if rec.named and rec.namespace in held:
-                    held[rec.namespace].append(rec.key)
-            await self._announce(held)
+            await self._announce(self._held_keys(names))
 
     async def _reset_first(self, namespace: str) -> bool:
         """Whether this run's ``reset`` event of ``namespace`` is on its stream: sent now if not (one at a time per
