@@ -1120,29 +1120,36 @@ async def test_lookups_of_one_prompt_share_a_fill_and_few_fills_fetch_at_once(
     link = RemoteLink(tier, store)
     running, most = 0, 0
     real = link._fetch_and_adopt
+    gate = asyncio.Event()  # every fetch is held here until each lookup below has arrived (none raced by load)
 
     async def counted(*a: Any) -> bool:
         nonlocal running, most
         running += 1
         most = max(most, running)
         try:
-            await asyncio.sleep(0.2)  # long enough for every lookup below to arrive meanwhile
+            await gate.wait()
             return await real(*a)
         finally:
             running -= 1
 
     link._fetch_and_adopt = counted  # type: ignore[method-assign]
     try:
-        first = [link.fill(FILL_IDENT, "", [*convs[0], 9], store.provider_id) for _ in range(5)]
-        longer = [link.fill(FILL_IDENT, "", [*convs[0], 9, i], store.provider_id) for i in range(3)]
-        others = [link.fill(FILL_IDENT, "", [*conv, 9], store.provider_id) for conv in convs[1:]]
+        # (found in CI: started together, the other prompts' fills could take both slots before this one's)
+        first = [asyncio.ensure_future(link.fill(FILL_IDENT, "", [*convs[0], 9], store.provider_id)) for _ in range(5)]
+        longer = [
+            asyncio.ensure_future(link.fill(FILL_IDENT, "", [*convs[0], 9, i], store.provider_id)) for i in range(3)
+        ]
+        await wait_for(lambda: running == 1 and link.fills_shared >= 4 + 3)  # one fetch; the others wait on it
+        others = [asyncio.ensure_future(link.fill(FILL_IDENT, "", [*conv, 9], store.provider_id)) for conv in convs[1:]]
+        await wait_for(lambda: running == 2 and sum(t.done() for t in others) == 1)  # the last one missed, not held
+        assert link.fill_misses["busy"] == 1 and not any(t.done() for t in first + longer)
+        # a lookup that needs nothing fetched answers while both slots are held
+        assert not await asyncio.wait_for(link.fill(FILL_IDENT, "", [1, 2, 3], store.provider_id), 5)
+        gate.set()
         got = await asyncio.gather(*first, *longer, *others)
-        assert got[:8] == [True] * 8 and link.fills_shared >= 4 + 3, (got, link.counters())  # one prompt's, its longer
+        assert got[:8] == [True] * 8, (got, link.counters())  # one prompt's, its longer
         assert most == link_module.FILLS_AT_ONCE and got[8:].count(False) == 1 and link.fill_misses["busy"] == 1
         assert store.counters.adopted == 2  # one copy each, whatever the number of lookups
-        t0 = time.monotonic()
-        assert not await link.fill(FILL_IDENT, "", [1, 2, 3], store.provider_id)  # needs nothing: at once
-        assert time.monotonic() - t0 < 0.2
         for conv, cs in zip(convs, caches, strict=True):
             hit = store.lookup(FILL_IDENT, "", [*conv, 9])
             if isinstance(hit, Hit):
