@@ -15,6 +15,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "bench", "*.py")))
+# run in --smoke mode by the test that draws their plots, not a second time by test_benchmark_smoke_mode
+SMOKED_WITH_PLOT = {"daemon_load.py"}
 SMOKE_TIMEOUT_S = 120  # each takes seconds; a hang fails instead of stalling the suite
 
 
@@ -22,7 +24,10 @@ def test_every_benchmark_is_collected() -> None:
     assert len(SCRIPTS) >= 4, SCRIPTS
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[os.path.basename(s) for s in SCRIPTS])
+PLAIN = [s for s in SCRIPTS if os.path.basename(s) not in SMOKED_WITH_PLOT]
+
+
+@pytest.mark.parametrize("script", PLAIN, ids=[os.path.basename(s) for s in PLAIN])
 def test_benchmark_smoke_mode(script: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(
@@ -61,22 +66,26 @@ def test_load_by_size_writes_every_arm_and_its_plot(tmp_path: object) -> None:
     assert os.path.getsize(png) > 10_000 and os.path.getsize(png2) > 10_000
 
 
-def test_ingest_writes_its_plot(tmp_path: object) -> None:
-    """``daemon_load.py ingest --plot`` draws GB/s by arm from the run, and again from its JSON (``--replot``)."""
+def test_daemon_load_smoke_runs_both_modes_and_draws_the_ingest_plot(tmp_path: object) -> None:
+    """``daemon_load.py --smoke`` (CI's run of it) runs ingest and rss; ``--plot`` draws ingest's GB/s by arm from
+    the run, and again from its JSON (``--replot``)."""
     import json
 
     pytest.importorskip("matplotlib")
     out, png, png2 = (os.path.join(str(tmp_path), n) for n in ("i.json", "i.png", "r.png"))
     script = os.path.join(ROOT, "scripts", "bench", "daemon_load.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    for args in (["ingest", "--smoke", "--json", out, "--plot", png], ["--replot", out, "--plot", png2]):
+    for args in (["--smoke", "--json", out, "--plot", png], ["--replot", out, "--plot", png2]):
         got = subprocess.run(
             [sys.executable, script, *args], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, cwd=ROOT
         )
         assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-4000:]
     with open(out) as f:
-        medians = json.load(f)["medians"]
-    assert len(medians) == 8 and all(v > 0 for v in medians.values())  # 4 arms a durability: 2 in-process, 2 ingest
+        run = json.load(f)
+    medians = run["ingest"]["medians"]
+    assert (
+        run["rss"] and len(medians) == 8 and all(v > 0 for v in medians.values())
+    )  # 4 arms a durability: 2 in-process, 2 ingest
     for p in (png, png2):
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

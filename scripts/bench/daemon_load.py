@@ -302,7 +302,8 @@ def main() -> int:
     a = p.parse_args()
     if a.replot and a.plot:
         with open(a.replot) as f:
-            plot_ingest(json.load(f), a.plot)
+            run = json.load(f)
+        plot_ingest(run.get("ingest", run), a.plot)  # (a --smoke run's JSON holds both modes)
         return 0
     if a.smoke:
         a.items, a.item, a.rss_item, a.seconds, a.cap, a.producers, a.runs = 2, "16MiB", "16MiB", 1.0, "64MiB", 2, 1
