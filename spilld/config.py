@@ -113,6 +113,24 @@ def check_duration(seconds: float, what: str | None = None, *, positive: bool = 
     return seconds
 
 
+def check_block_tokens(n: int) -> int:
+    """``n`` if it is a usable block size (0: entries written whole, else ``MIN_BLOCK_TOKENS`` to
+    ``MAX_BLOCK_TOKENS``), else ValueError: the daemon's ``--block-tokens`` and the mlx-lm integration's."""
+    if n and not MIN_BLOCK_TOKENS <= n <= MAX_BLOCK_TOKENS:
+        raise ValueError(
+            f"block tokens must be 0 (no blocks) or from {MIN_BLOCK_TOKENS} to {MAX_BLOCK_TOKENS}, not {n}"
+        )
+    return n
+
+
+def check_admit_after(n: int) -> int:
+    """``n`` if it is a usable write gate (0: off, up to ``MAX_ADMIT_AFTER`` asks), else ValueError: the daemon's
+    ``--admit-after``, a ``Spiller``'s ``admit_after`` and the mlx-lm integration's ``--spilld-admit-after``."""
+    if not 0 <= n <= MAX_ADMIT_AFTER:
+        raise ValueError(f"admit after must be from 0 (off) to {MAX_ADMIT_AFTER}, not {n}")
+    return n
+
+
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -215,16 +233,12 @@ class Config:
             check_duration(getattr(self, name), name.replace("_", " "), positive=True)
         if self.metrics_file:
             self.metrics_file = os.path.abspath(os.path.expanduser(self.metrics_file))
-        if self.block_tokens and not MIN_BLOCK_TOKENS <= self.block_tokens <= MAX_BLOCK_TOKENS:
-            raise ValueError(
-                f"block tokens must be 0 (no blocks) or from {MIN_BLOCK_TOKENS} to {MAX_BLOCK_TOKENS}, not {self.block_tokens}"
-            )
+        check_block_tokens(self.block_tokens)
         check_size(self.warm_bytes, "warm bytes", minimum=0)
         check_size(self.warm_rate, "warm rate")
         check_size(self.scrub_rate, "scrub rate", minimum=0)
         check_duration(self.scrub_every, "scrub every", positive=True)
-        if not 0 <= self.admit_after <= MAX_ADMIT_AFTER:
-            raise ValueError(f"admit after must be from 0 (off) to {MAX_ADMIT_AFTER}, not {self.admit_after}")
+        check_admit_after(self.admit_after)
         if self.max_clients < 1:
             raise ValueError(f"max clients must be at least 1, not {self.max_clients}")
         self._check_remote_given()

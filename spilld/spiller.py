@@ -21,6 +21,7 @@ from . import api, errors, fileio
 from . import format as fmt
 from .blocks import DEFAULT_BLOCK_TOKENS
 from .codecs import CodecProvider, default_provider
+from .config import check_admit_after, check_size
 from .entries import Hit, Miss, MissReason, check_namespace, checkpoint_namespace
 from .lease import NoLease, RunStep, off_loop
 from .loader import Loaded
@@ -55,12 +56,21 @@ class Spiller:
         provider: CodecProvider | None = None,
         verify: bool = True,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        write_budget: int | None = None,
+        admit_after: int = 0,
     ) -> None:
+        """``write_budget``: bytes a day, past which droppable spills are shed (``WriteBudgetSpent``; None: no
+        budget); ``admit_after``: the write gate, a droppable spill's new blocks written only once lookups asked for
+        their prefix this often (``NotAdmitted``; 0: off). Both as the daemon's ``--write-budget`` and
+        ``--admit-after``, checked as its ``Config`` checks them (ValueError), before the folder is made."""
+        if write_budget is not None:
+            check_size(write_budget, "write budget")
+        check_admit_after(admit_after)
         self.identity = identity
         self.provider = provider or default_provider()
         self.store = Store(
             folder, disk_cap=disk_cap, durability=durability, provider=self.provider, verify=verify,
-            block_tokens=block_tokens,
+            block_tokens=block_tokens, write_budget=write_budget, admit_after=admit_after,
         )  # fmt: skip
         self.lease: RunStep = lease or NoLease()
         self.write_in_lease = write_in_lease

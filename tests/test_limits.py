@@ -300,6 +300,33 @@ def test_admit_after_up_to_max_admit_after_is_taken_one_more_is_refused() -> Non
         config(admit_after=MAX_ADMIT_AFTER + 1)
 
 
+@pytest.mark.parametrize(
+    ("kw", "said"),
+    [
+        ({"admit_after": MAX_ADMIT_AFTER + 1}, f"admit after must be from 0 \\(off\\) to {MAX_ADMIT_AFTER}"),
+        ({"admit_after": -1}, "admit after must be from 0"),
+        ({"write_budget": 0}, "write budget: a size must be at least 1 byte"),
+        ({"write_budget": -5}, "write budget: a size must be at least 1 byte"),
+    ],
+)
+def test_a_spillers_write_gate_and_budget_are_refused_as_the_daemons_config_refuses_them(
+    tmp_path: Path, kw: dict[str, int], said: str
+) -> None:
+    """The embedded tier's ``admit_after`` and ``write_budget`` are checked by the daemon's own checks, with its
+    words, before the folder is made (a budget of 0 bytes would shed every droppable spill)."""
+    import spilld
+
+    with pytest.raises(ValueError, match=said):
+        config(**kw)
+    folder = tmp_path / "never-made"
+    with pytest.raises(ValueError, match=said):
+        spilld.Spiller(folder, identity=spilld.Identity("limits"), **kw)
+    assert not folder.exists()
+    ok = spilld.Spiller(folder, identity=spilld.Identity("limits"), admit_after=MAX_ADMIT_AFTER, write_budget=1)
+    assert ok.store.admission is not None and ok.store.admission.after == MAX_ADMIT_AFTER
+    assert ok.store.write_budget == 1
+
+
 def test_a_duration_of_max_duration_s_is_taken_one_more_is_refused() -> None:
     assert parse_duration(str(MAX_DURATION_S)) == MAX_DURATION_S
     assert parse_duration(CENTURY) == MAX_DURATION_S

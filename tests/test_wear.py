@@ -16,7 +16,7 @@ from mlx_lm.models import cache as C
 
 import spilld
 from spilld import errors
-from spilld.entries import WEAR_BUCKET_S, Wear
+from spilld.entries import WEAR_BUCKET_S, Miss, Wear
 from spilld.queue import Outcome
 from spilld.store import Store
 from tests.caches import fill
@@ -129,6 +129,37 @@ async def test_a_shed_spill_settles_dropped_through_the_spiller(tmp_path: Path) 
         assert again.store.stats()["written_day"] == written > 0
     finally:
         await again.close()
+
+
+@pytest.mark.asyncio
+async def test_a_spiller_takes_a_write_budget_as_the_daemon_does(tmp_path: Path) -> None:
+    """Found in review: ``Spiller`` took no write budget (the daemon's ``--write-budget``), so an embedded tier's
+    disk wear could not be bounded. Given one, a droppable spill past it is shed (``write_budget_spent``), a
+    non-droppable one still written, and its status says the budget as the daemon's does."""
+    async with spilld.Spiller(tmp_path, identity=IDENT, write_budget=1) as sp:  # one byte: spent by the first file
+        first = await sp.spill(list(range(8)), caches(8))
+        shed = await sp.spill(list(range(50, 58)), caches(8, seed=3))
+        kept = await sp.spill(list(range(90, 98)), caches(8, seed=6), droppable=False)
+        assert (first.outcome, shed.outcome, kept.outcome) == (Outcome.STORED, Outcome.DROPPED, Outcome.STORED)
+        assert isinstance(shed.error, errors.WriteBudgetSpent) and shed.error.code == "write_budget_spent"
+        store = (await sp.status())["store"]
+        assert store["write_budget"] == 1 and store["dropped_budget"] == 1 and store["written_day"] > 1
+
+
+@pytest.mark.asyncio
+async def test_a_spiller_takes_the_write_gate_as_the_daemon_does(tmp_path: Path) -> None:
+    """Found in review: ``Spiller`` took no ``admit_after`` (the daemon's ``--admit-after``). Given 1, a droppable
+    one-off is shed (``not_admitted``), and written once its lookup asked for it; a non-droppable one always is."""
+    async with spilld.Spiller(tmp_path, identity=IDENT, block_tokens=16, admit_after=1) as sp:
+        toks = list(range(40))
+        shed = await sp.spill(toks, caches(40))
+        assert shed.outcome is Outcome.DROPPED and isinstance(shed.error, errors.NotAdmitted)
+        assert shed.error.code == "not_admitted"
+        assert isinstance(await sp.lookup([*toks, 7]), Miss)  # a miss, and an ask
+        assert (await sp.spill(toks, caches(40))).stored
+        assert (await sp.spill(list(range(500, 540)), caches(40, seed=4), droppable=False)).stored
+        store = sp.stats()["store"]
+        assert store["admit_after"] == 1 and store["dropped_admit"] == 1 and sp.store.count == 2
 
 
 def test_wear_counts_the_last_day_and_week_by_the_hour() -> None:
