@@ -289,9 +289,9 @@ class SpillQueue:
         settled = self.promote(behind, item.droppable, stand_in=item)
         written = self._in_flight if self._in_flight is not None and self._in_flight.item is behind else None
         if settled is None and written is not None:
-            # being written: a daemon's store could still shed a droppable one (a write budget, the admission gate);
-            # a Spiller's, whose queue is the one asked to keep, has neither: it is stored or fails, and then the
-            # writer writes ``item`` instead (``_write_instead``)
+            # being written: its store may still fail it, or shed it (a Spiller's write gate, ``admit_after``,
+            # judges it once its bytes are taken); either way the writer then writes ``item`` instead
+            # (``_write_instead``)
             settled = written.settled
             self._hold(written, item)
         if settled is None and (behind.ended is None or not _durable(behind.ended.outcome)):
@@ -395,7 +395,12 @@ class SpillQueue:
                 # else a cancel from inside the item (a barrier's action awaited a cancelled future): that item
                 # is cancelled, the writer goes on with the next
             except errors.Shed as exc:  # the store declined a droppable item (e.g. its write budget is spent)
-                self._finish(rec, Settled(Outcome.DROPPED, error=exc))
+                # a Spiller's store gates a write-behind once it has it (``--admit-after``, after the bytes are
+                # taken): a later spill held on it (``keep``, an eviction's, not droppable) is written in its place,
+                # as for a failed write (found in review: it was let go with it, the evicted entry lost)
+                shed = Settled(Outcome.DROPPED, error=exc)
+                if not self._write_instead(rec, shed):
+                    self._finish(rec, shed)
             except Exception as exc:
                 log.warning(
                     "spill of %d bytes (ns=%r key=%r) failed: %s",
@@ -421,7 +426,7 @@ class SpillQueue:
                 self._in_flight = None
 
     def _write_instead(self, rec: _Rec, failed: Settled) -> bool:
-        """``rec``'s write failed: the later spill it stood for (``keep``, ``promote``), if any, takes its place at
+        """``rec``'s write failed, or its store shed it: the later spill it stood for (``keep``, ``promote``), if any, takes its place at
         the head of the queue and is written next (nothing awaits in between: no shed comes first); ``rec`` then
         settles, and is counted, once, as that one ends. Whether it did."""
         item, rec.stand_in = rec.stand_in, None

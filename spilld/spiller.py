@@ -198,9 +198,9 @@ class Spiller:
 
         ``behind``: the future of an earlier droppable spill of the same entry made here (a write-behind). Where that
         one still stands for this spill it is kept in its place, made not droppable if this one is not, and this one
-        is held, not written as well, until that one ends: if that one's write fails, this one is written in its
-        place. Where it no longer can, this one is queued. When each way in keeps it: ``spill_threadsafe``. The
-        future is then the one kept's.
+        is held, not written as well, until that one ends: if that one's write fails (or the write gate sheds it as
+        it is written), this one is written in its place. Where it no longer can, this one is queued. When each way
+        in keeps it: ``spill_threadsafe``. The future is then the one kept's.
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
@@ -225,8 +225,9 @@ class Spiller:
         ``behind``: the future of a droppable spill of the same tokens (and caches) made here earlier, a write-behind.
         While that one is queued it is kept in place of this spill (made not droppable if this one is not: never
         shed from then on), and while it is written or once stored it stands for it (a write of it, kept or written,
-        that then fails has this one written in its place, next); only if it ended not stored (shed, failed,
-        cancelled) is this one queued (``SpillQueue.keep``). The future is then that spill's."""
+        that then fails, or that the write gate sheds as it is written, has this one written in its place, next);
+        only if it ended not stored otherwise (shed while queued, failed, cancelled) is this one queued
+        (``SpillQueue.keep``). The future is then that spill's."""
         leased = not isinstance(self.lease, NoLease)
         item = new_item(self.identity, self.provider, tokens, caches, meta=meta, leased=leased, **kw)
         return self._handoffs.hand_over(self._bound(), item, behind, self.queue.enqueue, self.queue.keep)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from spilld import errors
 from spilld.entries import checkpoint_namespace
 from spilld.queue import Outcome, SpillItem, SpillQueue, matching, of_generation
 
@@ -22,6 +23,7 @@ class Recorder:
         self.started = asyncio.Event()
         self.gate: asyncio.Event | None = None
         self.fail: set[str] = set()
+        self.shed: set[str] = set()  # declined as a store's write gate declines a droppable spill
         self.released: list[str] = []
 
     async def store(self, item: SpillItem) -> str:
@@ -30,6 +32,8 @@ class Recorder:
             await self.gate.wait()
         if item.key in self.fail:
             raise OSError(28, "No space left on device")
+        if item.key in self.shed and item.droppable:
+            raise errors.NotAdmitted("not asked for yet")
         self.order.append(item.key)
         return item.key
 
@@ -572,6 +576,25 @@ async def test_an_item_that_fails_in_flight_has_the_spill_it_stood_for_written_n
     assert a_item.ended is not None and a_item.ended.outcome is Outcome.FAILED  # before: again failed with a
     assert rec.order == ["a-again", "b"] and sorted(rec.released) == ["a", "a-again", "b"]
     assert (q.stored, q.failed, q.pending_items, q.pending_bytes) == (2, 0, 0, 0)
+
+
+async def test_an_item_shed_in_flight_has_the_spill_it_stood_for_written_in_its_place() -> None:
+    """Found in review, once a Spiller took the write gate (``admit_after``): its store judges a write-behind only
+    after taking its bytes, so one the writer has may still be shed; the eviction's spill held on it (``keep``, not
+    droppable) was let go with it, and the entry lost. It is written in its place, as after a failed write."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    rec.shed = {"a", "a-again"}  # (the later one is not droppable: never shed)
+    q = queue(rec, cap=100)
+    a_item = item("a", 60)
+    a = q.enqueue(a_item)
+    await rec.started.wait()  # a in flight
+    again = q.keep(item("a-again", 40, droppable=False), a_item)
+    rec.gate.set()
+    assert (await again).stored and (await a).stored  # a's future follows the write made in its place
+    assert a_item.ended is not None and a_item.ended.outcome is Outcome.DROPPED
+    assert rec.order == ["a-again"] and sorted(rec.released) == ["a", "a-again"]
+    assert (q.stored, q.dropped, q.pending_items, q.pending_bytes) == (1, 0, 0, 0)
 
 
 async def test_a_droppable_keep_leaves_a_queued_item_droppable() -> None:

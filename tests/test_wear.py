@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -160,6 +161,28 @@ async def test_a_spiller_takes_the_write_gate_as_the_daemon_does(tmp_path: Path)
         assert (await sp.spill(list(range(500, 540)), caches(40, seed=4), droppable=False)).stored
         store = sp.stats()["store"]
         assert store["admit_after"] == 1 and store["dropped_admit"] == 1 and sp.store.count == 2
+
+
+@pytest.mark.asyncio
+async def test_a_write_behind_the_gate_sheds_while_written_has_its_evictions_spill_written(tmp_path: Path) -> None:
+    """Found in review of the gate above: a Spiller's store judges the gate once a spill's bytes are taken (under
+    the engine's lease), after its writer took it. An eviction's spill (not droppable) made then is held on the
+    write-behind being written (``behind=``); when the gate shed that one, the held spill was let go with it, and
+    the evicted entry, its last copy, was lost. It is written in its place now."""
+    lock = threading.Lock()
+    lease = spilld.ThreadLockLease(lock)
+    async with spilld.Spiller(tmp_path, identity=IDENT, lease=lease, block_tokens=16, admit_after=1) as sp:
+        toks = list(range(40))
+        with lock:  # the engine steps: the writer waits for the lease to take the write-behind's bytes
+            behind = sp.spill(toks, caches(40))
+            end = time.monotonic() + 10
+            while sp.queue._in_flight is None and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+            assert sp.queue._in_flight is not None  # taken by the writer, not judged yet
+            evicted = sp.spill(toks, caches(40), droppable=False, behind=behind)
+        settled = await evicted
+        assert settled.stored, settled
+        assert sp.store.count == 1 and sp.stats()["store"]["dropped_admit"] == 1
 
 
 def test_wear_counts_the_last_day_and_week_by_the_hour() -> None:
