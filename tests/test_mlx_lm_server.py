@@ -28,6 +28,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from spilld import errors, fileio
+from spilld.admission import MAX_ADMIT_AFTER
 from spilld.client import Client
 from spilld.identity import model_identity
 from spilld.integrations.mlx_lm import ColdTierPromptCache, covered_tokens
@@ -1650,12 +1651,71 @@ def test_the_embedded_stores_cap_durability_and_queue_cap_are_options(tmp_path: 
     assert tier_options(_parser().parse_known_args(["--spilld-cap", "2G"])[0]) == {"queue_cap": 2 << 30}
 
 
+def test_the_embedded_stores_block_size_write_budget_and_gate_are_options(tmp_path: Any) -> None:
+    """Found in review: the embedded tier took no block size, write budget or write gate (the daemon's
+    --block-tokens, --write-budget, --admit-after), so its disk wear could not be bounded as a daemon's can. They
+    reach the Spiller's store now, parsed and checked as the daemon's, and its status says them as the daemon's."""
+    from spilld.integrations.mlx_lm import ServerTiers, _parser, tier_options
+
+    argv = ["--spilld-dir", str(tmp_path), "--spilld-block-tokens", "32", "--spilld-write-budget", "20GiB"]
+    opts, rest = _parser().parse_known_args([*argv, "--spilld-admit-after", "2", "--model", "x"])
+    assert rest == ["--model", "x"]
+    assert tier_options(opts) == {"block_tokens": 32, "write_budget": 20 << 30, "admit_after": 2}
+    tiers = ServerTiers(None, socket=None, folder=opts.spilld_dir, **tier_options(opts))
+    tiers.open_ahead()
+    tiers.wait_opened(30)
+    assert tiers._ahead is not None
+    tier = tiers._ahead.result()
+    try:
+        store = tier.spiller.store
+        assert store.block_tokens == 32 and store.write_budget == 20 << 30
+        assert store.admission is not None and (store.admission.after, store.admission.size) == (2, 32)
+        st = tier.stats()["store"]
+        assert (st["write_budget"], st["admit_after"], st["dropped_budget"], st["dropped_admit"]) == (20 << 30, 2, 0, 0)
+    finally:
+        tiers.close(10)
+    # 0 blocks (whole files) is a value given, not left out
+    zero = _parser().parse_known_args(["--spilld-dir", str(tmp_path), "--spilld-block-tokens", "0"])[0]
+    assert tier_options(zero) == {"block_tokens": 0}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--spilld-block-tokens", "32"], ["--spilld-write-budget", "1G"], ["--spilld-admit-after", "2"]],
+)
+def test_the_embedded_stores_wear_options_without_spilld_dir_are_refused(
+    capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """As --spilld-disk-cap: through a daemon its own --block-tokens, --write-budget and --admit-after apply, so
+    given without --spilld-dir these are refused (exit 2, one line naming the daemon's option), never ignored.
+    (In process: ``tier_options`` refuses them; the subprocess test below runs ``main``.)"""
+    from spilld.integrations.mlx_lm import _parser, tier_options
+
+    opts = _parser().parse_known_args([*args, "--model", "x"])[0]
+    with pytest.raises(SystemExit) as exc:
+        tier_options(opts)
+    assert exc.value.code == 2
+    theirs = args[0].replace("--spilld-", "--")
+    assert capsys.readouterr().err == (
+        f"spilld.integrations.mlx_lm: {args[0]} without --spilld-dir: the daemon's folder is set by its own options "
+        f"(spilld {theirs}); give --spilld-dir, or leave them out\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
         (["--spilld-disk-cap", "4XB"], "argument --spilld-disk-cap: not a size: '4XB'"),
         (["--spilld-cap", "0"], "argument --spilld-cap: '0': a size must be at least 1 byte"),
         (["--spilld-durability", "sometimes"], "argument --spilld-durability: invalid choice: 'sometimes'"),
+        (["--spilld-write-budget", "0"], "argument --spilld-write-budget: '0': a size must be at least 1 byte"),
+        (["--spilld-block-tokens", "3"], "argument --spilld-block-tokens: block tokens must be 0 (no blocks) or"),
+        (["--spilld-block-tokens", "x"], "argument --spilld-block-tokens: invalid int value: 'x'"),
+        (["--spilld-admit-after", str(MAX_ADMIT_AFTER + 1)], "argument --spilld-admit-after: admit after must be"),
+        (
+            ["--spilld-admit-after", "-1"],
+            f"argument --spilld-admit-after: admit after must be from 0 (off) to {MAX_ADMIT_AFTER}",
+        ),
     ],
 )
 def test_bad_embedded_store_options_are_refused_with_exit_2(

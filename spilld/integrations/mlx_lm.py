@@ -16,6 +16,7 @@ Run mlx-lm's own server with it (every ``mlx_lm.server`` option works)::
     python -m spilld.integrations.mlx_lm --model PATH              # through the spilld daemon
     python -m spilld.integrations.mlx_lm --model PATH --spilld-dir ~/.cache/spilld-embedded  # no daemon
     python -m spilld.integrations.mlx_lm --model PATH --spilld-dir DIR --spilld-disk-cap 20GiB --spilld-durability none
+    python -m spilld.integrations.mlx_lm --model PATH --spilld-dir DIR --spilld-write-budget 20GiB --spilld-admit-after 2
 """
 
 from __future__ import annotations
@@ -37,7 +38,17 @@ from mlx_lm.models.cache import CacheList, LRUPromptCache, PromptTrie
 
 from .. import errors, fileio, mlxthreads
 from .. import format as fmt
-from ..config import OneLineParser, arg_type, default_socket, format_size, parse_duration, parse_size
+from ..blocks import DEFAULT_BLOCK_TOKENS
+from ..config import (
+    OneLineParser,
+    arg_type,
+    check_admit_after,
+    check_block_tokens,
+    default_socket,
+    format_size,
+    parse_duration,
+    parse_size,
+)
 from ..daemon.listen import is_served
 from ..identity import config_fingerprint, model_identity
 from ..metrics import METRICS_EVERY_S, engine_exposition, write_textfile
@@ -571,6 +582,33 @@ def _parser() -> argparse.ArgumentParser:
         help="with --spilld-dir: as the daemon's --durability, full (F_FULLFSYNC on macOS), fsync (default) or none",
     )
     parser.add_argument(
+        "--spilld-block-tokens",
+        type=_int_arg(check_block_tokens),
+        default=None,
+        metavar="N",
+        help="with --spilld-dir: tokens per prefix block, as the daemon's --block-tokens: conversations that share a "
+        f"prefix share its blocks on disk, and a turn writes only its new blocks ({fmt.MIN_BLOCK_TOKENS} to "
+        f"{fmt.MAX_BLOCK_TOKENS}, default {DEFAULT_BLOCK_TOKENS}; 0 writes every entry whole)",
+    )
+    parser.add_argument(
+        "--spilld-write-budget",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="with --spilld-dir: bytes written a day, at most, as the daemon's --write-budget (e.g. 20GiB): past it "
+        "the write-behinds are shed, an evicted cache's spill still written; the count is kept across "
+        "restarts in the folder (default: no budget)",
+    )
+    parser.add_argument(
+        "--spilld-admit-after",
+        type=_int_arg(check_admit_after),
+        default=None,
+        metavar="N",
+        help="with --spilld-dir: the write gate, as the daemon's --admit-after: a write-behind's new blocks are "
+        "written only once a lookup asked for their prefix this many times (one-off prompts never reach the disk), "
+        "an evicted cache's spill always; the counts are kept in memory (default 0: off)",
+    )
+    parser.add_argument(
         "--spilld-drain-timeout",
         type=arg_type(parse_duration, "duration"),
         default=30.0,
@@ -586,6 +624,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _int_arg(check: Callable[[int], int]) -> Callable[[str], int]:
+    """A whole number checked by ``check`` (the daemon's ``Config`` check), as an argparse type: one that is not a
+    number is argparse's own error, as the daemon's ``type=int`` options say it; one ``check`` refuses names it."""
+
+    def convert(text: str) -> int:
+        n = int(text)  # (a ValueError here: argparse says "invalid int value")
+        try:
+            return check(n)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = "int"
+    return convert
+
+
 def absolute_paths(opts: argparse.Namespace) -> None:
     """The integration's paths, absolute and with ``~`` expanded, as the daemon's own (found in review: a quoted
     '~/x', or --spilld-dir=~/x, wrote into a folder named '~' under the current one)."""
@@ -594,24 +647,29 @@ def absolute_paths(opts: argparse.Namespace) -> None:
             setattr(opts, name, os.path.abspath(os.path.expanduser(path)))
 
 
-EMBEDDED_ONLY = ("spilld_disk_cap", "spilld_durability")  # the folder's own settings: a daemon's are its options
+# the folder's own settings: a daemon's are its options. Each is the Spiller's argument of the name after
+# "spilld_" (the daemon's option of that name: --disk-cap, --write-budget...)
+EMBEDDED_ONLY = (
+    "spilld_disk_cap", "spilld_durability", "spilld_block_tokens", "spilld_write_budget", "spilld_admit_after"
+)  # fmt: skip
 
 
 def tier_options(opts: argparse.Namespace) -> dict[str, Any]:
     """The tiers' settings from the integration's options (``ServerTiers``' keyword arguments): the queue's cap for
-    either tier; the folder's cap and durability for the embedded one. A daemon's folder is set by the daemon's own
-    options: given without --spilld-dir, they are refused (exit 2) rather than ignored."""
-    given = [f"--{name.replace('_', '-')}" for name in EMBEDDED_ONLY if getattr(opts, name) is not None]
+    either tier; for the embedded one, the folder's cap, durability, block size, write budget and write gate. A
+    daemon's folder is set by the daemon's own options: given without --spilld-dir, they are refused (exit 2)
+    rather than ignored."""
+    given = [name for name in EMBEDDED_ONLY if getattr(opts, name) is not None]
     if given and not opts.spilld_dir:
+        ours = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        theirs = ", ".join(f"--{name.removeprefix('spilld_').replace('_', '-')}" for name in given)
         _refuse(
-            f"{', '.join(given)} without --spilld-dir: the daemon's folder is set by its own options (spilld "
-            "--disk-cap, --durability); give --spilld-dir, or leave them out"
+            f"{ours} without --spilld-dir: the daemon's folder is set by its own options (spilld {theirs}); give "
+            "--spilld-dir, or leave them out"
         )
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {name.removeprefix("spilld_"): getattr(opts, name) for name in given}
     if opts.spilld_cap is not None:
         kwargs["queue_cap"] = opts.spilld_cap
-    if opts.spilld_disk_cap is not None:
-        kwargs["disk_cap"] = opts.spilld_disk_cap
     if opts.spilld_durability is not None:
         kwargs["durability"] = fileio.Durability(opts.spilld_durability)
     return kwargs
