@@ -426,9 +426,9 @@ class SpillQueue:
                 self._in_flight = None
 
     def _write_instead(self, rec: _Rec, failed: Settled) -> bool:
-        """``rec``'s write failed, or its store shed it: the later spill it stood for (``keep``, ``promote``), if any, takes its place at
-        the head of the queue and is written next (nothing awaits in between: no shed comes first); ``rec`` then
-        settles, and is counted, once, as that one ends. Whether it did."""
+        """``rec``'s write failed, or its store shed it: the later spill it stood for (``keep``, ``promote``), if
+        any, takes its place at the head of the queue and is written next (nothing awaits in between: no shed comes
+        first); ``rec`` then settles, and is counted, once, as that one ends. Whether it did."""
         item, rec.stand_in = rec.stand_in, None
         if item is None:
             return False
