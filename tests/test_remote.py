@@ -1204,6 +1204,35 @@ async def test_a_fill_that_fails_for_a_local_reason_removes_nothing_remote(serve
 
 
 @pytest.mark.asyncio
+async def test_a_fill_wears_the_disk_and_none_is_made_once_the_write_budget_is_spent(
+    server: RedisServer, tmp_path: Any
+) -> None:
+    """Found in review: a fill from the shared tier wrote whatever ``--write-budget`` said, though it is optional
+    work, as a droppable spill is. Its bytes count in the day's wear (what the budget reads); once the budget is
+    spent a fill is a miss (``write_budget``) that fetches nothing, until the budget leaves room again."""
+    n = 16 * 3 + 3
+    _, tier_a, _ = await pushed_store(tmp_path / "a", server.url, n)
+    prompt = [*range(n), 999]
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16, write_budget=1)  # spent by any file
+    link = RemoteLink(await started(relaxed(server.url)), store, push="none")
+    asked = block_reads(link.tier)
+    try:
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id)  # nothing written yet today
+        worn = store.wear.last_day()
+        assert worn == store.counters.bytes_written > 0 and asked == [3] and store.budget_spent()
+        assert store.remove_where(lambda e: True) == 1 and not store.blocks  # (the host holds none of it again)
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert link.fill_misses == {"write_budget": 1} and asked == [3] and store.count == 0
+        assert store.wear.last_day() == worn
+        store.write_budget = 2 * worn  # room again: the next lookup fills
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert store.count == 1 and link.fills == 2 and store.wear.last_day() == 2 * worn
+    finally:
+        await link.close(1)
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
 async def test_a_host_that_filled_a_prefix_tells_routers_it_holds_it(server: RedisServer, tmp_path: Any) -> None:
     """Found in review: only a put announced its blocks, so a host that filled a prefix from the tier was never
     said to hold it (a router sent it none of that prefix's prompts), and its eviction then announced blocks it had

@@ -133,8 +133,9 @@ def build_parser() -> Parser:
         "--write-budget",
         type=size_arg,
         default=None,
-        help="bytes written a day, at most (e.g. 20GiB): past it, droppable spills are shed and counted, "
-        "non-droppable ones still written; the count is kept across restarts in the folder (default: no budget)",
+        help="bytes written a day, at most (e.g. 20GiB): past it, droppable spills and fills from --remote are shed "
+        "and counted, non-droppable spills still written; the count is kept across restarts in the folder "
+        "(default: no budget)",
     )
     srv.add_argument(
         "--namespace-quota",

@@ -609,7 +609,7 @@ class Store:
         # a checkpoint is written whatever the budget, as a non-droppable spill is (found in review: once the
         # budget was spent every checkpoint was shed, and resume found none)
         ckpt = (planned[0].checkpoint if planned is not None else checkpoint) is not None
-        if droppable and not ckpt and self.write_budget is not None and self.wear.last_day() >= self.write_budget:
+        if droppable and not ckpt and self.budget_spent():
             self.counters.dropped_budget += 1
             raise errors.WriteBudgetSpent(
                 f"{self.wear.last_day()} bytes written in the last 24 h (budget {self.write_budget}): a droppable spill is shed"
@@ -994,6 +994,11 @@ class Store:
         if cut is None:
             return 0
         return self.leading_blocks(cut.keys)
+
+    def budget_spent(self) -> bool:
+        """The last 24 hours' writes reached ``--write-budget``: optional writes (a droppable spill, a fill from the
+        shared tier) are not made."""
+        return self.write_budget is not None and self.wear.last_day() >= self.write_budget
 
     def _admit(self, header: fmt.Header, held: int) -> None:
         """Shed a droppable spill whose first new block's prefix was not asked for ``--admit-after`` times."""
