@@ -1233,6 +1233,33 @@ async def test_a_fill_wears_the_disk_and_none_is_made_once_the_write_budget_is_s
 
 
 @pytest.mark.asyncio
+async def test_a_fill_writes_only_a_prefix_the_write_gate_admits(server: RedisServer, tmp_path: Any) -> None:
+    """Found in review: with ``--admit-after N`` a lookup of a prompt another host held filled every block of it
+    at once, though a droppable spill of it would be shed until its prefix was asked for N times. A fill is gated
+    as such a spill is, by the prefix ending with the first block it would write; the lookup that asks for the fill
+    counts as one ask."""
+    n = 16 * 3 + 3
+    _, tier_a, _ = await pushed_store(tmp_path / "a", server.url, n)
+    prompt = [*range(n), 999]
+    store = Store(str(tmp_path / "b"), disk_cap=2**30, block_tokens=16, admit_after=2)
+    link = RemoteLink(await started(relaxed(server.url)), store, push="none")
+    asked = block_reads(link.tier)
+    try:
+        await store.lookup_async(FILL_IDENT, "", prompt)  # the lookup that asks for the fill: once
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert link.fill_misses == {"not_admitted": 1} and asked == [] and store.count == 0
+        await store.lookup_async(FILL_IDENT, "other", prompt)  # another namespace's ask is not this one's
+        assert not await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert link.fill_misses == {"not_admitted": 2} and store.counters.bytes_written == 0
+        await store.lookup_async(FILL_IDENT, "", prompt[:20])  # asks for the first block, the first one it writes
+        assert await link.fill(FILL_IDENT, "", prompt, store.provider_id)
+        assert store.count == 1 and link.fills == 1 and asked == [3]
+    finally:
+        await link.close(1)
+        await tier_a.close()
+
+
+@pytest.mark.asyncio
 async def test_a_host_that_filled_a_prefix_tells_routers_it_holds_it(server: RedisServer, tmp_path: Any) -> None:
     """Found in review: only a put announced its blocks, so a host that filled a prefix from the tier was never
     said to hold it (a router sent it none of that prefix's prompts), and its eviction then announced blocks it had
@@ -2078,7 +2105,7 @@ async def test_a_blocks_reference_names_the_newest_manifest_pushed_that_names_it
 async def test_a_lookup_that_fills_counts_once_for_the_write_gate(tmp_path: Any) -> None:
     """Found in review: a lookup whose fill kept a manifest looked the prompt up again, and the write gate counted
     that second look as a second ask: with --admit-after 2, a one-off prompt under a fetched prefix was written
-    after a single ask."""
+    after a single ask. (A fill is gated too: its first block was asked for by a shorter prompt first.)"""
     import mlx.core as mx
 
     from tests.hostile_memory import in_process, kv_header
@@ -2093,8 +2120,11 @@ async def test_a_lookup_that_fills_counts_once_for_the_write_gate(tmp_path: Any)
         assert await link.drain(10)
         gated = {"block_tokens": 16, "remote": srv.url, "remote_push": "none", "admit_after": 2}
         async with in_process("gate", **gated) as (daemon, wire):
-            params = {"identity": {"model_id": "hostile"}, "tokens": fmt.encode_tokens([*tokens, 1])}
-            hit, err = await wire.call("lookup", params | {"codec_provider": "spilld/mlx-lm/1"})
+            ask = {"identity": {"model_id": "hostile"}, "codec_provider": "spilld/mlx-lm/1"}
+            shorter = ask | {"tokens": fmt.encode_tokens([*tokens[:rows], 1])}  # asks for the fetched prefix
+            miss, err = await wire.call("lookup", shorter)
+            assert err is None and not miss["hit"], (miss, err)  # its fill not admitted yet: asked once
+            hit, err = await wire.call("lookup", ask | {"tokens": fmt.encode_tokens([*tokens, 1])})
             assert err is None and hit["hit"] and hit["matched"] == rows, (hit, err)  # filled from the tier
             r, err = await wire.call("spill", {"header": kv_header(rows + 16, heads=2, dim=8, seed=7)})
             assert err is None, err

@@ -155,8 +155,9 @@ def build_parser() -> Parser:
         "--admit-after",
         type=int,
         default=0,
-        help="the write gate: a droppable spill's new blocks are written only once a lookup asked for their prefix "
-        "this many times (one-off prompts never reach the disk); the counts are kept in memory (default 0: off)",
+        help="the write gate: a droppable spill's new blocks (or a fill's from --remote) are written only once a "
+        "lookup asked for their prefix this many times (one-off prompts never reach the disk); the counts are kept in "
+        "memory (default 0: off)",
     )
     srv.add_argument(
         "--warm-bytes",

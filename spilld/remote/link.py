@@ -13,7 +13,8 @@ it: a chain with a block missing is of no use past that block.
 A fill probes the chain of the prompt's block keys (one round trip), fetches the manifest that ends where the
 remote chain ends (or one that names that block), then the blocks it names that this store lacks, and hands them to
 ``Store.adopt``, which checks every byte before keeping anything. Every failure is a miss and a counter. A fill is
-optional work, as a droppable spill is: none is fetched once the day's write budget is spent.
+optional work, as a droppable spill is: none is fetched once the day's write budget is spent, nor while the write
+gate has not admitted the prefix it would write.
 """
 
 from __future__ import annotations
@@ -562,10 +563,12 @@ class RemoteLink:
             self.fills_shared += 1
             await asyncio.wait([under_way])
             return self.store.leading_blocks(keys) >= found
-        # a fill is optional work, as a droppable spill is: the day's write budget sheds it alike (found in review:
-        # a fill wrote whatever the budget said)
+        # a fill is optional work, as a droppable spill is: the day's write budget and the write gate shed it alike
+        # (found in review: a fill wrote whatever they said, every block of a one-off prompt another host held)
         if self.store.budget_spent():
             return self._missed("write_budget")
+        if not self.store.admits_fill(ident, namespace, tokens, local):
+            return self._missed("not_admitted")
         if self._fetching >= FILLS_AT_ONCE:  # every slot fetching: a miss now beats a lookup held behind them
             return self._missed("busy")
         self._fetching += 1  # taken here, in the turn that checked it: two lookups cannot both take the last one

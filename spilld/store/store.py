@@ -1000,6 +1000,13 @@ class Store:
         shared tier) are not made."""
         return self.write_budget is not None and self.wear.last_day() >= self.write_budget
 
+    def admits_fill(self, ident: fmt.Identity, namespace: str, tokens: Tokens, held: int) -> bool:
+        """Whether the write gate lets a fill of ``tokens`` write, this store holding their first ``held`` blocks:
+        as for a droppable spill, the prefix ending with the first block it would add was asked for
+        ``--admit-after`` times (by lookups of ``namespace``; the one the fill serves was counted already)."""
+        gate = self.admission
+        return gate is None or gate.admits(self._ask_scope(ident, namespace), tokens, held)
+
     def _admit(self, header: fmt.Header, held: int) -> None:
         """Shed a droppable spill whose first new block's prefix was not asked for ``--admit-after`` times."""
         assert self.admission is not None
