@@ -476,9 +476,9 @@ class AsyncClient:
 
         ``behind``: the future of an earlier droppable spill of the same entry made here (a write-behind). Where that
         one still stands for this spill it is kept in its place, made not droppable if this one is not, and this one
-        is held, not written as well, until that one ends: if that one's write fails, this one is written in its
-        place. Where it no longer can, this one is queued. When each way in keeps it: ``spill_threadsafe``. The
-        future is then the one kept's.
+        is held, not written as well, until that one ends: if that one's write fails (or the write gate sheds it as
+        it is written), this one is written in its place. Where it no longer can, this one is queued. When each way
+        in keeps it: ``spill_threadsafe``. The future is then the one kept's.
         """
         item = new_item(
             self.identity, self.provider, tokens, caches, meta=meta, namespace=namespace, key=key,
@@ -1152,9 +1152,9 @@ class Client:
 
         ``behind``: the future of an earlier droppable spill of the same entry made here (a write-behind). Where that
         one still stands for this spill it is kept in its place, made not droppable if this one is not, and this one
-        is held, not written as well, until that one ends: if that one's write fails, this one is written in its
-        place. Where it no longer can, this one is queued. When each way in keeps it: ``spill_threadsafe``. The
-        future is then the one kept's.
+        is held, not written as well, until that one ends: if that one's write fails (or the write gate sheds it as
+        it is written), this one is written in its place. Where it no longer can, this one is queued. When each way
+        in keeps it: ``spill_threadsafe``. The future is then the one kept's.
         """
         if self._closed is not None:
             return _refused()
