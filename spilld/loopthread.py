@@ -7,6 +7,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 from . import mlxthreads
 
 T = TypeVar("T")
+log = logging.getLogger("spilld.loopthread")
 
 STOP_TASKS_TIMEOUT_S = 5.0  # how long ``stop`` lets cancelled tasks unwind before closing the loop
 EXECUTOR_POLL_S = 0.01  # how often a stop looks whether the default executor's workers have ended (Python 3.11)
@@ -31,9 +33,24 @@ async def _wind_down(timeout: float) -> None:
         t.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+    _left_behind([t for t in tasks if not t.done()], timeout)
     # at interpreter exit no thread may be started for this; a worker stuck in a hung read is left behind
     with contextlib.suppress(RuntimeError, TimeoutError):
         await _end_default_executor(max(0.0, end - asyncio.get_running_loop().time()))
+
+
+def _left_behind(tasks: list[asyncio.Task[Any]], timeout: float) -> None:
+    """Say once, as a warning, which tasks a stop leaves on its closed loop (each stuck in a step that did not end
+    within ``timeout``: a lock the engine holds, a hung disk). Found in review: asyncio said it instead, later, as
+    an error with no cause ("Task was destroyed but it is pending!") whenever the task happened to be collected."""
+    if not tasks:
+        return
+    names = ", ".join(sorted(t.get_name() for t in tasks))
+    log.warning(
+        "stopping: %d task(s) still in a step %.1f s after their cancel, left behind: %s", len(tasks), timeout, names
+    )
+    for t in tasks:
+        t._log_destroy_pending = False  # type: ignore[attr-defined]  # (asyncio's own switch for that message)
 
 
 async def _end_default_executor(timeout: float) -> None:
