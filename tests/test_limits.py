@@ -290,7 +290,7 @@ def test_block_tokens_at_its_limits_are_taken_by_config_and_store(tmp_path: Path
 def test_block_tokens_past_its_limits_are_refused_by_config_and_store(tmp_path: Path, tokens: int) -> None:
     with pytest.raises(ValueError, match="block tokens must be 0"):
         config(block_tokens=tokens)
-    with pytest.raises(ValueError, match="block_tokens must be 0"):
+    with pytest.raises(ValueError, match="block tokens must be 0"):  # (one check, one wording)
         Store(str(tmp_path), block_tokens=tokens)
 
 

@@ -31,7 +31,7 @@ from .. import format as fmt
 from ..admission import Admission
 from ..blocks import BLOCK_EXT, DEFAULT_BLOCK_TOKENS, Split
 from ..codecs import MLX_LM_PROVIDER_ID, CodecProvider, default_provider
-from ..config import DEFAULT_IO_TIMEOUT_S
+from ..config import DEFAULT_IO_TIMEOUT_S, check_block_tokens
 from ..entries import (
     Block,
     Entry,
@@ -106,11 +106,9 @@ class Store:
         admit_after: int = 0,
         io_timeout: float | None = DEFAULT_IO_TIMEOUT_S,
     ) -> None:
-        if block_tokens and not fmt.MIN_BLOCK_TOKENS <= block_tokens <= fmt.MAX_BLOCK_TOKENS:
-            raise ValueError(
-                f"block_tokens must be 0 (no blocks) or in [{fmt.MIN_BLOCK_TOKENS}, {fmt.MAX_BLOCK_TOKENS}]"
-            )
-        self.block_tokens = block_tokens  # B of the blocks new spills are cut into (0: whole files, format v1 style)
+        self.block_tokens = check_block_tokens(
+            block_tokens
+        )  # B of the blocks new spills are cut into (0: whole files, format v1 style)
         self.write_budget = write_budget  # bytes a day; once written, droppable spills are shed (None: no budget)
         self.wear = Wear()
         self.io_timeout = io_timeout  # seconds a write step, a restore's read or an unlink may take (None: forever)
