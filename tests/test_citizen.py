@@ -36,7 +36,7 @@ from tests.daemons import Daemon, cleanup, new_root
 
 IDENT = spilld.Identity("m", "cfg", "tok", "")
 EVICT_ENTRIES = 10_000  # the figure: a big evict while requests keep being answered
-STATUS_WITHIN_S = 0.050  # ... each within this
+ANSWERED_AT_LEAST = 2  # ... this many status calls between two of its batches, and as many while it unlinks
 NOBODY = 65534
 
 
@@ -709,10 +709,12 @@ async def test_evicting_10000_entries_leaves_the_loop_answering(root: str) -> No
             t0 = time.monotonic()
             evict = asyncio.ensure_future(client.call("evict", {}))
             waits: list[float] = []
+            seen: list[tuple[int, bool]] = []  # at each status answered: the entries left, and the evict answered
             while not evict.done():
                 t = time.perf_counter()
                 await client.status()
                 waits.append(time.perf_counter() - t)
+                seen.append((d.store.count, evict.done()))
                 await asyncio.sleep(0.005)
             t1 = time.monotonic()
             got: dict[str, Any] = evict.result()
@@ -721,7 +723,12 @@ async def test_evicting_10000_entries_leaves_the_loop_answering(root: str) -> No
         assert got["evicted"] == EVICT_ENTRIES and d.store.count == 0
         assert not any(n.endswith(".spilld") for _, _, ns in os.walk(cfg.dir) for n in ns)
         print(json.dumps({"evict_s": round(t1 - t0, 3), "status_calls": len(waits), "max_wait_s": max(waits)}))
-        assert waits and max(waits) < STATUS_WITHIN_S, sorted(waits)[-5:]
+        # Counted in turns of the loop, not in wall time (found flaky: under load a status on a right daemon took
+        # 60-90 ms against a 50 ms bound, and the whole index taken in one turn gives 70-100 ms): answered between
+        # two batches (some entries gone, some left), and while the files are unlinked on a worker.
+        between = sum(0 < n < EVICT_ENTRIES for n, _ in seen)
+        unlinking = sum(n == 0 and not answered for n, answered in seen)
+        assert between >= ANSWERED_AT_LEAST and unlinking >= ANSWERED_AT_LEAST, seen
         during = [t for t in pings.at if t0 <= t <= t1]
         gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
         assert max(gaps) < 0.25, gaps  # the watchdog task kept its turns
