@@ -81,7 +81,12 @@ async def test_a_cancelled_close_still_closes_the_socket_and_drops_the_pool(tmp_
     async with daemon_that(answers, path) as ended:
         c = await AsyncClient.open(path, identity=IDENT)
         c.spill(list(range(16)), [fill(C.KVCache(), 16, seed=1)], droppable=False)
-        await asyncio.sleep(0.5)  # the pool is made and the spill sent
+
+        async def pool_made() -> None:  # (found flaky: under load 0.5 s did not make it, and the thread still making
+            while c._pool is None:  # it dropped its segments after the last check below)
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(pool_made(), 30)  # the pool is made and the spill sent
         assert [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("spilld-")]
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(c.close(), 0.3)  # a shutdown bounded by its own timeout
