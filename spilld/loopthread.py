@@ -89,10 +89,11 @@ class LoopThread:
         # shutdown (mlx aborts the process: 'terminate called without an active exception').
         atexit.register(self.stop)
 
-    def run(self, coro: Awaitable[T]) -> T:
+    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for it. ``concurrent.futures.CancelledError`` once ``stop`` has begun
         (a call it would never run is not waited for), ``RuntimeError`` from the loop's own thread (a callback of a
-        future the loop settles: the call would wait for itself)."""
+        future the loop settles: the call would wait for itself). ``timeout``: ``TimeoutError`` past it, the call
+        cancelled (for a caller that must not wait on a busy loop)."""
         if threading.current_thread() is self._thread:
             if asyncio.iscoroutine(coro):
                 coro.close()
@@ -107,7 +108,11 @@ class LoopThread:
             fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
-        return fut.result()
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
 
     def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
         with self._lock:

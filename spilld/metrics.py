@@ -66,8 +66,8 @@ def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:
 
 
 def families(st: dict[str, Any]) -> list[Metric]:
-    """Every metric of a ``status`` answer."""
-    q, d = st["queue"], st["store"]
+    """Every metric of a daemon's ``status`` answer: the daemon's own, then its queue's and store's (``store_families``),
+    then its other parts'."""
     info = GaugeMetricFamily(f"{PREFIX}_info", "spilld's version (always 1)", labels=["version"])
     info.add_metric([str(st.get("version", ""))], 1)
     out: list[Metric] = [
@@ -75,10 +75,31 @@ def families(st: dict[str, Any]) -> list[Metric]:
         _gauge("uptime_seconds", "seconds since the daemon started", st.get("uptime_s", 0)),
         _gauge("clients", "connected clients", st.get("clients", 0)),
         _counter("client_errors", "connections ended for a client's fault", st.get("client_errors", 0)),
+        _gauge("queue_cap_bytes", "the soft cap on queued bytes (--cap)", st.get("cap", 0)),
+        _counter("lookups", "lookup requests answered", st.get("lookups", 0)),
+        *store_families(st),
+    ]
+    if "remote" in st:
+        out += _remote(st["remote"])
+    if "ingest" in st:
+        out += _ingest(st["ingest"])
+    if "scrub" in st or "warm" in st:
+        out += _background(st.get("scrub"), st.get("warm"))
+    if "restore_seconds" in st:
+        out.append(
+            _histogram("restore_seconds", "seconds from a client's lookup to its loaded caches", st["restore_seconds"])
+        )
+    return out
+
+
+def store_families(st: dict[str, Any]) -> list[Metric]:
+    """The metrics of a status's ``queue`` and ``store``: a daemon's, and the mlx-lm integration's embedded tier's
+    (``Spiller.stats``, which has nothing else), under the same names so that one dashboard reads both."""
+    q, d = st["queue"], st["store"]
+    out: list[Metric] = [
         _gauge("queue_items", "items queued in memory, not yet written", q["pending_items"]),
         _gauge("queue_bytes", "bytes queued in memory, not yet written", q["pending_bytes"]),
         _gauge("queue_peak_bytes", "the most bytes ever queued at once", q.get("peak_bytes", 0)),
-        _gauge("queue_cap_bytes", "the soft cap on queued bytes (--cap)", st.get("cap", 0)),
         _labelled(
             "queue_outcomes",
             "queued items by how they ended",
@@ -95,8 +116,7 @@ def families(st: dict[str, Any]) -> list[Metric]:
         _gauge("disk_entries", "entries in the store", d["entries"]),
         _gauge("disk_bytes", "bytes of the store's entries", d["bytes"]),
         _gauge("disk_cap_bytes", "the cap on the store (--disk-cap)", d["disk_cap"]),
-        _counter("lookups", "lookup requests answered", st.get("lookups", 0)),
-        _counter("hits", "restores a client completed and kept (reported with touch)", d["hits"]),
+        _counter("hits", "restores completed and kept (a daemon's client reports each with its touch)", d["hits"]),
         _labelled("misses", "lookups that found nothing usable, by reason", "reason", d["misses"]),
         _labelled("store_errors", "failed writes by error code", "code", d.get("errors", {})),
         _labelled(
@@ -110,16 +130,6 @@ def families(st: dict[str, Any]) -> list[Metric]:
         out.append(_counter("quarantine_removed", "quarantined files removed to keep its cap", d["quarantine_removed"]))
     if "blocks" in d:
         out += _blocks_and_wear(d)
-    if "remote" in st:
-        out += _remote(st["remote"])
-    if "ingest" in st:
-        out += _ingest(st["ingest"])
-    if "scrub" in st or "warm" in st:
-        out += _background(st.get("scrub"), st.get("warm"))
-    if "restore_seconds" in st:
-        out.append(
-            _histogram("restore_seconds", "seconds from a client's lookup to its loaded caches", st["restore_seconds"])
-        )
     return out
 
 
@@ -227,9 +237,11 @@ def engine_families(stats: dict[str, Any], prefix: str = f"{PREFIX}_mlx_lm") -> 
     ]
 
 
-def engine_exposition(stats: dict[str, Any]) -> bytes:
+def engine_exposition(stats: dict[str, Any], status: dict[str, Any] | None = None) -> bytes:
+    """The integration's counters; with ``status`` (its embedded tier's ``queue`` and ``store``), those too, as a
+    daemon's metrics name them (``store_families``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(lambda: engine_families(stats)))
+    registry.register(_Families(lambda: engine_families(stats) + ([] if status is None else store_families(status))))
     return bytes(generate_latest(registry))
 
 

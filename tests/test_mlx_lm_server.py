@@ -172,6 +172,8 @@ def test_embedded_server_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -
     )
     assert "cold tier: embedded (no daemon)" in _read(tmp_path / "server.log")
     assert "spilld_mlx_lm_restores_total 1.0" in _read(prom)  # the second server's counters, written at exit
+    got = _prom(prom)  # and its store's figures, named as the daemon's, none of the daemon's own
+    assert got["spilld_disk_entries"] >= 1 and not {name for name in got if name.startswith(DAEMON_ONLY)}, got
     _assert_identical_from_cold_tier(a, b, c)
     assert "cold tier: restored" in _read(tmp_path / "server.log")
 
@@ -270,9 +272,13 @@ def test_an_entry_whose_write_behind_is_in_flight_at_exit_is_not_written_again(m
 
 def test_server_through_daemon_restart_hits_cold_tier(model_dir: str, tmp_path: Any) -> None:
     d = Daemon(new_root(), ["--cap", "256MiB"]).start()
+    prom = str(tmp_path / "tier.prom")
     try:
-        a, b, c = _request_restart_request(model_dir, str(tmp_path / "server.log"), "--spilld-socket", d.socket)
+        log = str(tmp_path / "server.log")
+        a, b, c = _request_restart_request(model_dir, log, "--spilld-socket", d.socket, "--spilld-metrics-file", prom)
         assert f"cold tier: the spilld daemon at {d.socket} (answers)" in _read(tmp_path / "server.log")
+        got = _prom(prom)  # the integration's counters alone: the daemon's own file shows its store
+        assert got["spilld_mlx_lm_restores_total"] == 1 and all(n.startswith("spilld_mlx_lm_") for n in got), got
         _assert_identical_from_cold_tier(a, b, c)
         assert d.cli("status", "--json", "--socket", d.socket).returncode == 0
     finally:
@@ -1677,6 +1683,116 @@ def test_the_embedded_stores_block_size_write_budget_and_gate_are_options(tmp_pa
     # 0 blocks (whole files) is a value given, not left out
     zero = _parser().parse_known_args(["--spilld-dir", str(tmp_path), "--spilld-block-tokens", "0"])[0]
     assert tier_options(zero) == {"block_tokens": 0}
+
+
+def _prom(path: Any) -> dict[str, float]:
+    """A metrics file's samples, each named as PromQL writes it: ``name`` or ``name{label="value"}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(_read(path)):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+# the daemon's own metrics, which an embedded tier has nothing for (a 0 there would be made up)
+DAEMON_ONLY = ("spilld_info", "spilld_uptime_seconds", "spilld_clients", "spilld_client_errors_total",
+               "spilld_queue_cap_bytes", "spilld_lookups_total")  # fmt: skip
+
+
+def _opened_tiers(folder: str, **kwargs: Any) -> Any:
+    from spilld.integrations.mlx_lm import ServerTiers
+
+    tiers = ServerTiers(None, socket=None, folder=folder, **kwargs)
+    tiers.open_ahead()
+    tiers.wait_opened(30)
+    return tiers
+
+
+def _one_round(path: str, tiers: Any) -> dict[str, float]:
+    """One write of the integration's metrics file (its stop already set), read back."""
+    import threading
+
+    from spilld.integrations.mlx_lm import _write_counters_every
+
+    stop = threading.Event()
+    stop.set()
+    _write_counters_every(path, ColdTierPromptCache(tier_for=tiers), stop, tiers)
+    return _prom(path)
+
+
+def test_the_embedded_metrics_file_holds_the_stores_figures_under_the_daemons_names(tmp_path: Any) -> None:
+    """Found in review: with --spilld-dir no daemon's metrics show the store, and --spilld-metrics-file held the
+    integration's counters alone: nothing of the disk. It holds the store's figures now, named as the daemon's (one
+    dashboard reads both), and none of the daemon's own (no made-up 0 for its clients, uptime or queue cap); the
+    same after the tier is closed (the exit's last write)."""
+    from mlx_lm.models import cache as C
+
+    from tests.caches import fill
+    from tests.promtext import parse
+
+    folder, prom = str(tmp_path / "store"), str(tmp_path / "tier.prom")
+    first = EmbeddedTier(folder, model_identity(None, model_id="metrics"))
+    try:
+        assert first.spill(list(range(8)), [fill(C.KVCache(), 8)], droppable=False).result(30).stored
+    finally:
+        first.close(30)
+    tiers = _opened_tiers(folder, disk_cap=1 << 30, write_budget=5 << 30)
+    try:
+        got = _one_round(prom, tiers)
+        st = tiers._embedded[-1].stats()["store"]
+    finally:
+        tiers.close(10)
+    assert st["entries"] == 1 and got["spilld_disk_entries"] == 1 and got["spilld_disk_bytes"] == st["bytes"] > 0
+    assert got["spilld_disk_cap_bytes"] == 1 << 30 and got["spilld_write_budget_bytes"] == 5 << 30
+    assert got["spilld_blocks"] == st["blocks"] and got['spilld_queue_outcomes_total{outcome="stored"}'] == 0
+    assert got["spilld_mlx_lm_spills_total"] == 0  # the integration's own counters are there still
+    assert not {name for name in got if name.startswith(DAEMON_ONLY)}, got
+    parse(_read(prom))  # the text format's every rule (one family each, types, HELP), as a strict scraper reads it
+    assert _one_round(prom, tiers)["spilld_disk_entries"] == 1  # closed: read where it is, nothing changes it
+
+
+def test_a_busy_embedded_tier_leaves_the_store_out_of_that_round_only(tmp_path: Any, monkeypatch: Any) -> None:
+    """The store's figures are read on the tier's loop (read beside it, a map may change size as it is copied); a
+    loop busy past ``STATUS_WAIT_S`` is not waited for: that round has the integration's counters alone."""
+    import threading
+
+    from spilld.integrations import mlx_lm as integration
+
+    monkeypatch.setattr(integration, "STATUS_WAIT_S", 0.2)
+    prom = str(tmp_path / "tier.prom")
+    tiers = _opened_tiers(str(tmp_path / "store"))
+    release = threading.Event()
+    try:
+        tiers._embedded[-1]._lt.loop.call_soon_threadsafe(release.wait, 20)  # the loop held, as by a long step
+        t0 = time.monotonic()
+        got = _one_round(prom, tiers)
+        took = time.monotonic() - t0
+        release.set()
+        assert took < 5 and "spilld_mlx_lm_restores_total" in got and "spilld_disk_entries" not in got, (took, got)
+        monkeypatch.setattr(integration, "STATUS_WAIT_S", 30.0)  # (a loaded machine: only the answer matters here)
+        assert _one_round(prom, tiers)["spilld_disk_entries"] == 0  # the loop free again: the store's figures
+    finally:
+        release.set()
+        tiers.close(10)
+
+
+def test_through_a_daemon_the_metrics_file_holds_the_integrations_counters_alone(tmp_path: Any) -> None:
+    """Through a daemon its own metrics file shows its store: the integration's holds none of it, though its tier
+    could ask the daemon's status."""
+    from spilld.integrations.mlx_lm import ServerTiers
+
+    class Asked:
+        def stats(self) -> dict[str, Any]:
+            return {"queue": {"pending_items": 0, "pending_bytes": 0}, "store": {"entries": 3, "bytes": 1, "disk_cap": 1,
+                    "hits": 0, "misses": {}}}  # fmt: skip
+
+    tiers = ServerTiers(None, socket=str(tmp_path / "d.sock"), folder=None)
+    tiers.tiers[("m", None, None)] = Asked()  # type: ignore[assignment]
+    got = _one_round(str(tmp_path / "tier.prom"), tiers)
+    assert "spilld_mlx_lm_spills_total" in got and not [n for n in got if not n.startswith("spilld_mlx_lm_")], got
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,8 @@ from ..queue import DEFAULT_QUEUE_CAP, Outcome, Settled
 from ..saver import clone_caches, evaluated
 from .tier import ColdTier, DaemonTier, EmbeddedTier, settled_now
 
+# the most a metrics round waits for the embedded tier's loop to read its store's figures (a small part of the round)
+STATUS_WAIT_S = 1.0
 SERVED_WAIT_S = 2.0  # at start, how long --spilld-dir's lock may stay held alone before it is taken for a daemon's
 
 log = logging.getLogger("spilld.mlx_lm")
@@ -402,6 +404,7 @@ class ServerTiers:
         # embedded tiers still opening (their scan on a thread of their own), with the identity to give one made without
         self._opening: dict[Any, tuple[concurrent.futures.Future[EmbeddedTier], fmt.Identity | None]] = {}
         self._ahead: concurrent.futures.Future[EmbeddedTier] | None = None  # opened at start, for the first model
+        self._embedded: list[EmbeddedTier] = []  # every embedded tier opened, the last the folder's now (metrics)
 
     def open_ahead(self) -> None:
         """Embedded: start opening the folder now, on a thread of its own, for the first model the server loads."""
@@ -438,6 +441,7 @@ class ServerTiers:
                 return
             entries = tier.spiller.store.count
             log.info("cold tier ready: %s scanned in %.2f s (%d entries)", folder, time.monotonic() - t0, entries)
+            self._embedded.append(tier)
             future.set_result(tier)
 
         mlxthreads.start_thread(open_tier, "spilld-open", daemon=True)
@@ -459,6 +463,13 @@ class ServerTiers:
             return None
         self.tiers[model_key] = tier
         return tier
+
+    def embedded_status(self, timeout: float) -> dict[str, Any] | None:
+        """The queue's and the store's counters of the embedded tier opened last (``EmbeddedTier.status``), from any
+        thread, waited for ``timeout`` at most: None through a daemon (its own metrics show its store), before the
+        folder is open, or when the tier's loop did not answer in time."""
+        opened = self._embedded[-1:]  # (a copy: the list grows on the thread that opens a tier)
+        return opened[0].status(timeout) if opened else None
 
     def identity(self, model_key: Any) -> fmt.Identity:
         p, args = self.provider, self.provider.cli_args
@@ -619,7 +630,8 @@ def _parser() -> argparse.ArgumentParser:
         "--spilld-metrics-file",
         default=None,
         metavar="PATH",
-        help=f"write the cold tier's counters (Prometheus text) to this file every {METRICS_EVERY_S:g} s, atomically",
+        help=f"write the cold tier's counters (Prometheus text) to this file every {METRICS_EVERY_S:g} s, atomically; "
+        "with --spilld-dir its store's figures too, named as the daemon's metrics",
     )
     return parser
 
@@ -722,13 +734,22 @@ def describe_tier(socket: str | None, folder: str | None) -> str:
     return f"cold tier: the spilld daemon at {path} (does not answer yet: every lookup misses until it does)"
 
 
-def _write_counters_every(path: str, cache: ColdTierPromptCache, stop: threading.Event) -> None:
-    """The integration's counters as a Prometheus textfile, rewritten until ``stop`` (then once more)."""
-    failing = False
+def _write_counters_every(path: str, cache: ColdTierPromptCache, stop: threading.Event, tiers: ServerTiers) -> None:
+    """The integration's counters as a Prometheus textfile, rewritten until ``stop`` (then once more). Embedded, the
+    file also holds the store's figures under the daemon's names (no daemon's file shows them); a round whose tier
+    did not answer within ``STATUS_WAIT_S`` has the integration's counters alone."""
+    failing = unread = False
     while True:
         stopping = stop.wait(METRICS_EVERY_S)
         try:
-            write_textfile(path, engine_exposition(dict(cache.stats)))
+            status = tiers.embedded_status(STATUS_WAIT_S)
+            unread = False
+        except Exception as exc:  # the file must not stop for it: that round goes without the store's figures
+            if not unread:
+                log.warning("cannot read the embedded tier's status for %s: %s", path, exc)
+            unread, status = True, None
+        try:
+            write_textfile(path, engine_exposition(dict(cache.stats), status))
             failing = False
         except OSError as exc:
             if not failing:
@@ -777,6 +798,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 os.path.abspath(opts.spilld_metrics_file),
                 prompt_cache,
                 state.setdefault("stop", threading.Event()),
+                tiers,
             )
             state["metrics"] = mlxthreads.start_thread(lambda: _write_counters_every(*args), "spilld-metrics")
         generator = state["generator"] = server.ResponseGenerator(model_provider, prompt_cache)

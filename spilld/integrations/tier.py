@@ -184,6 +184,17 @@ class EmbeddedTier:
     def stats(self) -> dict[str, Any]:
         return self.spiller.stats()
 
+    def status(self, timeout: float) -> dict[str, Any] | None:
+        """``stats`` from another thread (the metrics file's): read on the tier's loop, where they change (a read
+        beside it may find a map changing size), waited for ``timeout`` at most; None if the loop did not answer by
+        then (busy, or stopping). Once the tier is closed they are read here: nothing changes them any more."""
+        if self._lt.loop.is_closed():
+            return self.stats()
+        try:
+            return self._lt.run(self.spiller.status(), timeout)
+        except (TimeoutError, concurrent.futures.CancelledError, errors.Closed):
+            return None
+
     def close(self, timeout: float | None = None) -> DrainReport | None:
         """Drain (up to ``timeout``) and close; the drain's report, None when it cannot be waited for here."""
         if self._lt.on_own_thread:  # a spill future's callback: the close runs once it returns (none can be waited)
