@@ -1742,7 +1742,7 @@ def test_the_embedded_metrics_file_holds_the_stores_figures_under_the_daemons_na
     tiers = _opened_tiers(folder, disk_cap=1 << 30, write_budget=5 << 30)
     try:
         got = _one_round(prom, tiers)
-        st = tiers._embedded[-1].stats()["store"]
+        st = tiers._last_embedded.stats()["store"]
     finally:
         tiers.close(10)
     assert st["entries"] == 1 and got["spilld_disk_entries"] == 1 and got["spilld_disk_bytes"] == st["bytes"] > 0
@@ -1766,7 +1766,7 @@ def test_a_busy_embedded_tier_leaves_the_store_out_of_that_round_only(tmp_path: 
     tiers = _opened_tiers(str(tmp_path / "store"))
     release = threading.Event()
     try:
-        tiers._embedded[-1]._lt.loop.call_soon_threadsafe(release.wait, 20)  # the loop held, as by a long step
+        tiers._last_embedded._lt.loop.call_soon_threadsafe(release.wait, 20)  # the loop held, as by a long step
         t0 = time.monotonic()
         got = _one_round(prom, tiers)
         took = time.monotonic() - t0

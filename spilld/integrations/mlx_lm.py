@@ -404,7 +404,7 @@ class ServerTiers:
         # embedded tiers still opening (their scan on a thread of their own), with the identity to give one made without
         self._opening: dict[Any, tuple[concurrent.futures.Future[EmbeddedTier], fmt.Identity | None]] = {}
         self._ahead: concurrent.futures.Future[EmbeddedTier] | None = None  # opened at start, for the first model
-        self._embedded: list[EmbeddedTier] = []  # every embedded tier opened, the last the folder's now (metrics)
+        self._last_embedded: EmbeddedTier | None = None  # the embedded tier opened last: the folder's now (metrics)
 
     def open_ahead(self) -> None:
         """Embedded: start opening the folder now, on a thread of its own, for the first model the server loads."""
@@ -441,7 +441,7 @@ class ServerTiers:
                 return
             entries = tier.spiller.store.count
             log.info("cold tier ready: %s scanned in %.2f s (%d entries)", folder, time.monotonic() - t0, entries)
-            self._embedded.append(tier)
+            self._last_embedded = tier
             future.set_result(tier)
 
         mlxthreads.start_thread(open_tier, "spilld-open", daemon=True)
@@ -468,8 +468,8 @@ class ServerTiers:
         """The queue's and the store's counters of the embedded tier opened last (``EmbeddedTier.status``), from any
         thread, waited for ``timeout`` at most: None through a daemon (its own metrics show its store), before the
         folder is open, or when the tier's loop did not answer in time."""
-        opened = self._embedded[-1:]  # (a copy: the list grows on the thread that opens a tier)
-        return opened[0].status(timeout) if opened else None
+        opened = self._last_embedded  # (read once: set on the thread that opens a tier)
+        return opened.status(timeout) if opened is not None else None
 
     def identity(self, model_key: Any) -> fmt.Identity:
         p, args = self.provider, self.provider.cli_args

@@ -106,9 +106,8 @@ class Store:
         admit_after: int = 0,
         io_timeout: float | None = DEFAULT_IO_TIMEOUT_S,
     ) -> None:
-        self.block_tokens = check_block_tokens(
-            block_tokens
-        )  # B of the blocks new spills are cut into (0: whole files, format v1 style)
+        # B of the blocks new spills are cut into (0: whole files, format v1 style)
+        self.block_tokens = check_block_tokens(block_tokens)
         self.write_budget = write_budget  # bytes a day; once written, droppable spills are shed (None: no budget)
         self.wear = Wear()
         self.io_timeout = io_timeout  # seconds a write step, a restore's read or an unlink may take (None: forever)
